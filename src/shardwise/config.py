@@ -1,0 +1,291 @@
+"""One typed, validated config: TOML file, then `--set section.key=value` overrides, then flags.
+
+Every bad value raises `ConfigError` with one line naming the key, the value and what is
+allowed, and all of it happens before any worker starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+STRATEGIES = ("single", "ddp", "ddp-native")
+PRECISIONS = ("fp32",)
+MODELS = ("gpt", "cnn", "mlp")
+GPT_PRESETS = ("tiny", "small", "gpt2-124m")
+TEXT_DATASETS = ("shakespeare", "stdlib", "synthetic-tokens")
+IMAGE_DATASETS = ("digits", "synthetic-images")
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+class ConfigError(ValueError):
+    """A config value is wrong; the message is one line naming key, value and what is allowed."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "gpt"
+    # GPT: a preset fills every size below that is left unset.
+    preset: str = "tiny"
+    n_layer: int | None = None
+    n_head: int | None = None
+    d_model: int | None = None
+    seq_len: int | None = None
+    vocab_size: int | None = None
+    bias: bool = False
+    # CNN / MLP
+    width: int = 32
+    num_classes: int = 10
+
+
+@dataclass
+class DataConfig:
+    name: str = "shakespeare"
+    val_fraction: float = 0.05
+    synthetic_size: int = 1 << 20
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 100
+    global_batch: int = 16
+    micro_batch: int = 8
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    eval_every: int = 50
+    eval_batches: int = 2
+    seed: int = 0
+
+
+@dataclass
+class ParallelConfig:
+    strategy: str = "single"
+    precision: str = "fp32"
+    bucket_mb: float = 25.0
+    find_unused_parameters: bool = False
+    sync_batchnorm: bool = False
+
+
+@dataclass
+class LaunchConfig:
+    nproc: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: str = "127.0.0.1:29500"
+    backend: str = "auto"
+    timeout_s: float = 300.0
+    threads_per_rank: int = 1
+
+
+@dataclass
+class RunConfig:
+    out: str = "runs/latest"
+    log_every: int = 10
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    @property
+    def world_size(self) -> int:
+        return self.launch.nproc * self.launch.nnodes
+
+    def grad_accum(self, world_size: int | None = None) -> int:
+        """Micro-steps per optimizer step on each rank; validate() guarantees it divides."""
+        world = world_size or self.world_size
+        return self.train.global_batch // (world * self.train.micro_batch)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {
+            section: {k: v for k, v in dataclasses.asdict(getattr(self, section)).items() if v is not None}
+            for section in SECTIONS
+        }
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(tomli_w.dumps(self.to_dict()))
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "parallel": ParallelConfig,
+    "launch": LaunchConfig,
+    "run": RunConfig,
+}
+
+GPT_PRESET_SIZES: dict[str, dict[str, int]] = {
+    "tiny": dict(n_layer=2, n_head=2, d_model=64, seq_len=64, vocab_size=256),
+    "small": dict(n_layer=6, n_head=6, d_model=384, seq_len=256, vocab_size=256),
+    "gpt2-124m": dict(n_layer=12, n_head=12, d_model=768, seq_len=1024, vocab_size=50304),
+}
+
+
+def _allowed_types(annotation: Any) -> tuple[type, ...]:
+    hints = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    return tuple(h for h in hints if h is not type(None))
+
+
+def _coerce(key: str, value: Any, annotation: Any) -> Any:
+    if value is None:
+        return None
+    allowed = _allowed_types(annotation)
+    kind = type(value)
+    if kind in allowed:
+        return value
+    if float in allowed and kind is int:
+        return float(value)
+    names = " or ".join(t.__name__ for t in allowed)
+    raise ConfigError(f"{key} = {value!r}: expected {names}, got {kind.__name__}")
+
+
+def _apply(cfg: Config, section: str, values: dict[str, Any], origin: str) -> None:
+    if section not in SECTIONS:
+        raise ConfigError(f"[{section}] in {origin}: unknown section; allowed: {', '.join(SECTIONS)}")
+    if not isinstance(values, dict):
+        raise ConfigError(f"{section} in {origin}: expected a [{section}] table, got {values!r}")
+    target = getattr(cfg, section)
+    fields = {f.name: f for f in dataclasses.fields(target)}
+    hints = typing.get_type_hints(type(target))
+    for key, value in values.items():
+        if key not in fields:
+            raise ConfigError(
+                f"{section}.{key} in {origin}: unknown key; allowed in [{section}]: {', '.join(fields)}"
+            )
+        setattr(target, key, _coerce(f"{section}.{key}", value, hints[key]))
+
+
+def parse_override(text: str) -> tuple[str, str, Any]:
+    """`section.key=value`, the value read as a TOML literal (bare words are strings)."""
+    if "=" not in text or "." not in text.split("=", 1)[0]:
+        raise ConfigError(f"--set {text!r}: expected section.key=value, e.g. --set train.lr=3e-4")
+    dotted, raw = text.split("=", 1)
+    section, key = dotted.strip().split(".", 1)
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return section, key, value
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: list[str] = (),
+    flags: dict[str, Any] | None = None,
+) -> Config:
+    """Build a config from a TOML file, `--set` overrides and flags (dotted keys), in that order,
+    then validate it. Raises ConfigError on the first bad value."""
+    cfg = Config()
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r}: not found")
+        try:
+            data = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {str(path)!r}: not valid TOML ({exc})") from None
+        for section, values in data.items():
+            _apply(cfg, section, values, str(path))
+    for text in overrides:
+        section, key, value = parse_override(text)
+        _apply(cfg, section, {key: value}, "--set")
+    for dotted, value in (flags or {}).items():
+        if value is not None:
+            section, key = dotted.split(".", 1)
+            _apply(cfg, section, {key: value}, f"--{key.replace('_', '-')}")
+    resolve_presets(cfg)
+    validate(cfg)
+    return cfg
+
+
+def resolve_presets(cfg: Config) -> None:
+    m = cfg.model
+    if m.name == "gpt":
+        if m.preset not in GPT_PRESET_SIZES:
+            raise ConfigError(f"model.preset = {m.preset!r}: unknown; allowed: {', '.join(GPT_PRESETS)}")
+        for key, value in GPT_PRESET_SIZES[m.preset].items():
+            if getattr(m, key) is None:
+                setattr(m, key, value)
+
+
+def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key} = {value!r}: unknown; allowed: {', '.join(allowed)}")
+
+
+def _positive(key: str, value: float, zero_ok: bool = False) -> None:
+    if value < 0 or (value == 0 and not zero_ok):
+        bound = ">= 0" if zero_ok else "> 0"
+        raise ConfigError(f"{key} = {value!r}: must be {bound}")
+
+
+def validate(cfg: Config, world_size: int | None = None) -> None:
+    """Check every value and every relation between values; `world_size` defaults to the launch's."""
+    m, d, t, p, launch = cfg.model, cfg.data, cfg.train, cfg.parallel, cfg.launch
+    _choice("model.name", m.name, MODELS)
+    _choice("parallel.strategy", p.strategy, STRATEGIES)
+    _choice("parallel.precision", p.precision, PRECISIONS)
+    _choice("launch.backend", launch.backend, BACKENDS)
+    datasets = TEXT_DATASETS if m.name == "gpt" else IMAGE_DATASETS
+    if d.name not in datasets:
+        raise ConfigError(
+            f"data.name = {d.name!r}: not usable with model.name = {m.name!r}; allowed: {', '.join(datasets)}"
+        )
+    if m.name == "gpt":
+        for key in ("n_layer", "n_head", "d_model", "seq_len", "vocab_size"):
+            _positive(f"model.{key}", getattr(m, key))
+        if m.d_model % m.n_head:
+            raise ConfigError(f"model.d_model = {m.d_model}: must be divisible by model.n_head = {m.n_head}")
+        if m.vocab_size < 256:
+            raise ConfigError(f"model.vocab_size = {m.vocab_size}: must be >= 256 for byte-level data")
+    _positive("model.width", m.width)
+    _positive("model.num_classes", m.num_classes)
+    if not 0 < d.val_fraction < 1:
+        raise ConfigError(f"data.val_fraction = {d.val_fraction!r}: must be between 0 and 1 (exclusive)")
+    _positive("data.synthetic_size", d.synthetic_size)
+    for key in ("steps", "global_batch", "micro_batch", "lr", "eval_batches"):
+        _positive(f"train.{key}", getattr(t, key))
+    for key in ("min_lr", "warmup_steps", "weight_decay", "grad_clip", "eval_every", "seed"):
+        _positive(f"train.{key}", getattr(t, key), zero_ok=True)
+    for key in ("beta1", "beta2"):
+        if not 0 <= getattr(t, key) < 1:
+            raise ConfigError(f"train.{key} = {getattr(t, key)!r}: must be in [0, 1)")
+    if t.min_lr > t.lr:
+        raise ConfigError(f"train.min_lr = {t.min_lr!r}: must be <= train.lr = {t.lr!r}")
+    _positive("parallel.bucket_mb", p.bucket_mb)
+    for key in ("nproc", "nnodes", "threads_per_rank", "timeout_s"):
+        _positive(f"launch.{key}", getattr(launch, key))
+    if not 0 <= launch.node_rank < launch.nnodes:
+        raise ConfigError(f"launch.node_rank = {launch.node_rank}: must be in [0, launch.nnodes = {launch.nnodes})")
+    _positive("run.log_every", cfg.run.log_every)
+    world = world_size or cfg.world_size
+    if p.strategy == "single" and world != 1:
+        raise ConfigError(
+            f"parallel.strategy = 'single': runs on one process, but the world size is {world}; "
+            "use --nproc 1 or a multi-rank strategy such as ddp"
+        )
+    per_step = world * t.micro_batch
+    if t.global_batch % per_step:
+        raise ConfigError(
+            f"train.global_batch = {t.global_batch}: must be divisible by world size {world} x "
+            f"train.micro_batch {t.micro_batch} = {per_step} (the rest is gradient accumulation)"
+        )

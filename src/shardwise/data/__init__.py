@@ -1,0 +1,36 @@
+"""Datasets and the global-batch sampler. A dataset has `len()` and `batch(indices) -> (inputs, targets)`."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from shardwise.config import Config
+from shardwise.data.corpus import TokenWindows, load_corpus, split_tokens, synthetic_tokens
+from shardwise.data.images import load_digits_split, synthetic_images
+from shardwise.data.sampler import GlobalBatchSampler
+
+__all__ = ["Dataset", "GlobalBatchSampler", "make_datasets"]
+
+
+class Dataset(Protocol):
+    def __len__(self) -> int: ...
+    def batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def make_datasets(cfg: Config) -> tuple[Dataset, Dataset]:
+    """(train, validation) for the config's data and model."""
+    d = cfg.data
+    if d.name == "digits":
+        return load_digits_split(d.val_fraction)
+    if d.name == "synthetic-images":
+        train = synthetic_images(d.synthetic_size, cfg.train.seed, cfg.model.num_classes)
+        return train, synthetic_images(max(64, int(d.synthetic_size * d.val_fraction)), cfg.train.seed + 1,
+                                       cfg.model.num_classes)
+    if d.name == "synthetic-tokens":
+        tokens = synthetic_tokens(d.synthetic_size, cfg.train.seed, cfg.model.vocab_size)
+    else:
+        tokens = load_corpus(d.name)
+    train, val = split_tokens(tokens, d.val_fraction)
+    return TokenWindows(train, cfg.model.seq_len), TokenWindows(val, cfg.model.seq_len)

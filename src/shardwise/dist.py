@@ -1,0 +1,92 @@
+"""The process group, this rank's device, CPU threads and seeding, held in one explicit context."""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class DistContext:
+    """Where this process stands: its rank, the world, its device. Passed explicitly, never global."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    def all_reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
+        """Mean over ranks of a small tensor (losses, norms); a no-op on one process."""
+        if not self.distributed or self.world_size == 1:
+            return value
+        value = value.clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        return value / self.world_size
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+
+def choose_backend(requested: str) -> str:
+    if requested != "auto":
+        return requested
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_distributed(backend: str = "auto", timeout_s: float = 300.0, threads_per_rank: int = 1) -> DistContext:
+    """Join the process group torchrun describes in the environment (RANK, WORLD_SIZE, ...).
+
+    Without those variables (a plain `python` run) this is a world of one and no group is made.
+    """
+    # Ranks sharing a CPU must not each start one thread per core, or they fight for cores.
+    torch.set_num_threads(threads_per_rank)
+    backend = choose_backend(backend)
+    rank = int(os.environ.get("RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            raise RuntimeError("launch.backend = 'nccl' needs CUDA, and none is available; use 'gloo' or 'auto'")
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if "MASTER_ADDR" in os.environ and not dist.is_initialized():
+        dist.init_process_group(
+            backend=backend,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+            device_id=device if backend == "nccl" else None,
+        )
+    return DistContext(rank, world_size, local_rank, device, backend)
+
+
+def shutdown_distributed() -> None:
+    """Tear the group down explicitly: Gloo can abort or hang if it is left to interpreter exit."""
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def seed_everything(seed: int) -> None:
+    """Same seed on every rank, so every rank builds the same initial model."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)

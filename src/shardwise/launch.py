@@ -1,0 +1,61 @@
+"""Start workers through PyTorch's own launcher (torch.distributed.run), never a transport of our own.
+
+One node: a rendezvous on a free loopback port. Several nodes: c10d rendezvous at
+launch.rdzv_endpoint, with --nnodes and --node-rank passed through.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+from shardwise.config import Config
+
+
+class WorkerFailed(RuntimeError):
+    """A worker exited with an error; the message names the rank and carries its error."""
+
+
+def torchrun_args(cfg: Config, config_path: Path) -> list[str]:
+    launch = cfg.launch
+    args = [f"--nproc-per-node={launch.nproc}", "--max-restarts=0", "--rdzv-backend=c10d"]
+    if launch.nnodes == 1:
+        args += ["--nnodes=1", "--rdzv-endpoint=127.0.0.1:0", "--local-addr=127.0.0.1", f"--rdzv-id={uuid.uuid4()}"]
+    else:
+        args += [
+            f"--nnodes={launch.nnodes}",
+            f"--node-rank={launch.node_rank}",
+            f"--rdzv-endpoint={launch.rdzv_endpoint}",
+            "--rdzv-id=shardwise",
+        ]
+    return args + ["-m", "shardwise.worker", str(config_path)]
+
+
+def _failure_message(error: ChildFailedError) -> str:
+    rank, failure = error.get_first_failure()
+    message = failure.message
+    if isinstance(message, dict):  # written by @record: the exception and its traceback
+        info = message.get("extraInfo", {})
+        text = f"{message.get('message', '')}\n{info.get('py_callstack', '')}".strip()
+    else:
+        text = str(message) or f"exit code {failure.exitcode}"
+    return f"worker rank {rank} failed (exit code {failure.exitcode}):\n{text}"
+
+
+def launch_workers(cfg: Config, config_path: Path) -> None:
+    """Run `python -m shardwise.worker config_path` on launch.nproc local ranks; raise WorkerFailed
+    with the first failing rank's error if any rank fails."""
+    from torch.distributed.run import parse_args, run
+
+    # torchrun would set this itself, with a warning; the config says how many threads a rank gets.
+    os.environ["OMP_NUM_THREADS"] = str(cfg.launch.threads_per_rank)
+    try:
+        run(parse_args(torchrun_args(cfg, config_path)))
+    except ChildFailedError as error:
+        raise WorkerFailed(_failure_message(error)) from None
+    finally:
+        sys.stdout.flush()

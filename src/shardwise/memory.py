@@ -1,0 +1,91 @@
+"""Bytes this rank holds, by category, counted from the tensors themselves.
+
+Tensors are counted by their underlying storage, once each: a tied weight, gradient views into a
+communication bucket, or q/k/v views of one matmul output are each one allocation.
+"""
+
+from __future__ import annotations
+
+import resource
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass
+class MemoryBreakdown:
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    peak: int
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct storages behind `tensors`."""
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
+def peak_bytes(device: torch.device) -> int:
+    """CUDA: the allocator's peak allocated bytes. CPU: the process's peak resident set, which
+    includes the Python and torch runtime (there is no CPU allocator counter to read)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class ActivationCounter:
+    """Counts the bytes autograd saves for backward during a forward pass: the activation memory
+    that lives from forward until backward. Parameters saved by their ops are not counted."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self._saved: dict[int, int] = {}
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in self._param_storages:
+            self._saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    @property
+    def bytes(self) -> int:
+        return sum(self._saved.values())
+
+    def __enter__(self) -> ActivationCounter:
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._hooks.__exit__(*exc)
+
+
+def count_memory(
+    params: Iterable[torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    activations: int,
+    device: torch.device,
+) -> MemoryBreakdown:
+    """The breakdown for the parameters this rank holds (shards, where a strategy shards them)."""
+    params = list(params)
+    return MemoryBreakdown(
+        params=storage_bytes(params),
+        grads=storage_bytes(p.grad for p in params if p.grad is not None),
+        optimizer=storage_bytes(optimizer_state_tensors(optimizer)),
+        activations=activations,
+        peak=peak_bytes(device),
+    )

@@ -1,0 +1,100 @@
+"""What a run reports: one JSON object per step in OUT/metrics.jsonl, progress on rank 0, MFU."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+from tqdm import tqdm
+
+# Dense bf16 tensor-core peaks from the vendors' datasheets, in FLOP/s.
+DEVICE_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12}
+
+
+def device_peak_flops(device: torch.device) -> float | None:
+    """The device's bf16 dense peak, or None where it is unknown (every CPU)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in DEVICE_PEAK_FLOPS.items() if key in name), None)
+
+
+def mfu(flops_per_sample: int | None, samples_per_s: float, world_size: int, peak: float | None) -> float | None:
+    """Model FLOPs utilisation: achieved model FLOP/s over the peak of all devices in the world."""
+    if flops_per_sample is None or peak is None:
+        return None
+    return flops_per_sample * samples_per_s / (peak * world_size)
+
+
+class MetricsWriter:
+    """Appends JSON records to OUT/metrics.jsonl; only the main rank writes."""
+
+    def __init__(self, path: Path, enabled: bool) -> None:
+        self._file: TextIO | None = None
+        if enabled:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(path, "w")
+
+    def write(self, record: dict[str, Any]) -> None:
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
+class Progress:
+    """A progress bar on an interactive terminal; elsewhere (CI, logs) a plain line every few steps."""
+
+    def __init__(self, total: int, enabled: bool, log_every: int) -> None:
+        self.enabled = enabled
+        self.log_every = log_every
+        self.total = total
+        self.started = time.perf_counter()
+        interactive = enabled and sys.stderr.isatty()
+        self._bar = tqdm(total=total, dynamic_ncols=True, unit="step") if interactive else None
+
+    def update(self, step: int, loss: float, tokens_per_s: float | None, samples_per_s: float) -> None:
+        if not self.enabled:
+            return
+        rate = f"{tokens_per_s:,.0f} tok/s" if tokens_per_s is not None else f"{samples_per_s:,.0f} samples/s"
+        if self._bar is not None:
+            self._bar.set_postfix_str(f"loss {loss:.4f}  {rate}", refresh=False)
+            self._bar.update(1)
+            return
+        done = step + 1
+        if done % self.log_every == 0 or done == self.total:
+            elapsed = time.perf_counter() - self.started
+            eta = elapsed / done * (self.total - done)
+            print(f"step {done}/{self.total}  loss {loss:.4f}  {rate}  eta {eta:.0f}s", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The end-of-run table rank 0 prints."""
+    rate = summary["tokens_per_s"]
+    rows = [
+        ("strategy", f"{summary['strategy']} on {summary['world_size']} process(es)"),
+        ("steps", str(summary["steps"])),
+        ("final train loss", f"{summary['final_loss']:.4f}"),
+        ("validation loss", f"{summary['val_loss']:.4f}"),
+        ("median step time", f"{summary['median_step_time_s'] * 1000:.1f} ms"),
+        ("throughput", f"{rate:,.0f} tokens/s" if rate is not None else f"{summary['samples_per_s']:,.0f} samples/s"),
+        ("MFU", f"{summary['mfu']:.1%}" if summary["mfu"] is not None else "n/a (device peak unknown)"),
+    ]
+    rows += [(f"memory: {k}", _gib(v)) for k, v in summary["memory"].items()]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)

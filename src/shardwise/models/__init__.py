@@ -1,0 +1,28 @@
+"""Built-in models. None of them knows anything about parallelism."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from shardwise.config import ModelConfig
+from shardwise.models.cnn import CNN
+from shardwise.models.gpt import GPT, GPTConfig
+from shardwise.models.mlp import MLP
+
+__all__ = ["CNN", "GPT", "GPTConfig", "MLP", "build_model", "flops_per_sample"]
+
+
+def build_model(cfg: ModelConfig, image_pixels: int = 64) -> nn.Module:
+    """The model a config names, on the CPU, initialised from the current torch seed."""
+    if cfg.name == "gpt":
+        return GPT(GPTConfig(cfg.n_layer, cfg.n_head, cfg.d_model, cfg.seq_len, cfg.vocab_size, cfg.bias))
+    if cfg.name == "cnn":
+        return CNN(cfg.width, cfg.num_classes)
+    return MLP(image_pixels, cfg.width, cfg.num_classes)
+
+
+def flops_per_sample(model: nn.Module) -> int | None:
+    """Training FLOPs for one sample (a sequence for the GPT), or None where no estimate exists."""
+    if isinstance(model, GPT):
+        return model.flops_per_token() * model.cfg.seq_len
+    return None

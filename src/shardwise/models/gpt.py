@@ -1,0 +1,120 @@
+"""A decoder-only transformer (GPT-2 shape): token + position embeddings, pre-LayerNorm blocks of
+causal self-attention and a GELU MLP, a weight-tied head. No parallelism code lives here."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class GPTConfig:
+    n_layer: int
+    n_head: int
+    d_model: int
+    seq_len: int
+    vocab_size: int
+    # Off by default: a bias whose exact gradient is zero (attention's key bias) makes parameter
+    # comparisons between summation orders meaningless under Adam (see FACTS-torch-cpu.md).
+    bias: bool = False
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, width = x.shape
+        q, k, v = self.qkv(x).split(width, dim=2)
+        q, k, v = (t.view(batch, seq, self.n_head, width // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.up = nn.Linear(cfg.d_model, 4 * cfg.d_model, bias=cfg.bias)
+        self.down = nn.Linear(4 * cfg.d_model, cfg.d_model, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+class Block(nn.Module):
+    """One transformer block; the unit that sharding, pipelining and recomputation work on."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.d_model)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.d_model)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.head.weight = self.tok_emb.weight
+        self.apply(self._init_weights)
+        # GPT-2: residual projections scaled down by depth so the residual stream's variance stays put.
+        for name, param in self.named_parameters():
+            if name.endswith(("proj.weight", "down.weight")):
+                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids [batch, seq] -> logits [batch, seq, vocab]."""
+        positions = torch.arange(idx.shape[1], device=idx.device)
+        x = self.tok_emb(idx) + self.pos_emb(positions)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        """Parameters counted once (the tied head is the token embedding); position embeddings
+        excluded by default, as they do no matmul work."""
+        total = sum(p.numel() for p in self.parameters())
+        return total - self.pos_emb.weight.numel() if non_embedding else total
+
+    def flops_per_token(self) -> int:
+        """Training FLOPs per token: 6 per parameter (forward 2, backward 4) plus attention's
+        score and value matmuls, 12 * layers * width * sequence (PaLM appendix B)."""
+        c = self.cfg
+        return 6 * self.num_params() + 12 * c.n_layer * c.d_model * c.seq_len
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, new_tokens: int, temperature: float = 0.8, top_k: int = 40,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+        for _ in range(new_tokens):
+            logits = self(idx[:, -self.cfg.seq_len:])[:, -1, :] / temperature
+            kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, [-1]]
+            logits[logits < kth] = -float("inf")
+            probs = F.softmax(logits, dim=-1)
+            idx = torch.cat([idx, torch.multinomial(probs, 1, generator=generator)], dim=1)
+        return idx

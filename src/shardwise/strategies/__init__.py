@@ -1,0 +1,15 @@
+"""Strategies by name. Each lives in one module you can read top to bottom."""
+
+from __future__ import annotations
+
+from shardwise.config import ParallelConfig
+from shardwise.dist import DistContext
+from shardwise.strategies.base import OptimizerFactory, Strategy
+from shardwise.strategies.single import Single
+
+__all__ = ["OptimizerFactory", "Strategy", "make_strategy"]
+
+
+def make_strategy(cfg: ParallelConfig, ctx: DistContext) -> Strategy:
+    strategies: dict[str, type[Strategy]] = {"single": Single}
+    return strategies[cfg.strategy](ctx, cfg)

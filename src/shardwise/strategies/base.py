@@ -1,0 +1,58 @@
+"""The Strategy interface: the only thing the trainer knows about how training is spread out."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+from torch import nn
+
+from shardwise.config import ParallelConfig
+from shardwise.dist import DistContext
+from shardwise.memory import MemoryBreakdown, count_memory
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+class Strategy:
+    """Wraps a model (replicate, shard or split it), builds its optimizer, and owns backward,
+    gradient synchronisation and clipping. Subclasses override what they do differently."""
+
+    name = "base"
+
+    def __init__(self, ctx: DistContext, cfg: ParallelConfig) -> None:
+        self.ctx = ctx
+        self.cfg = cfg
+        self.module: nn.Module | None = None  # the model as the user built it
+        self.optim: torch.optim.Optimizer | None = None
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """Return the module the trainer calls forward on."""
+        raise NotImplementedError
+
+    def optimizer(self, make: OptimizerFactory) -> torch.optim.Optimizer:
+        self.optim = make(self.local_parameters())
+        return self.optim
+
+    def local_parameters(self) -> list[nn.Parameter]:
+        """The parameters (or shards) this rank holds and its optimizer steps on."""
+        return list(self.module.parameters())
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
+    def no_sync(self) -> AbstractContextManager:
+        """Inside it, backward only accumulates local gradients (gradient accumulation)."""
+        return nullcontext()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale gradients so their global L2 norm is at most max_norm; return the norm before."""
+        return torch.nn.utils.clip_grad_norm_(self.local_parameters(), max_norm)
+
+    def memory(self, activations: int) -> MemoryBreakdown:
+        return count_memory(self.local_parameters(), self.optim, activations, self.ctx.device)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The plain model's complete state dict, on CPU (gathered if sharded); valid on rank 0."""
+        return {k: v.detach().cpu() for k, v in self.module.state_dict().items()}

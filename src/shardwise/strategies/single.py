@@ -1,0 +1,15 @@
+"""One device, one process: the oracle every other strategy must match."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from shardwise.strategies.base import Strategy
+
+
+class Single(Strategy):
+    name = "single"
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        self.module = model.to(self.ctx.device)
+        return self.module

@@ -1,0 +1,187 @@
+"""The training loop: data -> forward -> backward -> step, with accumulation, clipping, evaluation,
+logging. It knows nothing about any particular strategy; it speaks only to the Strategy interface."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from shardwise.config import Config, TrainConfig
+from shardwise.data import Dataset, GlobalBatchSampler, make_datasets
+from shardwise.dist import DistContext, seed_everything
+from shardwise.memory import ActivationCounter
+from shardwise.metrics import MetricsWriter, Progress, device_peak_flops, mfu
+from shardwise.models import build_model, flops_per_sample
+from shardwise.strategies import OptimizerFactory, Strategy, make_strategy
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over every target (tokens or images), computed in fp32."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+
+
+def adamw_factory(cfg: TrainConfig) -> OptimizerFactory:
+    """AdamW that decays matrices and embeddings but not biases or norm scales (dim < 2)."""
+
+    def make(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        params = [p for p in params if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
+
+    return make
+
+
+def learning_rate(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup to lr, then cosine decay to min_lr at the last step."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+class Trainer:
+    def __init__(self, cfg: Config, ctx: DistContext) -> None:
+        self.cfg = cfg
+        self.ctx = ctx
+        self.out = Path(cfg.run.out)
+        seed_everything(cfg.train.seed)
+        self.train_set, self.val_set = make_datasets(cfg)
+        model = build_model(cfg.model)
+        self.flops_per_sample = flops_per_sample(model)
+        self.seq_len = cfg.model.seq_len if cfg.model.name == "gpt" else None
+        self.strategy: Strategy = make_strategy(cfg.parallel, ctx)
+        self.model = self.strategy.wrap(model)
+        self.optimizer = self.strategy.optimizer(adamw_factory(cfg.train))
+        self.sampler = GlobalBatchSampler(len(self.train_set), cfg.train.global_batch, cfg.train.seed)
+        self.accum = cfg.grad_accum(ctx.world_size)
+        self.activation_bytes = 0
+        self.peak_flops = device_peak_flops(ctx.device)
+
+    def _micro_batches(self, dataset: Dataset, indices: list[torch.Tensor]) -> Iterable[tuple[torch.Tensor, ...]]:
+        for idx in indices:
+            inputs, targets = dataset.batch(idx)
+            yield inputs.to(self.ctx.device, non_blocking=True), targets.to(self.ctx.device, non_blocking=True)
+
+    def train_step(self, step: int) -> torch.Tensor:
+        """One optimizer step over this rank's share of global batch `step`; returns the mean loss
+        over the whole global batch (every rank gets the same value)."""
+        lr = learning_rate(step, self.cfg.train)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        indices = self.sampler.micro_batches(step, self.ctx.rank, self.ctx.world_size, self.cfg.train.micro_batch)
+        loss_sum = torch.zeros((), device=self.ctx.device)
+        for i, (inputs, targets) in enumerate(self._micro_batches(self.train_set, indices)):
+            last = i == self.accum - 1
+            # Count what the forward saves for backward once: shapes are fixed, so it never changes.
+            counter = ActivationCounter(self.model) if step == 0 and i == 0 else nullcontext()
+            with nullcontext() if last else self.strategy.no_sync():
+                with counter:
+                    loss = loss_fn(self.model(inputs), targets)
+                self.strategy.backward(loss / self.accum)
+            if isinstance(counter, ActivationCounter):
+                self.activation_bytes = counter.bytes
+            loss_sum += loss.detach()
+        if self.cfg.train.grad_clip > 0:
+            self.strategy.clip_grad_norm_(self.cfg.train.grad_clip)
+        self.optimizer.step()
+        return self.ctx.all_reduce_mean(loss_sum / self.accum)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over the same fixed validation batches every time, whatever the world size."""
+        self.model.eval()
+        sampler = GlobalBatchSampler(len(self.val_set), self.cfg.train.global_batch, seed=0)
+        loss_sum = torch.zeros((), device=self.ctx.device)
+        count = 0
+        for batch in range(self.cfg.train.eval_batches):
+            indices = sampler.micro_batches(batch, self.ctx.rank, self.ctx.world_size, self.cfg.train.micro_batch)
+            for inputs, targets in self._micro_batches(self.val_set, indices):
+                loss_sum += loss_fn(self.model(inputs), targets)
+                count += 1
+        self.model.train()
+        return self.ctx.all_reduce_mean(loss_sum / count).item()
+
+    def step_record(self, step: int, loss: float, seconds: float) -> dict[str, Any]:
+        samples_per_s = self.cfg.train.global_batch / seconds
+        memory = self.strategy.memory(self.activation_bytes)
+        return {
+            "event": "step",
+            "step": step + 1,
+            "loss": loss,
+            "lr": self.optimizer.param_groups[0]["lr"],
+            "step_time_s": seconds,
+            "samples_per_s": samples_per_s,
+            "tokens_per_s": samples_per_s * self.seq_len if self.seq_len else None,
+            "mfu": mfu(self.flops_per_sample, samples_per_s, self.ctx.world_size, self.peak_flops),
+            "memory": memory.as_dict(),
+        }
+
+    def fit(self) -> dict[str, Any]:
+        """Train for train.steps steps; write metrics and the final weights; return the summary."""
+        t = self.cfg.train
+        writer = MetricsWriter(self.out / "metrics.jsonl", self.ctx.is_main)
+        progress = Progress(t.steps, self.ctx.is_main, self.cfg.run.log_every)
+        records: list[dict[str, Any]] = []
+        val_loss = None
+        try:
+            for step in range(t.steps):
+                started = time.perf_counter()
+                loss = self.train_step(step).item()  # .item() waits for the step to finish
+                record = self.step_record(step, loss, time.perf_counter() - started)
+                self.optimizer.zero_grad(set_to_none=True)
+                writer.write(record)
+                records.append(record)
+                progress.update(step, loss, record["tokens_per_s"], record["samples_per_s"])
+                if t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 < t.steps:
+                    val_loss = self.evaluate()
+                    writer.write({"event": "eval", "step": step + 1, "val_loss": val_loss})
+            val_loss = self.evaluate()
+            summary = self._summary(records, val_loss)
+            writer.write(summary)
+        finally:
+            progress.close()
+            writer.close()
+        self._save_weights()
+        return summary
+
+    def _summary(self, records: list[dict[str, Any]], val_loss: float) -> dict[str, Any]:
+        # The first steps include warm-up (allocation, thread pools); the median ignores them.
+        times = sorted(r["step_time_s"] for r in records[1:] or records)
+        median = times[len(times) // 2]
+        samples_per_s = self.cfg.train.global_batch / median
+        return {
+            "event": "summary",
+            "strategy": self.cfg.parallel.strategy,
+            "world_size": self.ctx.world_size,
+            "steps": len(records),
+            "final_loss": records[-1]["loss"],
+            "val_loss": val_loss,
+            "median_step_time_s": median,
+            "samples_per_s": samples_per_s,
+            "tokens_per_s": samples_per_s * self.seq_len if self.seq_len else None,
+            "mfu": mfu(self.flops_per_sample, samples_per_s, self.ctx.world_size, self.peak_flops),
+            "memory": records[-1]["memory"],
+        }
+
+    def _save_weights(self) -> None:
+        """The plain model's weights as OUT/model.safetensors, readable without shardwise."""
+        from safetensors.torch import save_model
+
+        state = self.strategy.full_state_dict()
+        if self.ctx.is_main:
+            plain = build_model(self.cfg.model)
+            plain.load_state_dict(state)
+            # save_model, unlike save_file, stores a tied weight once and restores the tie on load.
+            save_model(plain, str(self.out / "model.safetensors"))

@@ -1,0 +1,44 @@
+"""The worker entry point, one per rank, under torchrun:
+
+    torchrun --nproc-per-node N -m shardwise.worker CONFIG [--set section.key=value ...]
+
+`shardwise train` starts exactly this through torch.distributed.run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from shardwise.config import load_config, validate
+from shardwise.dist import init_distributed, shutdown_distributed
+from shardwise.metrics import format_summary
+from shardwise.trainer import Trainer
+
+
+@record
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m shardwise.worker", description=__doc__)
+    parser.add_argument("config", help="TOML config file")
+    parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
+    args = parser.parse_args(argv)
+    cfg = load_config(args.config, args.set)
+    launch = cfg.launch
+    ctx = init_distributed(launch.backend, launch.timeout_s, launch.threads_per_rank)
+    # The world torchrun actually made is what counts, whatever the file's launch.nproc says.
+    cfg.launch.nproc = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.launch.nproc))
+    validate(cfg, world_size=ctx.world_size)
+    if ctx.is_main:
+        cfg.save(Path(cfg.run.out) / "config.toml")
+    summary = Trainer(cfg, ctx).fit()
+    if ctx.is_main:
+        print(format_summary(summary), flush=True)
+    # Reached only on success: after a failure another rank may be gone, and a barrier would hang.
+    shutdown_distributed()
+
+
+if __name__ == "__main__":
+    main()

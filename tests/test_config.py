@@ -1,0 +1,114 @@
+"""Every kind of bad value fails before any worker starts, with one line naming the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from shardwise.cli import main
+from shardwise.config import ConfigError, load_config
+
+
+def error_for(tmp_path: Path, toml: str = "", overrides: tuple[str, ...] = (), flags: dict | None = None) -> str:
+    path = tmp_path / "c.toml"
+    path.write_text(toml)
+    with pytest.raises(ConfigError) as info:
+        load_config(path, list(overrides), flags)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_defaults_are_valid_and_fill_the_gpt_preset():
+    cfg = load_config()
+    assert cfg.model.n_layer == 2 and cfg.model.d_model == 64 and cfg.model.vocab_size == 256
+    assert cfg.grad_accum() == 2  # 16 / (1 x 8)
+
+
+def test_file_then_set_then_flags_in_that_order(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[train]\nlr = 0.5\nsteps = 7\n")
+    cfg = load_config(path, ["train.lr=0.25", "train.steps=9"], {"train.steps": 11})
+    assert cfg.train.lr == 0.25 and cfg.train.steps == 11
+
+
+def test_unknown_key_is_named_with_the_allowed_keys(tmp_path):
+    message = error_for(tmp_path, "[train]\nlearning_rate = 1.0\n")
+    assert "train.learning_rate" in message and "allowed in [train]" in message and "lr" in message
+
+
+def test_unknown_section_is_named(tmp_path):
+    assert "[optimiser]" in error_for(tmp_path, "[optimiser]\nlr = 1.0\n")
+
+
+def test_wrong_type_names_key_value_and_expected_type(tmp_path):
+    message = error_for(tmp_path, overrides=("train.steps=ten",))
+    assert "train.steps = 'ten'" in message and "expected int" in message
+
+
+def test_a_float_is_not_accepted_for_an_int(tmp_path):
+    assert "train.global_batch = 2.5" in error_for(tmp_path, "[train]\nglobal_batch = 2.5\n")
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("train.steps=0", "train.steps"),
+        ("train.global_batch=-8", "train.global_batch"),
+        ("train.micro_batch=0", "train.micro_batch"),
+        ("train.lr=-1e-3", "train.lr"),
+        ("model.n_layer=0", "model.n_layer"),
+        ("launch.nproc=0", "launch.nproc"),
+        ("parallel.bucket_mb=0", "parallel.bucket_mb"),
+        ("train.warmup_steps=-1", "train.warmup_steps"),
+    ],
+)
+def test_negative_or_zero_sizes_are_rejected(tmp_path, override, key):
+    message = error_for(tmp_path, overrides=(override,))
+    assert message.startswith(key) and "must be" in message
+
+
+def test_global_batch_must_divide_by_world_times_micro_batch(tmp_path):
+    message = error_for(
+        tmp_path, overrides=("train.global_batch=12", "train.micro_batch=4", "parallel.strategy=ddp"),
+        flags={"launch.nproc": 2},
+    )
+    assert "train.global_batch = 12" in message and "world size 2" in message and "micro_batch 4" in message
+
+
+def test_unknown_strategy_lists_the_allowed_ones(tmp_path):
+    message = error_for(tmp_path, overrides=("parallel.strategy=zero9",))
+    assert "parallel.strategy = 'zero9'" in message and "single" in message
+
+
+def test_single_strategy_on_two_processes_is_rejected(tmp_path):
+    assert "parallel.strategy = 'single'" in error_for(tmp_path, flags={"launch.nproc": 2})
+
+
+def test_data_must_suit_the_model(tmp_path):
+    assert "data.name = 'digits'" in error_for(tmp_path, overrides=("data.name=digits",))
+
+
+def test_width_must_divide_by_heads(tmp_path):
+    assert "model.d_model = 65" in error_for(tmp_path, overrides=("model.d_model=65",))
+
+
+def test_missing_config_file_is_named(tmp_path):
+    with pytest.raises(ConfigError, match="nope.toml.*not found"):
+        load_config(tmp_path / "nope.toml")
+
+
+def test_cli_reports_config_errors_before_any_worker_starts(tmp_path, tiny_config, capsys):
+    out = tmp_path / "run"
+    code = main(["train", str(tiny_config), "--out", str(out), "--set", "train.micro_batch=0"])
+    assert code == 2
+    assert "config error: train.micro_batch = 0" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_resolved_config_round_trips_through_toml(tmp_path):
+    cfg = load_config(None, ["train.lr=0.01", "model.preset=small"])
+    cfg.save(tmp_path / "config.toml")
+    again = load_config(tmp_path / "config.toml")
+    assert again == cfg and again.model.d_model == 384

@@ -1,0 +1,65 @@
+"""`shardwise train` end to end: real workers through torch.distributed.run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+from conftest import REPO, read_records
+from safetensors.torch import load_file
+
+from shardwise.config import load_config
+from shardwise.dist import init_distributed
+from shardwise.trainer import Trainer
+
+
+def shardwise(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "shardwise.cli", *args], cwd=REPO, capture_output=True, text=True,
+        env={**os.environ, **(env or {})}, timeout=300,
+    )
+
+
+def test_single_trains_30_steps_and_the_loss_falls(tmp_path, tiny_config):
+    out = tmp_path / "a"
+    result = shardwise("train", str(tiny_config), "--strategy", "single", "--steps", "30", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    steps = read_records(out)
+    assert [r["step"] for r in steps] == list(range(1, 31))
+    losses = [r["loss"] for r in steps]
+    assert sum(losses[-5:]) / 5 < sum(losses[:5]) / 5 - 1.0
+    for key in ("lr", "step_time_s", "tokens_per_s", "mfu"):
+        assert key in steps[0]
+    memory = steps[-1]["memory"]
+    assert memory["params"] > 0 and memory["grads"] == memory["params"]
+    # AdamW: two moments the size of the parameters, plus one 4-byte step counter per tensor
+    assert 0 < memory["optimizer"] - 2 * memory["params"] < 4 * 100
+    assert memory["activations"] > 0 and memory["peak"] > memory["params"]
+    (summary,) = read_records(out, "summary")
+    assert summary["steps"] == 30 and summary["val_loss"] < 5.0
+    assert "validation loss" in result.stdout
+    assert load_config(out / "config.toml").train.steps == 30
+    weights = load_file(str(out / "model.safetensors"))
+    assert "blocks.0.attn.qkv.weight" in weights
+
+    # The same config trained in this process (a world of one, one thread as in the worker)
+    # gives the same losses, step for step.
+    cfg = load_config(out / "config.toml", [f"run.out={tmp_path / 'b'}"])
+    threads = torch.get_num_threads()
+    try:
+        Trainer(cfg, init_distributed(threads_per_rank=1)).fit()
+    finally:
+        torch.set_num_threads(threads)
+    assert [r["loss"] for r in read_records(tmp_path / "b")] == losses
+
+
+def test_a_failing_worker_fails_the_command_with_its_error_shown(tmp_path, tiny_config):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    result = shardwise("train", str(tiny_config), "--steps", "2", "--out", str(tmp_path / "run"),
+                       env={"SHARDWISE_CACHE": str(blocker / "cache")})
+    assert result.returncode == 1
+    tail = result.stderr[result.stderr.index("shardwise train:"):]
+    assert "worker rank 0 failed" in tail and "NotADirectoryError" in tail
