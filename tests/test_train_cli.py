@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
+import pytest
 import torch
-from conftest import REPO, read_records
+from conftest import CONFIGS, REPO, read_records
 from safetensors.torch import load_file
 
 from shardwise.config import load_config
@@ -22,10 +24,24 @@ def shardwise(*args: str, env: dict | None = None) -> subprocess.CompletedProces
     )
 
 
-def test_single_trains_30_steps_and_the_loss_falls(tmp_path, tiny_config):
-    out = tmp_path / "a"
-    result = shardwise("train", str(tiny_config), "--strategy", "single", "--steps", "30", "--out", str(out))
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    out = tmp_path_factory.mktemp("cli") / "a"
+    result = shardwise("train", str(CONFIGS / "gpt-tiny.toml"), "--strategy", "single", "--steps", "30",
+                       "--out", str(out))
     assert result.returncode == 0, result.stderr
+    return out, result
+
+
+def assert_same_losses(run: Path, reference: Path) -> None:
+    got, want = [r["loss"] for r in read_records(run)], [r["loss"] for r in read_records(reference)]
+    assert len(got) == len(want) == 30
+    worst = max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True))
+    assert worst <= 1e-5, f"losses differ by {worst:.2e} relative"
+
+
+def test_single_trains_30_steps_and_the_loss_falls(tmp_path, single_run):
+    out, result = single_run
     steps = read_records(out)
     assert [r["step"] for r in steps] == list(range(1, 31))
     losses = [r["loss"] for r in steps]
@@ -63,3 +79,25 @@ def test_a_failing_worker_fails_the_command_with_its_error_shown(tmp_path, tiny_
     assert result.returncode == 1
     tail = result.stderr[result.stderr.index("shardwise train:"):]
     assert "worker rank 0 failed" in tail and "NotADirectoryError" in tail
+
+
+def test_ddp_on_2_processes_gives_the_single_device_losses(tmp_path, single_run):
+    out = tmp_path / "d"
+    result = shardwise("train", str(CONFIGS / "gpt-tiny.toml"), "--strategy", "ddp", "--nproc", "2",
+                       "--steps", "30", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    assert "ddp on 2 process(es)" in result.stdout
+    assert_same_losses(out, single_run[0])
+
+
+def test_the_worker_runs_under_an_external_torchrun(tmp_path, single_run):
+    out = tmp_path / "n"
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         "-m", "shardwise.worker", str(CONFIGS / "gpt-tiny.toml"), "--set", "parallel.strategy=ddp-native",
+         "--set", "train.steps=30", "--set", f"run.out={out}"],
+        cwd=REPO, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert load_config(out / "config.toml").launch.nproc == 2  # the world torchrun made, recorded
+    assert_same_losses(out, single_run[0])

@@ -15,11 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import tomli_w
+import torch
 
 STRATEGIES = ("single", "ddp", "ddp-native")
 PRECISIONS = ("fp32",)
 MODELS = ("gpt", "cnn", "mlp")
 GPT_PRESETS = ("tiny", "small", "gpt2-124m")
+OPTIMIZERS = ("adamw", "sgd")
 TEXT_DATASETS = ("shakespeare", "stdlib", "synthetic-tokens")
 IMAGE_DATASETS = ("digits", "synthetic-images")
 BACKENDS = ("auto", "gloo", "nccl")
@@ -55,6 +57,7 @@ class DataConfig:
 @dataclass
 class TrainConfig:
     steps: int = 100
+    optimizer: str = "adamw"
     global_batch: int = 16
     micro_batch: int = 8
     lr: float = 1e-3
@@ -63,6 +66,7 @@ class TrainConfig:
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
+    momentum: float = 0.9
     grad_clip: float = 1.0
     eval_every: int = 50
     eval_batches: int = 2
@@ -245,6 +249,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _choice("parallel.strategy", p.strategy, STRATEGIES)
     _choice("parallel.precision", p.precision, PRECISIONS)
     _choice("launch.backend", launch.backend, BACKENDS)
+    _choice("train.optimizer", t.optimizer, OPTIMIZERS)
     datasets = TEXT_DATASETS if m.name == "gpt" else IMAGE_DATASETS
     if d.name not in datasets:
         raise ConfigError(
@@ -266,7 +271,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         _positive(f"train.{key}", getattr(t, key))
     for key in ("min_lr", "warmup_steps", "weight_decay", "grad_clip", "eval_every", "seed"):
         _positive(f"train.{key}", getattr(t, key), zero_ok=True)
-    for key in ("beta1", "beta2"):
+    for key in ("beta1", "beta2", "momentum"):
         if not 0 <= getattr(t, key) < 1:
             raise ConfigError(f"train.{key} = {getattr(t, key)!r}: must be in [0, 1)")
     if t.min_lr > t.lr:
@@ -282,6 +287,11 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(
             f"parallel.strategy = 'single': runs on one process, but the world size is {world}; "
             "use --nproc 1 or a multi-rank strategy such as ddp"
+        )
+    if p.sync_batchnorm and p.strategy == "ddp-native" and not torch.cuda.is_available():
+        raise ConfigError(
+            "parallel.sync_batchnorm = true: torch.nn.SyncBatchNorm (used by ddp-native) runs only on GPUs; "
+            "use --strategy ddp, whose SyncBatchNorm runs on CPU too"
         )
     per_step = world * t.micro_batch
     if t.global_batch % per_step:

@@ -28,8 +28,9 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
-def adamw_factory(cfg: TrainConfig) -> OptimizerFactory:
-    """AdamW that decays matrices and embeddings but not biases or norm scales (dim < 2)."""
+def optimizer_factory(cfg: TrainConfig) -> OptimizerFactory:
+    """AdamW or SGD with momentum; weight decay on matrices and embeddings, not on biases or
+    norm scales (dim < 2)."""
 
     def make(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
         params = [p for p in params if p.requires_grad]
@@ -37,6 +38,8 @@ def adamw_factory(cfg: TrainConfig) -> OptimizerFactory:
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
         ]
+        if cfg.optimizer == "sgd":
+            return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))
 
     return make
@@ -63,7 +66,7 @@ class Trainer:
         self.seq_len = cfg.model.seq_len if cfg.model.name == "gpt" else None
         self.strategy: Strategy = make_strategy(cfg.parallel, ctx)
         self.model = self.strategy.wrap(model)
-        self.optimizer = self.strategy.optimizer(adamw_factory(cfg.train))
+        self.optimizer = self.strategy.optimizer(optimizer_factory(cfg.train))
         self.sampler = GlobalBatchSampler(len(self.train_set), cfg.train.global_batch, cfg.train.seed)
         self.accum = cfg.grad_accum(ctx.world_size)
         self.activation_bytes = 0

@@ -5,11 +5,13 @@ from __future__ import annotations
 from shardwise.config import ParallelConfig
 from shardwise.dist import DistContext
 from shardwise.strategies.base import OptimizerFactory, Strategy
+from shardwise.strategies.ddp import DDP
+from shardwise.strategies.native import NativeDDP
 from shardwise.strategies.single import Single
 
 __all__ = ["OptimizerFactory", "Strategy", "make_strategy"]
 
 
 def make_strategy(cfg: ParallelConfig, ctx: DistContext) -> Strategy:
-    strategies: dict[str, type[Strategy]] = {"single": Single}
+    strategies: dict[str, type[Strategy]] = {"single": Single, "ddp": DDP, "ddp-native": NativeDDP}
     return strategies[cfg.strategy](ctx, cfg)

@@ -1,0 +1,163 @@
+"""Distributed data parallel, ours: every rank holds the whole model and a slice of the batch;
+gradients are averaged with bucketed all-reduces that start while backward is still running.
+
+How a step goes:
+1. `wrap` broadcasts parameters and buffers from rank 0, then packs the parameters into buckets
+   (about `bucket_mb` each) in the order their gradients become ready in backward — roughly the
+   reverse of registration. Each bucket is one flat buffer, and each parameter's `.grad` is a
+   view into it, so autograd accumulates straight into the buffer the all-reduce sends: no
+   gradient is ever copied.
+2. During backward, a post-accumulate hook on each parameter counts it ready; when every
+   parameter of a bucket is ready, that bucket's all-reduce is launched asynchronously. Buckets
+   are launched strictly in order, so every rank issues the same collectives in the same order.
+3. When the autograd engine finishes, a final callback waits for all buckets. After
+   `backward()` returns, every rank holds the same averaged gradients.
+
+Inside `no_sync()` the hooks do nothing and gradients accumulate locally in the buckets; the
+next synchronised backward all-reduces the accumulated sum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise.strategies.base import Strategy
+from shardwise.strategies.sync_batchnorm import convert_sync_batchnorm
+
+
+@dataclass
+class Bucket:
+    buffer: torch.Tensor
+    params: list[nn.Parameter]
+    views: list[torch.Tensor]
+    ready: set[int] = field(default_factory=set)  # ids of parameters whose gradient is final
+    work: dist.Work | None = None
+
+
+def plan_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
+    """Group parameters, in the order given, into buckets of at most `bucket_bytes` (a parameter
+    larger than that gets a bucket of its own)."""
+    buckets: list[list[nn.Parameter]] = [[]]
+    size = 0
+    for param in params:
+        nbytes = param.numel() * param.element_size()
+        if buckets[-1] and size + nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(param)
+        size += nbytes
+    return buckets
+
+
+class DDP(Strategy):
+    name = "ddp"
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        if self.cfg.sync_batchnorm:
+            model = convert_sync_batchnorm(model)
+        self.module = model.to(self.ctx.device)
+        self._broadcast_from_rank0(list(self.module.parameters()) + list(self.module.buffers()))
+        trainable = [p for p in self.module.parameters() if p.requires_grad]
+        self._names = {id(p): n for n, p in self.module.named_parameters()}
+        # Backward produces gradients roughly in reverse registration order.
+        groups = plan_buckets(list(reversed(trainable)), int(self.cfg.bucket_mb * 2**20))
+        self.buckets = [self._make_bucket(group) for group in groups]
+        self._bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket.params}
+        for param in trainable:
+            param.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self._sync = True
+        self._in_backward = False
+        self._next_launch = 0
+        self.module.register_forward_pre_hook(self._sync_buffers)
+        return self.module
+
+    def _make_bucket(self, params: list[nn.Parameter]) -> Bucket:
+        numel = sum(p.numel() for p in params)
+        buffer = torch.zeros(numel, dtype=params[0].dtype, device=self.ctx.device)
+        views, offset = [], 0
+        for param in params:
+            views.append(buffer[offset : offset + param.numel()].view_as(param))
+            offset += param.numel()
+        return Bucket(buffer, params, views)
+
+    def _broadcast_from_rank0(self, tensors: list[torch.Tensor]) -> None:
+        with torch.no_grad():
+            for tensor in tensors:
+                dist.broadcast(tensor, src=0)
+
+    def _sync_buffers(self, module: nn.Module, args: object) -> None:
+        """Rank 0's buffers (BatchNorm running statistics) for every rank, before each training
+        forward: ranks see different data, so their running statistics would drift apart.
+        (Under SyncBatchNorm they are already equal, and the broadcast changes nothing.)"""
+        if module.training:
+            self._broadcast_from_rank0(list(module.buffers()))
+
+    def _attach_gradient_views(self) -> None:
+        """Point every `.grad` back at its bucket view; a step that starts with gradients set to
+        None (zero_grad's default) starts from zeroed buckets."""
+        for bucket in self.buckets:
+            if any(p.grad is None for p in bucket.params):
+                bucket.buffer.zero_()
+                for param, view in zip(bucket.params, bucket.views, strict=True):
+                    param.grad = view
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self._attach_gradient_views()
+        loss.backward()
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if not self._sync:
+            return
+        if not self._in_backward:
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        bucket = self.buckets[self._bucket_of[id(param)]]
+        bucket.ready.add(id(param))
+        self._launch_ready_buckets()
+
+    def _launch_ready_buckets(self) -> None:
+        while self._next_launch < len(self.buckets):
+            bucket = self.buckets[self._next_launch]
+            if len(bucket.ready) < len(bucket.params):
+                return
+            bucket.work = dist.all_reduce(bucket.buffer, op=dist.ReduceOp.AVG, async_op=True)
+            self._next_launch += 1
+
+    def _finish_backward(self) -> None:
+        """Runs once the autograd engine is done: launch what is left, wait for everything."""
+        unused = [p for b in self.buckets for p in b.params if id(p) not in b.ready]
+        if unused and not self.cfg.find_unused_parameters:
+            names = ", ".join(self._names[id(p)] for p in unused)
+            self._reset()
+            raise RuntimeError(
+                f"ddp: these parameters got no gradient in this backward: {names}. If the model skips "
+                "them on purpose, set parallel.find_unused_parameters = true (their gradient is then zero "
+                "on this rank and averaged like any other)."
+            )
+        for param in unused:  # their bucket slice stays zero: this rank contributes nothing to them
+            self.buckets[self._bucket_of[id(param)]].ready.add(id(param))
+        self._launch_ready_buckets()
+        for bucket in self.buckets:
+            bucket.work.wait()
+        self._reset()
+
+    def _reset(self) -> None:
+        for bucket in self.buckets:
+            bucket.ready.clear()
+            bucket.work = None
+        self._next_launch = 0
+        self._in_backward = False
