@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: setup
-	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff check src tests
 	$(BIN)/pytest
 
 demo: setup
@@ -27,7 +27,7 @@ demo: setup
 	$(BIN)/shardwise sample runs/demo --prompt "ROMEO." --tokens 300
 
 lint: setup
-	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff check src tests
 
 clean:
 	rm -rf $(VENV) runs

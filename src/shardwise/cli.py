@@ -52,7 +52,7 @@ def train(args: argparse.Namespace) -> int:
     config_path = Path(cfg.run.out) / "config.toml"
     cfg.save(config_path)
     try:
-        launch_workers(cfg, config_path)
+        launch_workers(cfg.launch, ["shardwise.worker", str(config_path)])
     except WorkerFailed as failure:
         print(f"shardwise train: {failure}", file=sys.stderr)
         return 1
@@ -80,6 +80,23 @@ def sample(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench(args: argparse.Namespace) -> int:
+    from shardwise.bench import BENCHES
+    from shardwise.config import LaunchConfig
+    from shardwise.launch import WorkerFailed, launch_workers
+
+    module, ranks = BENCHES[args.name]
+    entry = [module, "--steps", str(args.steps), "--json", f"bench/results/{args.name}.json"]
+    if args.json:
+        entry += ["--json", args.json]
+    try:
+        launch_workers(LaunchConfig(nproc=ranks), entry)
+    except WorkerFailed as failure:
+        print(f"shardwise bench: {failure}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shardwise", description="Distributed training for PyTorch.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -89,8 +106,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", default="\n", help="text to continue")
     p.add_argument("--tokens", type=int, default=200, help="bytes to generate")
     p.add_argument("--seed", type=int, default=0)
+    p = commands.add_parser("bench", help="ours vs PyTorch native, side by side in one run; JSON out",
+                            description="Writes bench/results/NAME.json (and --json FILE).")
+    p.add_argument("name", choices=["ddp"], help="which benchmark")
+    p.add_argument("--steps", type=int, default=12, help="measured steps per strategy")
+    p.add_argument("--json", help="also write the result to this file")
     args = parser.parse_args(argv)
-    handlers = {"train": train, "sample": sample}
+    handlers = {"train": train, "sample": sample, "bench": bench}
     try:
         return handlers[args.command](args)
     except ConfigError as error:

@@ -9,19 +9,18 @@ from __future__ import annotations
 import os
 import sys
 import uuid
-from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from shardwise.config import Config
+from shardwise.config import LaunchConfig
 
 
 class WorkerFailed(RuntimeError):
     """A worker exited with an error; the message names the rank and carries its error."""
 
 
-def torchrun_args(cfg: Config, config_path: Path) -> list[str]:
-    launch = cfg.launch
+def torchrun_args(launch: LaunchConfig, entry: list[str]) -> list[str]:
+    """torch.distributed.run's arguments for `python -m <entry...>` on every rank."""
     args = [f"--nproc-per-node={launch.nproc}", "--max-restarts=0", "--rdzv-backend=c10d"]
     if launch.nnodes == 1:
         args += ["--nnodes=1", "--rdzv-endpoint=127.0.0.1:0", "--local-addr=127.0.0.1", f"--rdzv-id={uuid.uuid4()}"]
@@ -32,7 +31,7 @@ def torchrun_args(cfg: Config, config_path: Path) -> list[str]:
             f"--rdzv-endpoint={launch.rdzv_endpoint}",
             "--rdzv-id=shardwise",
         ]
-    return args + ["-m", "shardwise.worker", str(config_path)]
+    return args + ["-m", *entry]
 
 
 def _failure_message(error: ChildFailedError) -> str:
@@ -46,15 +45,15 @@ def _failure_message(error: ChildFailedError) -> str:
     return f"worker rank {rank} failed (exit code {failure.exitcode}):\n{text}"
 
 
-def launch_workers(cfg: Config, config_path: Path) -> None:
-    """Run `python -m shardwise.worker config_path` on launch.nproc local ranks; raise WorkerFailed
-    with the first failing rank's error if any rank fails."""
+def launch_workers(launch: LaunchConfig, entry: list[str]) -> None:
+    """Run `python -m <entry...>` (e.g. shardwise.worker CONFIG) on launch.nproc local ranks;
+    raise WorkerFailed with the first failing rank's error if any rank fails."""
     from torch.distributed.run import parse_args, run
 
     # torchrun would set this itself, with a warning; the config says how many threads a rank gets.
-    os.environ["OMP_NUM_THREADS"] = str(cfg.launch.threads_per_rank)
+    os.environ["OMP_NUM_THREADS"] = str(launch.threads_per_rank)
     try:
-        run(parse_args(torchrun_args(cfg, config_path)))
+        run(parse_args(torchrun_args(launch, entry)))
     except ChildFailedError as error:
         raise WorkerFailed(_failure_message(error)) from None
     finally:

@@ -19,6 +19,7 @@ next synchronised backward all-reduces the accumulated sum.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -74,6 +75,7 @@ class DDP(Strategy):
         self._sync = True
         self._in_backward = False
         self._next_launch = 0
+        self.last_wait_s = 0.0  # communication left exposed after the last backward
         self.module.register_forward_pre_hook(self._sync_buffers)
         return self.module
 
@@ -151,8 +153,10 @@ class DDP(Strategy):
         for param in unused:  # their bucket slice stays zero: this rank contributes nothing to them
             self.buckets[self._bucket_of[id(param)]].ready.add(id(param))
         self._launch_ready_buckets()
+        started = time.perf_counter()
         for bucket in self.buckets:
             bucket.work.wait()
+        self.last_wait_s = time.perf_counter() - started
         self._reset()
 
     def _reset(self) -> None:

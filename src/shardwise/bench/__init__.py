@@ -1,0 +1,7 @@
+"""Benchmarks of ours against PyTorch's native counterpart, measured in one run (A B A B).
+
+Each is a module run on every rank under torchrun; `shardwise bench NAME` starts it and writes
+its JSON to bench/results/NAME.json.
+"""
+
+BENCHES = {"ddp": ("shardwise.bench.ddp", 2)}  # name -> (module, ranks)
