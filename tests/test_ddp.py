@@ -8,13 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import CONFIGS, read_records
+from conftest import CONFIGS, assert_same_training, losses, train_in_process
 from distributed import run_ranks
-from safetensors.torch import load_file
 from torch import nn
 
 from shardwise.config import ParallelConfig, load_config
-from shardwise.dist import DistContext, init_distributed
+from shardwise.dist import DistContext
 from shardwise.models import CNN
 from shardwise.strategies.ddp import DDP, plan_buckets
 from shardwise.trainer import Trainer
@@ -28,32 +27,9 @@ def train_cfg(out: Path, strategy: str, nproc: int, *overrides: str):
     return load_config(CONFIGS / "gpt-tiny.toml", base + list(overrides))
 
 
-def train_single(out: Path, *overrides: str) -> None:
-    threads = torch.get_num_threads()
-    try:
-        Trainer(train_cfg(out, "single", 1, *overrides), init_distributed(threads_per_rank=1)).fit()
-    finally:
-        torch.set_num_threads(threads)
-
-
 def train_data_parallel(ctx: DistContext, root: Path, runs: dict[str, tuple[str, ...]]) -> None:
     for name, (strategy, *overrides) in runs.items():
         Trainer(train_cfg(root / name, strategy, ctx.world_size, *overrides), ctx).fit()
-
-
-def losses(run: Path) -> list[float]:
-    return [r["loss"] for r in read_records(run)]
-
-
-def assert_same_training(run: Path, reference: Path) -> None:
-    got, want = losses(run), losses(reference)
-    assert len(got) == len(want) == STEPS
-    worst = max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True))
-    assert worst <= 1e-5, f"{run.name}: loss differs by {worst:.2e} relative from {reference.name}"
-    params, expected = load_file(str(run / "model.safetensors")), load_file(str(reference / "model.safetensors"))
-    assert params.keys() == expected.keys()
-    for key in expected:
-        torch.testing.assert_close(params[key], expected[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
 @pytest.fixture(scope="module")
@@ -68,18 +44,18 @@ def gpt_runs(tmp_path_factory) -> Path:
         "ddp-native-accum2": ("ddp-native", "train.micro_batch=2"),
     }
     run_ranks(train_data_parallel, 2, root, runs)
-    train_single(root / "single", "train.micro_batch=4")  # 2 accumulation steps of 4
+    train_in_process(train_cfg(root / "single", "single", 1, "train.micro_batch=4"))  # 2 accumulation steps
     return root
 
 
 @pytest.mark.parametrize("run", ["ddp", "ddp-accum2", "ddp-small-buckets", "ddp-native", "ddp-native-accum2"])
 def test_data_parallel_matches_single_device_over_20_steps(gpt_runs, run):
-    assert_same_training(gpt_runs / run, gpt_runs / "single")
+    assert_same_training(gpt_runs / run, gpt_runs / "single", STEPS)
 
 
 def test_ddp_matches_ddp_native(gpt_runs):
-    assert_same_training(gpt_runs / "ddp", gpt_runs / "ddp-native")
-    assert_same_training(gpt_runs / "ddp-accum2", gpt_runs / "ddp-native-accum2")
+    assert_same_training(gpt_runs / "ddp", gpt_runs / "ddp-native", STEPS)
+    assert_same_training(gpt_runs / "ddp-accum2", gpt_runs / "ddp-native-accum2", STEPS)
 
 
 def test_the_loss_actually_moves(gpt_runs):
@@ -245,23 +221,11 @@ def train_cnn_data_parallel(ctx: DistContext, root: Path) -> None:
 
 def test_sync_batchnorm_matches_single_device_and_plain_batchnorm_does_not(tmp_path):
     run_ranks(train_cnn_data_parallel, 2, tmp_path)
-    threads = torch.get_num_threads()
-    try:
-        Trainer(cnn_cfg(tmp_path / "single", "single", 1, False), init_distributed(threads_per_rank=1)).fit()
-    finally:
-        torch.set_num_threads(threads)
-    assert_same_cnn(tmp_path / "sync-True", tmp_path / "single")
+    train_in_process(cnn_cfg(tmp_path / "single", "single", 1, False))
+    # the final state dict holds running_mean / running_var too
+    assert_same_training(tmp_path / "sync-True", tmp_path / "single", STEPS)
     with pytest.raises(AssertionError):
-        assert_same_cnn(tmp_path / "sync-False", tmp_path / "single")
-
-
-def assert_same_cnn(run: Path, reference: Path) -> None:
-    got, want = losses(run), losses(reference)
-    worst = max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True))
-    assert worst <= 1e-5, f"loss differs by {worst:.2e}"
-    state, expected = load_file(str(run / "model.safetensors")), load_file(str(reference / "model.safetensors"))
-    for key in expected:  # running_mean / running_var included
-        torch.testing.assert_close(state[key], expected[key], rtol=1e-5, atol=1e-6, msg=key)
+        assert_same_training(tmp_path / "sync-False", tmp_path / "single", STEPS)
 
 
 def test_ddp_native_with_sync_batchnorm_on_cpu_is_refused_before_launch():

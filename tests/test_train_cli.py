@@ -8,13 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from conftest import CONFIGS, REPO, read_records
+from conftest import CONFIGS, REPO, assert_same_training, read_records, train_in_process
 from safetensors.torch import load_file
 
 from shardwise.config import load_config
-from shardwise.dist import init_distributed
-from shardwise.trainer import Trainer
 
 
 def shardwise(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -31,13 +28,6 @@ def single_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
                        "--out", str(out))
     assert result.returncode == 0, result.stderr
     return out, result
-
-
-def assert_same_losses(run: Path, reference: Path) -> None:
-    got, want = [r["loss"] for r in read_records(run)], [r["loss"] for r in read_records(reference)]
-    assert len(got) == len(want) == 30
-    worst = max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True))
-    assert worst <= 1e-5, f"losses differ by {worst:.2e} relative"
 
 
 def test_single_trains_30_steps_and_the_loss_falls(tmp_path, single_run):
@@ -62,12 +52,7 @@ def test_single_trains_30_steps_and_the_loss_falls(tmp_path, single_run):
 
     # The same config trained in this process (a world of one, one thread as in the worker)
     # gives the same losses, step for step.
-    cfg = load_config(out / "config.toml", [f"run.out={tmp_path / 'b'}"])
-    threads = torch.get_num_threads()
-    try:
-        Trainer(cfg, init_distributed(threads_per_rank=1)).fit()
-    finally:
-        torch.set_num_threads(threads)
+    train_in_process(load_config(out / "config.toml", [f"run.out={tmp_path / 'b'}"]))
     assert [r["loss"] for r in read_records(tmp_path / "b")] == losses
 
 
@@ -87,7 +72,7 @@ def test_ddp_on_2_processes_gives_the_single_device_losses(tmp_path, single_run)
                        "--steps", "30", "--out", str(out))
     assert result.returncode == 0, result.stderr
     assert "ddp on 2 process(es)" in result.stdout
-    assert_same_losses(out, single_run[0])
+    assert_same_training(out, single_run[0], steps=30, weights=False)
 
 
 def test_the_worker_runs_under_an_external_torchrun(tmp_path, single_run):
@@ -100,4 +85,4 @@ def test_the_worker_runs_under_an_external_torchrun(tmp_path, single_run):
     )
     assert result.returncode == 0, result.stderr
     assert load_config(out / "config.toml").launch.nproc == 2  # the world torchrun made, recorded
-    assert_same_losses(out, single_run[0])
+    assert_same_training(out, single_run[0], steps=30, weights=False)
