@@ -17,7 +17,7 @@ from typing import Any
 import tomli_w
 import torch
 
-STRATEGIES = ("single", "ddp", "ddp-native")
+STRATEGIES = ("single", "ddp", "ddp-native", "zero1", "zero2", "fsdp", "fsdp-native")
 PRECISIONS = ("fp32",)
 MODELS = ("gpt", "cnn", "mlp")
 GPT_PRESETS = ("tiny", "small", "gpt2-124m")
@@ -80,6 +80,10 @@ class ParallelConfig:
     bucket_mb: float = 25.0
     find_unused_parameters: bool = False
     sync_batchnorm: bool = False
+    # sharded strategies
+    fsdp_unit: str = "Block"
+    reshard_after_forward: bool = True
+    prefetch: int = 1
 
 
 @dataclass
@@ -277,6 +281,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if t.min_lr > t.lr:
         raise ConfigError(f"train.min_lr = {t.min_lr!r}: must be <= train.lr = {t.lr!r}")
     _positive("parallel.bucket_mb", p.bucket_mb)
+    _positive("parallel.prefetch", p.prefetch, zero_ok=True)
     for key in ("nproc", "nnodes", "threads_per_rank", "timeout_s"):
         _positive(f"launch.{key}", getattr(launch, key))
     if not 0 <= launch.node_rank < launch.nnodes:

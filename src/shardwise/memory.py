@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 
 @dataclass
@@ -21,16 +22,23 @@ class MemoryBreakdown:
     optimizer: int
     activations: int
     peak: int
+    # the most bytes of full (unsharded) parameters held at once during a step; None: unknown
+    gathered_peak: int | None = 0
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, int | None]:
         return asdict(self)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of a (possibly distributed) tensor that lives on this rank."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind `tensors`."""
     seen: dict[int, int] = {}
     for tensor in tensors:
-        storage = tensor.untyped_storage()
+        storage = local_tensor(tensor).untyped_storage()
         seen[storage.data_ptr()] = storage.nbytes()
     return sum(seen.values())
 
@@ -52,13 +60,20 @@ class ActivationCounter:
     that lives from forward until backward. Parameters saved by their ops are not counted."""
 
     def __init__(self, model: nn.Module) -> None:
-        self._param_storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self._params = list(model.parameters())
+        self._param_storages: set[int] = set()
         self._saved: dict[int, int] = {}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
 
+    def _is_parameter(self, pointer: int) -> bool:
+        if pointer not in self._param_storages:
+            # Sharded strategies refill parameter storage on each gather: look again.
+            self._param_storages = {local_tensor(p).untyped_storage().data_ptr() for p in self._params}
+        return pointer in self._param_storages
+
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
-        if storage.data_ptr() not in self._param_storages:
+        if not self._is_parameter(storage.data_ptr()):
             self._saved[storage.data_ptr()] = storage.nbytes()
         return tensor
 
@@ -82,10 +97,12 @@ def count_memory(
 ) -> MemoryBreakdown:
     """The breakdown for the parameters this rank holds (shards, where a strategy shards them)."""
     params = list(params)
+    held = storage_bytes(params)
     return MemoryBreakdown(
-        params=storage_bytes(params),
+        params=held,
         grads=storage_bytes(p.grad for p in params if p.grad is not None),
         optimizer=storage_bytes(optimizer_state_tensors(optimizer)),
         activations=activations,
         peak=peak_bytes(device),
+        gathered_peak=held,  # unsharded strategies hold every parameter whole all the time
     )

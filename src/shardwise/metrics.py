@@ -95,6 +95,6 @@ def format_summary(summary: dict[str, Any]) -> str:
         ("throughput", f"{rate:,.0f} tokens/s" if rate is not None else f"{summary['samples_per_s']:,.0f} samples/s"),
         ("MFU", f"{summary['mfu']:.1%}" if summary["mfu"] is not None else "n/a (device peak unknown)"),
     ]
-    rows += [(f"memory: {k}", _gib(v)) for k, v in summary["memory"].items()]
+    rows += [(f"memory: {k}", _gib(v) if v is not None else "n/a") for k, v in summary["memory"].items()]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)

@@ -6,12 +6,16 @@ from shardwise.config import ParallelConfig
 from shardwise.dist import DistContext
 from shardwise.strategies.base import OptimizerFactory, Strategy
 from shardwise.strategies.ddp import DDP
-from shardwise.strategies.native import NativeDDP
+from shardwise.strategies.fsdp import FSDP, Zero1, Zero2
+from shardwise.strategies.native import NativeDDP, NativeFSDP
 from shardwise.strategies.single import Single
 
 __all__ = ["OptimizerFactory", "Strategy", "make_strategy"]
 
 
 def make_strategy(cfg: ParallelConfig, ctx: DistContext) -> Strategy:
-    strategies: dict[str, type[Strategy]] = {"single": Single, "ddp": DDP, "ddp-native": NativeDDP}
+    strategies: dict[str, type[Strategy]] = {
+        "single": Single, "ddp": DDP, "ddp-native": NativeDDP,
+        "zero1": Zero1, "zero2": Zero2, "fsdp": FSDP, "fsdp-native": NativeFSDP,
+    }
     return strategies[cfg.strategy](ctx, cfg)

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 
+import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from shardwise.memory import MemoryBreakdown
 from shardwise.strategies.base import Strategy
 
 
@@ -31,3 +36,38 @@ class NativeDDP(Strategy):
 
     def no_sync(self) -> AbstractContextManager:
         return self.ddp.no_sync()
+
+
+class NativeFSDP(Strategy):
+    """PyTorch FSDP2: `fully_shard` on every `parallel.fsdp_unit` module, then on the root."""
+
+    name = "fsdp-native"
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        model = model.to(self.ctx.device)
+        for module in model.modules():
+            if type(module).__name__ == self.cfg.fsdp_unit:
+                fully_shard(module, reshard_after_forward=self.cfg.reshard_after_forward)
+        fully_shard(model)
+        self.module = model
+        return model
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        modules = [m for m in self.module.modules() if isinstance(m, FSDPModule)]
+        for module in modules:
+            module.set_requires_gradient_sync(False, recurse=False)
+        try:
+            yield
+        finally:
+            for module in modules:
+                module.set_requires_gradient_sync(True, recurse=False)
+
+    def memory(self, activations: int) -> MemoryBreakdown:
+        breakdown = super().memory(activations)
+        breakdown.gathered_peak = None  # FSDP2 does not expose how much it holds unsharded at once
+        return breakdown
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        state = self.module.state_dict()
+        return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in state.items()}

@@ -1,0 +1,360 @@
+"""Sharded data parallel, ours: ZeRO stage 1 (`zero1`), 2 (`zero2`) and 3 (`fsdp`).
+
+Every rank holds 1/N of each parameter: its dim-0 chunk (torch.chunk semantics, zero-padded so
+every rank's chunk has the same number of rows). The optimizer is an ordinary torch.optim
+optimizer over these shards, so its state is sharded too. The stages differ in what else stays
+whole:
+
+- zero1: full parameters and full gradients on every rank. At the end of backward the gradients
+  are reduce-scattered (averaged) into shard gradients; after the optimizer step the updated
+  shards are all-gathered back into the full parameters.
+- zero2: as zero1, but each unit's gradients are reduce-scattered as soon as its backward is
+  done and the full gradients freed: gradients cost 1/N (plus one unit in flight).
+- fsdp: parameters are sharded too. A unit's full parameters exist only while it computes: one
+  all-gather of its packed shards before its forward, freed after (unless
+  `reshard_after_forward = false`), gathered again before its backward, freed after. The next
+  unit's all-gather is issued while the current one computes (`prefetch` units ahead), forward
+  and backward.
+
+Units are the modules whose class is `parallel.fsdp_unit` (the GPT's `Block`), plus the root:
+every parameter not in a unit (embeddings, final norm). The root is gathered for the whole of
+forward and backward.
+
+Freeing releases storage (`untyped_storage().resize_(0)`), not just a reference: autograd keeps
+views of parameters (`weight.t()`) for backward, which would otherwise keep the memory alive.
+Gathering refills the same storage, so those views see the data again.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise.memory import MemoryBreakdown, count_memory, storage_bytes
+from shardwise.strategies.base import OptimizerFactory, Strategy
+from shardwise.strategies.sync_batchnorm import convert_sync_batchnorm
+
+
+@dataclass
+class Unit:
+    """Parameters gathered, freed and reduced together, and their shards packed in one buffer."""
+
+    name: str
+    params: list[nn.Parameter]
+    rows: list[int]  # rows of each parameter's shard (its padded dim 0 / world size)
+    offsets: list[int]  # where each parameter's shard starts in the packed buffer
+    shard_buffer: torch.Tensor  # this rank's shards, packed
+    shards: list[nn.Parameter]  # views into shard_buffer, shaped [rows, *rest]
+    gathered: bool = True
+    pending_gather: tuple[dist.Work, torch.Tensor] | None = None
+    ready: set[int] = field(default_factory=set)
+
+    @property
+    def full_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.params)
+
+
+class ShardedDataParallel(Strategy):
+    stage = 3
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        if self.cfg.sync_batchnorm:
+            model = convert_sync_batchnorm(model)
+        self.module = model.to(self.ctx.device)
+        self.world = self.ctx.world_size
+        self.rank = self.ctx.rank
+        with torch.no_grad():
+            for tensor in [*self.module.parameters(), *self.module.buffers()]:
+                dist.broadcast(tensor, src=0)
+        self.units = self._make_units()
+        self.root = self.units[-1]
+        self._unit_of = {id(p): unit for unit in self.units for p in unit.params}
+        self._names = {id(p): n for n, p in self.module.named_parameters()}
+        for unit in self.units:
+            for param in unit.params:
+                param.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self._sync = True
+        self._in_backward = False
+        self._new_step = True
+        self._reductions: list[tuple[dist.Work, Unit, torch.Tensor]] = []
+        self.bytes_moved = 0  # by all-gathers and reduce-scatters, input + output, for bus bandwidth
+        self.gathered_bytes = self.peak_gathered_bytes = sum(u.full_bytes for u in self.units)  # all whole
+        if self.stage == 3:
+            self._install_gather_hooks()
+            for unit in self.units:
+                self._free(unit)
+            self.peak_gathered_bytes = 0  # the peak counts from the first step
+        return self.module
+
+    # --- sharding layout ------------------------------------------------------------------
+
+    def _make_units(self) -> list[Unit]:
+        unit_modules = [(n, m) for n, m in self.module.named_modules() if type(m).__name__ == self.cfg.fsdp_unit]
+        seen: set[int] = set()
+        groups = []
+        for name, module in unit_modules:
+            params = [p for p in module.parameters() if p.requires_grad and id(p) not in seen]
+            seen.update(id(p) for p in params)
+            if params:
+                groups.append((name, params, module))
+        root = [p for p in self.module.parameters() if p.requires_grad and id(p) not in seen]
+        units = [self._make_unit(name, params) for name, params, _ in groups]
+        self._unit_modules = [module for _, _, module in groups]
+        return units + [self._make_unit("root", root)]
+
+    def _make_unit(self, name: str, params: list[nn.Parameter]) -> Unit:
+        rows = [math.ceil(p.shape[0] / self.world) if p.dim() else 1 for p in params]
+        lengths = [r * (p[0].numel() if p.dim() else 1) for r, p in zip(rows, params, strict=True)]
+        offsets = [sum(lengths[:i]) for i in range(len(lengths))]
+        dtype = params[0].dtype if params else torch.float32
+        buffer = torch.zeros(sum(lengths), dtype=dtype, device=self.ctx.device)
+        shards = []
+        for param, r, offset, length in zip(params, rows, offsets, lengths, strict=True):
+            view = buffer[offset : offset + length].view(r, *param.shape[1:])
+            chunk = param.detach().reshape(-1, *param.shape[1:])[self.rank * r : (self.rank + 1) * r]
+            view[: chunk.shape[0]].copy_(chunk)
+            shards.append(nn.Parameter(view))
+        return Unit(name, params, rows, offsets, buffer, shards)
+
+    def _rank_rows(self, param: nn.Parameter, rows: int, rank: int) -> int:
+        """Rows of `param` that rank `rank`'s chunk really holds (the rest is padding)."""
+        total = param.shape[0] if param.dim() else 1
+        return max(0, min(rows, total - rank * rows))
+
+    # --- gather / free --------------------------------------------------------------------
+
+    def _start_gather(self, unit: Unit) -> None:
+        if unit.gathered or unit.pending_gather is not None:
+            return
+        out = torch.empty(self.world * unit.shard_buffer.numel(), dtype=unit.shard_buffer.dtype,
+                          device=unit.shard_buffer.device)
+        work = dist.all_gather_into_tensor(out, unit.shard_buffer, async_op=True)
+        self.bytes_moved += (out.numel() + unit.shard_buffer.numel()) * out.element_size()
+        unit.pending_gather = (work, out)
+        self._count_gathered(out.numel() * out.element_size())
+
+    def _finish_gather(self, unit: Unit) -> None:
+        """Wait for the unit's all-gather and copy each rank's chunk into the full parameters."""
+        if unit.gathered:
+            return
+        self._start_gather(unit)
+        work, out = unit.pending_gather
+        work.wait()
+        per_rank = out.view(self.world, -1)
+        for param, rows, offset in zip(unit.params, unit.rows, unit.offsets, strict=True):
+            storage = param.untyped_storage()
+            if storage.size() == 0:
+                storage.resize_(param.numel() * param.element_size())
+            self._copy_out(param, rows, offset, per_rank)
+        if self.stage == 3:
+            unit.gathered = True
+            self._count_gathered(unit.full_bytes)  # both the parameters and the gather buffer are alive here
+        unit.pending_gather = None
+        self._count_gathered(-out.numel() * out.element_size())
+
+    def _count_gathered(self, nbytes: int) -> None:
+        """Track full-parameter bytes alive: unsharded parameters and all-gather buffers in flight."""
+        self.gathered_bytes += nbytes
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
+
+    def _copy_out(self, param: nn.Parameter, rows: int, offset: int, per_rank: torch.Tensor) -> None:
+        flat = param.data.view(-1)
+        row_numel = param[0].numel() if param.dim() else 1
+        for rank in range(self.world):
+            n = self._rank_rows(param, rows, rank) * row_numel
+            start = rank * rows * row_numel
+            flat[start : start + n].copy_(per_rank[rank, offset : offset + n])
+
+    def _free(self, unit: Unit) -> None:
+        if not unit.gathered:
+            return
+        for param in unit.params:
+            param.untyped_storage().resize_(0)
+        unit.gathered = False
+        self._count_gathered(-unit.full_bytes)
+
+    # --- fsdp hooks: gather before use, free after, prefetch ahead -------------------------
+
+    def _install_gather_hooks(self) -> None:
+        blocks = self.units[:-1]
+        self.module.register_forward_pre_hook(self._before_root_forward)
+        self.module.register_forward_hook(self._after_root_forward)
+        for index, module in enumerate(self._unit_modules):
+            module.register_forward_pre_hook(lambda m, args, i=index: self._before_unit_forward(blocks, i))
+            module.register_forward_hook(lambda m, args, out, i=index: self._after_unit_forward(blocks, i, out))
+
+    def _before_root_forward(self, module: nn.Module, args: object) -> None:
+        self._finish_gather(self.root)
+        if self.units[:-1]:
+            self._start_gather(self.units[0])
+
+    def _before_unit_forward(self, blocks: list[Unit], index: int) -> None:
+        self._finish_gather(blocks[index])
+        for ahead in blocks[index + 1 : index + 1 + self.cfg.prefetch]:
+            self._start_gather(ahead)
+
+    def _after_unit_forward(self, blocks: list[Unit], index: int, output: torch.Tensor) -> None:
+        if self.cfg.reshard_after_forward:
+            self._free(blocks[index])
+        if isinstance(output, torch.Tensor) and output.requires_grad:
+            output.register_hook(lambda grad, i=index: self._before_unit_backward(blocks, i))
+
+    def _after_root_forward(self, module: nn.Module, args: object, output: object) -> None:
+        if not torch.is_grad_enabled():  # no backward will follow (evaluation)
+            self._free(self.root)
+
+    def _before_unit_backward(self, blocks: list[Unit], index: int) -> None:
+        self._finish_gather(blocks[index])
+        for behind in blocks[max(0, index - self.cfg.prefetch) : index][::-1]:
+            self._start_gather(behind)
+
+    # --- backward: reduce-scatter gradients ----------------------------------------------
+
+    def backward(self, loss: torch.Tensor) -> None:
+        if self.stage == 1 and self._new_step:
+            for unit in self.units:  # zero1 keeps its full gradients; a new step starts them at zero
+                for param in unit.params:
+                    if param.grad is not None:
+                        param.grad.zero_()
+        self._new_step = False
+        loss.backward()
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if not self._in_backward:
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        unit = self._unit_of[id(param)]
+        unit.ready.add(id(param))
+        if len(unit.ready) == len(unit.params) and unit is not self.root:
+            self._unit_backward_done(unit)
+
+    def _unit_backward_done(self, unit: Unit) -> None:
+        if self._sync and self.stage >= 2:
+            self._start_reduce_scatter(unit)
+        if self.stage == 3:
+            self._free(unit)
+
+    def _start_reduce_scatter(self, unit: Unit) -> None:
+        """Average the unit's full gradients over ranks into this rank's shard gradients, and
+        (zero2, fsdp) free the full gradients."""
+        numel = unit.shard_buffer.numel()
+        packed = torch.zeros(self.world, numel, dtype=unit.shard_buffer.dtype, device=unit.shard_buffer.device)
+        for param, rows, offset in zip(unit.params, unit.rows, unit.offsets, strict=True):
+            if param.grad is None:  # no gradient on this rank: it contributes zeros
+                continue
+            flat = param.grad.view(-1)
+            row_numel = param[0].numel() if param.dim() else 1
+            for rank in range(self.world):
+                n = self._rank_rows(param, rows, rank) * row_numel
+                packed[rank, offset : offset + n].copy_(flat[rank * rows * row_numel : rank * rows * row_numel + n])
+            if self.stage >= 2:
+                param.grad = None
+        shard_grad = torch.empty(numel, dtype=packed.dtype, device=packed.device)
+        work = dist.reduce_scatter_tensor(shard_grad, packed.view(-1), op=dist.ReduceOp.AVG, async_op=True)
+        self.bytes_moved += (packed.numel() + numel) * packed.element_size()
+        self._reductions.append((work, unit, shard_grad))
+
+    def _finish_backward(self) -> None:
+        if self._sync:
+            for unit in self.units:
+                if unit is self.root or len(unit.ready) < len(unit.params) or self.stage == 1:
+                    self._start_reduce_scatter(unit)  # root, units with unused params, or zero1
+            for work, unit, shard_grad in self._reductions:
+                work.wait()
+                for shard, offset in zip(unit.shards, unit.offsets, strict=True):
+                    shard.grad = shard_grad[offset : offset + shard.numel()].view_as(shard)
+            self._reductions.clear()
+        if self.stage == 3:
+            for unit in self.units:
+                self._free(unit)
+        for unit in self.units:
+            unit.ready.clear()
+        self._in_backward = False
+
+    # --- optimizer, clipping, memory, state -----------------------------------------------
+
+    def local_parameters(self) -> list[nn.Parameter]:
+        return [shard for unit in self.units for shard in unit.shards]
+
+    def optimizer(self, make: OptimizerFactory) -> torch.optim.Optimizer:
+        optimizer = super().optimizer(make)
+        optimizer.register_step_post_hook(lambda opt, args, kwargs: self._after_step())
+        return optimizer
+
+    def _after_step(self) -> None:
+        self._new_step = True
+        if self.stage < 3:
+            self._gather_all()
+
+    def _gather_all(self) -> None:
+        """zero1 / zero2: bring every rank's updated shards into the full parameters, one unit's
+        all-gather in flight while the previous one is copied out (two gather buffers at most)."""
+        for unit in self.units:
+            unit.gathered = False
+        self._start_gather(self.units[0])
+        for unit, following in zip(self.units, self.units[1:] + [None], strict=True):
+            if following is not None:
+                self._start_gather(following)
+            self._finish_gather(unit)
+            unit.gathered = True
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip by the global norm: squares summed over this rank's shards (padding is zero),
+        then over ranks; each parameter is one shard per rank, so nothing is counted twice."""
+        grads = [s.grad for s in self.local_parameters() if s.grad is not None]
+        squares = torch.stack([g.pow(2).sum() for g in grads]).sum()
+        dist.all_reduce(squares)
+        norm = squares.sqrt()
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for grad in grads:
+            grad.mul_(scale)
+        return norm
+
+    def memory(self, activations: int) -> MemoryBreakdown:
+        """Shards, plus whatever full parameters and full gradients are alive right now."""
+        shards = self.local_parameters()
+        full = [p for unit in self.units for p in unit.params]
+        breakdown = count_memory(shards, self.optim, activations, self.ctx.device)
+        breakdown.params = storage_bytes(shards + [p for p in full if p.untyped_storage().size() > 0])
+        breakdown.grads = storage_bytes([t.grad for t in shards + full if t.grad is not None])
+        breakdown.gathered_peak = self.peak_gathered_bytes
+        return breakdown
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        if self.stage < 3:
+            return super().full_state_dict()
+        for unit in self.units:
+            self._finish_gather(unit)
+        state = {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
+        for unit in self.units:
+            self._free(unit)
+        return state
+
+
+class Zero1(ShardedDataParallel):
+    name = "zero1"
+    stage = 1
+
+
+class Zero2(ShardedDataParallel):
+    name = "zero2"
+    stage = 2
+
+
+class FSDP(ShardedDataParallel):
+    name = "fsdp"
+    stage = 3
