@@ -168,3 +168,20 @@ def test_cli_fsdp_on_2_processes_matches_single(tmp_path):
         assert result.returncode == 0, result.stderr
         runs[strategy] = out
     assert_same_training(runs["fsdp"], runs["single"], steps=30, weights=False)
+
+
+def train_cnn_sharded(ctx: DistContext, root: Path) -> None:
+    from test_ddp import cnn_cfg
+
+    for strategy in ("zero2", "fsdp"):
+        Trainer(cnn_cfg(root / strategy, strategy, ctx.world_size, sync=True), ctx).fit()
+
+
+def test_sync_batchnorm_works_under_sharding(tmp_path):
+    from test_ddp import STEPS as CNN_STEPS
+    from test_ddp import cnn_cfg
+
+    run_ranks(train_cnn_sharded, 2, tmp_path)
+    train_in_process(cnn_cfg(tmp_path / "single", "single", 1, sync=False))
+    for strategy in ("zero2", "fsdp"):  # running statistics included
+        assert_same_training(tmp_path / strategy, tmp_path / "single", CNN_STEPS)

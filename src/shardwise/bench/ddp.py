@@ -16,38 +16,18 @@ Run under torchrun with 2 ranks: `shardwise bench ddp` does that.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
 from contextlib import nullcontext
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from shardwise.config import load_config
+from shardwise.bench.common import alternate, bench_config, timed_steps, write_json
 from shardwise.dist import DistContext, init_distributed, shutdown_distributed
 from shardwise.trainer import Trainer, loss_fn
-
-
-def bench_config(strategy: str, world_size: int, micro_batch: int, steps: int):
-    return load_config(None, [
-        "model.preset=small", "data.name=synthetic-tokens", f"parallel.strategy={strategy}",
-        f"launch.nproc={world_size}", f"train.global_batch={micro_batch * world_size}",
-        f"train.micro_batch={micro_batch}", f"train.steps={steps}", "train.warmup_steps=0", "run.out=unused",
-    ])
-
-
-def timed_steps(trainer: Trainer, first: int, count: int) -> list[float]:
-    times = []
-    for step in range(first, first + count):
-        started = time.perf_counter()
-        trainer.train_step(step).item()
-        times.append(time.perf_counter() - started)
-        trainer.optimizer.zero_grad(set_to_none=True)
-    return times
 
 
 def backward_timings(trainer: Trainer, samples: int, repeats: int) -> dict[str, float]:
@@ -91,15 +71,8 @@ def all_reduce_seconds(trainer: Trainer, bucket_bytes: int, repeats: int) -> flo
 
 
 def run(ctx: DistContext, steps: int, rounds: int, micro_batch: int) -> dict[str, Any] | None:
+    trainers, times = alternate(ctx, ["ddp", "ddp-native"], steps, rounds, micro_batch)
     per_round = max(1, steps // rounds)
-    trainers = {name: Trainer(bench_config(name, ctx.world_size, micro_batch, steps * 2), ctx)
-                for name in ("ddp", "ddp-native")}
-    times: dict[str, list[float]] = {name: [] for name in trainers}
-    for trainer in trainers.values():  # warm-up: allocation, thread pools, first buckets
-        timed_steps(trainer, 0, 2)
-    for round_ in range(rounds):
-        for name, trainer in trainers.items():
-            times[name] += timed_steps(trainer, 2 + round_ * per_round, per_round)
 
     bucket_bytes = int(trainers["ddp"].cfg.parallel.bucket_mb * 2**20)
     comm = all_reduce_seconds(trainers["ddp"], bucket_bytes, repeats=5)
@@ -173,9 +146,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("bench ddp needs exactly 2 ranks: run it as `shardwise bench ddp`")
     result = run(ctx, args.steps, args.rounds, args.micro_batch)
     if result is not None:
-        for path in args.json:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            Path(path).write_text(json.dumps(result, indent=2) + "\n")
+        write_json(result, args.json)
         print(format_result(result), flush=True)
     shutdown_distributed()
 

@@ -134,7 +134,7 @@ class ShardedDataParallel(Strategy):
             return
         out = torch.empty(self.world * unit.shard_buffer.numel(), dtype=unit.shard_buffer.dtype,
                           device=unit.shard_buffer.device)
-        work = dist.all_gather_into_tensor(out, unit.shard_buffer, async_op=True)
+        work = dist.all_gather_single(out, unit.shard_buffer, async_op=True)
         self.bytes_moved += (out.numel() + unit.shard_buffer.numel()) * out.element_size()
         unit.pending_gather = (work, out)
         self._count_gathered(out.numel() * out.element_size())
@@ -264,7 +264,7 @@ class ShardedDataParallel(Strategy):
             if self.stage >= 2:
                 param.grad = None
         shard_grad = torch.empty(numel, dtype=packed.dtype, device=packed.device)
-        work = dist.reduce_scatter_tensor(shard_grad, packed.view(-1), op=dist.ReduceOp.AVG, async_op=True)
+        work = dist.reduce_scatter_single(shard_grad, packed.view(-1), op=dist.ReduceOp.AVG, async_op=True)
         self.bytes_moved += (packed.numel() + numel) * packed.element_size()
         self._reductions.append((work, unit, shard_grad))
 

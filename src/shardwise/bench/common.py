@@ -1,0 +1,52 @@
+"""What every ours-vs-native bench shares: configs, timed steps, A B A B alternation, JSON out."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from shardwise.config import Config, load_config
+from shardwise.dist import DistContext
+from shardwise.trainer import Trainer
+
+
+def bench_config(strategy: str, world_size: int, micro_batch: int, steps: int) -> Config:
+    """gpt small on synthetic tokens, no warmup, one micro-batch per rank per step."""
+    return load_config(None, [
+        "model.preset=small", "data.name=synthetic-tokens", f"parallel.strategy={strategy}",
+        f"launch.nproc={world_size}", f"train.global_batch={micro_batch * world_size}",
+        f"train.micro_batch={micro_batch}", f"train.steps={steps}", "train.warmup_steps=0", "run.out=unused",
+    ])
+
+
+def timed_steps(trainer: Trainer, first: int, count: int) -> list[float]:
+    times = []
+    for step in range(first, first + count):
+        started = time.perf_counter()
+        trainer.train_step(step).item()
+        times.append(time.perf_counter() - started)
+        trainer.optimizer.zero_grad(set_to_none=True)
+    return times
+
+
+def alternate(ctx: DistContext, strategies: list[str], steps: int, rounds: int, micro_batch: int,
+              ) -> tuple[dict[str, Trainer], dict[str, list[float]]]:
+    """Build every strategy from the same seed, warm each up, then time them in turn, `rounds`
+    blocks of steps each (A B A B ...), so the machine's drift hits all alike."""
+    per_round = max(1, steps // rounds)
+    trainers = {name: Trainer(bench_config(name, ctx.world_size, micro_batch, steps * 2), ctx) for name in strategies}
+    times: dict[str, list[float]] = {name: [] for name in strategies}
+    for trainer in trainers.values():  # allocation, thread pools, first buckets
+        timed_steps(trainer, 0, 2)
+    for round_ in range(rounds):
+        for name, trainer in trainers.items():
+            times[name] += timed_steps(trainer, 2 + round_ * per_round, per_round)
+    return trainers, times
+
+
+def write_json(result: dict[str, Any], paths: list[str]) -> None:
+    for path in paths:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(result, indent=2) + "\n")
