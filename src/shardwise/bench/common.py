@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from shardwise.config import Config, load_config
-from shardwise.dist import DistContext
+from shardwise.dist import DistContext, init_distributed, shutdown_distributed
 from shardwise.trainer import Trainer
 
 
@@ -50,3 +52,22 @@ def write_json(result: dict[str, Any], paths: list[str]) -> None:
     for path in paths:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(json.dumps(result, indent=2) + "\n")
+
+
+def bench_main(name: str, run: Callable[..., dict[str, Any] | None], format_result: Callable[[dict], str],
+               argv: list[str] | None = None) -> None:
+    """A bench's entry point on every rank: parse, join the 2-rank world, run, report on rank 0."""
+    parser = argparse.ArgumentParser(prog=f"python -m shardwise.bench.{name}")
+    parser.add_argument("--steps", type=int, default=12, help="measured steps per strategy")
+    parser.add_argument("--rounds", type=int, default=3, help="blocks the steps are split into")
+    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--json", action="append", default=[], help="write the result here (repeatable)")
+    args = parser.parse_args(argv)
+    ctx = init_distributed("gloo", timeout_s=600, threads_per_rank=1)
+    if ctx.world_size != 2:
+        raise SystemExit(f"bench {name} needs exactly 2 ranks: run it as `shardwise bench {name}`")
+    result = run(ctx, args.steps, args.rounds, args.micro_batch)
+    if result is not None:
+        write_json(result, args.json)
+        print(format_result(result), flush=True)
+    shutdown_distributed()

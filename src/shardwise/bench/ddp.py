@@ -15,7 +15,6 @@ Run under torchrun with 2 ranks: `shardwise bench ddp` does that.
 
 from __future__ import annotations
 
-import argparse
 import platform
 import statistics
 import time
@@ -25,8 +24,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardwise.bench.common import alternate, bench_config, timed_steps, write_json
-from shardwise.dist import DistContext, init_distributed, shutdown_distributed
+from shardwise.bench.common import alternate, bench_config, bench_main, timed_steps
+from shardwise.dist import DistContext
 from shardwise.trainer import Trainer, loss_fn
 
 
@@ -134,22 +133,5 @@ def format_result(result: dict[str, Any]) -> str:
     ])
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m shardwise.bench.ddp")
-    parser.add_argument("--steps", type=int, default=12, help="measured steps per strategy")
-    parser.add_argument("--rounds", type=int, default=3, help="A B blocks the steps are split into")
-    parser.add_argument("--micro-batch", type=int, default=8)
-    parser.add_argument("--json", action="append", default=[], help="write the result here (repeatable)")
-    args = parser.parse_args(argv)
-    ctx = init_distributed("gloo", timeout_s=600, threads_per_rank=1)
-    if ctx.world_size != 2:
-        raise SystemExit("bench ddp needs exactly 2 ranks: run it as `shardwise bench ddp`")
-    result = run(ctx, args.steps, args.rounds, args.micro_batch)
-    if result is not None:
-        write_json(result, args.json)
-        print(format_result(result), flush=True)
-    shutdown_distributed()
-
-
 if __name__ == "__main__":
-    main()
+    bench_main("ddp", run, format_result)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 
 import torch
 from torch import nn
@@ -56,3 +56,35 @@ class Strategy:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The plain model's complete state dict, on CPU (gathered if sharded); valid on rank 0."""
         return {k: v.detach().cpu() for k, v in self.module.state_dict().items()}
+
+
+class HookedStrategy(Strategy):
+    """A strategy that communicates from gradient hooks while backward runs, and finishes in
+    one callback after the autograd engine is done (`_finish_backward`)."""
+
+    def _init_backward_state(self) -> None:
+        self._sync = True  # False inside no_sync(): gradients only accumulate locally
+        self._in_backward = False
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        self._sync = False
+        try:
+            yield
+        finally:
+            self._sync = True
+
+    def _queue_finish_once(self) -> None:
+        """Call from every gradient hook: the first call of each backward queues the callback."""
+        if not self._in_backward:
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._run_finish)
+
+    def _run_finish(self) -> None:
+        try:
+            self._finish_backward()
+        finally:
+            self._in_backward = False
+
+    def _finish_backward(self) -> None:
+        raise NotImplementedError

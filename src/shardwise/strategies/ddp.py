@@ -20,15 +20,13 @@ next synchronised backward all-reduces the accumulated sum.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.strategies.base import Strategy
+from shardwise.strategies.base import HookedStrategy
 from shardwise.strategies.sync_batchnorm import convert_sync_batchnorm
 
 
@@ -56,7 +54,7 @@ def plan_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.
     return buckets
 
 
-class DDP(Strategy):
+class DDP(HookedStrategy):
     name = "ddp"
 
     def wrap(self, model: nn.Module) -> nn.Module:
@@ -72,8 +70,7 @@ class DDP(Strategy):
         self._bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket.params}
         for param in trainable:
             param.register_post_accumulate_grad_hook(self._on_grad_ready)
-        self._sync = True
-        self._in_backward = False
+        self._init_backward_state()
         self._next_launch = 0
         self.last_wait_s = 0.0  # communication left exposed after the last backward
         self.module.register_forward_pre_hook(self._sync_buffers)
@@ -113,20 +110,10 @@ class DDP(Strategy):
         self._attach_gradient_views()
         loss.backward()
 
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
-        self._sync = False
-        try:
-            yield
-        finally:
-            self._sync = True
-
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         if not self._sync:
             return
-        if not self._in_backward:
-            self._in_backward = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        self._queue_finish_once()
         bucket = self.buckets[self._bucket_of[id(param)]]
         bucket.ready.add(id(param))
         self._launch_ready_buckets()
@@ -164,4 +151,3 @@ class DDP(Strategy):
             bucket.ready.clear()
             bucket.work = None
         self._next_launch = 0
-        self._in_backward = False

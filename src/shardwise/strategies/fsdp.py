@@ -28,8 +28,6 @@ Gathering refills the same storage, so those views see the data again.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -37,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.memory import MemoryBreakdown, count_memory, storage_bytes
-from shardwise.strategies.base import OptimizerFactory, Strategy
+from shardwise.strategies.base import HookedStrategy, OptimizerFactory
 from shardwise.strategies.sync_batchnorm import convert_sync_batchnorm
 
 
@@ -60,7 +58,7 @@ class Unit:
         return sum(p.numel() * p.element_size() for p in self.params)
 
 
-class ShardedDataParallel(Strategy):
+class ShardedDataParallel(HookedStrategy):
     stage = 3
 
     def wrap(self, model: nn.Module) -> nn.Module:
@@ -79,8 +77,7 @@ class ShardedDataParallel(Strategy):
         for unit in self.units:
             for param in unit.params:
                 param.register_post_accumulate_grad_hook(self._on_grad_ready)
-        self._sync = True
-        self._in_backward = False
+        self._init_backward_state()
         self._new_step = True
         self._reductions: list[tuple[dist.Work, Unit, torch.Tensor]] = []
         self.bytes_moved = 0  # by all-gathers and reduce-scatters, input + output, for bus bandwidth
@@ -225,18 +222,8 @@ class ShardedDataParallel(Strategy):
         self._new_step = False
         loss.backward()
 
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
-        self._sync = False
-        try:
-            yield
-        finally:
-            self._sync = True
-
     def _on_grad_ready(self, param: nn.Parameter) -> None:
-        if not self._in_backward:
-            self._in_backward = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+        self._queue_finish_once()
         unit = self._unit_of[id(param)]
         unit.ready.add(id(param))
         if len(unit.ready) == len(unit.params) and unit is not self.root:
@@ -283,7 +270,6 @@ class ShardedDataParallel(Strategy):
                 self._free(unit)
         for unit in self.units:
             unit.ready.clear()
-        self._in_backward = False
 
     # --- optimizer, clipping, memory, state -----------------------------------------------
 
