@@ -85,6 +85,13 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
+def broadcast_from_rank0(tensors: list[torch.Tensor]) -> None:
+    """Overwrite `tensors` on every rank with rank 0's values, in place."""
+    with torch.no_grad():
+        for tensor in tensors:
+            dist.broadcast(tensor, src=0)
+
+
 def seed_everything(seed: int) -> None:
     """Same seed on every rank, so every rank builds the same initial model."""
     random.seed(seed)

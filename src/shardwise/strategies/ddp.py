@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardwise.dist import broadcast_from_rank0
 from shardwise.strategies.base import HookedStrategy
 from shardwise.strategies.sync_batchnorm import convert_sync_batchnorm
 
@@ -61,7 +62,7 @@ class DDP(HookedStrategy):
         if self.cfg.sync_batchnorm:
             model = convert_sync_batchnorm(model)
         self.module = model.to(self.ctx.device)
-        self._broadcast_from_rank0(list(self.module.parameters()) + list(self.module.buffers()))
+        broadcast_from_rank0([*self.module.parameters(), *self.module.buffers()])
         trainable = [p for p in self.module.parameters() if p.requires_grad]
         self._names = {id(p): n for n, p in self.module.named_parameters()}
         # Backward produces gradients roughly in reverse registration order.
@@ -85,17 +86,12 @@ class DDP(HookedStrategy):
             offset += param.numel()
         return Bucket(buffer, params, views)
 
-    def _broadcast_from_rank0(self, tensors: list[torch.Tensor]) -> None:
-        with torch.no_grad():
-            for tensor in tensors:
-                dist.broadcast(tensor, src=0)
-
     def _sync_buffers(self, module: nn.Module, args: object) -> None:
         """Rank 0's buffers (BatchNorm running statistics) for every rank, before each training
         forward: ranks see different data, so their running statistics would drift apart.
         (Under SyncBatchNorm they are already equal, and the broadcast changes nothing.)"""
         if module.training:
-            self._broadcast_from_rank0(list(module.buffers()))
+            broadcast_from_rank0(list(module.buffers()))
 
     def _attach_gradient_views(self) -> None:
         """Point every `.grad` back at its bucket view; a step that starts with gradients set to

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardwise.dist import broadcast_from_rank0
 from shardwise.memory import MemoryBreakdown, count_memory, storage_bytes
 from shardwise.strategies.base import HookedStrategy, OptimizerFactory
 from shardwise.strategies.sync_batchnorm import convert_sync_batchnorm
@@ -43,7 +44,6 @@ from shardwise.strategies.sync_batchnorm import convert_sync_batchnorm
 class Unit:
     """Parameters gathered, freed and reduced together, and their shards packed in one buffer."""
 
-    name: str
     params: list[nn.Parameter]
     rows: list[int]  # rows of each parameter's shard (its padded dim 0 / world size)
     offsets: list[int]  # where each parameter's shard starts in the packed buffer
@@ -67,13 +67,10 @@ class ShardedDataParallel(HookedStrategy):
         self.module = model.to(self.ctx.device)
         self.world = self.ctx.world_size
         self.rank = self.ctx.rank
-        with torch.no_grad():
-            for tensor in [*self.module.parameters(), *self.module.buffers()]:
-                dist.broadcast(tensor, src=0)
+        broadcast_from_rank0([*self.module.parameters(), *self.module.buffers()])
         self.units = self._make_units()
         self.root = self.units[-1]
         self._unit_of = {id(p): unit for unit in self.units for p in unit.params}
-        self._names = {id(p): n for n, p in self.module.named_parameters()}
         for unit in self.units:
             for param in unit.params:
                 param.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -92,20 +89,20 @@ class ShardedDataParallel(HookedStrategy):
     # --- sharding layout ------------------------------------------------------------------
 
     def _make_units(self) -> list[Unit]:
-        unit_modules = [(n, m) for n, m in self.module.named_modules() if type(m).__name__ == self.cfg.fsdp_unit]
         seen: set[int] = set()
         groups = []
-        for name, module in unit_modules:
+        for module in self.module.modules():
+            if type(module).__name__ != self.cfg.fsdp_unit:
+                continue
             params = [p for p in module.parameters() if p.requires_grad and id(p) not in seen]
             seen.update(id(p) for p in params)
             if params:
-                groups.append((name, params, module))
+                groups.append((params, module))
         root = [p for p in self.module.parameters() if p.requires_grad and id(p) not in seen]
-        units = [self._make_unit(name, params) for name, params, _ in groups]
-        self._unit_modules = [module for _, _, module in groups]
-        return units + [self._make_unit("root", root)]
+        self._unit_modules = [module for _, module in groups]
+        return [self._make_unit(params) for params, _ in groups] + [self._make_unit(root)]
 
-    def _make_unit(self, name: str, params: list[nn.Parameter]) -> Unit:
+    def _make_unit(self, params: list[nn.Parameter]) -> Unit:
         rows = [math.ceil(p.shape[0] / self.world) if p.dim() else 1 for p in params]
         lengths = [r * (p[0].numel() if p.dim() else 1) for r, p in zip(rows, params, strict=True)]
         offsets = [sum(lengths[:i]) for i in range(len(lengths))]
@@ -117,12 +114,15 @@ class ShardedDataParallel(HookedStrategy):
             chunk = param.detach().reshape(-1, *param.shape[1:])[self.rank * r : (self.rank + 1) * r]
             view[: chunk.shape[0]].copy_(chunk)
             shards.append(nn.Parameter(view))
-        return Unit(name, params, rows, offsets, buffer, shards)
+        return Unit(params, rows, offsets, buffer, shards)
 
-    def _rank_rows(self, param: nn.Parameter, rows: int, rank: int) -> int:
-        """Rows of `param` that rank `rank`'s chunk really holds (the rest is padding)."""
+    def _rank_spans(self, param: nn.Parameter, rows: int) -> list[tuple[int, int]]:
+        """For each rank, (start, length) of its chunk in `param` flattened: the elements it
+        really holds; its shard's remaining rows are padding."""
         total = param.shape[0] if param.dim() else 1
-        return max(0, min(rows, total - rank * rows))
+        row_numel = param[0].numel() if param.dim() else 1
+        return [(rank * rows * row_numel, max(0, min(rows, total - rank * rows)) * row_numel)
+                for rank in range(self.world)]
 
     # --- gather / free --------------------------------------------------------------------
 
@@ -162,10 +162,7 @@ class ShardedDataParallel(HookedStrategy):
 
     def _copy_out(self, param: nn.Parameter, rows: int, offset: int, per_rank: torch.Tensor) -> None:
         flat = param.data.view(-1)
-        row_numel = param[0].numel() if param.dim() else 1
-        for rank in range(self.world):
-            n = self._rank_rows(param, rows, rank) * row_numel
-            start = rank * rows * row_numel
+        for rank, (start, n) in enumerate(self._rank_spans(param, rows)):
             flat[start : start + n].copy_(per_rank[rank, offset : offset + n])
 
     def _free(self, unit: Unit) -> None:
@@ -244,10 +241,8 @@ class ShardedDataParallel(HookedStrategy):
             if param.grad is None:  # no gradient on this rank: it contributes zeros
                 continue
             flat = param.grad.view(-1)
-            row_numel = param[0].numel() if param.dim() else 1
-            for rank in range(self.world):
-                n = self._rank_rows(param, rows, rank) * row_numel
-                packed[rank, offset : offset + n].copy_(flat[rank * rows * row_numel : rank * rows * row_numel + n])
+            for rank, (start, n) in enumerate(self._rank_spans(param, rows)):
+                packed[rank, offset : offset + n].copy_(flat[start : start + n])
             if self.stage >= 2:
                 param.grad = None
         shard_grad = torch.empty(numel, dtype=packed.dtype, device=packed.device)
