@@ -185,3 +185,51 @@ def test_sync_batchnorm_works_under_sharding(tmp_path):
     train_in_process(cnn_cfg(tmp_path / "single", "single", 1, sync=False))
     for strategy in ("zero2", "fsdp"):  # running statistics included
         assert_same_training(tmp_path / strategy, tmp_path / "single", CNN_STEPS)
+
+
+# --- shards as DTensors -------------------------------------------------------------------
+
+# d_model 33: rows of 33 and 99 split 17 + 16 over 2 ranks, so one shard carries a padding row.
+PADDED_ON_2 = ("model.d_model=33", "model.n_head=3", "model.seq_len=30")
+
+
+def save_sharded_with_dcp(ctx: DistContext, root: Path, strategy_name: str) -> dict[str, torch.Tensor]:
+    import torch.distributed.checkpoint as dcp
+
+    trainer = Trainer(cfg_for(root / "run", strategy_name, ctx.world_size, "train.micro_batch=4",
+                              "train.steps=3", *PADDED_ON_2), ctx)
+    for step in range(3):  # the shards move away from their initial values
+        trainer.train_step(step)
+        trainer.optimizer.zero_grad(set_to_none=True)
+    state = trainer.strategy.sharded_state_dict()
+    dcp.save(state, checkpoint_id=root / "dcp")
+    return trainer.strategy.full_state_dict()
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "fsdp"])
+def test_shards_are_dim0_dtensors_that_dcp_saves_and_loads_unsharded(tmp_path, strategy):
+    import torch.distributed.checkpoint as dcp
+
+    full = run_ranks(save_sharded_with_dcp, 2, tmp_path, strategy)[0]
+    plain = build_model(cfg_for(tmp_path, "single", 1, *PADDED_ON_2).model)
+    state = plain.state_dict()
+    state.pop("head.weight")  # tied to tok_emb.weight, saved once under that name
+    for tensor in state.values():
+        tensor.zero_()
+    dcp.load(state, checkpoint_id=tmp_path / "dcp")  # one process, no process group: resharded 2 -> 1
+    assert set(state) == set(full) - {"head.weight"}
+    for name, tensor in state.items():
+        assert torch.equal(tensor, full[name]), name
+    assert plain.head.weight.data_ptr() == plain.tok_emb.weight.data_ptr()
+
+
+def test_a_0_dim_parameter_is_refused_by_name():
+    class Scaled(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gain = torch.nn.Parameter(torch.tensor(1.0))
+
+    cfg = load_config(None, ["parallel.strategy=fsdp", "launch.nproc=2"])
+    strategy = make_strategy(cfg.parallel, DistContext(0, 1, 0, torch.device("cpu"), "gloo"))
+    with pytest.raises(ValueError, match="gain are 0-dim"):
+        strategy.wrap(Scaled())

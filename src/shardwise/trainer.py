@@ -72,7 +72,7 @@ class Trainer:
         self.activation_bytes = 0
         self.peak_flops = device_peak_flops(ctx.device)
 
-    def _micro_batches(self, dataset: Dataset, indices: list[torch.Tensor]) -> Iterable[tuple[torch.Tensor, ...]]:
+    def micro_batches(self, dataset: Dataset, indices: list[torch.Tensor]) -> Iterable[tuple[torch.Tensor, ...]]:
         for idx in indices:
             inputs, targets = dataset.batch(idx)
             yield inputs.to(self.ctx.device, non_blocking=True), targets.to(self.ctx.device, non_blocking=True)
@@ -85,7 +85,7 @@ class Trainer:
             group["lr"] = lr
         indices = self.sampler.micro_batches(step, self.ctx.rank, self.ctx.world_size, self.cfg.train.micro_batch)
         loss_sum = torch.zeros((), device=self.ctx.device)
-        for i, (inputs, targets) in enumerate(self._micro_batches(self.train_set, indices)):
+        for i, (inputs, targets) in enumerate(self.micro_batches(self.train_set, indices)):
             last = i == self.accum - 1
             # Count what the forward saves for backward once: shapes are fixed, so it never changes.
             counter = ActivationCounter(self.model) if step == 0 and i == 0 else nullcontext()
@@ -110,7 +110,7 @@ class Trainer:
         count = 0
         for batch in range(self.cfg.train.eval_batches):
             indices = sampler.micro_batches(batch, self.ctx.rank, self.ctx.world_size, self.cfg.train.micro_batch)
-            for inputs, targets in self._micro_batches(self.val_set, indices):
+            for inputs, targets in self.micro_batches(self.val_set, indices):
                 loss_sum += loss_fn(self.model(inputs), targets)
                 count += 1
         self.model.train()

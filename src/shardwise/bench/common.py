@@ -23,29 +23,42 @@ def bench_config(strategy: str, world_size: int, micro_batch: int, steps: int) -
     ])
 
 
-def timed_steps(trainer: Trainer, first: int, count: int) -> list[float]:
-    times = []
-    for step in range(first, first + count):
-        started = time.perf_counter()
-        trainer.train_step(step).item()
-        times.append(time.perf_counter() - started)
+StepFn = Callable[[int], None]  # runs training step k to completion
+
+
+def trainer_step(trainer: Trainer) -> StepFn:
+    def step(k: int) -> None:
+        trainer.train_step(k).item()  # .item() waits for the step to finish
         trainer.optimizer.zero_grad(set_to_none=True)
+
+    return step
+
+
+def timed_steps(step: StepFn, first: int, count: int) -> list[float]:
+    times = []
+    for k in range(first, first + count):
+        started = time.perf_counter()
+        step(k)
+        times.append(time.perf_counter() - started)
     return times
 
 
-def alternate(ctx: DistContext, strategies: list[str], steps: int, rounds: int, micro_batch: int,
-              ) -> tuple[dict[str, Trainer], dict[str, list[float]]]:
-    """Build every strategy from the same seed, warm each up, then time them in turn, `rounds`
-    blocks of steps each (A B A B ...), so the machine's drift hits all alike."""
+def build_trainers(ctx: DistContext, strategies: list[str], steps: int, micro_batch: int) -> dict[str, Trainer]:
+    """One trainer per strategy, each built from the same seed on the same batches."""
+    return {name: Trainer(bench_config(name, ctx.world_size, micro_batch, steps * 2), ctx) for name in strategies}
+
+
+def alternate(steps_of: dict[str, StepFn], steps: int, rounds: int) -> dict[str, list[float]]:
+    """Warm each up, then time them in turn, `rounds` blocks of steps each (A B A B ...), so the
+    machine's drift hits all alike."""
     per_round = max(1, steps // rounds)
-    trainers = {name: Trainer(bench_config(name, ctx.world_size, micro_batch, steps * 2), ctx) for name in strategies}
-    times: dict[str, list[float]] = {name: [] for name in strategies}
-    for trainer in trainers.values():  # allocation, thread pools, first buckets
-        timed_steps(trainer, 0, 2)
+    times: dict[str, list[float]] = {name: [] for name in steps_of}
+    for step in steps_of.values():  # allocation, thread pools, first buckets
+        timed_steps(step, 0, 2)
     for round_ in range(rounds):
-        for name, trainer in trainers.items():
-            times[name] += timed_steps(trainer, 2 + round_ * per_round, per_round)
-    return trainers, times
+        for name, step in steps_of.items():
+            times[name] += timed_steps(step, 2 + round_ * per_round, per_round)
+    return times
 
 
 def write_json(result: dict[str, Any], paths: list[str]) -> None:

@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor, Shard
 
 from shardwise.dist import broadcast_from_rank0
 from shardwise.memory import MemoryBreakdown, count_memory, storage_bytes
@@ -67,6 +69,9 @@ class ShardedDataParallel(HookedStrategy):
         self.module = model.to(self.ctx.device)
         self.world = self.ctx.world_size
         self.rank = self.ctx.rank
+        scalars = [name for name, p in self.module.named_parameters() if p.dim() == 0]
+        if scalars:
+            raise ValueError(f"{self.name}: parameters {', '.join(scalars)} are 0-dim; sharding splits dim 0")
         broadcast_from_rank0([*self.module.parameters(), *self.module.buffers()])
         self.units = self._make_units()
         self.root = self.units[-1]
@@ -103,25 +108,28 @@ class ShardedDataParallel(HookedStrategy):
         return [self._make_unit(params) for params, _ in groups] + [self._make_unit(root)]
 
     def _make_unit(self, params: list[nn.Parameter]) -> Unit:
-        rows = [math.ceil(p.shape[0] / self.world) if p.dim() else 1 for p in params]
-        lengths = [r * (p[0].numel() if p.dim() else 1) for r, p in zip(rows, params, strict=True)]
+        rows = [math.ceil(p.shape[0] / self.world) for p in params]
+        lengths = [r * p[0].numel() for r, p in zip(rows, params, strict=True)]
         offsets = [sum(lengths[:i]) for i in range(len(lengths))]
         dtype = params[0].dtype if params else torch.float32
         buffer = torch.zeros(sum(lengths), dtype=dtype, device=self.ctx.device)
         shards = []
         for param, r, offset, length in zip(params, rows, offsets, lengths, strict=True):
             view = buffer[offset : offset + length].view(r, *param.shape[1:])
-            chunk = param.detach().reshape(-1, *param.shape[1:])[self.rank * r : (self.rank + 1) * r]
+            chunk = param.detach()[self.rank * r : (self.rank + 1) * r]
             view[: chunk.shape[0]].copy_(chunk)
             shards.append(nn.Parameter(view))
         return Unit(params, rows, offsets, buffer, shards)
 
+    @staticmethod
+    def _real_rows(param: nn.Parameter, rows: int, rank: int) -> int:
+        """Rows of `rank`'s shard that hold `param`'s data; the rest are padding."""
+        return max(0, min(rows, param.shape[0] - rank * rows))
+
     def _rank_spans(self, param: nn.Parameter, rows: int) -> list[tuple[int, int]]:
-        """For each rank, (start, length) of its chunk in `param` flattened: the elements it
-        really holds; its shard's remaining rows are padding."""
-        total = param.shape[0] if param.dim() else 1
-        row_numel = param[0].numel() if param.dim() else 1
-        return [(rank * rows * row_numel, max(0, min(rows, total - rank * rows)) * row_numel)
+        """For each rank, (start, length) of its chunk in `param` flattened."""
+        row_numel = param[0].numel()
+        return [(rank * rows * row_numel, self._real_rows(param, rows, rank) * row_numel)
                 for rank in range(self.world)]
 
     # --- gather / free --------------------------------------------------------------------
@@ -323,6 +331,24 @@ class ShardedDataParallel(HookedStrategy):
         state = {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
         for unit in self.units:
             self._free(unit)
+        return state
+
+
+    def sharded_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state with each parameter as a DTensor sharded along dim 0 over the world
+        (this rank's shard, padding dropped: torch.chunk's layout, which is DTensor's), buffers
+        as they are. torch.distributed.checkpoint saves it and loads it at any world size."""
+        if not hasattr(self, "_mesh"):
+            self._mesh: DeviceMesh = init_device_mesh(self.ctx.device.type, (self.world,))
+        shard_of = {id(p): (shard, rows) for unit in self.units
+                    for p, shard, rows in zip(unit.params, unit.shards, unit.rows, strict=True)}
+        state: dict[str, torch.Tensor] = {}
+        for name, param in self.module.named_parameters():
+            shard, rows = shard_of[id(param)]
+            local = shard.detach()[: self._real_rows(param, rows, self.rank)]
+            state[name] = DTensor.from_local(local, self._mesh, [Shard(0)], run_check=False,
+                                             shape=param.shape, stride=param.stride())
+        state.update(self.module.named_buffers())
         return state
 
 
