@@ -83,6 +83,13 @@ class Trainer:
         lr = learning_rate(step, self.cfg.train)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        loss_sum = self.forward_backward(step)
+        self.optimizer_step()
+        return self.ctx.all_reduce_mean(loss_sum / self.accum)
+
+    def forward_backward(self, step: int) -> torch.Tensor:
+        """Forward and backward over this rank's micro-batches of step `step`, gradients
+        synchronised after the last one; returns the sum of their losses."""
         indices = self.sampler.micro_batches(step, self.ctx.rank, self.ctx.world_size, self.cfg.train.micro_batch)
         loss_sum = torch.zeros((), device=self.ctx.device)
         for i, (inputs, targets) in enumerate(self.micro_batches(self.train_set, indices)):
@@ -96,10 +103,13 @@ class Trainer:
             if isinstance(counter, ActivationCounter):
                 self.activation_bytes = counter.bytes
             loss_sum += loss.detach()
+        return loss_sum
+
+    def optimizer_step(self) -> None:
+        """Clip (if configured) and step on the synchronised gradients."""
         if self.cfg.train.grad_clip > 0:
             self.strategy.clip_grad_norm_(self.cfg.train.grad_clip)
         self.optimizer.step()
-        return self.ctx.all_reduce_mean(loss_sum / self.accum)
 
     @torch.no_grad()
     def evaluate(self) -> float:
