@@ -80,8 +80,9 @@ class ParallelConfig:
     bucket_mb: float = 25.0
     find_unused_parameters: bool = False
     sync_batchnorm: bool = False
+    # class name of the model's repeated block: the unit of sharding and of recomputation
+    block: str = "Block"
     # sharded strategies
-    fsdp_unit: str = "Block"
     reshard_after_forward: bool = True
     prefetch: int = 1
 

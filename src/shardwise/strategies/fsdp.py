@@ -16,7 +16,7 @@ whole:
   unit's all-gather is issued while the current one computes (`prefetch` units ahead), forward
   and backward.
 
-Units are the modules whose class is `parallel.fsdp_unit` (the GPT's `Block`), plus the root:
+Units are the modules whose class is `parallel.block` (the GPT's `Block`), plus the root:
 every parameter not in a unit (embeddings, final norm). The root is gathered for the whole of
 forward and backward.
 
@@ -97,7 +97,7 @@ class ShardedDataParallel(HookedStrategy):
         seen: set[int] = set()
         groups = []
         for module in self.module.modules():
-            if type(module).__name__ != self.cfg.fsdp_unit:
+            if type(module).__name__ != self.cfg.block:
                 continue
             params = [p for p in module.parameters() if p.requires_grad and id(p) not in seen]
             seen.update(id(p) for p in params)

@@ -39,14 +39,14 @@ class NativeDDP(Strategy):
 
 
 class NativeFSDP(Strategy):
-    """PyTorch FSDP2: `fully_shard` on every `parallel.fsdp_unit` module, then on the root."""
+    """PyTorch FSDP2: `fully_shard` on every `parallel.block` module, then on the root."""
 
     name = "fsdp-native"
 
     def wrap(self, model: nn.Module) -> nn.Module:
         model = model.to(self.ctx.device)
         for module in model.modules():
-            if type(module).__name__ == self.cfg.fsdp_unit:
+            if type(module).__name__ == self.cfg.block:
                 fully_shard(module, reshard_after_forward=self.cfg.reshard_after_forward)
         fully_shard(model)
         self.module = model
