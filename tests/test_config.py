@@ -112,3 +112,24 @@ def test_resolved_config_round_trips_through_toml(tmp_path):
     cfg.save(tmp_path / "config.toml")
     again = load_config(tmp_path / "config.toml")
     assert again == cfg and again.model.d_model == 384
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (("parallel.precision=fp8",), "parallel.precision = 'fp8': unknown; allowed: fp32, bf16-mixed"),
+        (("parallel.recompute=every:0",), "parallel.recompute = 'every:0': expected none, blocks, selective or"),
+        (("parallel.recompute=some",), "parallel.recompute = 'some'"),
+        (("parallel.recompute=blocks", "model.name=cnn", "data.name=digits"), "'cnn' has no blocks to recompute"),
+        (("parallel.reduce_dtype=fp16",), "parallel.reduce_dtype = 'fp16': unknown; allowed: fp32, bf16"),
+        (("parallel.reduce_dtype=bf16", "parallel.strategy=ddp"), "only the sharded strategies"),
+        (("parallel.loss_scale=0",), "parallel.loss_scale = 0.0: must be > 0"),
+    ],
+)
+def test_bad_precision_and_recompute_settings_are_named(tmp_path, overrides, expected):
+    assert expected in error_for(tmp_path, overrides=overrides)
+
+
+def test_precision_and_recompute_flags_reach_the_config():
+    cfg = load_config(None, [], {"parallel.precision": "bf16-mixed", "parallel.recompute": "every:3"})
+    assert (cfg.parallel.precision, cfg.parallel.recompute) == ("bf16-mixed", "every:3")

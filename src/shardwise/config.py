@@ -17,8 +17,12 @@ from typing import Any
 import tomli_w
 import torch
 
+from shardwise.recompute import parse_policy
+
 STRATEGIES = ("single", "ddp", "ddp-native", "zero1", "zero2", "fsdp", "fsdp-native")
-PRECISIONS = ("fp32",)
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
+REDUCE_DTYPES = ("fp32", "bf16")
+SHARDED = ("zero1", "zero2", "fsdp", "fsdp-native")
 MODELS = ("gpt", "cnn", "mlp")
 GPT_PRESETS = ("tiny", "small", "gpt2-124m")
 OPTIMIZERS = ("adamw", "sgd")
@@ -77,6 +81,11 @@ class TrainConfig:
 class ParallelConfig:
     strategy: str = "single"
     precision: str = "fp32"
+    # fp16-mixed's dynamic loss scaler: starting scale, and clean steps before it doubles
+    loss_scale: float = 65536.0
+    loss_scale_growth_interval: int = 2000
+    # none | blocks | every:K | selective (see recompute.py)
+    recompute: str = "none"
     bucket_mb: float = 25.0
     find_unused_parameters: bool = False
     sync_batchnorm: bool = False
@@ -85,6 +94,7 @@ class ParallelConfig:
     # sharded strategies
     reshard_after_forward: bool = True
     prefetch: int = 1
+    reduce_dtype: str = "fp32"  # what gradients are reduce-scattered in
 
 
 @dataclass
@@ -253,6 +263,16 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _choice("model.name", m.name, MODELS)
     _choice("parallel.strategy", p.strategy, STRATEGIES)
     _choice("parallel.precision", p.precision, PRECISIONS)
+    _choice("parallel.reduce_dtype", p.reduce_dtype, REDUCE_DTYPES)
+    if p.reduce_dtype != "fp32" and p.strategy not in SHARDED:
+        raise ConfigError(
+            f"parallel.reduce_dtype = {p.reduce_dtype!r}: only the sharded strategies ({', '.join(SHARDED)}) "
+            f"reduce in another dtype; parallel.strategy is {p.strategy!r}"
+        )
+    try:
+        parse_policy(p.recompute)
+    except ValueError as exc:
+        raise ConfigError(f"parallel.recompute = {exc}") from None
     _choice("launch.backend", launch.backend, BACKENDS)
     _choice("train.optimizer", t.optimizer, OPTIMIZERS)
     datasets = TEXT_DATASETS if m.name == "gpt" else IMAGE_DATASETS
@@ -267,6 +287,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             raise ConfigError(f"model.d_model = {m.d_model}: must be divisible by model.n_head = {m.n_head}")
         if m.vocab_size < 256:
             raise ConfigError(f"model.vocab_size = {m.vocab_size}: must be >= 256 for byte-level data")
+    if p.recompute != "none" and m.name != "gpt":
+        raise ConfigError(f"parallel.recompute = {p.recompute!r}: model.name = {m.name!r} has no blocks to recompute")
     _positive("model.width", m.width)
     _positive("model.num_classes", m.num_classes)
     if not 0 < d.val_fraction < 1:
@@ -283,6 +305,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"train.min_lr = {t.min_lr!r}: must be <= train.lr = {t.lr!r}")
     _positive("parallel.bucket_mb", p.bucket_mb)
     _positive("parallel.prefetch", p.prefetch, zero_ok=True)
+    _positive("parallel.loss_scale", p.loss_scale)
+    _positive("parallel.loss_scale_growth_interval", p.loss_scale_growth_interval)
     for key in ("nproc", "nnodes", "threads_per_rank", "timeout_s"):
         _positive(f"launch.{key}", getattr(launch, key))
     if not 0 <= launch.node_rank < launch.nnodes:

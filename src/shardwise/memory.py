@@ -55,9 +55,20 @@ def peak_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+_active_counters: list[ActivationCounter] = []
+
+
+def record_saved(tensor: torch.Tensor) -> None:
+    """Count `tensor` as saved for backward, for code that keeps tensors for backward without
+    autograd's saved-tensor hooks seeing them (selective checkpointing)."""
+    for counter in _active_counters:
+        counter.add(tensor)
+
+
 class ActivationCounter:
     """Counts the bytes autograd saves for backward during a forward pass: the activation memory
-    that lives from forward until backward. Parameters saved by their ops are not counted."""
+    that lives from forward until backward, each storage once. Parameters saved by their ops are
+    not counted."""
 
     def __init__(self, model: nn.Module) -> None:
         self._params = list(model.parameters())
@@ -71,10 +82,13 @@ class ActivationCounter:
             self._param_storages = {local_tensor(p).untyped_storage().data_ptr() for p in self._params}
         return pointer in self._param_storages
 
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+    def add(self, tensor: torch.Tensor) -> None:
         storage = tensor.untyped_storage()
         if not self._is_parameter(storage.data_ptr()):
             self._saved[storage.data_ptr()] = storage.nbytes()
+
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.add(tensor)
         return tensor
 
     @property
@@ -83,9 +97,11 @@ class ActivationCounter:
 
     def __enter__(self) -> ActivationCounter:
         self._hooks.__enter__()
+        _active_counters.append(self)
         return self
 
     def __exit__(self, *exc: object) -> None:
+        _active_counters.remove(self)
         self._hooks.__exit__(*exc)
 
 

@@ -20,11 +20,13 @@ from shardwise.dist import DistContext, seed_everything
 from shardwise.memory import ActivationCounter
 from shardwise.metrics import MetricsWriter, Progress, device_peak_flops, mfu
 from shardwise.models import build_model, flops_per_sample
+from shardwise.precision import LossScaler
 from shardwise.strategies import OptimizerFactory, Strategy, make_strategy
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over every target (tokens or images), computed in fp32."""
+    """Mean cross-entropy over every target (tokens or images), computed in fp32: a log-softmax
+    over the vocabulary in 16 bits rounds away the small probabilities the gradient needs."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
 
 
@@ -67,6 +69,9 @@ class Trainer:
         self.strategy: Strategy = make_strategy(cfg.parallel, ctx)
         self.model = self.strategy.wrap(model)
         self.optimizer = self.strategy.optimizer(optimizer_factory(cfg.train))
+        p = cfg.parallel
+        self.scaler = LossScaler(p.loss_scale, p.loss_scale_growth_interval) if p.precision == "fp16-mixed" else None
+        self.skipped_steps = 0
         self.sampler = GlobalBatchSampler(len(self.train_set), cfg.train.global_batch, cfg.train.seed)
         self.accum = cfg.grad_accum(ctx.world_size)
         self.activation_bytes = 0
@@ -84,7 +89,8 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         loss_sum = self.forward_backward(step)
-        self.optimizer_step()
+        self.last_step_skipped = not self.optimizer_step()
+        self.skipped_steps += self.last_step_skipped
         return self.ctx.all_reduce_mean(loss_sum / self.accum)
 
     def forward_backward(self, step: int) -> torch.Tensor:
@@ -97,19 +103,28 @@ class Trainer:
             # Count what the forward saves for backward once: shapes are fixed, so it never changes.
             counter = ActivationCounter(self.model) if step == 0 and i == 0 else nullcontext()
             with nullcontext() if last else self.strategy.no_sync():
-                with counter:
+                with counter, self.strategy.precision.autocast(self.ctx.device):
                     loss = loss_fn(self.model(inputs), targets)
-                self.strategy.backward(loss / self.accum)
+                scaled = loss / self.accum
+                self.strategy.backward(self.scaler.scale_loss(scaled) if self.scaler else scaled)
             if isinstance(counter, ActivationCounter):
                 self.activation_bytes = counter.bytes
             loss_sum += loss.detach()
         return loss_sum
 
-    def optimizer_step(self) -> None:
-        """Clip (if configured) and step on the synchronised gradients."""
+    def optimizer_step(self) -> bool:
+        """Clip (if configured) and step on the synchronised gradients; return whether it stepped.
+        Under fp16 the gradients are unscaled first, and if any rank found an inf or NaN every
+        rank skips the step."""
+        if self.scaler:
+            found_inf = self.scaler.unscale_(self.strategy.local_grads())
+            self.scaler.update(found_inf)
+            if found_inf:
+                return False
         if self.cfg.train.grad_clip > 0:
             self.strategy.clip_grad_norm_(self.cfg.train.grad_clip)
         self.optimizer.step()
+        return True
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -121,7 +136,8 @@ class Trainer:
         for batch in range(self.cfg.train.eval_batches):
             indices = sampler.micro_batches(batch, self.ctx.rank, self.ctx.world_size, self.cfg.train.micro_batch)
             for inputs, targets in self.micro_batches(self.val_set, indices):
-                loss_sum += loss_fn(self.model(inputs), targets)
+                with self.strategy.precision.autocast(self.ctx.device):
+                    loss_sum += loss_fn(self.model(inputs), targets)
                 count += 1
         self.model.train()
         return self.ctx.all_reduce_mean(loss_sum / count).item()
@@ -139,6 +155,7 @@ class Trainer:
             "tokens_per_s": samples_per_s * self.seq_len if self.seq_len else None,
             "mfu": mfu(self.flops_per_sample, samples_per_s, self.ctx.world_size, self.peak_flops),
             "memory": memory.as_dict(),
+            **({"loss_scale": self.scaler.scale, "skipped": self.last_step_skipped} if self.scaler else {}),
         }
 
     def fit(self) -> dict[str, Any]:
@@ -186,6 +203,9 @@ class Trainer:
             "tokens_per_s": samples_per_s * self.seq_len if self.seq_len else None,
             "mfu": mfu(self.flops_per_sample, samples_per_s, self.ctx.world_size, self.peak_flops),
             "memory": records[-1]["memory"],
+            "precision": self.cfg.parallel.precision,
+            "recompute": self.cfg.parallel.recompute,
+            "skipped_steps": self.skipped_steps,
         }
 
     def _save_weights(self) -> None:

@@ -23,6 +23,16 @@ class GPTConfig:
     bias: bool = False
 
 
+class LayerNorm(nn.LayerNorm):
+    """LayerNorm computed in fp32 whatever the input and parameter dtypes: the variance of a
+    width-long vector loses its small terms in 16 bits. Returns the input's dtype."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(x.device.type, enabled=False):
+            bias = self.bias.float() if self.bias is not None else None
+            return F.layer_norm(x.float(), self.normalized_shape, self.weight.float(), bias, self.eps).to(x.dtype)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -34,6 +44,7 @@ class CausalSelfAttention(nn.Module):
         batch, seq, width = x.shape
         q, k, v = self.qkv(x).split(width, dim=2)
         q, k, v = (t.view(batch, seq, self.n_head, width // self.n_head).transpose(1, 2) for t in (q, k, v))
+        # The fused kernels keep the softmax and its running sums in fp32 even for 16-bit inputs.
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(batch, seq, width))
 
@@ -53,9 +64,9 @@ class Block(nn.Module):
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.d_model)
+        self.ln_1 = LayerNorm(cfg.d_model)
         self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.d_model)
+        self.ln_2 = LayerNorm(cfg.d_model)
         self.mlp = MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -70,7 +81,7 @@ class GPT(nn.Module):
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.ln_f = LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight
         self.apply(self._init_weights)

@@ -10,7 +10,9 @@ from torch import nn
 
 from shardwise.config import ParallelConfig
 from shardwise.dist import DistContext
-from shardwise.memory import MemoryBreakdown, count_memory
+from shardwise.memory import MemoryBreakdown, count_memory, local_tensor
+from shardwise.precision import make_precision
+from shardwise.recompute import apply_recompute
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -24,12 +26,19 @@ class Strategy:
     def __init__(self, ctx: DistContext, cfg: ParallelConfig) -> None:
         self.ctx = ctx
         self.cfg = cfg
+        self.precision = make_precision(cfg.precision, cfg.reduce_dtype)
         self.module: nn.Module | None = None  # the model as the user built it
         self.optim: torch.optim.Optimizer | None = None
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """Return the module the trainer calls forward on."""
         raise NotImplementedError
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        """What every strategy's `wrap` does first: checkpoint the blocks `parallel.recompute`
+        chooses, and move the model to this rank's device in the parameters' storage dtype."""
+        apply_recompute(model, self.cfg.recompute, self.cfg.block)
+        return model.to(self.ctx.device, self.precision.param_dtype)
 
     def optimizer(self, make: OptimizerFactory) -> torch.optim.Optimizer:
         self.optim = make(self.local_parameters())
@@ -41,6 +50,10 @@ class Strategy:
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
+
+    def local_grads(self) -> list[torch.Tensor]:
+        """The gradients of `local_parameters()`, as plain tensors on this rank."""
+        return [local_tensor(p.grad) for p in self.local_parameters() if p.grad is not None]
 
     def no_sync(self) -> AbstractContextManager:
         """Inside it, backward only accumulates local gradients (gradient accumulation)."""

@@ -61,7 +61,7 @@ class DDP(HookedStrategy):
     def wrap(self, model: nn.Module) -> nn.Module:
         if self.cfg.sync_batchnorm:
             model = convert_sync_batchnorm(model)
-        self.module = model.to(self.ctx.device)
+        self.module = self.prepare(model)
         broadcast_from_rank0([*self.module.parameters(), *self.module.buffers()])
         trainable = [p for p in self.module.parameters() if p.requires_grad]
         self._names = {id(p): n for n, p in self.module.named_parameters()}

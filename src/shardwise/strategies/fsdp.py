@@ -59,6 +59,11 @@ class Unit:
     def full_bytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.params)
 
+    @property
+    def full_dtype(self) -> torch.dtype:
+        """The dtype full parameters are gathered in: the shards' own, or mixed precision's compute dtype."""
+        return self.params[0].dtype if self.params else self.shard_buffer.dtype
+
 
 class ShardedDataParallel(HookedStrategy):
     stage = 3
@@ -66,7 +71,7 @@ class ShardedDataParallel(HookedStrategy):
     def wrap(self, model: nn.Module) -> nn.Module:
         if self.cfg.sync_batchnorm:
             model = convert_sync_batchnorm(model)
-        self.module = model.to(self.ctx.device)
+        self.module = self.prepare(model)
         self.world = self.ctx.world_size
         self.rank = self.ctx.rank
         scalars = [name for name, p in self.module.named_parameters() if p.dim() == 0]
@@ -80,13 +85,15 @@ class ShardedDataParallel(HookedStrategy):
             for param in unit.params:
                 param.register_post_accumulate_grad_hook(self._on_grad_ready)
         self._init_backward_state()
-        self._new_step = True
         self._reductions: list[tuple[dist.Work, Unit, torch.Tensor]] = []
         self.bytes_moved = 0  # by all-gathers and reduce-scatters, input + output, for bus bandwidth
         self.gathered_bytes = self.peak_gathered_bytes = sum(u.full_bytes for u in self.units)  # all whole
         if self.stage == 3:
             self._install_gather_hooks()
             for unit in self.units:
+                if self.precision.mixed:  # full parameters exist only to compute with: gather them in its dtype
+                    for param in unit.params:
+                        param.data = param.data.to(self.precision.compute_dtype)
                 self._free(unit)
             self.peak_gathered_bytes = 0  # the peak counts from the first step
         return self.module
@@ -122,11 +129,11 @@ class ShardedDataParallel(HookedStrategy):
         return Unit(params, rows, offsets, buffer, shards)
 
     @staticmethod
-    def _real_rows(param: nn.Parameter, rows: int, rank: int) -> int:
+    def _real_rows(param: torch.Tensor, rows: int, rank: int) -> int:
         """Rows of `rank`'s shard that hold `param`'s data; the rest are padding."""
         return max(0, min(rows, param.shape[0] - rank * rows))
 
-    def _rank_spans(self, param: nn.Parameter, rows: int) -> list[tuple[int, int]]:
+    def _rank_spans(self, param: torch.Tensor, rows: int) -> list[tuple[int, int]]:
         """For each rank, (start, length) of its chunk in `param` flattened."""
         row_numel = param[0].numel()
         return [(rank * rows * row_numel, self._real_rows(param, rows, rank) * row_numel)
@@ -137,10 +144,10 @@ class ShardedDataParallel(HookedStrategy):
     def _start_gather(self, unit: Unit) -> None:
         if unit.gathered or unit.pending_gather is not None:
             return
-        out = torch.empty(self.world * unit.shard_buffer.numel(), dtype=unit.shard_buffer.dtype,
-                          device=unit.shard_buffer.device)
-        work = dist.all_gather_single(out, unit.shard_buffer, async_op=True)
-        self.bytes_moved += (out.numel() + unit.shard_buffer.numel()) * out.element_size()
+        send = unit.shard_buffer.to(unit.full_dtype)
+        out = torch.empty(self.world * send.numel(), dtype=send.dtype, device=send.device)
+        work = dist.all_gather_single(out, send, async_op=True)
+        self.bytes_moved += (out.numel() + send.numel()) * out.element_size()
         unit.pending_gather = (work, out)
         self._count_gathered(out.numel() * out.element_size())
 
@@ -156,7 +163,7 @@ class ShardedDataParallel(HookedStrategy):
             storage = param.untyped_storage()
             if storage.size() == 0:
                 storage.resize_(param.numel() * param.element_size())
-            self._copy_out(param, rows, offset, per_rank)
+            self._copy_out(param.data, rows, offset, per_rank)
         if self.stage == 3:
             unit.gathered = True
             self._count_gathered(unit.full_bytes)  # both the parameters and the gather buffer are alive here
@@ -168,9 +175,10 @@ class ShardedDataParallel(HookedStrategy):
         self.gathered_bytes += nbytes
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
 
-    def _copy_out(self, param: nn.Parameter, rows: int, offset: int, per_rank: torch.Tensor) -> None:
-        flat = param.data.view(-1)
-        for rank, (start, n) in enumerate(self._rank_spans(param, rows)):
+    def _copy_out(self, full: torch.Tensor, rows: int, offset: int, per_rank: torch.Tensor) -> None:
+        """Fill `full` (a parameter's whole value) from every rank's packed shards."""
+        flat = full.view(-1)
+        for rank, (start, n) in enumerate(self._rank_spans(full, rows)):
             flat[start : start + n].copy_(per_rank[rank, offset : offset + n])
 
     def _free(self, unit: Unit) -> None:
@@ -218,15 +226,6 @@ class ShardedDataParallel(HookedStrategy):
 
     # --- backward: reduce-scatter gradients ----------------------------------------------
 
-    def backward(self, loss: torch.Tensor) -> None:
-        if self.stage == 1 and self._new_step:
-            for unit in self.units:  # zero1 keeps its full gradients; a new step starts them at zero
-                for param in unit.params:
-                    if param.grad is not None:
-                        param.grad.zero_()
-        self._new_step = False
-        loss.backward()
-
     def _on_grad_ready(self, param: nn.Parameter) -> None:
         self._queue_finish_once()
         unit = self._unit_of[id(param)]
@@ -244,7 +243,7 @@ class ShardedDataParallel(HookedStrategy):
         """Average the unit's full gradients over ranks into this rank's shard gradients, and
         (zero2, fsdp) free the full gradients."""
         numel = unit.shard_buffer.numel()
-        packed = torch.zeros(self.world, numel, dtype=unit.shard_buffer.dtype, device=unit.shard_buffer.device)
+        packed = torch.zeros(self.world, numel, dtype=self.precision.reduce_dtype, device=unit.shard_buffer.device)
         for param, rows, offset in zip(unit.params, unit.rows, unit.offsets, strict=True):
             if param.grad is None:  # no gradient on this rank: it contributes zeros
                 continue
@@ -265,8 +264,13 @@ class ShardedDataParallel(HookedStrategy):
                     self._start_reduce_scatter(unit)  # root, units with unused params, or zero1
             for work, unit, shard_grad in self._reductions:
                 work.wait()
+                shard_grad = shard_grad.to(unit.shard_buffer.dtype)
                 for shard, offset in zip(unit.shards, unit.offsets, strict=True):
                     shard.grad = shard_grad[offset : offset + shard.numel()].view_as(shard)
+                if self.stage == 1:  # zero1 keeps its full gradients; what they held is in the shards now
+                    for param in unit.params:
+                        if param.grad is not None:
+                            param.grad.zero_()
             self._reductions.clear()
         if self.stage == 3:
             for unit in self.units:
@@ -285,7 +289,6 @@ class ShardedDataParallel(HookedStrategy):
         return optimizer
 
     def _after_step(self) -> None:
-        self._new_step = True
         if self.stage < 3:
             self._gather_all()
 
@@ -324,14 +327,18 @@ class ShardedDataParallel(HookedStrategy):
         return breakdown
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        if self.stage < 3:
-            return super().full_state_dict()
+        """Whole parameters gathered from the shards in the shards' dtype (the master weights,
+        whatever the compute dtype), and buffers."""
+        full: dict[int, torch.Tensor] = {}
         for unit in self.units:
-            self._finish_gather(unit)
-        state = {k: v.detach().cpu().clone() for k, v in self.module.state_dict().items()}
-        for unit in self.units:
-            self._free(unit)
-        return state
+            out = torch.empty(self.world * unit.shard_buffer.numel(), dtype=unit.shard_buffer.dtype,
+                              device=unit.shard_buffer.device)
+            dist.all_gather_single(out, unit.shard_buffer)
+            for param, rows, offset in zip(unit.params, unit.rows, unit.offsets, strict=True):
+                full[id(param)] = torch.empty(param.shape, dtype=out.dtype, device=out.device)
+                self._copy_out(full[id(param)], rows, offset, out.view(self.world, -1))
+        return {name: full.get(id(tensor), tensor).detach().cpu()
+                for name, tensor in self.module.state_dict(keep_vars=True).items()}
 
 
     def sharded_state_dict(self) -> dict[str, torch.Tensor]:

@@ -7,7 +7,7 @@ from contextlib import AbstractContextManager, contextmanager
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
@@ -22,10 +22,9 @@ class NativeDDP(Strategy):
     name = "ddp-native"
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        model = model.to(self.ctx.device)
         if self.cfg.sync_batchnorm:
             model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        self.module = model
+        self.module = model = self.prepare(model)
         self.ddp = DistributedDataParallel(
             model,
             device_ids=[self.ctx.device.index] if self.ctx.device.type == "cuda" else None,
@@ -44,11 +43,14 @@ class NativeFSDP(Strategy):
     name = "fsdp-native"
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        model = model.to(self.ctx.device)
+        model = self.prepare(model)
+        # Mixed precision gathers parameters in the compute dtype (bf16-true stores them so already).
+        policy = MixedPrecisionPolicy(param_dtype=self.precision.compute_dtype if self.precision.mixed else None,
+                                      reduce_dtype=self.precision.reduce_dtype)
         for module in model.modules():
             if type(module).__name__ == self.cfg.block:
-                fully_shard(module, reshard_after_forward=self.cfg.reshard_after_forward)
-        fully_shard(model)
+                fully_shard(module, reshard_after_forward=self.cfg.reshard_after_forward, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
         self.module = model
         return model
 

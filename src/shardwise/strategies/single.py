@@ -11,5 +11,5 @@ class Single(Strategy):
     name = "single"
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        self.module = model.to(self.ctx.device)
+        self.module = self.prepare(model)
         return self.module

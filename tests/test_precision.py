@@ -1,0 +1,168 @@
+"""Mixed precision: the fp16 loss scaler agrees across ranks, bf16 trains like fp32 with fp32
+master weights, sharded strategies gather in the compute dtype, and the CLI takes it all."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import CONFIGS, REPO, read_records
+from distributed import run_ranks
+
+from shardwise.config import load_config
+from shardwise.dist import DistContext, init_distributed
+from shardwise.memory import optimizer_state_tensors
+from shardwise.precision import LossScaler
+from shardwise.trainer import Trainer
+
+
+def test_loss_scaler_halves_on_overflow_and_doubles_after_clean_steps():
+    scaler = LossScaler(init_scale=1024.0, growth_interval=3)
+    grads = [torch.full((4,), 2048.0), torch.ones(2, 2)]
+    assert scaler.unscale_(grads) is False
+    assert torch.equal(grads[0], torch.full((4,), 2.0))  # divided by the scale in place
+    scaler.update(False)
+    scaler.update(False)
+    assert scaler.scale == 1024.0
+    scaler.update(False)
+    assert scaler.scale == 2048.0 and scaler.clean_steps == 0
+    assert scaler.unscale_([torch.tensor([1.0, float("nan")])]) is True
+    scaler.update(True)
+    assert scaler.scale == 1024.0
+    restored = LossScaler()
+    restored.load_state_dict(scaler.state_dict())
+    assert restored.state_dict() == scaler.state_dict() == {"scale": 1024.0, "growth_interval": 3, "clean_steps": 0}
+
+
+# fp16 on CPU is ~20x slower than fp32: a one-layer, 32-token GPT.
+FP16_TINY = ("parallel.precision=fp16-mixed", "model.n_layer=1", "model.seq_len=32", "train.global_batch=4",
+             "train.micro_batch=2", "train.eval_every=0")
+INJECT_AT = 2
+
+
+def steps_with_an_inf_on_rank_1(ctx: DistContext, out: Path, strategy: str) -> list[dict]:
+    cfg = load_config(CONFIGS / "gpt-tiny.toml", [
+        *FP16_TINY, f"parallel.strategy={strategy}", f"run.out={out}", f"launch.nproc={ctx.world_size}",
+        "parallel.loss_scale_growth_interval=2"])
+    trainer = Trainer(cfg, ctx)
+    log = []
+    for step in range(6):
+        before = [p.detach().clone() for p in trainer.strategy.local_parameters()]
+        trainer.forward_backward(step)
+        if step == INJECT_AT and ctx.rank == 1:  # after synchronisation: only this rank's gradient has it
+            trainer.strategy.local_grads()[0].view(-1)[0] = float("inf")
+        stepped = trainer.optimizer_step()
+        after = trainer.strategy.local_parameters()
+        log.append({"stepped": stepped, "scale": trainer.scaler.scale,
+                    "changed": any(not torch.equal(a, b) for a, b in zip(after, before, strict=True)),
+                    "finite": all(bool(p.isfinite().all()) for p in after)})
+        trainer.optimizer.zero_grad(set_to_none=True)
+    return log
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_an_inf_on_one_rank_skips_that_step_on_every_rank(tmp_path, strategy):
+    for rank, log in enumerate(run_ranks(steps_with_an_inf_on_rank_1, 2, tmp_path, strategy)):
+        assert [entry["stepped"] for entry in log] == [True, True, False, True, True, True], rank
+        assert not log[INJECT_AT]["changed"] and all(e["changed"] for i, e in enumerate(log) if i != INJECT_AT)
+        # 2 clean steps double the scale; the overflow halves it; 2 more clean steps double it again
+        assert [entry["scale"] for entry in log] == [65536.0, 131072.0, 65536.0, 65536.0, 131072.0, 131072.0]
+        assert all(entry["finite"] for entry in log)
+
+
+def test_skipped_steps_are_logged(tmp_path):
+    cfg = load_config(CONFIGS / "gpt-tiny.toml", [*FP16_TINY, f"run.out={tmp_path}", "train.steps=3",
+                                                  "parallel.loss_scale=1e38"])  # overflows at once, then halves
+    threads = torch.get_num_threads()
+    try:
+        summary = Trainer(cfg, init_distributed(threads_per_rank=1)).fit()
+    finally:
+        torch.set_num_threads(threads)
+    records = read_records(tmp_path)
+    assert records[0]["skipped"] is True and records[0]["loss_scale"] == 5e37
+    assert summary["skipped_steps"] == sum(r["skipped"] for r in records) >= 1
+
+
+def train_single(out: Path, precision: str, steps: int) -> Trainer:
+    cfg = load_config(CONFIGS / "gpt-tiny.toml", [f"parallel.precision={precision}", f"train.steps={steps}",
+                                                  f"run.out={out}", "train.eval_every=0"])
+    threads = torch.get_num_threads()
+    try:
+        trainer = Trainer(cfg, init_distributed(threads_per_rank=1))
+        compute = []
+        trainer.model.head.register_forward_hook(lambda m, args, output: compute.append(output.dtype))
+        trainer.fit()
+        trainer.head_dtypes = set(compute)
+        return trainer
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_bf16_mixed_ends_within_3_percent_of_fp32_over_200_steps(tmp_path):
+    fp32 = train_single(tmp_path / "fp32", "fp32", 200)
+    bf16 = train_single(tmp_path / "bf16", "bf16-mixed", 200)
+    assert bf16.head_dtypes == {torch.bfloat16} and fp32.head_dtypes == {torch.float32}
+    assert {p.dtype for p in bf16.model.parameters()} == {torch.float32}  # master weights
+    assert {t.dtype for t in optimizer_state_tensors(bf16.optimizer) if t.dim()} == {torch.float32}
+    final = {name: read_records(tmp_path / name)[-1]["loss"] for name in ("fp32", "bf16")}
+    assert final["bf16"] != final["fp32"]  # it really computed in bf16
+    assert abs(final["bf16"] - final["fp32"]) / final["fp32"] < 0.03
+
+
+def test_bf16_true_stores_parameters_gradients_and_optimizer_state_in_bf16(tmp_path):
+    trainer = train_single(tmp_path, "bf16-true", 30)
+    assert {p.dtype for p in trainer.model.parameters()} == {torch.bfloat16}
+    assert {t.dtype for t in optimizer_state_tensors(trainer.optimizer) if t.dim()} == {torch.bfloat16}
+    losses = [r["loss"] for r in read_records(tmp_path)]
+    assert losses[-1] < losses[0] - 0.5  # it learns
+
+
+def fsdp_gather_dtype_and_bytes(ctx: DistContext, out: Path) -> dict:
+    result = {}
+    for precision, reduce in (("fp32", "fp32"), ("bf16-mixed", "fp32"), ("bf16-mixed", "bf16")):
+        cfg = load_config(CONFIGS / "gpt-tiny.toml", [
+            "parallel.strategy=fsdp", f"parallel.precision={precision}", f"parallel.reduce_dtype={reduce}",
+            f"launch.nproc={ctx.world_size}", f"run.out={out}"])
+        trainer = Trainer(cfg, ctx)
+        gathered: list[torch.dtype] = []
+        trainer.model.blocks[0].register_forward_pre_hook(
+            lambda m, args, seen=gathered: seen.append(m.attn.qkv.weight.dtype))
+        trainer.train_step(0)
+        moved = trainer.strategy.bytes_moved
+        trainer.train_step(1)
+        result[(precision, reduce)] = {
+            "moved_per_step": trainer.strategy.bytes_moved - moved, "gathered": set(gathered),
+            "shards": {s.dtype for s in trainer.strategy.local_parameters()},
+            "shard_grads": {g.dtype for g in trainer.strategy.local_grads()},
+        }
+    return result
+
+
+def test_fsdp_bf16_mixed_gathers_bf16_and_keeps_fp32_shards():
+    result = run_ranks(fsdp_gather_dtype_and_bytes, 2, Path("unused"))[0]
+    fp32, bf16, all_bf16 = result[("fp32", "fp32")], result[("bf16-mixed", "fp32")], result[("bf16-mixed", "bf16")]
+    assert fp32["gathered"] == {torch.float32} and bf16["gathered"] == all_bf16["gathered"] == {torch.bfloat16}
+    for r in (fp32, bf16, all_bf16):
+        assert r["shards"] == r["shard_grads"] == {torch.float32}  # master weights and their gradients
+    # every byte moved halves when both the gathers and the reductions are in bf16
+    assert all_bf16["moved_per_step"] * 2 == fp32["moved_per_step"]
+    assert all_bf16["moved_per_step"] < bf16["moved_per_step"] < fp32["moved_per_step"]
+
+
+@pytest.mark.parametrize("strategy", ["single", "ddp", "zero2", "fsdp", "ddp-native", "fsdp-native"])
+def test_cli_bf16_mixed_with_block_recomputation(tmp_path, strategy):
+    nproc = "1" if strategy == "single" else "2"
+    result = subprocess.run(
+        [sys.executable, "-m", "shardwise.cli", "train", str(CONFIGS / "gpt-tiny.toml"), "--strategy", strategy,
+         "--nproc", nproc, "--steps", "5", "--out", str(tmp_path), "--precision", "bf16-mixed", "--recompute", "blocks",
+         "--set", "train.eval_every=0"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    summary = read_records(tmp_path, "summary")[0]
+    assert (summary["precision"], summary["recompute"]) == ("bf16-mixed", "blocks")
+    assert math.isfinite(summary["final_loss"]) and summary["final_loss"] < math.log(256)
