@@ -6,6 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from shardwise.bench import BENCHES
 from shardwise.config import PRECISIONS, STRATEGIES, Config, ConfigError, load_config
 
 
@@ -84,7 +85,6 @@ def sample(args: argparse.Namespace) -> int:
 
 
 def bench(args: argparse.Namespace) -> int:
-    from shardwise.bench import BENCHES
     from shardwise.config import LaunchConfig
     from shardwise.launch import WorkerFailed, launch_workers
 
@@ -109,10 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", default="\n", help="text to continue")
     p.add_argument("--tokens", type=int, default=200, help="bytes to generate")
     p.add_argument("--seed", type=int, default=0)
-    p = commands.add_parser("bench", help="ours vs PyTorch native, side by side in one run; JSON out",
-                            description="Writes bench/results/NAME.json (and --json FILE).")
-    p.add_argument("name", choices=["ddp", "fsdp"], help="which benchmark")
-    p.add_argument("--steps", type=int, default=12, help="measured steps per strategy")
+    p = commands.add_parser("bench", help="ours vs PyTorch native, or an option's variants, alternating in one run",
+                            description="ddp, fsdp: ours against PyTorch's own; recompute, precision: each "
+                            "policy or precision against the plain one. Writes bench/results/NAME.json "
+                            "(and --json FILE).")
+    p.add_argument("name", choices=list(BENCHES), help="which benchmark")
+    p.add_argument("--steps", type=int, default=12, help="measured steps per variant")
     p.add_argument("--json", help="also write the result to this file")
     args = parser.parse_args(argv)
     handlers = {"train": train, "sample": sample, "bench": bench}

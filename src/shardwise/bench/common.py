@@ -14,12 +14,13 @@ from shardwise.dist import DistContext, init_distributed, shutdown_distributed
 from shardwise.trainer import Trainer
 
 
-def bench_config(strategy: str, world_size: int, micro_batch: int, steps: int) -> Config:
+def bench_config(strategy: str, world_size: int, micro_batch: int, steps: int, *overrides: str) -> Config:
     """gpt small on synthetic tokens, no warmup, one micro-batch per rank per step."""
     return load_config(None, [
         "model.preset=small", "data.name=synthetic-tokens", f"parallel.strategy={strategy}",
         f"launch.nproc={world_size}", f"train.global_batch={micro_batch * world_size}",
         f"train.micro_batch={micro_batch}", f"train.steps={steps}", "train.warmup_steps=0", "run.out=unused",
+        *overrides,
     ])
 
 
@@ -68,17 +69,17 @@ def write_json(result: dict[str, Any], paths: list[str]) -> None:
 
 
 def bench_main(name: str, run: Callable[..., dict[str, Any] | None], format_result: Callable[[dict], str],
-               argv: list[str] | None = None) -> None:
-    """A bench's entry point on every rank: parse, join the 2-rank world, run, report on rank 0."""
+               ranks: int = 2) -> None:
+    """A bench's entry point on every rank: parse, join the world of `ranks`, run, report on rank 0."""
     parser = argparse.ArgumentParser(prog=f"python -m shardwise.bench.{name}")
     parser.add_argument("--steps", type=int, default=12, help="measured steps per strategy")
     parser.add_argument("--rounds", type=int, default=3, help="blocks the steps are split into")
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--json", action="append", default=[], help="write the result here (repeatable)")
-    args = parser.parse_args(argv)
+    args = parser.parse_args()
     ctx = init_distributed("gloo", timeout_s=600, threads_per_rank=1)
-    if ctx.world_size != 2:
-        raise SystemExit(f"bench {name} needs exactly 2 ranks: run it as `shardwise bench {name}`")
+    if ctx.world_size != ranks:
+        raise SystemExit(f"bench {name} needs exactly {ranks} rank(s): run it as `shardwise bench {name}`")
     result = run(ctx, args.steps, args.rounds, args.micro_batch)
     if result is not None:
         write_json(result, args.json)
