@@ -201,7 +201,7 @@ def save_sharded_with_dcp(ctx: DistContext, root: Path, strategy_name: str) -> d
     for step in range(3):  # the shards move away from their initial values
         trainer.train_step(step)
         trainer.optimizer.zero_grad(set_to_none=True)
-    state = trainer.strategy.sharded_state_dict()
+    state = trainer.strategy.state_dict()["model"]
     dcp.save(state, checkpoint_id=root / "dcp")
     return trainer.strategy.full_state_dict()
 

@@ -26,6 +26,10 @@ def _add_train_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--precision", choices=PRECISIONS, help="parallel.precision")
     p.add_argument("--recompute", metavar="POLICY",
                    help="parallel.recompute: none, blocks, every:K or selective (activation checkpointing)")
+    p.add_argument("--checkpoint-every", type=int, metavar="N", help="train.checkpoint_every: save every N steps")
+    p.add_argument("--keep", type=int, metavar="K", help="train.keep_checkpoints: keep the newest K checkpoints")
+    p.add_argument("--resume", action="store_true", default=None,
+                   help="run.resume: continue from the newest good checkpoint in the run directory")
     p.add_argument("--nnodes", type=int, help="launch.nnodes: nodes in the job")
     p.add_argument("--node-rank", type=int, help="launch.node_rank: this node's rank")
     p.add_argument("--rdzv-endpoint", help="launch.rdzv_endpoint: HOST:PORT of node 0's rendezvous")
@@ -42,6 +46,9 @@ def _train_config(args: argparse.Namespace) -> Config:
         "train.seed": args.seed,
         "parallel.precision": args.precision,
         "parallel.recompute": args.recompute,
+        "train.checkpoint_every": args.checkpoint_every,
+        "train.keep_checkpoints": args.keep,
+        "run.resume": args.resume,
         "launch.nnodes": args.nnodes,
         "launch.node_rank": args.node_rank,
         "launch.rdzv_endpoint": args.rdzv_endpoint,

@@ -75,6 +75,8 @@ class TrainConfig:
     eval_every: int = 50
     eval_batches: int = 2
     seed: int = 0
+    checkpoint_every: int = 0  # steps between checkpoints; 0: none (SIGTERM still saves one)
+    keep_checkpoints: int = 3
 
 
 @dataclass
@@ -112,6 +114,7 @@ class LaunchConfig:
 class RunConfig:
     out: str = "runs/latest"
     log_every: int = 10
+    resume: bool = False  # continue from the newest good checkpoint in `out`
 
 
 @dataclass
@@ -296,7 +299,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _positive("data.synthetic_size", d.synthetic_size)
     for key in ("steps", "global_batch", "micro_batch", "lr", "eval_batches"):
         _positive(f"train.{key}", getattr(t, key))
-    for key in ("min_lr", "warmup_steps", "weight_decay", "grad_clip", "eval_every", "seed"):
+    _positive("train.keep_checkpoints", t.keep_checkpoints)
+    for key in ("min_lr", "warmup_steps", "weight_decay", "grad_clip", "eval_every", "seed", "checkpoint_every"):
         _positive(f"train.{key}", getattr(t, key), zero_ok=True)
     for key in ("beta1", "beta2", "momentum"):
         if not 0 <= getattr(t, key) < 1:

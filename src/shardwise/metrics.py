@@ -31,13 +31,20 @@ def mfu(flops_per_sample: int | None, samples_per_s: float, world_size: int, pea
 
 
 class MetricsWriter:
-    """Appends JSON records to OUT/metrics.jsonl; only the main rank writes."""
+    """Appends JSON records to OUT/metrics.jsonl; only the main rank writes. A resumed run keeps
+    the records of the steps its checkpoint had completed (`resumed_at`) and drops the rest."""
 
-    def __init__(self, path: Path, enabled: bool) -> None:
+    def __init__(self, path: Path, enabled: bool, resumed_at: int = 0) -> None:
         self._file: TextIO | None = None
         if enabled:
             path.parent.mkdir(parents=True, exist_ok=True)
+            kept = []
+            if resumed_at and path.is_file():
+                records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+                kept = [r for r in records if r.get("event") != "summary" and r.get("step", 0) <= resumed_at]
             self._file = open(path, "w")
+            for record in kept:
+                self.write(record)
 
     def write(self, record: dict[str, Any]) -> None:
         if self._file is not None:
@@ -52,13 +59,14 @@ class MetricsWriter:
 class Progress:
     """A progress bar on an interactive terminal; elsewhere (CI, logs) a plain line every few steps."""
 
-    def __init__(self, total: int, enabled: bool, log_every: int) -> None:
+    def __init__(self, total: int, enabled: bool, log_every: int, first: int = 0) -> None:
         self.enabled = enabled
         self.log_every = log_every
         self.total = total
+        self.first = first  # steps already done before this process (a resumed run)
         self.started = time.perf_counter()
         interactive = enabled and sys.stderr.isatty()
-        self._bar = tqdm(total=total, dynamic_ncols=True, unit="step") if interactive else None
+        self._bar = tqdm(total=total, initial=first, dynamic_ncols=True, unit="step") if interactive else None
 
     def update(self, step: int, loss: float, tokens_per_s: float | None, samples_per_s: float) -> None:
         if not self.enabled:
@@ -71,7 +79,7 @@ class Progress:
         done = step + 1
         if done % self.log_every == 0 or done == self.total:
             elapsed = time.perf_counter() - self.started
-            eta = elapsed / done * (self.total - done)
+            eta = elapsed / (done - self.first) * (self.total - done)
             print(f"step {done}/{self.total}  loss {loss:.4f}  {rate}  eta {eta:.0f}s", file=sys.stderr, flush=True)
 
     def close(self) -> None:

@@ -4,6 +4,7 @@ logging. It knows nothing about any particular strategy; it speaks only to the S
 from __future__ import annotations
 
 import math
+import signal
 import time
 from collections.abc import Iterable
 from contextlib import nullcontext
@@ -14,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from shardwise.checkpoint import load_checkpoint, save_checkpoint
 from shardwise.config import Config, TrainConfig
 from shardwise.data import Dataset, GlobalBatchSampler, make_datasets
 from shardwise.dist import DistContext, seed_everything
@@ -159,14 +161,18 @@ class Trainer:
         }
 
     def fit(self) -> dict[str, Any]:
-        """Train for train.steps steps; write metrics and the final weights; return the summary."""
+        """Train up to train.steps steps (from the newest checkpoint with run.resume); checkpoint
+        every train.checkpoint_every steps and on SIGTERM; write metrics and the final weights;
+        return the summary."""
         t = self.cfg.train
-        writer = MetricsWriter(self.out / "metrics.jsonl", self.ctx.is_main)
-        progress = Progress(t.steps, self.ctx.is_main, self.cfg.run.log_every)
+        first = load_checkpoint(self) if self.cfg.run.resume else 0
+        writer = MetricsWriter(self.out / "metrics.jsonl", self.ctx.is_main, resumed_at=first)
+        progress = Progress(t.steps, self.ctx.is_main, self.cfg.run.log_every, first=first)
         records: list[dict[str, Any]] = []
         val_loss = None
+        terminate = TerminationFlag()
         try:
-            for step in range(t.steps):
+            for step in range(first, t.steps):
                 started = time.perf_counter()
                 loss = self.train_step(step).item()  # .item() waits for the step to finish
                 record = self.step_record(step, loss, time.perf_counter() - started)
@@ -174,6 +180,11 @@ class Trainer:
                 writer.write(record)
                 records.append(record)
                 progress.update(step, loss, record["tokens_per_s"], record["samples_per_s"])
+                if terminate.agreed(self.ctx):
+                    save_checkpoint(self, step + 1, t.keep_checkpoints)
+                    raise SystemExit(f"rank {self.ctx.rank}: SIGTERM: saved a checkpoint after step {step + 1}")
+                if t.checkpoint_every and (step + 1) % t.checkpoint_every == 0:
+                    save_checkpoint(self, step + 1, t.keep_checkpoints)
                 if t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 < t.steps:
                     val_loss = self.evaluate()
                     writer.write({"event": "eval", "step": step + 1, "val_loss": val_loss})
@@ -181,6 +192,7 @@ class Trainer:
             summary = self._summary(records, val_loss)
             writer.write(summary)
         finally:
+            terminate.restore()
             progress.close()
             writer.close()
         self._save_weights()
@@ -218,3 +230,25 @@ class Trainer:
             plain.load_state_dict(state)
             # save_model, unlike save_file, stores a tied weight once and restores the tie on load.
             save_model(plain, str(self.out / "model.safetensors"))
+
+
+class TerminationFlag:
+    """Notes SIGTERM (what torchrun and schedulers send before killing a job) instead of dying
+    at once, so the run can save a checkpoint at the end of the current step."""
+
+    def __init__(self) -> None:
+        self.raised = False
+        self._previous = signal.signal(signal.SIGTERM, self._note)
+
+    def _note(self, signum: int, frame: object) -> None:
+        self.raised = True
+
+    def agreed(self, ctx: DistContext) -> bool:
+        """Whether any rank got SIGTERM: all ranks must stop at the same step to save together."""
+        flag = torch.tensor(float(self.raised), device=ctx.device)
+        if ctx.world_size > 1:
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def restore(self) -> None:
+        signal.signal(signal.SIGTERM, self._previous)

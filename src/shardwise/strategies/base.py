@@ -66,6 +66,30 @@ class Strategy:
     def memory(self, activations: int) -> MemoryBreakdown:
         return count_memory(self.local_parameters(), self.optim, activations, self.ctx.device)
 
+    def named_local_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """`local_parameters()` by the model's parameter names (a tied weight under its first)."""
+        return list(self.module.named_parameters())
+
+    def as_global(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """`local`, a tensor shaped like this rank's part of parameter `name`, as the whole
+        parameter's tensor: itself where the rank holds it whole, a DTensor where it holds a shard."""
+        return local
+
+    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Model and optimizer state by parameter name, every tensor in its global shape and
+        sharing storage with the live state: what a checkpoint saves, and loads in place."""
+        params = self.named_local_parameters()
+        model = {name: self.as_global(name, p.detach()) for name, p in params}
+        model.update(self.module.named_buffers())
+        optimizer = {}
+        for name, param in params:
+            for key, value in self.optim.state[param].items():
+                optimizer[f"{name}.{key}"] = self.as_global(name, value) if value.shape == param.shape else value
+        return {"model": model, "optimizer": optimizer}
+
+    def after_state_loaded(self) -> None:
+        """Called once `state_dict()`'s tensors have been overwritten by a load."""
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The plain model's complete state dict, on CPU (gathered if sharded); valid on rank 0."""
         return {k: v.detach().cpu() for k, v in self.module.state_dict().items()}

@@ -81,6 +81,9 @@ class ShardedDataParallel(HookedStrategy):
         self.units = self._make_units()
         self.root = self.units[-1]
         self._unit_of = {id(p): unit for unit in self.units for p in unit.params}
+        rows_of = {id(p): rows for unit in self.units for p, rows in zip(unit.params, unit.rows, strict=True)}
+        self._layout = {name: (p, rows_of[id(p)]) for name, p in self.module.named_parameters()}
+        self._mesh: DeviceMesh = init_device_mesh(self.ctx.device.type, (self.world,))
         for unit in self.units:
             for param in unit.params:
                 param.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -341,22 +344,20 @@ class ShardedDataParallel(HookedStrategy):
                 for name, tensor in self.module.state_dict(keep_vars=True).items()}
 
 
-    def sharded_state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's state with each parameter as a DTensor sharded along dim 0 over the world
-        (this rank's shard, padding dropped: torch.chunk's layout, which is DTensor's), buffers
-        as they are. torch.distributed.checkpoint saves it and loads it at any world size."""
-        if not hasattr(self, "_mesh"):
-            self._mesh: DeviceMesh = init_device_mesh(self.ctx.device.type, (self.world,))
-        shard_of = {id(p): (shard, rows) for unit in self.units
-                    for p, shard, rows in zip(unit.params, unit.shards, unit.rows, strict=True)}
-        state: dict[str, torch.Tensor] = {}
-        for name, param in self.module.named_parameters():
-            shard, rows = shard_of[id(param)]
-            local = shard.detach()[: self._real_rows(param, rows, self.rank)]
-            state[name] = DTensor.from_local(local, self._mesh, [Shard(0)], run_check=False,
-                                             shape=param.shape, stride=param.stride())
-        state.update(self.module.named_buffers())
-        return state
+    def named_local_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        shard_of = {id(p): shard for unit in self.units for p, shard in zip(unit.params, unit.shards, strict=True)}
+        return [(name, shard_of[id(param)]) for name, param in self.module.named_parameters()]
+
+    def as_global(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """This rank's shard as a DTensor sharded along dim 0 over the world, padding dropped:
+        torch.chunk's layout, which is DTensor's, so checkpoints reshard to any world size."""
+        param, rows = self._layout[name]
+        return DTensor.from_local(local[: self._real_rows(param, rows, self.rank)], self._mesh, [Shard(0)],
+                                  run_check=False, shape=param.shape, stride=param.stride())
+
+    def after_state_loaded(self) -> None:
+        if self.stage < 3:
+            self._gather_all()
 
 
 class Zero1(ShardedDataParallel):

@@ -1,0 +1,282 @@
+"""Sharded checkpoints that resume exactly, reshard across strategies and world sizes, and never
+leave a half-written one in the way.
+
+Layout under the run directory:
+
+    checkpoints/step-00000040/   torch.distributed.checkpoint files (each rank writes its own
+                                 shards), manifest.json (step, world size, shapes, checksums)
+    checkpoints/latest           the name of the newest complete checkpoint
+
+What is saved: every strategy's `state_dict()` (model and optimizer by parameter name, tensors
+in their global shapes, DTensors where sharded), the step, the loss scaler, and each rank's RNG
+state. The LR schedule and the data order are functions of the step, so the step restores them.
+
+A save goes to a hidden temporary directory, is checksummed and fsynced, and is renamed into
+place; `latest` is replaced last. A crash at any point leaves the previous checkpoint whole.
+Loading verifies the checksums and falls back to the newest good checkpoint, with a warning.
+Nothing in a checkpoint is unpickled except through an allow-list (DCP's metadata) or
+`torch.load(weights_only=True)` (DCP's non-tensor entries).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+import shutil
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+if TYPE_CHECKING:
+    from shardwise.trainer import Trainer
+
+MANIFEST = "manifest.json"
+LATEST = "latest"
+
+
+class CheckpointError(RuntimeError):
+    """No usable checkpoint, or one that does not fit this model."""
+
+
+def checkpoint_dir(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def _name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def _checksums(path: Path) -> dict[str, str]:
+    sums = {}
+    for file in sorted(p for p in path.rglob("*") if p.is_file() and p.name != MANIFEST):
+        digest = hashlib.sha256()
+        with open(file, "rb") as f:
+            for block in iter(lambda f=f: f.read(1 << 20), b""):
+                digest.update(block)
+        sums[str(file.relative_to(path))] = digest.hexdigest()
+    return sums
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync(path.parent)
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _from_rank0(value: Any) -> Any:
+    """Rank 0's `value` on every rank (plain data: names, messages)."""
+    if not dist.is_initialized():
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def training_state(trainer: Trainer, world_size: int, with_rng: bool = True) -> dict[str, Any]:
+    """What a checkpoint holds, as live tensors a load overwrites in place."""
+    state: dict[str, Any] = trainer.strategy.state_dict()
+    state["trainer"] = {"step": torch.zeros((), dtype=torch.int64)}
+    if trainer.scaler:
+        state["trainer"]["loss_scale"] = torch.tensor(trainer.scaler.scale, dtype=torch.float64)
+        state["trainer"]["clean_steps"] = torch.tensor(trainer.scaler.clean_steps)
+    if with_rng:  # one per rank: only a load at the same world size can use them
+        state["rng"] = {f"rank{trainer.ctx.rank}": torch.get_rng_state()}
+    return state
+
+
+def save_checkpoint(trainer: Trainer, step: int, keep: int) -> Path:
+    """Save the state after `step` completed steps; keep the newest `keep` checkpoints."""
+    root = checkpoint_dir(trainer.out)
+    final = root / _name(step)
+    tmp = root / f".tmp-{_name(step)}"
+    if trainer.ctx.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
+        tmp.mkdir(parents=True)
+    _barrier()
+    state = training_state(trainer, trainer.ctx.world_size)
+    state["trainer"]["step"].fill_(step)
+    dcp.save(state, checkpoint_id=tmp)
+    _barrier()
+    if trainer.ctx.is_main:
+        manifest = {
+            "step": step,
+            "world_size": trainer.ctx.world_size,
+            "strategy": trainer.cfg.parallel.strategy,
+            "precision": trainer.cfg.parallel.precision,
+            "shapes": {name: list(t.shape) for name, t in state["model"].items()},
+            "files": _checksums(tmp),
+        }
+        for file in tmp.rglob("*"):
+            if file.is_file():
+                _fsync(file)
+        _write_atomically(tmp / MANIFEST, json.dumps(manifest, indent=1))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        _fsync(root)
+        _write_atomically(root / LATEST, final.name)
+        for old in sorted(root.glob("step-*"))[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    _barrier()
+    return final
+
+
+def problem_with(path: Path) -> str | None:
+    """Why the checkpoint at `path` cannot be trusted, or None if its files match its manifest."""
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        return "no manifest (an unfinished save?)"
+    try:
+        expected = json.loads(manifest_path.read_text())["files"]
+    except (ValueError, KeyError):
+        return "manifest unreadable"
+    actual = _checksums(path)
+    if actual.keys() != expected.keys():
+        return f"files differ from the manifest: missing {sorted(set(expected) - set(actual))}, " \
+               f"unexpected {sorted(set(actual) - set(expected))}"
+    altered = [name for name in expected if actual[name] != expected[name]]
+    return f"checksum mismatch in {', '.join(altered)}" if altered else None
+
+
+def newest_good_checkpoint(run_dir: Path) -> Path | None:
+    """The checkpoint `latest` names if it verifies, else the newest one that does (with a
+    warning for each skipped); None if the run has none. Raises if there are some but none is good."""
+    root = checkpoint_dir(run_dir)
+    candidates = sorted(root.glob("step-*"), reverse=True)
+    latest = root / LATEST
+    if latest.is_file() and (root / latest.read_text().strip()).is_dir():
+        named = root / latest.read_text().strip()
+        candidates = [named] + [c for c in candidates if c != named]
+    problems = []
+    for candidate in candidates:
+        problem = problem_with(candidate)
+        if problem is None:
+            for skipped, why in problems:
+                print(f"warning: checkpoint {skipped} is unusable ({why}); using {candidate.name}", file=sys.stderr)
+            return candidate
+        problems.append((candidate.name, problem))
+    if problems:
+        details = "; ".join(f"{name}: {why}" for name, why in problems)
+        raise CheckpointError(f"no usable checkpoint in {root}: {details}")
+    return None
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader, unpickling its metadata through an allow-list instead of plain pickle,
+    so a crafted `.metadata` cannot run code."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as file:
+            metadata = _AllowListUnpickler(file).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _AllowListUnpickler(pickle.Unpickler):
+    MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module in self.MODULES or (module, name) in {("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
+                                                        ("torch.serialization", "_get_layout"),
+                                                        ("collections", "OrderedDict")}:
+            return super().find_class(module, name)
+        if module == "torch" and (name == "Size" or isinstance(getattr(torch, name, None), torch.dtype)):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not allowed")
+
+
+def check_fits(path: Path, state: dict[str, Any]) -> None:
+    """Raise naming every parameter whose name or shape differs between checkpoint and model."""
+    saved = json.loads((path / MANIFEST).read_text())["shapes"]
+    ours = {name: list(t.shape) for name, t in state["model"].items()}
+    missing = sorted(set(ours) - set(saved))
+    extra = sorted(set(saved) - set(ours))
+    shapes = [f"{n} {saved[n]} in the checkpoint vs {ours[n]} here" for n in sorted(set(ours) & set(saved))
+              if saved[n] != ours[n]]
+    if missing or extra or shapes:
+        parts = ([f"missing from the checkpoint: {', '.join(missing)}"] if missing else []) + \
+                ([f"not in this model: {', '.join(extra)}"] if extra else []) + \
+                ([f"shapes differ: {'; '.join(shapes)}"] if shapes else [])
+        raise CheckpointError(f"checkpoint {path} is of another model: {' | '.join(parts)}")
+
+
+def load_checkpoint(trainer: Trainer) -> int:
+    """Load the newest good checkpoint of the trainer's run into it; return the steps it had
+    completed (0 when the run has no checkpoint yet)."""
+    if trainer.ctx.is_main:
+        try:
+            found = newest_good_checkpoint(trainer.out)
+            chosen = (str(found) if found else None, None)
+        except CheckpointError as error:
+            chosen = (None, str(error))
+    else:
+        chosen = None
+    path, error = _from_rank0(chosen)
+    if error:
+        raise CheckpointError(error)
+    if path is None:
+        if trainer.ctx.is_main:
+            print(f"no checkpoint in {checkpoint_dir(trainer.out)}: starting from step 0", file=sys.stderr)
+        return 0
+    path = Path(path)
+    manifest = json.loads((path / MANIFEST).read_text())
+    _ensure_optimizer_state(trainer.optimizer)
+    same_world = manifest["world_size"] == trainer.ctx.world_size
+    state = training_state(trainer, trainer.ctx.world_size, with_rng=same_world)
+    check_fits(path, state)
+    if trainer.scaler is None:
+        state["trainer"] = {"step": state["trainer"]["step"]}
+    dcp.load(state, storage_reader=SafeReader(path))
+    trainer.strategy.after_state_loaded()
+    if trainer.scaler:
+        trainer.scaler.scale = state["trainer"]["loss_scale"].item()
+        trainer.scaler.clean_steps = int(state["trainer"]["clean_steps"])
+    if same_world:
+        torch.set_rng_state(state["rng"][f"rank{trainer.ctx.rank}"])
+    if trainer.ctx.is_main:
+        print(f"resumed from {path} (step {manifest['step']}, saved by {manifest['strategy']} on "
+              f"{manifest['world_size']} rank(s))", file=sys.stderr)
+    return int(state["trainer"]["step"])
+
+
+def _ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Make the optimizer create its state (it does so lazily, on the first step) so a load has
+    tensors to fill: one step on zero gradients at learning rate 0, which changes no parameter."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if all(p in optimizer.state for p in params):
+        return
+    rates = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    for group, rate in zip(optimizer.param_groups, rates, strict=True):
+        group["lr"] = rate
