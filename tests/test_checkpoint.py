@@ -90,3 +90,133 @@ def test_single_resumes_bit_identically(tmp_path):
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_resume_is_bit_identical_on_2_ranks(tmp_path, strategy):
     assert_bit_identical(tmp_path, run_ranks(straight_and_resumed, 2, tmp_path, strategy))
+
+
+# --- resharding --------------------------------------------------------------------------
+
+RESHARD = ("train.micro_batch=2",)  # global batch 8: 4 micro-steps on 1 rank, 2 on 2, 1 on 4
+
+
+def save_then_crash(ctx: DistContext, out: Path, strategy: str) -> None:
+    with pytest.raises(Crash):
+        crash_at(Trainer(cfg_for(out, strategy, ctx.world_size, *RESHARD), ctx), CRASH_AT).fit()
+
+
+def resume(ctx: DistContext, out: Path, strategy: str) -> None:
+    Trainer(cfg_for(out, strategy, ctx.world_size, "run.resume=true", *RESHARD), ctx).fit()
+
+
+def reshard_on_2_ranks(ctx: DistContext, root: Path) -> None:
+    for saved_by, loaded_by in (("fsdp", "ddp"), ("zero2", "fsdp")):
+        save_then_crash(ctx, root / f"{saved_by}-to-{loaded_by}", saved_by)
+        resume(ctx, root / f"{saved_by}-to-{loaded_by}", loaded_by)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> list[float]:
+    out = tmp_path_factory.mktemp("reference")
+    in_process(lambda ctx: Trainer(cfg_for(out, "single", 1, *RESHARD), ctx).fit())
+    return losses(out)
+
+
+def assert_continues(run: Path, reference: list[float]) -> None:
+    got = losses(run)
+    assert len(got) == STEPS
+    for step in range(SAVED_AT, STEPS):  # every step after the resume, the first one included
+        assert abs(got[step] - reference[step]) / reference[step] <= 1e-5, (run.name, step + 1)
+
+
+def test_a_checkpoint_reshards_across_strategies_on_2_ranks(tmp_path, reference):
+    run_ranks(reshard_on_2_ranks, 2, tmp_path)
+    for run in ("fsdp-to-ddp", "zero2-to-fsdp"):
+        assert_continues(tmp_path / run, reference)
+
+
+def test_an_fsdp_checkpoint_from_4_ranks_resumes_on_one(tmp_path, reference):
+    run_ranks(save_then_crash, 4, tmp_path, "fsdp")
+    assert json.loads((checkpoint_dir(tmp_path) / "step-00000020" / "manifest.json").read_text())["world_size"] == 4
+    in_process(resume, tmp_path, "single")
+    assert_continues(tmp_path, reference)
+
+
+# --- damaged, foreign and crafted checkpoints ---------------------------------------------
+
+def three_checkpoints(out: Path, *overrides: str) -> Path:
+    cfg = cfg_for(out, "single", 1, "train.steps=30", "train.checkpoint_every=10", *overrides)
+    in_process(lambda ctx: Trainer(cfg, ctx).fit())
+    root = checkpoint_dir(out)
+    assert sorted(p.name for p in root.glob("step-*")) == ["step-00000010", "step-00000020", "step-00000030"]
+    assert (root / "latest").read_text() == "step-00000030"
+    return root
+
+
+def resume_single(out: Path, *overrides: str) -> Trainer:
+    cfg = cfg_for(out, "single", 1, "train.steps=40", "run.resume=true", *overrides)
+    return in_process(lambda ctx: (trainer := Trainer(cfg, ctx), trainer.fit())[0])
+
+
+def data_file(checkpoint: Path) -> Path:
+    return next(checkpoint.glob("*.distcp"))
+
+
+@pytest.mark.parametrize("damage", ["flip a byte", "truncate", "lose the manifest"])
+def test_a_damaged_checkpoint_is_detected_and_the_previous_one_used(tmp_path, capfd, damage):
+    root = three_checkpoints(tmp_path)
+    newest = root / "step-00000030"
+    if damage == "flip a byte":
+        data = bytearray(data_file(newest).read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        data_file(newest).write_bytes(bytes(data))
+    elif damage == "truncate":
+        data_file(newest).write_bytes(data_file(newest).read_bytes()[:100])
+    else:
+        (newest / "manifest.json").unlink()
+    resume_single(tmp_path)
+    err = capfd.readouterr().err
+    assert "checkpoint step-00000030 is unusable" in err and "using step-00000020" in err
+    assert [r["step"] for r in read_records(tmp_path)] == list(range(1, 41))
+
+
+def test_no_good_checkpoint_is_a_clear_error(tmp_path):
+    root = three_checkpoints(tmp_path)
+    for checkpoint in root.glob("step-*"):
+        data_file(checkpoint).write_bytes(b"")
+    with pytest.raises(CheckpointError, match="no usable checkpoint in .*step-00000030: checksum mismatch"):
+        resume_single(tmp_path)
+
+
+def test_a_checkpoint_of_another_model_names_the_mismatch(tmp_path):
+    three_checkpoints(tmp_path)
+    with pytest.raises(CheckpointError) as info:
+        resume_single(tmp_path, "model.n_layer=3", "model.d_model=32")
+    message = str(info.value)
+    assert "another model" in message and "missing from the checkpoint: blocks.2." in message
+    assert "tok_emb.weight [256, 64] in the checkpoint vs [256, 32] here" in message
+
+
+class RunsCode:
+    def __reduce__(self):
+        import os
+
+        return os.system, ("touch pwned",)
+
+
+def test_a_crafted_pickle_in_the_metadata_is_refused(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    root = three_checkpoints(tmp_path)
+    newest = root / "step-00000030"
+    (newest / ".metadata").write_bytes(pickle.dumps(RunsCode()))
+    manifest = json.loads((newest / "manifest.json").read_text())
+    from shardwise.checkpoint import _checksums
+
+    manifest["files"] = _checksums(newest)  # so the checksums pass and the load reaches the pickle
+    (newest / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="refers to posix.system, which is not allowed; refusing to load it"):
+        resume_single(tmp_path)
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_resuming_a_finished_run_says_so(tmp_path):
+    three_checkpoints(tmp_path)
+    with pytest.raises(CheckpointError, match="step 30 of train.steps = 30; nothing left to resume"):
+        in_process(lambda ctx: Trainer(cfg_for(tmp_path, "single", 1, "train.steps=30", "run.resume=true"), ctx).fit())

@@ -252,7 +252,12 @@ def load_checkpoint(trainer: Trainer) -> int:
     check_fits(path, state)
     if trainer.scaler is None:
         state["trainer"] = {"step": state["trainer"]["step"]}
-    dcp.load(state, storage_reader=SafeReader(path))
+    reader = SafeReader(path)
+    try:
+        reader.read_metadata()  # first, alone, so that a refusal is not buried in DCP's own error
+    except pickle.UnpicklingError as error:
+        raise CheckpointError(f"checkpoint {path}: {error}; refusing to load it") from None
+    dcp.load(state, storage_reader=reader)
     trainer.strategy.after_state_loaded()
     if trainer.scaler:
         trainer.scaler.scale = state["trainer"]["loss_scale"].item()

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardwise.checkpoint import load_checkpoint, save_checkpoint
+from shardwise.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from shardwise.config import Config, TrainConfig
 from shardwise.data import Dataset, GlobalBatchSampler, make_datasets
 from shardwise.dist import DistContext, seed_everything
@@ -166,6 +166,9 @@ class Trainer:
         return the summary."""
         t = self.cfg.train
         first = load_checkpoint(self) if self.cfg.run.resume else 0
+        if first >= t.steps:
+            raise CheckpointError(f"{self.out}: its checkpoint is at step {first} of train.steps = {t.steps}; "
+                                  "nothing left to resume (raise train.steps to train further)")
         writer = MetricsWriter(self.out / "metrics.jsonl", self.ctx.is_main, resumed_at=first)
         progress = Progress(t.steps, self.ctx.is_main, self.cfg.run.log_every, first=first)
         records: list[dict[str, Any]] = []
