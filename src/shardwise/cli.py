@@ -30,6 +30,8 @@ def _add_train_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--keep", type=int, metavar="K", help="train.keep_checkpoints: keep the newest K checkpoints")
     p.add_argument("--resume", action="store_true", default=None,
                    help="run.resume: continue from the newest good checkpoint in the run directory")
+    p.add_argument("--max-restarts", type=int, metavar="K",
+                   help="launch.max_restarts: restart the group up to K times after a worker dies; it resumes")
     p.add_argument("--nnodes", type=int, help="launch.nnodes: nodes in the job")
     p.add_argument("--node-rank", type=int, help="launch.node_rank: this node's rank")
     p.add_argument("--rdzv-endpoint", help="launch.rdzv_endpoint: HOST:PORT of node 0's rendezvous")
@@ -49,6 +51,7 @@ def _train_config(args: argparse.Namespace) -> Config:
         "train.checkpoint_every": args.checkpoint_every,
         "train.keep_checkpoints": args.keep,
         "run.resume": args.resume,
+        "launch.max_restarts": args.max_restarts,
         "launch.nnodes": args.nnodes,
         "launch.node_rank": args.node_rank,
         "launch.rdzv_endpoint": args.rdzv_endpoint,
@@ -57,7 +60,7 @@ def _train_config(args: argparse.Namespace) -> Config:
 
 
 def train(args: argparse.Namespace) -> int:
-    from shardwise.launch import WorkerFailed, launch_workers
+    from shardwise.launch import Stopped, WorkerFailed, launch_workers
 
     cfg = _train_config(args)
     config_path = Path(cfg.run.out) / "config.toml"
@@ -67,6 +70,9 @@ def train(args: argparse.Namespace) -> int:
     except WorkerFailed as failure:
         print(f"shardwise train: {failure}", file=sys.stderr)
         return 1
+    except Stopped as stopped:
+        print(f"shardwise train: {stopped}; continue with --resume", file=sys.stderr)
+        return 143
     return 0
 
 

@@ -108,6 +108,7 @@ class LaunchConfig:
     backend: str = "auto"
     timeout_s: float = 300.0
     threads_per_rank: int = 1
+    max_restarts: int = 0  # restart the whole group this often after a worker dies; it resumes
 
 
 @dataclass
@@ -311,6 +312,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _positive("parallel.prefetch", p.prefetch, zero_ok=True)
     _positive("parallel.loss_scale", p.loss_scale)
     _positive("parallel.loss_scale_growth_interval", p.loss_scale_growth_interval)
+    _positive("launch.max_restarts", launch.max_restarts, zero_ok=True)
     for key in ("nproc", "nnodes", "threads_per_rank", "timeout_s"):
         _positive(f"launch.{key}", getattr(launch, key))
     if not 0 <= launch.node_rank < launch.nnodes:

@@ -10,6 +10,7 @@ import os
 import sys
 import uuid
 
+from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from shardwise.config import LaunchConfig
@@ -19,9 +20,13 @@ class WorkerFailed(RuntimeError):
     """A worker exited with an error; the message names the rank and carries its error."""
 
 
+class Stopped(RuntimeError):
+    """The launcher was told to stop (SIGTERM, SIGINT); it passed the signal on to the workers."""
+
+
 def torchrun_args(launch: LaunchConfig, entry: list[str]) -> list[str]:
     """torch.distributed.run's arguments for `python -m <entry...>` on every rank."""
-    args = [f"--nproc-per-node={launch.nproc}", "--max-restarts=0", "--rdzv-backend=c10d"]
+    args = [f"--nproc-per-node={launch.nproc}", f"--max-restarts={launch.max_restarts}", "--rdzv-backend=c10d"]
     if launch.nnodes == 1:
         args += ["--nnodes=1", "--rdzv-endpoint=127.0.0.1:0", "--local-addr=127.0.0.1", f"--rdzv-id={uuid.uuid4()}"]
     else:
@@ -52,9 +57,15 @@ def launch_workers(launch: LaunchConfig, entry: list[str]) -> None:
 
     # torchrun would set this itself, with a warning; the config says how many threads a rank gets.
     os.environ["OMP_NUM_THREADS"] = str(launch.threads_per_rank)
+    if launch.max_restarts:
+        # torch 2.13 reuses the rendezvous store across restarts, and restarted Gloo groups then
+        # sometimes reach a dead peer's address or hang (pytorch#135712, #167288): one store each.
+        os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     try:
         run(parse_args(torchrun_args(launch, entry)))
     except ChildFailedError as error:
         raise WorkerFailed(_failure_message(error)) from None
+    except SignalException as signal:
+        raise Stopped(f"stopped by signal {signal.sigval.name}; workers were sent it too") from None
     finally:
         sys.stdout.flush()

@@ -94,9 +94,12 @@ def _gib(n: int) -> str:
 def format_summary(summary: dict[str, Any]) -> str:
     """The end-of-run table rank 0 prints."""
     rate = summary["tokens_per_s"]
+    resumed = f" (resumed after step {summary['resumed_at']})" if summary["resumed_at"] else ""
+    skipped = f", {summary['skipped_steps']} steps skipped on overflow" if summary["skipped_steps"] else ""
     rows = [
         ("strategy", f"{summary['strategy']} on {summary['world_size']} process(es)"),
-        ("steps", str(summary["steps"])),
+        ("steps", f"{summary['steps']}{resumed}"),
+        ("precision", f"{summary['precision']}, recompute {summary['recompute']}{skipped}"),
         ("final train loss", f"{summary['final_loss']:.4f}"),
         ("validation loss", f"{summary['val_loss']:.4f}"),
         ("median step time", f"{summary['median_step_time_s'] * 1000:.1f} ms"),

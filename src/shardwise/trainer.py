@@ -103,7 +103,7 @@ class Trainer:
         for i, (inputs, targets) in enumerate(self.micro_batches(self.train_set, indices)):
             last = i == self.accum - 1
             # Count what the forward saves for backward once: shapes are fixed, so it never changes.
-            counter = ActivationCounter(self.model) if step == 0 and i == 0 else nullcontext()
+            counter = ActivationCounter(self.model) if not self.activation_bytes and i == 0 else nullcontext()
             with nullcontext() if last else self.strategy.no_sync():
                 with counter, self.strategy.precision.autocast(self.ctx.device):
                     loss = loss_fn(self.model(inputs), targets)
@@ -210,7 +210,8 @@ class Trainer:
             "event": "summary",
             "strategy": self.cfg.parallel.strategy,
             "world_size": self.ctx.world_size,
-            "steps": len(records),
+            "steps": records[-1]["step"],
+            "resumed_at": records[0]["step"] - 1,
             "final_loss": records[-1]["loss"],
             "val_loss": val_loss,
             "median_step_time_s": median,

@@ -31,6 +31,8 @@ def main(argv: list[str] | None = None) -> None:
     # The world torchrun actually made is what counts, whatever the file's launch.nproc says.
     cfg.launch.nproc = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.launch.nproc))
     validate(cfg, world_size=ctx.world_size)
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
+        cfg.run.resume = True  # the group was restarted after a failure: go on from the last checkpoint
     if ctx.is_main:
         cfg.save(Path(cfg.run.out) / "config.toml")
     summary = Trainer(cfg, ctx).fit()
