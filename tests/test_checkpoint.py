@@ -220,3 +220,31 @@ def test_resuming_a_finished_run_says_so(tmp_path):
     three_checkpoints(tmp_path)
     with pytest.raises(CheckpointError, match="step 30 of train.steps = 30; nothing left to resume"):
         in_process(lambda ctx: Trainer(cfg_for(tmp_path, "single", 1, "train.steps=30", "run.resume=true"), ctx).fit())
+
+
+def fsdp_state_at_the_checkpoint(ctx: DistContext, out: Path) -> dict[str, torch.Tensor]:
+    trainer = Trainer(cfg_for(out, "fsdp", ctx.world_size, *RESHARD), ctx)
+    with pytest.raises(Crash):
+        crash_at(trainer, SAVED_AT).fit()  # fails right after saving at step 20
+    return trainer.strategy.full_state_dict()
+
+
+def test_consolidate_writes_a_plain_state_dict_of_an_fsdp_checkpoint(tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import REPO
+    from safetensors.torch import load_file
+
+    from shardwise.models import build_model
+
+    expected = run_ranks(fsdp_state_at_the_checkpoint, 2, tmp_path)[0]
+    cfg_for(tmp_path, "fsdp", 2, *RESHARD).save(tmp_path / "config.toml")  # as `shardwise train` writes it
+    out = tmp_path / "plain.safetensors"
+    result = subprocess.run([sys.executable, "-m", "shardwise.cli", "consolidate", str(tmp_path), str(out)],
+                            cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    model = build_model(cfg_for(tmp_path, "single", 1).model)
+    model.load_state_dict(load_file(str(out)))  # strict: every key, no shardwise code
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name

@@ -198,6 +198,17 @@ class SafeReader(FileSystemReader):
         return metadata
 
 
+def safe_reader(path: Path) -> SafeReader:
+    """A reader for the checkpoint at `path` whose metadata has been read once already, alone,
+    so that a refused pickle is reported as such rather than buried in DCP's own error."""
+    reader = SafeReader(path)
+    try:
+        reader.read_metadata()
+    except pickle.UnpicklingError as error:
+        raise CheckpointError(f"checkpoint {path}: {error}; refusing to load it") from None
+    return reader
+
+
 class _AllowListUnpickler(pickle.Unpickler):
     MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
 
@@ -252,12 +263,7 @@ def load_checkpoint(trainer: Trainer) -> int:
     check_fits(path, state)
     if trainer.scaler is None:
         state["trainer"] = {"step": state["trainer"]["step"]}
-    reader = SafeReader(path)
-    try:
-        reader.read_metadata()  # first, alone, so that a refusal is not buried in DCP's own error
-    except pickle.UnpicklingError as error:
-        raise CheckpointError(f"checkpoint {path}: {error}; refusing to load it") from None
-    dcp.load(state, storage_reader=reader)
+    dcp.load(state, storage_reader=safe_reader(path))
     trainer.strategy.after_state_loaded()
     if trainer.scaler:
         trainer.scaler.scale = state["trainer"]["loss_scale"].item()
@@ -285,3 +291,24 @@ def _ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     optimizer.zero_grad(set_to_none=True)
     for group, rate in zip(optimizer.param_groups, rates, strict=True):
         group["lr"] = rate
+
+
+def consolidate(run_dir: Path, out: Path) -> Path:
+    """Write the model of the run's newest good checkpoint as one plain safetensors state dict,
+    read in this one process from however many ranks' shards, for `safetensors.torch.load_file`
+    and `model.load_state_dict` without shardwise. Returns the checkpoint used."""
+    from safetensors.torch import save_file
+
+    from shardwise.config import load_config
+    from shardwise.models import build_model
+
+    path = newest_good_checkpoint(run_dir)
+    if path is None:
+        raise CheckpointError(f"{checkpoint_dir(run_dir)}: no checkpoint to consolidate")
+    model = build_model(load_config(Path(run_dir) / "config.toml").model)
+    state = {"model": {name: p.detach() for name, p in model.named_parameters()} | dict(model.named_buffers())}
+    check_fits(path, state)
+    dcp.load(state, storage_reader=safe_reader(path), no_dist=True)
+    # Every key of the state dict, tied weights as separate copies: what load_state_dict expects.
+    save_file({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}, str(out))
+    return path

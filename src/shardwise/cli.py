@@ -113,6 +113,18 @@ def bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def consolidate(args: argparse.Namespace) -> int:
+    from shardwise.checkpoint import CheckpointError, consolidate
+
+    try:
+        used = consolidate(Path(args.run_dir), Path(args.out))
+    except CheckpointError as error:
+        print(f"shardwise consolidate: {error}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.out} from {used}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shardwise", description="Distributed training for PyTorch.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -129,8 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("name", choices=list(BENCHES), help="which benchmark")
     p.add_argument("--steps", type=int, default=12, help="measured steps per variant")
     p.add_argument("--json", help="also write the result to this file")
+    p = commands.add_parser("consolidate", help="write a run's newest checkpoint as one plain safetensors file",
+                            description="Reads the newest good checkpoint of RUN_DIR, whatever strategy and world "
+                            "size saved it, in one process, and writes its full model state dict.")
+    p.add_argument("run_dir", help="a run directory with checkpoints/")
+    p.add_argument("out", help="the .safetensors file to write")
     args = parser.parse_args(argv)
-    handlers = {"train": train, "sample": sample, "bench": bench}
+    handlers = {"train": train, "sample": sample, "bench": bench, "consolidate": consolidate}
     try:
         return handlers[args.command](args)
     except ConfigError as error:
