@@ -26,12 +26,14 @@ demo: setup
 	$(BIN)/shardwise train configs/demo.toml --out runs/demo
 	$(BIN)/shardwise sample runs/demo --prompt "ROMEO." --tokens 300
 
-# The benches, with DeepSpeed as the fsdp bench's second anchor (torch stays pinned).
+# Every bench, with DeepSpeed as the fsdp bench's second anchor (torch stays pinned).
 bench: setup
 	echo torch==2.13.0 > $(VENV)/torch-pin.txt
 	DS_BUILD_OPS=0 $(BIN)/pip install -q -e '.[bench]' -c $(VENV)/torch-pin.txt
 	$(BIN)/shardwise bench ddp
 	$(BIN)/shardwise bench fsdp
+	$(BIN)/shardwise bench recompute
+	$(BIN)/shardwise bench precision
 
 lint: setup
 	$(BIN)/ruff check src tests
