@@ -83,8 +83,14 @@ def in_process(fn, *args):
         torch.set_num_threads(threads)
 
 
-def test_single_resumes_bit_identically(tmp_path):
-    assert_bit_identical(tmp_path, [in_process(straight_and_resumed, tmp_path, "single")])
+@pytest.mark.parametrize("precision", [
+    ("parallel.precision=fp32",),
+    ("parallel.precision=bf16-mixed",),
+    # fp16 is slow on CPU: a smaller model; the scale grows every 8 steps, so its state matters
+    ("parallel.precision=fp16-mixed", "parallel.loss_scale_growth_interval=8", "model.n_layer=1", "model.seq_len=32"),
+], ids=lambda overrides: overrides[0].split("=")[1])
+def test_single_resumes_bit_identically(tmp_path, precision):
+    assert_bit_identical(tmp_path, [in_process(straight_and_resumed, tmp_path, "single", *precision)])
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
