@@ -42,6 +42,14 @@ class DistContext:
         if self.distributed:
             dist.barrier()
 
+    def all_gather_object(self, value: object) -> list[object]:
+        """Every rank's `value` (small, picklable: log records), in rank order, on every rank."""
+        if not self.distributed or self.world_size == 1:
+            return [value]
+        values: list[object] = [None] * self.world_size
+        dist.all_gather_object(values, value)
+        return values
+
 
 def choose_backend(requested: str) -> str:
     if requested != "auto":

@@ -90,19 +90,15 @@ class Trainer:
     def forward_backward(self, step: int) -> torch.Tensor:
         """Forward and backward over this rank's micro-batches of step `step`, gradients
         synchronised after the last one; returns the sum of their losses."""
-        indices = self.sampler.micro_batches(step, self.ctx.rank, self.ctx.world_size, self.cfg.train.micro_batch)
-        loss_sum = torch.zeros((), device=self.ctx.device)
-        for i, (inputs, targets) in enumerate(self.micro_batches(self.train_set, indices)):
-            last = i == self.accum - 1
-            # Count what the forward saves for backward once: shapes are fixed, so it never changes.
-            counter = ActivationCounter(self.model) if step == 0 and i == 0 else nullcontext()
-            with nullcontext() if last else self.strategy.no_sync():
-                with counter:
-                    loss = loss_fn(self.model(inputs), targets)
-                self.strategy.backward(loss / self.accum)
-            if isinstance(counter, ActivationCounter):
-                self.activation_bytes = counter.bytes
-            loss_sum += loss.detach()
+        indices = self.sampler.micro_batches(step, self.strategy.data_rank, self.strategy.data_size,
+                                             self.cfg.train.micro_batch)
+        # Count what is saved for backward once: shapes are fixed, so it never changes.
+        counter = ActivationCounter(self.model) if step == 0 else nullcontext()
+        with counter:
+            loss_sum = self.strategy.forward_backward(self.model, self.micro_batches(self.train_set, indices),
+                                                      loss_fn, self.accum)
+        if isinstance(counter, ActivationCounter):
+            self.activation_bytes = counter.bytes
         return loss_sum
 
     def optimizer_step(self) -> None:
@@ -119,7 +115,8 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.ctx.device)
         count = 0
         for batch in range(self.cfg.train.eval_batches):
-            indices = sampler.micro_batches(batch, self.ctx.rank, self.ctx.world_size, self.cfg.train.micro_batch)
+            indices = sampler.micro_batches(batch, self.strategy.data_rank, self.strategy.data_size,
+                                            self.cfg.train.micro_batch)
             for inputs, targets in self.micro_batches(self.val_set, indices):
                 loss_sum += loss_fn(self.model(inputs), targets)
                 count += 1
@@ -139,6 +136,7 @@ class Trainer:
             "tokens_per_s": samples_per_s * self.seq_len if self.seq_len else None,
             "mfu": mfu(self.flops_per_sample, samples_per_s, self.ctx.world_size, self.peak_flops),
             "memory": memory.as_dict(),
+            "memory_by_rank": self.ctx.all_gather_object(memory.as_dict()),
         }
 
     def fit(self) -> dict[str, Any]:

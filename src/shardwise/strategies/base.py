@@ -13,6 +13,7 @@ from shardwise.dist import DistContext
 from shardwise.memory import MemoryBreakdown, count_memory
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (outputs, targets) -> mean loss
 
 
 class Strategy:
@@ -35,9 +36,33 @@ class Strategy:
         self.optim = make(self.local_parameters())
         return self.optim
 
+    @property
+    def data_rank(self) -> int:
+        """Which share of the global batch this rank reads: ranks that split one model between them
+        (pipeline stages, tensor shards) read the same share."""
+        return self.ctx.rank
+
+    @property
+    def data_size(self) -> int:
+        """How many shares the global batch is cut into: the number of model replicas."""
+        return self.ctx.world_size
+
     def local_parameters(self) -> list[nn.Parameter]:
         """The parameters (or shards) this rank holds and its optimizer steps on."""
         return list(self.module.parameters())
+
+    def forward_backward(self, model: nn.Module, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+                         loss_fn: LossFn, accum: int) -> torch.Tensor:
+        """Forward and backward over this rank's `accum` micro-batches of one step, gradients
+        synchronised after the last one; return the sum of their mean losses. A pipeline overrides
+        this to run its schedule."""
+        loss_sum = torch.zeros((), device=self.ctx.device)
+        for i, (inputs, targets) in enumerate(micro_batches):
+            with nullcontext() if i == accum - 1 else self.no_sync():
+                loss = loss_fn(model(inputs), targets)
+                self.backward(loss / accum)
+            loss_sum += loss.detach()
+        return loss_sum
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
