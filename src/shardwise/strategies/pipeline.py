@@ -14,8 +14,8 @@ to the neighbouring stage. All stages of a replica read the same samples, so a r
 every message's shape ([micro-batch, seq, width]) from its own batch; only the tensor travels.
 
 A schedule is a plain function of one stage's run (`gpipe`, `one_f_one_b`) that calls
-`forward(i)` and `backward(i)` in its order. Receives block and sends do not, so any order that
-agrees from stage to stage cannot deadlock.
+`forward(i)` and `backward(i)` in its order. A stage waits only for what it receives, never for
+its sends to be taken, so any order that agrees from stage to stage cannot deadlock.
 
 - GPipe: all M forwards, then all M backwards. All M micro-batches' activations are held at once.
 - 1F1B: stage s runs P-s-1 warm-up forwards, then alternates one forward and one backward, then
@@ -107,18 +107,20 @@ def send(tensor: torch.Tensor, stage: int, group: Group) -> dist.Work:
     return dist.isend(tensor.contiguous(), group=group, group_dst=stage)
 
 
-def receive(like: torch.Tensor, shape: tuple[int, ...], stage: int, group: Group) -> torch.Tensor:
-    """A tensor of `shape` (dtype and device of `like`) from `stage`; blocks until it is here."""
+def post_receive(like: torch.Tensor, shape: tuple[int, ...], stage: int,
+                 group: Group) -> tuple[dist.Work, torch.Tensor]:
+    """Start receiving a tensor of `shape` (dtype and device of `like`) from `stage`."""
     buffer = torch.empty(shape, dtype=like.dtype, device=like.device)
-    dist.recv(buffer, group=group, group_src=stage)
-    return buffer
+    return dist.irecv(buffer, group=group, group_src=stage), buffer
 
 
 class StageRun:
     """One stage's part in one pipeline run of M micro-batches: `forward(i)` and `backward(i)` of
     micro-batch i, with the receives before and the sends after; a schedule calls them in its
-    order. `timeline` notes when each computed: (forward|backward, i, start, end), perf_counter
-    seconds; the rest of the run the stage waited."""
+    order. Each receive of micro-batch i + 1 is posted when micro-batch i's arrives, so the
+    transfer runs while this stage computes instead of when it is needed. `timeline` notes when
+    each computed: (forward|backward, i, start, end), perf_counter seconds; the rest of the run
+    the stage waited."""
 
     def __init__(self, stage: GPTStage, index: int, count: int, group: Group, activation: torch.Tensor,
                  inputs: list[torch.Tensor], targets: list[torch.Tensor], loss_fn: LossFn, divisor: int) -> None:
@@ -128,18 +130,24 @@ class StageRun:
         self.loss_fn, self.divisor = loss_fn, divisor
         self.first, self.last = index == 0, index == count - 1
         self.held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # i -> (stage input, output or loss)
+        self.receives: dict[tuple[int, int], tuple[dist.Work, torch.Tensor]] = {}  # (from stage, i) -> posted
         self.sends: list[tuple[dist.Work, torch.Tensor]] = []  # kept until done: the buffer must outlive the send
         self.loss_sum = torch.zeros((), device=activation.device)
         self.timeline: list[tuple[str, int, float, float]] = []
 
-    def _activation_shape(self, i: int) -> tuple[int, ...]:
-        return (*self.inputs[i].shape, self.activation.shape[-1])
+    def _receive(self, stage: int, i: int) -> torch.Tensor:
+        """Micro-batch i's activation (from the stage before) or gradient (from the stage after),
+        the same shape either way; then post the receive of micro-batch i + 1's."""
+        for j in (i, i + 1):
+            if j < len(self.inputs) and (stage, j) not in self.receives:
+                shape = (*self.inputs[j].shape, self.activation.shape[-1])
+                self.receives[stage, j] = post_receive(self.activation, shape, stage, self.group)
+        work, buffer = self.receives.pop((stage, i))
+        work.wait()
+        return buffer
 
     def forward(self, i: int) -> None:
-        if self.first:
-            x = self.inputs[i]
-        else:
-            x = receive(self.activation, self._activation_shape(i), self.index - 1, self.group).requires_grad_()
+        x = self.inputs[i] if self.first else self._receive(self.index - 1, i).requires_grad_()
         started = time.perf_counter()
         out = self.stage(x)
         if self.last:
@@ -155,7 +163,7 @@ class StageRun:
         if self.last:
             out, grad = out / self.divisor, None  # the loss: this micro-batch's share of the step's mean
         else:
-            grad = receive(self.activation, self._activation_shape(i), self.index + 1, self.group)
+            grad = self._receive(self.index + 1, i)
         started = time.perf_counter()
         torch.autograd.backward(out, grad)
         self.timeline.append(("backward", i, started, time.perf_counter()))
@@ -215,7 +223,8 @@ class PipelineModule(nn.Module):
                                "its forward runs under torch.no_grad() only")
         x = idx
         if not self.stage.first:
-            x = receive(self.activation, (*idx.shape, self.activation.shape[-1]), self.index - 1, self.group)
+            work, x = post_receive(self.activation, (*idx.shape, self.activation.shape[-1]), self.index - 1, self.group)
+            work.wait()
         out = self.stage(x)
         if not self.stage.last:
             send(out, self.index + 1, self.group).wait()
