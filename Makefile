@@ -32,6 +32,8 @@ bench: setup
 	DS_BUILD_OPS=0 $(BIN)/pip install -q -e '.[bench]' -c $(VENV)/torch-pin.txt
 	$(BIN)/shardwise bench ddp
 	$(BIN)/shardwise bench fsdp
+	$(BIN)/shardwise bench pipeline
+	$(BIN)/shardwise bench tensor
 
 lint: setup
 	$(BIN)/ruff check src tests

@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p = commands.add_parser("bench", help="ours vs PyTorch native, side by side in one run; JSON out",
                             description="Writes bench/results/NAME.json (and --json FILE).")
-    p.add_argument("name", choices=["ddp", "fsdp"], help="which benchmark")
+    p.add_argument("name", choices=["ddp", "fsdp", "pipeline", "tensor"], help="which benchmark")
     p.add_argument("--steps", type=int, default=12, help="measured steps per strategy")
     p.add_argument("--json", help="also write the result to this file")
     args = parser.parse_args(argv)

@@ -4,4 +4,9 @@ Each is a module run on every rank under torchrun; `shardwise bench NAME` starts
 its JSON to bench/results/NAME.json.
 """
 
-BENCHES = {"ddp": ("shardwise.bench.ddp", 2), "fsdp": ("shardwise.bench.fsdp", 2)}  # name -> (module, ranks)
+BENCHES = {  # name -> (module, ranks)
+    "ddp": ("shardwise.bench.ddp", 2),
+    "fsdp": ("shardwise.bench.fsdp", 2),
+    "pipeline": ("shardwise.bench.pipeline", 2),
+    "tensor": ("shardwise.bench.tensor", 2),
+}
