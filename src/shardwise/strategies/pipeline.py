@@ -36,6 +36,7 @@ import functools
 import itertools
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -103,15 +104,25 @@ class GPTStage(nn.Module):
         return x
 
 
+@dataclass(frozen=True)
+class Activations:
+    """What crosses between stages: [micro-batch, seq, width] activations or their gradients."""
+
+    width: int
+    dtype: torch.dtype
+    device: torch.device
+
+    def empty(self, tokens: torch.Tensor) -> torch.Tensor:
+        """A buffer for the activations of the micro-batch whose token ids are `tokens`."""
+        return torch.empty(*tokens.shape, self.width, dtype=self.dtype, device=self.device)
+
+
 def send(tensor: torch.Tensor, stage: int, group: Group) -> dist.Work:
     return dist.isend(tensor.contiguous(), group=group, group_dst=stage)
 
 
-def post_receive(like: torch.Tensor, shape: tuple[int, ...], stage: int,
-                 group: Group) -> tuple[dist.Work, torch.Tensor]:
-    """Start receiving a tensor of `shape` (dtype and device of `like`) from `stage`."""
-    buffer = torch.empty(shape, dtype=like.dtype, device=like.device)
-    return dist.irecv(buffer, group=group, group_src=stage), buffer
+def post_receive(buffer: torch.Tensor, stage: int, group: Group) -> dist.Work:
+    return dist.irecv(buffer, group=group, group_src=stage)
 
 
 class StageRun:
@@ -122,17 +133,17 @@ class StageRun:
     each computed: (forward|backward, i, start, end), perf_counter seconds; the rest of the run
     the stage waited."""
 
-    def __init__(self, stage: GPTStage, index: int, count: int, group: Group, activation: torch.Tensor,
+    def __init__(self, stage: GPTStage, index: int, count: int, group: Group, activations: Activations,
                  inputs: list[torch.Tensor], targets: list[torch.Tensor], loss_fn: LossFn, divisor: int) -> None:
         self.stage, self.index, self.count, self.group = stage, index, count, group
-        self.activation = activation  # an activation's dtype, device and width (last dimension)
+        self.activations = activations
         self.inputs, self.targets = inputs, targets
         self.loss_fn, self.divisor = loss_fn, divisor
         self.first, self.last = index == 0, index == count - 1
         self.held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # i -> (stage input, output or loss)
         self.receives: dict[tuple[int, int], tuple[dist.Work, torch.Tensor]] = {}  # (from stage, i) -> posted
         self.sends: list[tuple[dist.Work, torch.Tensor]] = []  # kept until done: the buffer must outlive the send
-        self.loss_sum = torch.zeros((), device=activation.device)
+        self.loss_sum = torch.zeros((), device=activations.device)
         self.timeline: list[tuple[str, int, float, float]] = []
 
     def _receive(self, stage: int, i: int) -> torch.Tensor:
@@ -140,8 +151,8 @@ class StageRun:
         the same shape either way; then post the receive of micro-batch i + 1's."""
         for j in (i, i + 1):
             if j < len(self.inputs) and (stage, j) not in self.receives:
-                shape = (*self.inputs[j].shape, self.activation.shape[-1])
-                self.receives[stage, j] = post_receive(self.activation, shape, stage, self.group)
+                buffer = self.activations.empty(self.inputs[j])
+                self.receives[stage, j] = (post_receive(buffer, stage, self.group), buffer)
         work, buffer = self.receives.pop((stage, i))
         work.wait()
         return buffer
@@ -209,12 +220,12 @@ class PipelineModule(nn.Module):
     pipeline, whose logits the last stage broadcasts to the others so every rank can compute the
     loss like any model's. Training runs the schedule instead (Strategy.forward_backward)."""
 
-    def __init__(self, stage: GPTStage, index: int, count: int, group: Group, activation: torch.Tensor,
+    def __init__(self, stage: GPTStage, index: int, count: int, group: Group, activations: Activations,
                  vocab_size: int) -> None:
         super().__init__()
         self.stage = stage
         self.index, self.count, self.group = index, count, group
-        self.activation = activation
+        self.activations = activations
         self.vocab_size = vocab_size
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
@@ -223,8 +234,8 @@ class PipelineModule(nn.Module):
                                "its forward runs under torch.no_grad() only")
         x = idx
         if not self.stage.first:
-            work, x = post_receive(self.activation, (*idx.shape, self.activation.shape[-1]), self.index - 1, self.group)
-            work.wait()
+            x = self.activations.empty(idx)
+            post_receive(x, self.index - 1, self.group).wait()
         out = self.stage(x)
         if not self.stage.last:
             send(out, self.index + 1, self.group).wait()
@@ -256,10 +267,9 @@ class Pipeline(MeshStrategy):
             self.tensor_shards = parallelize_blocks(list(self.stage.blocks), self.tp_group)
         self.record_local_state(model)
         self._tie_first_and_last(stages)
-        width = model.tok_emb.embedding_dim
-        activation = torch.empty(0, width, dtype=model.tok_emb.weight.dtype, device=self.ctx.device)
+        self.activations = Activations(model.tok_emb.embedding_dim, model.tok_emb.weight.dtype, self.ctx.device)
         # From here only this rank's stage is referenced: the other stages' parameters are freed.
-        self.module = PipelineModule(self.stage, self.pp_rank, self.pp, self.pp_group, activation,
+        self.module = PipelineModule(self.stage, self.pp_rank, self.pp, self.pp_group, self.activations,
                                      model.head.out_features)
         return self.module
 
@@ -289,7 +299,7 @@ class Pipeline(MeshStrategy):
         loss_sum = torch.zeros((), device=self.ctx.device)
         self.timeline = []
         for inputs, targets in micro_batches:
-            run = StageRun(self.stage, self.pp_rank, self.pp, self.pp_group, self.module.activation,
+            run = StageRun(self.stage, self.pp_rank, self.pp, self.pp_group, self.activations,
                            self._split(inputs), self._split(targets), loss_fn, accum * self.micro_batches)
             self.schedule(run, self.micro_batches)
             run.finish()
