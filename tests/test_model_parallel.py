@@ -11,13 +11,13 @@ import torch
 from conftest import CONFIGS, assert_same_training, losses, read_records, train_in_process
 from distributed import run_ranks
 
+from shardwise.bench.pipeline import one_micro_batch_bytes
 from shardwise.config import load_config
 from shardwise.dist import DistContext
-from shardwise.memory import ActivationCounter
 from shardwise.models import build_model
 from shardwise.strategies.pipeline import balanced_split
 from shardwise.strategies.tensor import TensorShard
-from shardwise.trainer import Trainer, loss_fn
+from shardwise.trainer import Trainer
 
 STEPS = 10
 
@@ -120,15 +120,9 @@ def schedule_behaviour(ctx: DistContext, root: Path) -> dict:
             trainer = Trainer(cfg_for(root / f"{schedule}-{m}", "pipeline", 2, f"parallel.schedule={schedule}",
                                       f"parallel.micro_batches={m}"), ctx)
             trainer.train_step(0)  # the trainer counts activations in its first step
-            stage = trainer.strategy.stage
-            ids = torch.randint(0, 256, (8 // m, 64))
-            with ActivationCounter(stage) as one:
-                if ctx.rank == 0:
-                    stage(ids)
-                else:  # the last stage: received activations in, loss out
-                    loss_fn(stage(torch.randn(8 // m, 64, 64, requires_grad=True)), ids)
             order = [f"{kind[0].upper()}{i}" for kind, i, _, _ in trainer.strategy.timeline]
-            out[schedule, m] = {"peak": trainer.activation_bytes, "one": one.bytes, "order": order}
+            out[schedule, m] = {"peak": trainer.activation_bytes, "one": one_micro_batch_bytes(trainer, 8 // m),
+                                "order": order}
     for points, expected_blocks in (([1], [(0, 1), (1, 4)]), (None, [(0, 2), (2, 4)])):
         cfg = cfg_for(root / "split", "pipeline", 2, "model.n_layer=4")
         cfg.parallel.split_points = points
@@ -177,6 +171,30 @@ def test_tensor_shards_take_the_same_heads_of_q_k_and_v():
     mine = shard.take(qkv, rank=1, size=2)
     assert mine[:, 0].tolist() == [2, 3, 6, 7, 10, 11]  # second half of q, of k and of v
     assert torch.equal(shard.join([shard.take(qkv, r, 2) for r in range(2)]), qkv)
+
+
+# --- 3 stages: a middle stage receives from both sides -------------------------------------------
+
+def three_stage_runs(ctx: DistContext, root: Path) -> dict:
+    """GPipe and 1F1B over 3 stages of one block each, trained; each stage's peak saved activations
+    and one micro-batch's."""
+    out = {}
+    for schedule in ("gpipe", "1f1b"):
+        trainer = Trainer(cfg_for(root / schedule, "pipeline", 3, "model.n_layer=3", f"parallel.schedule={schedule}"),
+                          ctx)
+        trainer.fit()
+        out[schedule] = {"peak": trainer.activation_bytes, "one": one_micro_batch_bytes(trainer, 2)}
+    return out
+
+
+def test_3_stages_match_single_and_1f1b_holds_p_minus_stage_micro_batches(tmp_path):
+    peaks = run_ranks(three_stage_runs, 3, tmp_path)
+    train_in_process(cfg_for(tmp_path / "single", "single", 1, "model.n_layer=3"))
+    for schedule in ("gpipe", "1f1b"):
+        assert_matches_single(tmp_path / schedule, tmp_path / "single")
+    for stage, r in enumerate(peaks):  # M = 4 micro-batches of 2
+        assert r["gpipe"]["peak"] == 4 * r["gpipe"]["one"]
+        assert r["1f1b"]["peak"] == (3 - stage) * r["1f1b"]["one"]
 
 
 # --- compositions on a device mesh --------------------------------------------------------------

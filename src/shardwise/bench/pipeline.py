@@ -110,10 +110,9 @@ def one_micro_batch_bytes(trainer: Trainer, micro_batch: int) -> int:
     stage = trainer.strategy.stage
     ids = torch.randint(0, trainer.cfg.model.vocab_size, (micro_batch, trainer.cfg.model.seq_len))
     with ActivationCounter(stage) as one:
-        if stage.first:
-            stage(ids)
-        else:
-            loss_fn(stage(torch.randn(*ids.shape, trainer.cfg.model.d_model, requires_grad=True)), ids)
+        out = stage(ids if stage.first else torch.randn(*ids.shape, trainer.cfg.model.d_model, requires_grad=True))
+        if stage.last:
+            loss_fn(out, ids)
     return one.bytes
 
 
