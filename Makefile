@@ -34,6 +34,8 @@ bench: setup
 	$(BIN)/shardwise bench fsdp
 	$(BIN)/shardwise bench recompute
 	$(BIN)/shardwise bench precision
+	$(BIN)/shardwise bench pipeline
+	$(BIN)/shardwise bench tensor
 
 lint: setup
 	$(BIN)/ruff check src tests

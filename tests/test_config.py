@@ -133,3 +133,65 @@ def test_bad_precision_and_recompute_settings_are_named(tmp_path, overrides, exp
 def test_precision_and_recompute_flags_reach_the_config():
     cfg = load_config(None, [], {"parallel.precision": "bf16-mixed", "parallel.recompute": "every:3"})
     assert (cfg.parallel.precision, cfg.parallel.recompute) == ("bf16-mixed", "every:3")
+# --- the device mesh of the model-splitting strategies -----------------------------------------
+
+def test_the_strategys_own_mesh_dimension_takes_the_ranks_left():
+    assert load_config(None, ["parallel.strategy=pipeline", "launch.nproc=2"]).parallel.mesh_shape(2) == (1, 2, 1)
+    assert load_config(None, ["parallel.strategy=pipeline", "parallel.dp=2", "launch.nproc=4"]
+                       ).parallel.mesh_shape(4) == (2, 2, 1)
+    cfg = load_config(None, ["parallel.strategy=tensor", "parallel.dp=2", "launch.nproc=4", "train.micro_batch=4"])
+    assert cfg.parallel.mesh_shape(4) == (2, 1, 2)
+    assert cfg.grad_accum() == 2  # 16 / (2 replicas x 4)
+    assert load_config(None, ["parallel.strategy=ddp", "launch.nproc=4", "train.micro_batch=4"]
+                       ).parallel.mesh_shape(4) == (4, 1, 1)
+
+
+def test_mesh_must_multiply_to_the_world_size(tmp_path):
+    message = error_for(tmp_path, overrides=("parallel.strategy=pipeline", "parallel.dp=2", "parallel.pp=2"),
+                        flags={"launch.nproc": 2})
+    assert "parallel.dp x pp x tp = 2 x 2 x 1 = 4" in message and "world size 2" in message and "--nproc 4" in message
+
+
+def test_more_pipeline_stages_than_blocks_is_rejected(tmp_path):
+    message = error_for(tmp_path, overrides=("parallel.strategy=pipeline",), flags={"launch.nproc": 3})
+    assert "parallel.pp = 3" in message and "more pipeline stages than the model's 2 blocks" in message
+
+
+def test_micro_batches_must_divide_the_per_replica_batch(tmp_path):
+    message = error_for(tmp_path, overrides=("parallel.strategy=pipeline", "parallel.micro_batches=3"),
+                        flags={"launch.nproc": 2})
+    assert "parallel.micro_batches = 3" in message and "must divide train.micro_batch = 8" in message
+
+
+def test_tensor_parallel_size_must_divide_the_heads(tmp_path):
+    message = error_for(tmp_path, overrides=("parallel.strategy=tensor", "model.n_head=4", "model.d_model=96"),
+                        flags={"launch.nproc": 3})
+    assert "parallel.tp = 3" in message and "model.n_head = 4" in message and "hidden size" in message
+
+
+def test_split_points_must_be_increasing_block_indices(tmp_path):
+    message = error_for(tmp_path, flags={"launch.nproc": 2},
+                        overrides=("parallel.strategy=pipeline", "model.n_layer=4", "parallel.split_points=[0]"))
+    assert "parallel.split_points = [0]" in message and "[1, 3]" in message
+    assert "a list of integers" in error_for(tmp_path, overrides=("parallel.split_points=[1.5]",))
+
+
+def test_data_parallel_strategies_take_no_model_split(tmp_path):
+    message = error_for(tmp_path, overrides=("parallel.strategy=ddp", "parallel.tp=2"), flags={"launch.nproc": 2})
+    assert "parallel.strategy = 'ddp' is data parallel" in message
+
+
+def test_a_mesh_error_stops_the_cli_before_any_worker_starts(tmp_path, tiny_config, capsys):
+    out = tmp_path / "run"
+    code = main(["train", str(tiny_config), "--out", str(out), "--strategy", "tensor", "--nproc", "4", "--dp", "2",
+                 "--tp", "3"])
+    assert code == 2
+    assert "config error: parallel.dp x pp x tp = 2 x 1 x 3 = 6" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_model_splitting_strategies_refuse_what_they_do_not_support_yet(tmp_path):
+    message = error_for(tmp_path, overrides=("parallel.strategy=pipeline", "parallel.precision=bf16-mixed",
+                                             "train.checkpoint_every=5"), flags={"launch.nproc": 2})
+    assert ("parallel.precision = 'bf16-mixed', train.checkpoint_every = 5: not yet supported with "
+            "parallel.strategy = 'pipeline'") in message

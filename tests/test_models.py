@@ -67,3 +67,20 @@ def test_activation_counter_counts_saved_activations_and_not_parameters():
     assert small.bytes > 16 * 256 * 4  # at least the logits of one sequence
     # four times the batch saves four times the activations (nothing batch-independent counted)
     assert abs(large.bytes / small.bytes - 4) < 0.05
+
+
+def test_activation_counter_reports_the_most_held_at_once():
+    model = tiny_gpt()
+    batch = torch.randint(0, 256, (2, 16))
+    with ActivationCounter(model) as one:
+        model(batch).sum().backward()
+    with ActivationCounter(model) as in_turn:  # each backward frees what its forward saved
+        for _ in range(3):
+            model(batch).sum().backward()
+    with ActivationCounter(model) as together:  # three forwards first, as a pipeline schedule may run them
+        outputs = [model(batch.clone()).sum() for _ in range(3)]  # the same input tensor would count once
+        for out in outputs:
+            out.backward()
+    assert in_turn.bytes == one.bytes > 0
+    assert together.bytes == 3 * one.bytes
+    assert together.live_bytes == 0

@@ -32,6 +32,9 @@ def _add_train_parser(commands: argparse._SubParsersAction) -> None:
                    help="run.resume: continue from the newest good checkpoint in the run directory")
     p.add_argument("--max-restarts", type=int, metavar="K",
                    help="launch.max_restarts: restart the group up to K times after a worker dies; it resumes")
+    p.add_argument("--dp", type=int, help="parallel.dp: model replicas (pipeline, model-parallel, tensor)")
+    p.add_argument("--pp", type=int, help="parallel.pp: pipeline stages per replica")
+    p.add_argument("--tp", type=int, help="parallel.tp: tensor-parallel ranks per stage")
     p.add_argument("--nnodes", type=int, help="launch.nnodes: nodes in the job")
     p.add_argument("--node-rank", type=int, help="launch.node_rank: this node's rank")
     p.add_argument("--rdzv-endpoint", help="launch.rdzv_endpoint: HOST:PORT of node 0's rendezvous")
@@ -52,6 +55,9 @@ def _train_config(args: argparse.Namespace) -> Config:
         "train.keep_checkpoints": args.keep,
         "run.resume": args.resume,
         "launch.max_restarts": args.max_restarts,
+        "parallel.dp": args.dp,
+        "parallel.pp": args.pp,
+        "parallel.tp": args.tp,
         "launch.nnodes": args.nnodes,
         "launch.node_rank": args.node_rank,
         "launch.rdzv_endpoint": args.rdzv_endpoint,
@@ -135,9 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=200, help="bytes to generate")
     p.add_argument("--seed", type=int, default=0)
     p = commands.add_parser("bench", help="ours vs PyTorch native, or an option's variants, alternating in one run",
-                            description="ddp, fsdp: ours against PyTorch's own; recompute, precision: each "
-                            "policy or precision against the plain one. Writes bench/results/NAME.json "
-                            "(and --json FILE).")
+                            description="ddp, fsdp, pipeline, tensor: ours against PyTorch's own; recompute, "
+                            "precision: each policy or precision against the plain one. Writes "
+                            "bench/results/NAME.json (and --json FILE).")
     p.add_argument("name", choices=list(BENCHES), help="which benchmark")
     p.add_argument("--steps", type=int, default=12, help="measured steps per variant")
     p.add_argument("--json", help="also write the result to this file")

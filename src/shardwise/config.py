@@ -7,6 +7,7 @@ allowed, and all of it happens before any worker starts.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import types
 import typing
@@ -19,7 +20,12 @@ import torch
 
 from shardwise.recompute import parse_policy
 
-STRATEGIES = ("single", "ddp", "ddp-native", "zero1", "zero2", "fsdp", "fsdp-native")
+STRATEGIES = ("single", "ddp", "ddp-native", "zero1", "zero2", "fsdp", "fsdp-native", "pipeline", "model-parallel",
+              "tensor")
+PIPELINES = ("pipeline", "model-parallel")
+# Strategies that split the model over a dp x pp x tp device mesh; the rest are data parallel over the world.
+MESH_STRATEGIES = (*PIPELINES, "tensor")
+SCHEDULES = ("gpipe", "1f1b")
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
 REDUCE_DTYPES = ("fp32", "bf16")
 SHARDED = ("zero1", "zero2", "fsdp", "fsdp-native")
@@ -97,6 +103,26 @@ class ParallelConfig:
     reshard_after_forward: bool = True
     prefetch: int = 1
     reduce_dtype: str = "fp32"  # what gradients are reduce-scattered in
+    # model parallel: the device mesh, dp x pp x tp = world size. Left unset, the strategy's own
+    # dimension (pp for the pipelines, tp for tensor) takes the ranks the others leave; the others are 1.
+    dp: int | None = None
+    pp: int | None = None
+    tp: int | None = None
+    # pipeline: each train.micro_batch is split into this many micro-batches, run by this schedule
+    micro_batches: int = 4
+    schedule: str = "1f1b"
+    # pipeline: the first block of stages 2..P; unset, stages are balanced by parameter count
+    split_points: list[int] | None = None
+
+    def mesh_shape(self, world_size: int) -> tuple[int, int, int]:
+        """(dp, pp, tp): the device mesh's sizes, unset ones filled in as described above."""
+        own = {"pipeline": "pp", "model-parallel": "pp", "tensor": "tp"}.get(self.strategy, "dp")
+        sizes = {"dp": self.dp, "pp": self.pp, "tp": self.tp}
+        others = math.prod(size for dim, size in sizes.items() if dim != own and size is not None)
+        if sizes[own] is None:
+            sizes[own] = max(1, world_size // max(1, others))
+        dp, pp, tp = (1 if size is None else size for size in sizes.values())
+        return dp, pp, tp
 
 
 @dataclass
@@ -132,9 +158,9 @@ class Config:
         return self.launch.nproc * self.launch.nnodes
 
     def grad_accum(self, world_size: int | None = None) -> int:
-        """Micro-steps per optimizer step on each rank; validate() guarantees it divides."""
-        world = world_size or self.world_size
-        return self.train.global_batch // (world * self.train.micro_batch)
+        """Micro-steps per optimizer step on each model replica; validate() guarantees it divides."""
+        dp = self.parallel.mesh_shape(world_size or self.world_size)[0]
+        return self.train.global_batch // (dp * self.train.micro_batch)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {
@@ -175,6 +201,10 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
     kind = type(value)
     if kind in allowed:
         return value
+    if list[int] in allowed:
+        if kind is list and all(type(item) is int for item in value):
+            return value
+        raise ConfigError(f"{key} = {value!r}: expected a list of integers, e.g. [3]")
     if float in allowed and kind is int:
         return float(value)
     names = " or ".join(t.__name__ for t in allowed)
@@ -329,9 +359,75 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             "parallel.sync_batchnorm = true: torch.nn.SyncBatchNorm (used by ddp-native) runs only on GPUs; "
             "use --strategy ddp, whose SyncBatchNorm runs on CPU too"
         )
-    per_step = world * t.micro_batch
+    _validate_mesh(cfg, world)
+    dp = p.mesh_shape(world)[0]
+    per_step = dp * t.micro_batch
     if t.global_batch % per_step:
+        replicas = f"world size {world}" if dp == world else f"parallel.dp {dp}"
         raise ConfigError(
-            f"train.global_batch = {t.global_batch}: must be divisible by world size {world} x "
+            f"train.global_batch = {t.global_batch}: must be divisible by {replicas} x "
             f"train.micro_batch {t.micro_batch} = {per_step} (the rest is gradient accumulation)"
+        )
+
+
+def _validate_mesh(cfg: Config, world: int) -> None:
+    """The dp x pp x tp mesh fits the world, and the model and batch split the way it asks."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    _choice("parallel.schedule", p.schedule, SCHEDULES)
+    _positive("parallel.micro_batches", p.micro_batches)
+    for dim in ("dp", "pp", "tp"):
+        if getattr(p, dim) is not None:
+            _positive(f"parallel.{dim}", getattr(p, dim))
+    dp, pp, tp = p.mesh_shape(world)
+    if p.strategy not in MESH_STRATEGIES:
+        if (dp, pp, tp) != (world, 1, 1):
+            raise ConfigError(
+                f"parallel.dp x pp x tp = {dp} x {pp} x {tp}: parallel.strategy = {p.strategy!r} is data parallel "
+                f"over all {world} ranks; only {', '.join(MESH_STRATEGIES)} split the model over a mesh"
+            )
+        return
+    if m.name != "gpt":
+        raise ConfigError(f"parallel.strategy = {p.strategy!r}: splits the GPT's blocks and matrices; "
+                          f"model.name = {m.name!r} is not supported")
+    unsupported = [f"{key} = {value!r}" for key, value, plain in (
+        ("parallel.precision", p.precision, "fp32"), ("parallel.recompute", p.recompute, "none"),
+        ("train.checkpoint_every", t.checkpoint_every, 0), ("run.resume", cfg.run.resume, False),
+    ) if value != plain]
+    if unsupported:
+        raise ConfigError(f"{', '.join(unsupported)}: not yet supported with parallel.strategy = {p.strategy!r}, "
+                          "which trains in fp32 without recomputation or checkpoints for now")
+    if dp * pp * tp != world:
+        raise ConfigError(
+            f"parallel.dp x pp x tp = {dp} x {pp} x {tp} = {dp * pp * tp}: must equal the world size {world} "
+            f"(launch.nproc x launch.nnodes); e.g. --nproc {dp * pp * tp}"
+        )
+    if p.strategy in PIPELINES:
+        if pp < 2:
+            raise ConfigError(f"parallel.pp = {pp}: a pipeline needs at least 2 stages; "
+                              "for data parallel alone use --strategy ddp")
+        if pp > m.n_layer:
+            raise ConfigError(f"parallel.pp = {pp}: more pipeline stages than the model's {m.n_layer} blocks "
+                              "(model.n_layer); every stage needs at least one block")
+        if p.split_points is not None:
+            points = p.split_points
+            if len(points) != pp - 1 or points != sorted(set(points)) or not 0 < points[0] <= points[-1] < m.n_layer:
+                raise ConfigError(
+                    f"parallel.split_points = {points}: expected {pp - 1} increasing block indices in "
+                    f"[1, {m.n_layer - 1}], the first block of stages 2..{pp}"
+                )
+    if p.strategy == "pipeline" and t.micro_batch % p.micro_batches:
+        raise ConfigError(
+            f"parallel.micro_batches = {p.micro_batches}: must divide train.micro_batch = {t.micro_batch}, "
+            "the per-replica batch one pipeline run splits into micro-batches"
+        )
+    if p.strategy == "tensor":
+        if pp != 1:
+            raise ConfigError(f"parallel.pp = {pp}: tensor does not pipeline; use --strategy pipeline "
+                              "with --tp, which splits each stage's blocks tensor-parallel")
+        if tp < 2:
+            raise ConfigError(f"parallel.tp = {tp}: tensor parallel needs at least 2 ranks per model")
+    if m.n_head % tp:
+        raise ConfigError(
+            f"parallel.tp = {tp}: must divide model.n_head = {m.n_head}; each rank computes n_head / tp attention "
+            f"heads and the matching 1/tp of the MLP's hidden size 4 x d_model = {4 * m.d_model}"
         )

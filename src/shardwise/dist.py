@@ -10,6 +10,7 @@ from datetime import timedelta
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 
 @dataclass
@@ -41,6 +42,14 @@ class DistContext:
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier()
+
+    def all_gather_object(self, value: object) -> list[object]:
+        """Every rank's `value` (small, picklable: log records), in rank order, on every rank."""
+        if not self.distributed or self.world_size == 1:
+            return [value]
+        values: list[object] = [None] * self.world_size
+        dist.all_gather_object(values, value)
+        return values
 
 
 def choose_backend(requested: str) -> str:
@@ -83,6 +92,15 @@ def shutdown_distributed() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def init_mesh(ctx: DistContext, dp: int, pp: int, tp: int) -> DeviceMesh:
+    """The world as a dp x pp x tp DeviceMesh, one process group per dimension (`mesh.get_group("pp")`).
+
+    tp is innermost, so a model's tensor-parallel ranks are neighbours (one node, the fastest links:
+    they communicate in every layer), then pipeline stages, then data-parallel replicas. Rank 0 is
+    replica 0's first stage, tensor shard 0."""
+    return init_device_mesh(ctx.device.type, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
 
 
 def broadcast_from_rank0(tensors: list[torch.Tensor]) -> None:

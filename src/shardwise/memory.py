@@ -60,21 +60,41 @@ _active_counters: list[ActivationCounter] = []
 
 def record_saved(tensor: torch.Tensor) -> None:
     """Count `tensor` as saved for backward, for code that keeps tensors for backward without
-    autograd's saved-tensor hooks seeing them (selective checkpointing)."""
+    autograd's saved-tensor hooks seeing them (selective checkpointing). Such a tensor counts as
+    held until the counter closes: nothing tells when its keeper lets go."""
     for counter in _active_counters:
-        counter.add(tensor)
+        counter.hold(tensor)
+
+
+class _Saved:
+    """What autograd keeps for a saved tensor while the counter listens: the tensor itself, and a
+    note to the counter when autograd lets go of it (after the backward that used it)."""
+
+    __slots__ = ("tensor", "counter", "storage")
+
+    def __init__(self, tensor: torch.Tensor, counter: ActivationCounter, storage: int) -> None:
+        self.tensor = tensor
+        self.counter = counter
+        self.storage = storage
+
+    def __del__(self) -> None:
+        self.counter._release(self.storage)
 
 
 class ActivationCounter:
-    """Counts the bytes autograd saves for backward during a forward pass: the activation memory
-    that lives from forward until backward, each storage once. Parameters saved by their ops are
-    not counted."""
+    """Counts the bytes autograd holds saved for backward: the activation memory that lives from a
+    forward until its backward. `bytes` is the most held at once while the counter was open: one
+    micro-batch's forward for a loop that runs backward after each, several for a pipeline schedule
+    that runs several forwards first. Parameters saved by their ops are not counted; a storage is
+    counted once however many saved tensors view it."""
 
     def __init__(self, model: nn.Module) -> None:
         self._params = list(model.parameters())
         self._param_storages: set[int] = set()
-        self._saved: dict[int, int] = {}
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda tensor: tensor)
+        self._live: dict[int, tuple[int, int]] = {}  # storage pointer -> (saved tensors viewing it, bytes)
+        self.live_bytes = 0
+        self.bytes = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _is_parameter(self, pointer: int) -> bool:
         if pointer not in self._param_storages:
@@ -82,18 +102,34 @@ class ActivationCounter:
             self._param_storages = {local_tensor(p).untyped_storage().data_ptr() for p in self._params}
         return pointer in self._param_storages
 
-    def add(self, tensor: torch.Tensor) -> None:
+    def hold(self, tensor: torch.Tensor) -> int | None:
+        """Count `tensor`'s storage as held; return its key for `_release`, or None for a parameter."""
         storage = tensor.untyped_storage()
-        if not self._is_parameter(storage.data_ptr()):
-            self._saved[storage.data_ptr()] = storage.nbytes()
+        pointer = storage.data_ptr()
+        if self._is_parameter(pointer):
+            return None
+        count, nbytes = self._live.get(pointer, (0, storage.nbytes()))
+        if count == 0:
+            self.live_bytes += nbytes
+            self.bytes = max(self.bytes, self.live_bytes)
+        self._live[pointer] = (count + 1, nbytes)
+        return pointer
 
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        self.add(tensor)
-        return tensor
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor | _Saved:
+        pointer = self.hold(tensor)
+        return tensor if pointer is None else _Saved(tensor, self, pointer)
 
-    @property
-    def bytes(self) -> int:
-        return sum(self._saved.values())
+    @staticmethod
+    def _unpack(saved: torch.Tensor | _Saved) -> torch.Tensor:
+        return saved.tensor if isinstance(saved, _Saved) else saved
+
+    def _release(self, pointer: int) -> None:
+        count, nbytes = self._live[pointer]
+        if count == 1:
+            del self._live[pointer]
+            self.live_bytes -= nbytes
+        else:
+            self._live[pointer] = (count - 1, nbytes)
 
     def __enter__(self) -> ActivationCounter:
         self._hooks.__enter__()

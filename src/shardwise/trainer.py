@@ -22,7 +22,6 @@ from shardwise.dist import DistContext, seed_everything
 from shardwise.memory import ActivationCounter
 from shardwise.metrics import MetricsWriter, Progress, device_peak_flops, mfu
 from shardwise.models import build_model, flops_per_sample
-from shardwise.precision import LossScaler
 from shardwise.strategies import OptimizerFactory, Strategy, make_strategy
 
 
@@ -71,8 +70,7 @@ class Trainer:
         self.strategy: Strategy = make_strategy(cfg.parallel, ctx)
         self.model = self.strategy.wrap(model)
         self.optimizer = self.strategy.optimizer(optimizer_factory(cfg.train))
-        p = cfg.parallel
-        self.scaler = LossScaler(p.loss_scale, p.loss_scale_growth_interval) if p.precision == "fp16-mixed" else None
+        self.scaler = self.strategy.scaler
         self.skipped_steps = 0
         self.sampler = GlobalBatchSampler(len(self.train_set), cfg.train.global_batch, cfg.train.seed)
         self.accum = cfg.grad_accum(ctx.world_size)
@@ -98,20 +96,15 @@ class Trainer:
     def forward_backward(self, step: int) -> torch.Tensor:
         """Forward and backward over this rank's micro-batches of step `step`, gradients
         synchronised after the last one; returns the sum of their losses."""
-        indices = self.sampler.micro_batches(step, self.ctx.rank, self.ctx.world_size, self.cfg.train.micro_batch)
-        loss_sum = torch.zeros((), device=self.ctx.device)
-        for i, (inputs, targets) in enumerate(self.micro_batches(self.train_set, indices)):
-            last = i == self.accum - 1
-            # Count what the forward saves for backward once: shapes are fixed, so it never changes.
-            counter = ActivationCounter(self.model) if not self.activation_bytes and i == 0 else nullcontext()
-            with nullcontext() if last else self.strategy.no_sync():
-                with counter, self.strategy.precision.autocast(self.ctx.device):
-                    loss = loss_fn(self.model(inputs), targets)
-                scaled = loss / self.accum
-                self.strategy.backward(self.scaler.scale_loss(scaled) if self.scaler else scaled)
-            if isinstance(counter, ActivationCounter):
-                self.activation_bytes = counter.bytes
-            loss_sum += loss.detach()
+        indices = self.sampler.micro_batches(step, self.strategy.data_rank, self.strategy.data_size,
+                                             self.cfg.train.micro_batch)
+        # Count what is saved for backward once: shapes are fixed, so it never changes.
+        counter = ActivationCounter(self.model) if not self.activation_bytes else nullcontext()
+        with counter:
+            loss_sum = self.strategy.forward_backward(self.model, self.micro_batches(self.train_set, indices),
+                                                      loss_fn, self.accum)
+        if isinstance(counter, ActivationCounter):
+            self.activation_bytes = counter.bytes
         return loss_sum
 
     def optimizer_step(self) -> bool:
@@ -136,7 +129,8 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.ctx.device)
         count = 0
         for batch in range(self.cfg.train.eval_batches):
-            indices = sampler.micro_batches(batch, self.ctx.rank, self.ctx.world_size, self.cfg.train.micro_batch)
+            indices = sampler.micro_batches(batch, self.strategy.data_rank, self.strategy.data_size,
+                                            self.cfg.train.micro_batch)
             for inputs, targets in self.micro_batches(self.val_set, indices):
                 with self.strategy.precision.autocast(self.ctx.device):
                     loss_sum += loss_fn(self.model(inputs), targets)
@@ -157,6 +151,7 @@ class Trainer:
             "tokens_per_s": samples_per_s * self.seq_len if self.seq_len else None,
             "mfu": mfu(self.flops_per_sample, samples_per_s, self.ctx.world_size, self.peak_flops),
             "memory": memory.as_dict(),
+            "memory_by_rank": self.ctx.all_gather_object(memory.as_dict()),
             **({"loss_scale": self.scaler.scale, "skipped": self.last_step_skipped} if self.scaler else {}),
         }
 
@@ -184,6 +179,9 @@ class Trainer:
                 records.append(record)
                 progress.update(step, loss, record["tokens_per_s"], record["samples_per_s"])
                 if terminate.agreed(self.ctx):
+                    if not self.strategy.checkpointable:
+                        raise SystemExit(f"rank {self.ctx.rank}: SIGTERM after step {step + 1}; "
+                                         f"{self.strategy.name} cannot save a checkpoint yet")
                     save_checkpoint(self, step + 1, t.keep_checkpoints)
                     raise SystemExit(f"rank {self.ctx.rank}: SIGTERM: saved a checkpoint after step {step + 1}")
                 if t.checkpoint_every and (step + 1) % t.checkpoint_every == 0:

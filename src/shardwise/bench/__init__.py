@@ -9,4 +9,6 @@ BENCHES = {  # name -> (module, ranks)
     "fsdp": ("shardwise.bench.fsdp", 2),
     "recompute": ("shardwise.bench.recompute", 1),
     "precision": ("shardwise.bench.precision", 1),
+    "pipeline": ("shardwise.bench.pipeline", 2),
+    "tensor": ("shardwise.bench.tensor", 2),
 }

@@ -11,10 +11,11 @@ from torch import nn
 from shardwise.config import ParallelConfig
 from shardwise.dist import DistContext
 from shardwise.memory import MemoryBreakdown, count_memory, local_tensor
-from shardwise.precision import make_precision
+from shardwise.precision import LossScaler, make_precision
 from shardwise.recompute import apply_recompute
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (outputs, targets) -> mean loss
 
 
 class Strategy:
@@ -22,11 +23,16 @@ class Strategy:
     gradient synchronisation and clipping. Subclasses override what they do differently."""
 
     name = "base"
+    checkpointable = True  # its state_dict() names and places every tensor for checkpoints
 
     def __init__(self, ctx: DistContext, cfg: ParallelConfig) -> None:
         self.ctx = ctx
         self.cfg = cfg
         self.precision = make_precision(cfg.precision, cfg.reduce_dtype)
+        # fp16's dynamic loss scaler: forward_backward scales the loss, the trainer unscales and may skip
+        self.scaler: LossScaler | None = None
+        if cfg.precision == "fp16-mixed":
+            self.scaler = LossScaler(cfg.loss_scale, cfg.loss_scale_growth_interval)
         self.module: nn.Module | None = None  # the model as the user built it
         self.optim: torch.optim.Optimizer | None = None
 
@@ -44,9 +50,35 @@ class Strategy:
         self.optim = make(self.local_parameters())
         return self.optim
 
+    @property
+    def data_rank(self) -> int:
+        """Which share of the global batch this rank reads: ranks that split one model between them
+        (pipeline stages, tensor shards) read the same share."""
+        return self.ctx.rank
+
+    @property
+    def data_size(self) -> int:
+        """How many shares the global batch is cut into: the number of model replicas."""
+        return self.ctx.world_size
+
     def local_parameters(self) -> list[nn.Parameter]:
         """The parameters (or shards) this rank holds and its optimizer steps on."""
         return list(self.module.parameters())
+
+    def forward_backward(self, model: nn.Module, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+                         loss_fn: LossFn, accum: int) -> torch.Tensor:
+        """Forward and backward over this rank's `accum` micro-batches of one step, gradients
+        synchronised after the last one; return the sum of their mean losses. A pipeline overrides
+        this to run its schedule."""
+        loss_sum = torch.zeros((), device=self.ctx.device)
+        for i, (inputs, targets) in enumerate(micro_batches):
+            with nullcontext() if i == accum - 1 else self.no_sync():
+                with self.precision.autocast(self.ctx.device):
+                    loss = loss_fn(model(inputs), targets)
+                scaled = loss / accum
+                self.backward(self.scaler.scale_loss(scaled) if self.scaler else scaled)
+            loss_sum += loss.detach()
+        return loss_sum
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()

@@ -1,0 +1,330 @@
+"""Pipeline parallel, ours (`pipeline`), and its one-micro-batch case, the naive layer-wise split
+(`model-parallel`).
+
+The GPT's blocks are cut into P contiguous stages, one per rank of a pp group (balanced by
+parameter count, or at `parallel.split_points`): the first stage also holds the embeddings, the
+last the final norm, the head and the loss. A stage's parameters live only on its rank. The one
+exception is the GPT's tied weight, the token embedding that is also the head: the first and
+the last stage each hold it, and after backward their two gradients are summed between them, so
+both copies take the same step, as the one tensor does on one device.
+
+Each train.micro_batch of samples is split into M = parallel.micro_batches micro-batches, which
+flow through the stages: activations forward, their gradients backward, each sent point to point
+to the neighbouring stage. All stages of a replica read the same samples, so a receiver knows
+every message's shape ([micro-batch, seq, width]) from its own batch; only the tensor travels.
+
+A schedule is a plain function of one stage's run (`gpipe`, `one_f_one_b`) that calls
+`forward(i)` and `backward(i)` in its order. A stage waits only for what it receives, never for
+its sends to be taken, so any order that agrees from stage to stage cannot deadlock.
+
+- GPipe: all M forwards, then all M backwards. All M micro-batches' activations are held at once.
+- 1F1B: stage s runs P-s-1 warm-up forwards, then alternates one forward and one backward, then
+  finishes the backwards: at most P - s micro-batches' activations held at once, P on stage 0.
+Both leave each stage idle for (P-1)/(M+P-1) of the step (the bubble): the forwards' fill and the
+backwards' drain, when stages have equal work and messages are free.
+
+`model-parallel` is the pipeline with one micro-batch (M = 1): one stage computes at a time, the
+others wait; the bubble is (P-1)/P.
+
+The loss is computed on the last stage and broadcast to the replica's other stages, so every rank
+(rank 0 included) reports its replica's loss.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise.config import ParallelConfig
+from shardwise.dist import DistContext
+from shardwise.strategies.base import LossFn
+from shardwise.strategies.mesh import MeshStrategy, find_blocks
+from shardwise.strategies.tensor import parallelize_blocks
+
+Group = dist.ProcessGroup
+
+
+def balanced_split(sizes: list[int], stages: int) -> list[int]:
+    """Where stages 2..P start in `sizes` (a cost per block), so that the costliest stage costs as
+    little as it can; every stage gets at least one block."""
+    prefix = [0, *itertools.accumulate(sizes)]
+
+    @functools.cache
+    def best(start: int, parts: int) -> tuple[int, tuple[int, ...]]:
+        """(cost of the costliest stage, stage starts) for blocks start.. in `parts` stages."""
+        if parts == 1:
+            return prefix[-1] - prefix[start], ()
+        options = []
+        for end in range(start + 1, len(sizes) - parts + 2):
+            rest, starts = best(end, parts - 1)
+            options.append((max(prefix[end] - prefix[start], rest), (end, *starts)))
+        return min(options)
+
+    return list(best(0, stages)[1])
+
+
+def parameter_counts(model: nn.Module, blocks: list[nn.Module]) -> list[int]:
+    """Parameters per block, the first counting the embeddings and the last the final norm and head
+    (the tied head again: the last stage holds a copy)."""
+    counts = [sum(p.numel() for p in block.parameters()) for block in blocks]
+    counts[0] += sum(p.numel() for m in (model.tok_emb, model.pos_emb) for p in m.parameters())
+    counts[-1] += sum(p.numel() for m in (model.ln_f, model.head) for p in m.parameters())
+    return counts
+
+
+class GPTStage(nn.Module):
+    """Some consecutive blocks of a GPT, with the embeddings if it is the first stage and the final
+    norm and head if it is the last: the GPT's own modules, run in the GPT's forward order."""
+
+    def __init__(self, gpt: nn.Module, blocks: list[nn.Module], first: bool, last: bool) -> None:
+        super().__init__()
+        self.first, self.last = first, last
+        self.blocks = nn.ModuleList(blocks)
+        if first:
+            self.tok_emb, self.pos_emb = gpt.tok_emb, gpt.pos_emb
+        if last:
+            self.ln_f, self.head = gpt.ln_f, gpt.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """First stage: token ids -> activations; last: activations -> logits; others: activations."""
+        if self.first:
+            positions = torch.arange(x.shape[1], device=x.device)
+            x = self.tok_emb(x) + self.pos_emb(positions)
+        for block in self.blocks:
+            x = block(x)
+        if self.last:
+            x = self.head(self.ln_f(x))
+        return x
+
+
+@dataclass(frozen=True)
+class Activations:
+    """What crosses between stages: [micro-batch, seq, width] activations or their gradients."""
+
+    width: int
+    dtype: torch.dtype
+    device: torch.device
+
+    def empty(self, tokens: torch.Tensor) -> torch.Tensor:
+        """A buffer for the activations of the micro-batch whose token ids are `tokens`."""
+        return torch.empty(*tokens.shape, self.width, dtype=self.dtype, device=self.device)
+
+
+def send(tensor: torch.Tensor, stage: int, group: Group) -> dist.Work:
+    return dist.isend(tensor.contiguous(), group=group, group_dst=stage)
+
+
+def post_receive(buffer: torch.Tensor, stage: int, group: Group) -> dist.Work:
+    return dist.irecv(buffer, group=group, group_src=stage)
+
+
+class StageRun:
+    """One stage's part in one pipeline run of M micro-batches: `forward(i)` and `backward(i)` of
+    micro-batch i, with the receives before and the sends after; a schedule calls them in its
+    order. Each receive of micro-batch i + 1 is posted when micro-batch i's arrives, so the
+    transfer runs while this stage computes instead of when it is needed. `timeline` notes when
+    each computed: (forward|backward, i, start, end), perf_counter seconds; the rest of the run
+    the stage waited."""
+
+    def __init__(self, stage: GPTStage, index: int, count: int, group: Group, activations: Activations,
+                 inputs: list[torch.Tensor], targets: list[torch.Tensor], loss_fn: LossFn, divisor: int) -> None:
+        self.stage, self.index, self.count, self.group = stage, index, count, group
+        self.activations = activations
+        self.inputs, self.targets = inputs, targets
+        self.loss_fn, self.divisor = loss_fn, divisor
+        self.first, self.last = index == 0, index == count - 1
+        self.held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # i -> (stage input, output or loss)
+        self.receives: dict[tuple[int, int], tuple[dist.Work, torch.Tensor]] = {}  # (from stage, i) -> posted
+        self.sends: list[tuple[dist.Work, torch.Tensor]] = []  # kept until done: the buffer must outlive the send
+        self.loss_sum = torch.zeros((), device=activations.device)
+        self.timeline: list[tuple[str, int, float, float]] = []
+
+    def _receive(self, stage: int, i: int) -> torch.Tensor:
+        """Micro-batch i's activation (from the stage before) or gradient (from the stage after),
+        the same shape either way; then post the receive of micro-batch i + 1's."""
+        for j in (i, i + 1):
+            if j < len(self.inputs) and (stage, j) not in self.receives:
+                buffer = self.activations.empty(self.inputs[j])
+                self.receives[stage, j] = (post_receive(buffer, stage, self.group), buffer)
+        work, buffer = self.receives.pop((stage, i))
+        work.wait()
+        return buffer
+
+    def forward(self, i: int) -> None:
+        x = self.inputs[i] if self.first else self._receive(self.index - 1, i).requires_grad_()
+        started = time.perf_counter()
+        out = self.stage(x)
+        if self.last:
+            out = self.loss_fn(out, self.targets[i])
+            self.loss_sum += out.detach()
+        self.timeline.append(("forward", i, started, time.perf_counter()))
+        if not self.last:
+            self.sends.append((send(out.detach(), self.index + 1, self.group), out))
+        self.held[i] = (x, out)
+
+    def backward(self, i: int) -> None:
+        x, out = self.held.pop(i)
+        if self.last:
+            out, grad = out / self.divisor, None  # the loss: this micro-batch's share of the step's mean
+        else:
+            grad = self._receive(self.index + 1, i)
+        started = time.perf_counter()
+        torch.autograd.backward(out, grad)
+        self.timeline.append(("backward", i, started, time.perf_counter()))
+        if not self.first:
+            self.sends.append((send(x.grad, self.index - 1, self.group), x.grad))
+
+    def finish(self) -> None:
+        """Wait for the sends still in flight."""
+        for work, _ in self.sends:
+            work.wait()
+        self.sends.clear()
+
+
+Schedule = Callable[[StageRun, int], None]
+
+
+def gpipe(run: StageRun, micro_batches: int) -> None:
+    """All forwards, then all backwards (GPipe)."""
+    for i in range(micro_batches):
+        run.forward(i)
+    for i in range(micro_batches):
+        run.backward(i)
+
+
+def one_f_one_b(run: StageRun, micro_batches: int) -> None:
+    """Warm-up forwards, then one forward one backward, then the remaining backwards (1F1B):
+    stage s starts micro-batch i's backward before micro-batch i + P - s's forward."""
+    warmup = min(run.count - run.index - 1, micro_batches)
+    for i in range(warmup):
+        run.forward(i)
+    for i in range(micro_batches - warmup):
+        run.forward(warmup + i)
+        run.backward(i)
+    for i in range(micro_batches - warmup, micro_batches):
+        run.backward(i)
+
+
+SCHEDULES: dict[str, Schedule] = {"gpipe": gpipe, "1f1b": one_f_one_b}
+
+
+class PipelineModule(nn.Module):
+    """What the trainer holds: this rank's stage, and for evaluation a forward through the whole
+    pipeline, whose logits the last stage broadcasts to the others so every rank can compute the
+    loss like any model's. Training runs the schedule instead (Strategy.forward_backward)."""
+
+    def __init__(self, stage: GPTStage, index: int, count: int, group: Group, activations: Activations,
+                 vocab_size: int) -> None:
+        super().__init__()
+        self.stage = stage
+        self.index, self.count, self.group = index, count, group
+        self.activations = activations
+        self.vocab_size = vocab_size
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            raise RuntimeError("a pipeline trains through its schedule (Strategy.forward_backward); "
+                               "its forward runs under torch.no_grad() only")
+        x = idx
+        if not self.stage.first:
+            x = self.activations.empty(idx)
+            post_receive(x, self.index - 1, self.group).wait()
+        out = self.stage(x)
+        if not self.stage.last:
+            send(out, self.index + 1, self.group).wait()
+            out = torch.empty((*idx.shape, self.vocab_size), dtype=out.dtype, device=out.device)
+        dist.broadcast(out, group=self.group, group_src=self.count - 1)
+        return out
+
+
+class Pipeline(MeshStrategy):
+    name = "pipeline"
+
+    def __init__(self, ctx: DistContext, cfg: ParallelConfig) -> None:
+        super().__init__(ctx, cfg)
+        self.micro_batches = cfg.micro_batches
+        self.schedule = SCHEDULES[cfg.schedule]
+        self.timeline: list[tuple[str, int, float, float]] = []  # the last step's, all its runs
+        self._tied: tuple[list[nn.Parameter], Group] | None = None  # see _tie_first_and_last
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        model = model.to(self.ctx.device)
+        blocks = find_blocks(model, self.cfg.block)
+        starts = [0, *(self.cfg.split_points or balanced_split(parameter_counts(model, blocks), self.pp))]
+        self.stage_blocks = list(zip(starts, [*starts[1:], len(blocks)], strict=True))  # [start, stop) per stage
+        stages = [GPTStage(model, blocks[start:stop], first=s == 0, last=s == self.pp - 1)
+                  for s, (start, stop) in enumerate(self.stage_blocks)]
+        self.record_layout(model, stages)
+        self.stage = stages[self.pp_rank]
+        if self.tp > 1:
+            self.tensor_shards = parallelize_blocks(list(self.stage.blocks), self.tp_group)
+        self.record_local_state(model)
+        self._tie_first_and_last(stages)
+        self.activations = Activations(model.tok_emb.embedding_dim, model.tok_emb.weight.dtype, self.ctx.device)
+        # From here only this rank's stage is referenced: the other stages' parameters are freed.
+        self.module = PipelineModule(self.stage, self.pp_rank, self.pp, self.pp_group, self.activations,
+                                     model.head.out_features)
+        return self.module
+
+    def _tie_first_and_last(self, stages: list[GPTStage]) -> None:
+        """Parameters the first and the last stage both hold (the GPT's tied embedding and head),
+        and a process group per replica and tp rank to sum their gradients between the two."""
+        first = {id(p) for p in stages[0].parameters()}
+        shared = [p for p in stages[-1].parameters() if id(p) in first]
+        if not shared:
+            return
+        # new_group is collective over the world: every rank makes every pair, in the same order.
+        pairs = {(d, t): dist.new_group([int(self.mesh.mesh[d, 0, t]), int(self.mesh.mesh[d, -1, t])])
+                 for d in range(self.dp) for t in range(self.tp)}
+        if self.pp_rank in (0, self.pp - 1):
+            self._tied = (shared, pairs[self.dp_rank, self.tp_rank])
+        if self.pp_rank == self.pp - 1:
+            self.duplicates = {id(p) for p in shared}
+
+    def local_parameters(self) -> list[nn.Parameter]:
+        return list(self.stage.parameters())
+
+    def forward_backward(self, model: nn.Module, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+                         loss_fn: LossFn, accum: int) -> torch.Tensor:
+        """Each of the `accum` batches runs the schedule over its M micro-batches; then tied
+        gradients are summed and the replicas' averaged. Returns the replica's loss sum on every
+        stage."""
+        loss_sum = torch.zeros((), device=self.ctx.device)
+        self.timeline = []
+        for inputs, targets in micro_batches:
+            run = StageRun(self.stage, self.pp_rank, self.pp, self.pp_group, self.activations,
+                           self._split(inputs), self._split(targets), loss_fn, accum * self.micro_batches)
+            self.schedule(run, self.micro_batches)
+            run.finish()
+            loss_sum += run.loss_sum / self.micro_batches
+            self.timeline += run.timeline
+        dist.broadcast(loss_sum, group=self.pp_group, group_src=self.pp - 1)
+        if self._tied is not None:
+            params, group = self._tied
+            for param in params:
+                dist.all_reduce(param.grad, group=group)
+        self.average_over_replicas()
+        return loss_sum
+
+    def _split(self, batch: torch.Tensor) -> list[torch.Tensor]:
+        # Copies, not views of one storage: a micro-batch's saved inputs are freed (and counted) with it.
+        return [part.clone() for part in batch.chunk(self.micro_batches)]
+
+
+class ModelParallel(Pipeline):
+    """`model-parallel`: the layer-wise split people try first, the pipeline with one micro-batch.
+    Each stage waits while the others compute."""
+
+    name = "model-parallel"
+
+    def __init__(self, ctx: DistContext, cfg: ParallelConfig) -> None:
+        super().__init__(ctx, cfg)
+        self.micro_batches = 1
+        self.schedule = gpipe
