@@ -101,12 +101,14 @@ def estimate_saved_bytes(n_layer: int, d_model: int, seq_len: int, vocab_size: i
     counted from SAVED_PER_BLOCK, plus what lies outside the blocks: the final norm's and the
     head's inputs and the loss's log-probabilities (batch x seq x vocab). Norm statistics and
     attention's log-sum-exp (a few values per position) are left out."""
-    kind, every = parse_policy(policy)
-    positions = batch * seq_len
-    if kind == "every":
-        checkpointed = -(-n_layer // every)
-        per_model = checkpointed * SAVED_PER_BLOCK["blocks"] + (n_layer - checkpointed) * SAVED_PER_BLOCK["none"]
-    else:
-        per_model = n_layer * SAVED_PER_BLOCK[kind]
     outside = 2 * d_model + vocab_size
-    return 4 * positions * (per_model * d_model + outside)
+    return 4 * batch * seq_len * (saved_in_blocks(n_layer, policy) * d_model + outside)
+
+
+def saved_in_blocks(n_layer: int, policy: str) -> int:
+    """SAVED_PER_BLOCK summed over the model's `n_layer` blocks under `policy`."""
+    kind, every = parse_policy(policy)
+    if kind != "every":
+        return n_layer * SAVED_PER_BLOCK[kind]
+    checkpointed = -(-n_layer // every)  # blocks 0, K, 2K, ...
+    return checkpointed * SAVED_PER_BLOCK["blocks"] + (n_layer - checkpointed) * SAVED_PER_BLOCK["none"]

@@ -19,7 +19,7 @@ from torch import nn
 from shardwise.bench.common import alternate, bench_config, bench_main, trainer_step
 from shardwise.dist import DistContext
 from shardwise.memory import ActivationCounter
-from shardwise.recompute import SAVED_PER_BLOCK, estimate_saved_bytes, parse_policy
+from shardwise.recompute import estimate_saved_bytes, saved_in_blocks
 from shardwise.trainer import Trainer, loss_fn
 
 POLICIES = ["none", "blocks", "every:2", "selective"]
@@ -46,13 +46,6 @@ def saved_bytes_per_block(trainer: Trainer) -> list[int]:
     return [counter.bytes for counter in counters]
 
 
-def estimated_per_block(policy: str, positions_x_width: int) -> float:
-    kind, every = parse_policy(policy)
-    if kind == "every":
-        return (SAVED_PER_BLOCK["blocks"] + (every - 1) * SAVED_PER_BLOCK["none"]) / every * 4 * positions_x_width
-    return SAVED_PER_BLOCK[kind] * 4 * positions_x_width
-
-
 def run(ctx: DistContext, steps: int, rounds: int, micro_batch: int) -> dict[str, Any]:
     trainers = {p: Trainer(bench_config("single", 1, micro_batch, steps * 2, f"parallel.recompute={p}"), ctx)
                 for p in POLICIES}
@@ -67,7 +60,8 @@ def run(ctx: DistContext, steps: int, rounds: int, micro_batch: int) -> dict[str
             "step_time_s": median[policy], "step_times_s": times[policy],
             "time_vs_none": median[policy] / median["none"],
             "saved_bytes_per_block": statistics.mean(per_block[policy]),
-            "estimated_bytes_per_block": estimated_per_block(policy, micro_batch * m.seq_len * m.d_model),
+            "estimated_bytes_per_block":
+                4 * micro_batch * m.seq_len * m.d_model * saved_in_blocks(m.n_layer, policy) / m.n_layer,
             "saved_bytes_step": trainer.activation_bytes,
             "estimated_bytes_step": estimate,
             "saved_vs_none": trainer.activation_bytes / trainers["none"].activation_bytes,

@@ -127,13 +127,10 @@ class Strategy:
         return {k: v.detach().cpu() for k, v in self.module.state_dict().items()}
 
 
-class HookedStrategy(Strategy):
-    """A strategy that communicates from gradient hooks while backward runs, and finishes in
-    one callback after the autograd engine is done (`_finish_backward`)."""
+class DeferrableSync(Strategy):
+    """A strategy that synchronises gradients in backward unless inside `no_sync()`."""
 
-    def _init_backward_state(self) -> None:
-        self._sync = True  # False inside no_sync(): gradients only accumulate locally
-        self._in_backward = False
+    _sync = True  # False inside no_sync(): gradients only accumulate locally
 
     @contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -142,6 +139,14 @@ class HookedStrategy(Strategy):
             yield
         finally:
             self._sync = True
+
+
+class HookedStrategy(DeferrableSync):
+    """A strategy that communicates from gradient hooks while backward runs, and finishes in
+    one callback after the autograd engine is done (`_finish_backward`)."""
+
+    def _init_backward_state(self) -> None:
+        self._in_backward = False
 
     def _queue_finish_once(self) -> None:
         """Call from every gradient hook: the first call of each backward queues the callback."""

@@ -17,8 +17,6 @@ needs done across it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,7 +25,7 @@ from torch import nn
 
 from shardwise.config import ParallelConfig
 from shardwise.dist import DistContext, init_mesh
-from shardwise.strategies.base import Strategy
+from shardwise.strategies.base import DeferrableSync
 
 if TYPE_CHECKING:
     from shardwise.strategies.tensor import TensorShard
@@ -41,7 +39,7 @@ def find_blocks(model: nn.Module, block: str) -> list[nn.Module]:
     return blocks
 
 
-class MeshStrategy(Strategy):
+class MeshStrategy(DeferrableSync):
     checkpointable = False  # its stages and tensor shards have no global names and placements yet
 
     def __init__(self, ctx: DistContext, cfg: ParallelConfig) -> None:
@@ -50,7 +48,6 @@ class MeshStrategy(Strategy):
         self.mesh = init_mesh(ctx, self.dp, self.pp, self.tp)
         self.dp_group, self.pp_group, self.tp_group = (self.mesh.get_group(dim) for dim in ("dp", "pp", "tp"))
         self.dp_rank, self.pp_rank, self.tp_rank = (self.mesh.get_local_rank(dim) for dim in ("dp", "pp", "tp"))
-        self._sync = True
         self.tensor_shards: dict[int, TensorShard] = {}  # id(parameter) -> how it is split over tp
         self.duplicates: set[int] = set()  # ids of parameters an earlier stage also holds (a tied head)
 
@@ -61,14 +58,6 @@ class MeshStrategy(Strategy):
     @property
     def data_size(self) -> int:
         return self.dp
-
-    @contextmanager
-    def no_sync(self) -> Iterator[None]:
-        self._sync = False
-        try:
-            yield
-        finally:
-            self._sync = True
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
