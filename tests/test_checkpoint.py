@@ -83,19 +83,22 @@ def in_process(fn, *args):
         torch.set_num_threads(threads)
 
 
-@pytest.mark.parametrize("precision", [
-    ("parallel.precision=fp32",),
-    ("parallel.precision=bf16-mixed",),
-    # fp16 is slow on CPU: a smaller model; the scale grows every 8 steps, so its state matters
-    ("parallel.precision=fp16-mixed", "parallel.loss_scale_growth_interval=8", "model.n_layer=1", "model.seq_len=32"),
-], ids=lambda overrides: overrides[0].split("=")[1])
+FP32 = ("parallel.precision=fp32",)
+BF16 = ("parallel.precision=bf16-mixed",)
+# fp16 is slow on CPU: a smaller model; the scale grows every 8 steps, so its state matters
+FP16 = ("parallel.precision=fp16-mixed", "parallel.loss_scale_growth_interval=8", "model.n_layer=1",
+        "model.seq_len=32")
+
+
+@pytest.mark.parametrize("precision", [FP32, BF16, FP16], ids=lambda overrides: overrides[0].split("=")[1])
 def test_single_resumes_bit_identically(tmp_path, precision):
     assert_bit_identical(tmp_path, [in_process(straight_and_resumed, tmp_path, "single", *precision)])
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_resume_is_bit_identical_on_2_ranks(tmp_path, strategy):
-    assert_bit_identical(tmp_path, run_ranks(straight_and_resumed, 2, tmp_path, strategy))
+@pytest.mark.parametrize(("strategy", "precision"), [("ddp", FP32), ("fsdp", FP32), ("ddp", BF16), ("fsdp", FP16)],
+                         ids=["ddp-fp32", "fsdp-fp32", "ddp-bf16-mixed", "fsdp-fp16-mixed"])
+def test_resume_is_bit_identical_on_2_ranks(tmp_path, strategy, precision):
+    assert_bit_identical(tmp_path, run_ranks(straight_and_resumed, 2, tmp_path, strategy, *precision))
 
 
 # --- resharding --------------------------------------------------------------------------

@@ -26,6 +26,7 @@ import os
 import pickle
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -33,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 if TYPE_CHECKING:
@@ -83,11 +85,6 @@ def _write_atomically(path: Path, text: str) -> None:
     _fsync(path.parent)
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def _from_rank0(value: Any) -> Any:
     """Rank 0's `value` on every rank (plain data: names, messages)."""
     if not dist.is_initialized():
@@ -110,39 +107,77 @@ def training_state(trainer: Trainer, world_size: int, with_rng: bool = True) -> 
 
 
 def save_checkpoint(trainer: Trainer, step: int, keep: int) -> Path:
-    """Save the state after `step` completed steps; keep the newest `keep` checkpoints."""
+    """Save the state after `step` completed steps; keep the newest `keep` checkpoints. A save
+    that fails (a full or read-only disk) raises the same CheckpointError on every rank, leaving
+    the previous checkpoints and `latest` as they were."""
     root = checkpoint_dir(trainer.out)
     final = root / _name(step)
     tmp = root / f".tmp-{_name(step)}"
-    if trainer.ctx.is_main:
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
-        tmp.mkdir(parents=True)
-    _barrier()
-    state = training_state(trainer, trainer.ctx.world_size)
-    state["trainer"]["step"].fill_(step)
-    dcp.save(state, checkpoint_id=tmp)
-    _barrier()
-    if trainer.ctx.is_main:
-        manifest = {
-            "step": step,
-            "world_size": trainer.ctx.world_size,
-            "strategy": trainer.cfg.parallel.strategy,
-            "precision": trainer.cfg.parallel.precision,
-            "shapes": {name: list(t.shape) for name, t in state["model"].items()},
-            "files": _checksums(tmp),
-        }
-        for file in tmp.rglob("*"):
-            if file.is_file():
-                _fsync(file)
-        _write_atomically(tmp / MANIFEST, json.dumps(manifest, indent=1))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        _fsync(root)
-        _write_atomically(root / LATEST, final.name)
-        for old in sorted(root.glob("step-*"))[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-    _barrier()
+    problem = _agreed_from_rank0(trainer.ctx.is_main, lambda: _empty_dir(tmp))
+    if problem is None:
+        state = training_state(trainer, trainer.ctx.world_size)
+        state["trainer"]["step"].fill_(step)
+        try:
+            dcp.save(state, checkpoint_id=tmp)  # returns on every rank once every rank's files are written
+        except CheckpointException as error:
+            problem = _first_failure(error)
+        else:
+            manifest = {
+                "step": step,
+                "world_size": trainer.ctx.world_size,
+                "strategy": trainer.cfg.parallel.strategy,
+                "precision": trainer.cfg.parallel.precision,
+                "shapes": {name: list(t.shape) for name, t in state["model"].items()},
+            }
+            problem = _agreed_from_rank0(trainer.ctx.is_main, lambda: _seal(tmp, final, manifest, keep))
+    if problem is not None:
+        if trainer.ctx.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)  # a full disk gets its space back
+        latest = root / LATEST
+        kept = f"the newest complete one, {latest.read_text().strip()}, is intact" if latest.is_file() else \
+            "there is no earlier one"
+        raise CheckpointError(f"could not save checkpoint {final.name} in {root}: {problem}; {kept}")
     return final
+
+
+def _empty_dir(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)  # left by a save that crashed
+    path.mkdir(parents=True)
+
+
+def _seal(tmp: Path, final: Path, manifest: dict[str, Any], keep: int) -> None:
+    """Checksum and flush the files in `tmp`, move it to `final`, point `latest` at it, prune."""
+    manifest["files"] = _checksums(tmp)
+    for file in tmp.rglob("*"):
+        if file.is_file():
+            _fsync(file)
+    _write_atomically(tmp / MANIFEST, json.dumps(manifest, indent=1))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    _fsync(final.parent)
+    _write_atomically(final.parent / LATEST, final.name)
+    for old in sorted(final.parent.glob("step-*"))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _agreed_from_rank0(is_main: bool, action: Callable[[], None]) -> str | None:
+    """Run `action` on rank 0 alone; every rank returns why it failed (None if it did not).
+    Doubles as a barrier: no rank goes on before rank 0 is done."""
+    problem = None
+    if is_main:
+        try:
+            action()
+        except OSError as error:
+            problem = str(error)
+    return _from_rank0(problem)
+
+
+def _first_failure(error: CheckpointException) -> str:
+    """The clearest of the ranks' errors in a failed DCP save: an OSError (the disk's own words)
+    if any rank had one."""
+    failures = sorted(error.failures.items())
+    rank, (cause, _) = next(((r, f) for r, f in failures if isinstance(f[0], OSError)), failures[0])
+    return f"rank {rank}: {cause}"
 
 
 def problem_with(path: Path) -> str | None:

@@ -32,6 +32,9 @@ def _add_train_parser(commands: argparse._SubParsersAction) -> None:
                    help="run.resume: continue from the newest good checkpoint in the run directory")
     p.add_argument("--max-restarts", type=int, metavar="K",
                    help="launch.max_restarts: restart the group up to K times after a worker dies; it resumes")
+    p.add_argument("--debug-collectives", action="store_true", default=None,
+                   help="launch.debug_collectives: check before every collective that all ranks make the same "
+                   "call, and fail naming both calls at the first mismatch (slow; for hunting hangs)")
     p.add_argument("--dp", type=int, help="parallel.dp: model replicas (pipeline, model-parallel, tensor)")
     p.add_argument("--pp", type=int, help="parallel.pp: pipeline stages per replica")
     p.add_argument("--tp", type=int, help="parallel.tp: tensor-parallel ranks per stage")
@@ -55,6 +58,7 @@ def _train_config(args: argparse.Namespace) -> Config:
         "train.keep_checkpoints": args.keep,
         "run.resume": args.resume,
         "launch.max_restarts": args.max_restarts,
+        "launch.debug_collectives": args.debug_collectives,
         "parallel.dp": args.dp,
         "parallel.pp": args.pp,
         "parallel.tp": args.tp,

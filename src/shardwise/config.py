@@ -132,9 +132,13 @@ class LaunchConfig:
     node_rank: int = 0
     rdzv_endpoint: str = "127.0.0.1:29500"
     backend: str = "auto"
-    timeout_s: float = 300.0
+    timeout_s: float = 300.0  # a collective waiting longer fails, naming itself and the missing rank
     threads_per_rank: int = 1
     max_restarts: int = 0  # restart the whole group this often after a worker dies; it resumes
+    # After SIGTERM, workers get this long (to save a checkpoint) before SIGKILL; a stalled rank
+    # also lives this long after the job has failed.
+    shutdown_timeout_s: int = 25
+    debug_collectives: bool = False  # check every collective is the same call on every rank (slow)
 
 
 @dataclass
@@ -343,6 +347,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _positive("parallel.loss_scale", p.loss_scale)
     _positive("parallel.loss_scale_growth_interval", p.loss_scale_growth_interval)
     _positive("launch.max_restarts", launch.max_restarts, zero_ok=True)
+    _positive("launch.shutdown_timeout_s", launch.shutdown_timeout_s, zero_ok=True)
     for key in ("nproc", "nnodes", "threads_per_rank", "timeout_s"):
         _positive(f"launch.{key}", getattr(launch, key))
     if not 0 <= launch.node_rank < launch.nnodes:
@@ -358,6 +363,11 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(
             "parallel.sync_batchnorm = true: torch.nn.SyncBatchNorm (used by ddp-native) runs only on GPUs; "
             "use --strategy ddp, whose SyncBatchNorm runs on CPU too"
+        )
+    if launch.debug_collectives and p.strategy == "ddp-native":
+        raise ConfigError(
+            "launch.debug_collectives = true: torch 2.13's DistributedDataParallel crashes (SIGSEGV) in its "
+            "constructor under TORCH_DISTRIBUTED_DEBUG=DETAIL; debug with --strategy ddp, the same algorithm"
         )
     _validate_mesh(cfg, world)
     dp = p.mesh_shape(world)[0]

@@ -58,11 +58,20 @@ def choose_backend(requested: str) -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
-def init_distributed(backend: str = "auto", timeout_s: float = 300.0, threads_per_rank: int = 1) -> DistContext:
+def init_distributed(backend: str = "auto", timeout_s: float = 300.0, threads_per_rank: int = 1,
+                     debug_collectives: bool = False) -> DistContext:
     """Join the process group torchrun describes in the environment (RANK, WORLD_SIZE, ...).
 
     Without those variables (a plain `python` run) this is a world of one and no group is made.
+    Every group records its collectives (stalls.py names the one a timeout happened in); with
+    `debug_collectives` every collective is first checked to be the same call on every rank.
     """
+    from shardwise.stalls import enable_flight_recorder
+
+    enable_flight_recorder()
+    if debug_collectives:
+        os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+        dist.set_debug_level_from_env()
     # Ranks sharing a CPU must not each start one thread per core, or they fight for cores.
     torch.set_num_threads(threads_per_rank)
     backend = choose_backend(backend)

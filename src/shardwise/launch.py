@@ -7,6 +7,7 @@ launch.rdzv_endpoint, with --nnodes and --node-rank passed through.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import uuid
 
@@ -26,7 +27,8 @@ class Stopped(RuntimeError):
 
 def torchrun_args(launch: LaunchConfig, entry: list[str]) -> list[str]:
     """torch.distributed.run's arguments for `python -m <entry...>` on every rank."""
-    args = [f"--nproc-per-node={launch.nproc}", f"--max-restarts={launch.max_restarts}", "--rdzv-backend=c10d"]
+    args = [f"--nproc-per-node={launch.nproc}", f"--max-restarts={launch.max_restarts}",
+            f"--shutdown-timeout={launch.shutdown_timeout_s}", "--rdzv-backend=c10d"]
     if launch.nnodes == 1:
         args += ["--nnodes=1", "--rdzv-endpoint=127.0.0.1:0", "--local-addr=127.0.0.1", f"--rdzv-id={uuid.uuid4()}"]
     else:
@@ -50,6 +52,21 @@ def _failure_message(error: ChildFailedError) -> str:
     return f"worker rank {rank} failed (exit code {failure.exitcode}):\n{text}"
 
 
+def _hold_failure_shutdown_to(seconds: int) -> None:
+    """When a worker fails, torch 2.13's launcher stops the others with SIGTERM and a fixed 30 s
+    grace before SIGKILL (PContext.close's default timeout; --shutdown-timeout reaches only the
+    path where the launcher itself is signalled: pytorch#119856). A stalled rank, deaf to SIGTERM,
+    lives through that grace: hold it to launch.shutdown_timeout_s as well."""
+    from torch.distributed.elastic.multiprocessing.api import PContext
+
+    close = PContext.close
+
+    def close_within(self: PContext, death_sig: signal.Signals | None = None, timeout: int = seconds) -> None:
+        close(self, death_sig, timeout)
+
+    PContext.close = close_within
+
+
 def launch_workers(launch: LaunchConfig, entry: list[str]) -> None:
     """Run `python -m <entry...>` (e.g. shardwise.worker CONFIG) on launch.nproc local ranks;
     raise WorkerFailed with the first failing rank's error if any rank fails."""
@@ -61,6 +78,7 @@ def launch_workers(launch: LaunchConfig, entry: list[str]) -> None:
         # torch 2.13 reuses the rendezvous store across restarts, and restarted Gloo groups then
         # sometimes reach a dead peer's address or hang (pytorch#135712, #167288): one store each.
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    _hold_failure_shutdown_to(launch.shutdown_timeout_s)
     try:
         run(parse_args(torchrun_args(launch, entry)))
     except ChildFailedError as error:

@@ -72,6 +72,7 @@ class Trainer:
         self.optimizer = self.strategy.optimizer(optimizer_factory(cfg.train))
         self.scaler = self.strategy.scaler
         self.skipped_steps = 0
+        self.step = 0  # the step under way (0-based), for errors that happen inside it
         self.sampler = GlobalBatchSampler(len(self.train_set), cfg.train.global_batch, cfg.train.seed)
         self.accum = cfg.grad_accum(ctx.world_size)
         self.activation_bytes = 0
@@ -171,6 +172,7 @@ class Trainer:
         terminate = TerminationFlag()
         try:
             for step in range(first, t.steps):
+                self.step = step
                 started = time.perf_counter()
                 loss = self.train_step(step).item()  # .item() waits for the step to finish
                 record = self.step_record(step, loss, time.perf_counter() - started)

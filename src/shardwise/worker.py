@@ -16,6 +16,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from shardwise.config import load_config, validate
 from shardwise.dist import init_distributed, shutdown_distributed
 from shardwise.metrics import format_summary
+from shardwise.stalls import explain, is_collective_timeout
 from shardwise.trainer import Trainer
 
 
@@ -27,7 +28,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     cfg = load_config(args.config, args.set)
     launch = cfg.launch
-    ctx = init_distributed(launch.backend, launch.timeout_s, launch.threads_per_rank)
+    ctx = init_distributed(launch.backend, launch.timeout_s, launch.threads_per_rank, launch.debug_collectives)
     # The world torchrun actually made is what counts, whatever the file's launch.nproc says.
     cfg.launch.nproc = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.launch.nproc))
     validate(cfg, world_size=ctx.world_size)
@@ -35,7 +36,15 @@ def main(argv: list[str] | None = None) -> None:
         cfg.run.resume = True  # the group was restarted after a failure: go on from the last checkpoint
     if ctx.is_main:
         cfg.save(Path(cfg.run.out) / "config.toml")
-    summary = Trainer(cfg, ctx).fit()
+    trainer = None
+    try:
+        trainer = Trainer(cfg, ctx)
+        summary = trainer.fit()
+    except RuntimeError as error:
+        if not is_collective_timeout(error):
+            raise
+        where = f"step {trainer.step + 1}" if trainer else "while setting up"
+        raise explain(error, ctx, launch.timeout_s, where) from error
     if ctx.is_main:
         print(format_summary(summary), flush=True)
     # Reached only on success: after a failure another rank may be gone, and a barrier would hang.

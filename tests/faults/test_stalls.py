@@ -1,0 +1,81 @@
+"""No silent hangs: a rank that stops participating fails the job within the collective timeout,
+naming the collective and the missing rank; ranks that disagree on the next collective are named
+too, and caught at the first mismatched call with --debug-collectives."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed import run_ranks
+from jobs import start_training, wait_for_step, worker_pids
+
+from shardwise.stalls import explain, is_collective_timeout
+
+TIMEOUT_S = 5
+
+
+@pytest.mark.parametrize("stalled", [0, 1])
+def test_a_stalled_rank_fails_the_job_naming_the_collective_and_the_rank(tmp_path, stalled):
+    job = start_training(tmp_path, "--set", f"launch.timeout_s={TIMEOUT_S}", "--set", "launch.shutdown_timeout_s=10")
+    wait_for_step(job, tmp_path, 5)
+    victim = worker_pids(tmp_path)[stalled]  # workers start in rank order
+    try:
+        os.kill(victim, signal.SIGSTOP)  # a rank that stops participating, as a hung one does
+        stalled_at = time.monotonic()
+        _, err = job.communicate(timeout=120)
+        elapsed = time.monotonic() - stalled_at
+    finally:
+        if job.poll() is None:
+            job.kill()
+        for pid in worker_pids(tmp_path):
+            os.kill(pid, signal.SIGKILL)
+    assert job.returncode == 1, err
+    assert elapsed < TIMEOUT_S + 30, f"the job took {elapsed:.0f} s to end after the stall"
+    survivor = 1 - stalled
+    message = re.search(rf"CollectiveTimeout: rank {survivor}: (\w+) #\d+ on group 'default_pg' .*", err)
+    assert message, err
+    assert message[1] in {"all_reduce", "allreduce", "all_gather", "broadcast"}, message[0]
+    assert f"did not complete within launch.timeout_s = {TIMEOUT_S} s" in message[0]
+    assert f"Rank(s) {stalled} never joined it" in message[0]
+    assert worker_pids(tmp_path) == [], "worker processes outlived the job"
+
+
+def _mismatched_collectives(ctx, debug: bool) -> str:
+    """Rank 0 all-reduces while rank 1 broadcasts: user code that took different branches."""
+    tensor = torch.ones(8)
+    dist.barrier()  # both ranks reach the mismatch together, so both time out together
+    try:
+        if ctx.rank == 0:
+            dist.all_reduce(tensor)
+        else:
+            dist.broadcast(tensor, src=0)
+    except RuntimeError as error:
+        message = str(error) if debug or not is_collective_timeout(error) else str(explain(error, ctx, 2, "test"))
+        dist.destroy_process_group()  # broken now: skip the harness's closing barrier
+        return message
+    return "no error"
+
+
+def test_ranks_in_different_collectives_are_both_named_after_the_timeout():
+    messages = run_ranks(_mismatched_collectives, 2, False, timeout_s=2)
+    for rank, message in enumerate(messages):
+        assert message.startswith(f"rank {rank}: "), message
+        assert "the ranks disagree on which collective comes next" in message
+        assert "rank 0: all_reduce #2 on group 'default_pg' (Float[8])" in message
+        assert "rank 1: broadcast #2 on group 'default_pg' (Float[8])" in message
+        assert "--debug-collectives" in message
+
+
+def test_debug_collectives_stops_at_the_first_mismatched_call_without_waiting_for_the_timeout():
+    started = time.monotonic()
+    messages = run_ranks(_mismatched_collectives, 2, True, timeout_s=60, debug_collectives=True)
+    assert time.monotonic() - started < 60  # well inside the collective timeout: no waiting for it
+    for message in messages:
+        assert "Detected mismatch between collectives on ranks" in message
+        assert "ALLREDUCE" in message and "BROADCAST" in message
