@@ -62,6 +62,7 @@ def test_a_float_is_not_accepted_for_an_int(tmp_path):
         ("launch.nproc=0", "launch.nproc"),
         ("parallel.bucket_mb=0", "parallel.bucket_mb"),
         ("train.warmup_steps=-1", "train.warmup_steps"),
+        ("launch.shutdown_timeout_s=-1", "launch.shutdown_timeout_s"),
     ],
 )
 def test_negative_or_zero_sizes_are_rejected(tmp_path, override, key):
@@ -128,6 +129,12 @@ def test_resolved_config_round_trips_through_toml(tmp_path):
 )
 def test_bad_precision_and_recompute_settings_are_named(tmp_path, overrides, expected):
     assert expected in error_for(tmp_path, overrides=overrides)
+
+
+def test_debug_collectives_is_refused_for_ddp_native_which_crashes_under_it(tmp_path):
+    message = error_for(tmp_path, overrides=("launch.debug_collectives=true", "parallel.strategy=ddp-native",
+                                             "launch.nproc=2"))
+    assert "launch.debug_collectives = true" in message and "--strategy ddp" in message
 
 
 def test_precision_and_recompute_flags_reach_the_config():
