@@ -192,6 +192,6 @@ def test_a_mesh_error_stops_the_cli_before_any_worker_starts(tmp_path, tiny_conf
 
 def test_model_splitting_strategies_refuse_what_they_do_not_support_yet(tmp_path):
     message = error_for(tmp_path, overrides=("parallel.strategy=pipeline", "parallel.precision=bf16-mixed",
-                                             "train.checkpoint_every=5"), flags={"launch.nproc": 2})
-    assert ("parallel.precision = 'bf16-mixed', train.checkpoint_every = 5: not yet supported with "
+                                             "parallel.recompute=blocks"), flags={"launch.nproc": 2})
+    assert ("parallel.precision = 'bf16-mixed', parallel.recompute = 'blocks': not yet supported with "
             "parallel.strategy = 'pipeline'") in message

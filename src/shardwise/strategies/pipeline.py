@@ -6,7 +6,8 @@ parameter count, or at `parallel.split_points`): the first stage also holds the 
 last the final norm, the head and the loss. A stage's parameters live only on its rank. The one
 exception is the GPT's tied weight, the token embedding that is also the head: the first and
 the last stage each hold it, and after backward their two gradients are summed between them, so
-both copies take the same step, as the one tensor does on one device.
+both copies take the same step, as the one tensor does on one device. Being equal, the two
+copies are one entry of a checkpoint, `tok_emb.weight`: written once, loaded into both.
 
 Each train.micro_batch of samples is split into M = parallel.micro_batches micro-batches, which
 flow through the stages: activations forward, their gradients backward, each sent point to point
@@ -265,7 +266,7 @@ class Pipeline(MeshStrategy):
         self.stage = stages[self.pp_rank]
         if self.tp > 1:
             self.tensor_shards = parallelize_blocks(list(self.stage.blocks), self.tp_group)
-        self.record_local_state(model)
+        self.record_local_state(model, self.stage)
         self._tie_first_and_last(stages)
         self.activations = Activations(model.tok_emb.embedding_dim, model.tok_emb.weight.dtype, self.ctx.device)
         # From here only this rank's stage is referenced: the other stages' parameters are freed.
