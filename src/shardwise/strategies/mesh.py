@@ -84,7 +84,7 @@ class MeshStrategy(DeferrableSync):
                    and (id(p) in self.tensor_shards or self.tp_rank == 0)]
         squares = torch.zeros((), device=self.ctx.device)
         if counted:
-            squares = torch.stack([g.pow(2).sum() for g in counted]).sum()
+            squares = torch.stack([g.float().pow(2).sum() for g in counted]).sum()  # bf16-true's too, in fp32
         dist.all_reduce(squares, group=self.tp_group)
         dist.all_reduce(squares, group=self.pp_group)
         norm = squares.sqrt()

@@ -192,7 +192,7 @@ class TensorParallel(MeshStrategy):
     name = "tensor"
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        model = model.to(self.ctx.device)
+        model = self.prepare(model)
         self.record_layout(model, [model])
         self.tensor_shards = parallelize_blocks(find_blocks(model, self.cfg.block), self.tp_group)
         self.record_local_state(model, model)
