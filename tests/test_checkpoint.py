@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import pickle
+import signal
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from conftest import CONFIGS, losses, read_records
 from distributed import run_ranks
 from safetensors.torch import load_file
 
-from shardwise.checkpoint import CheckpointError, checkpoint_dir
+from shardwise.checkpoint import CheckpointError, checkpoint_dir, safe_reader
 from shardwise.config import load_config
 from shardwise.dist import DistContext, init_distributed
 from shardwise.memory import local_tensor
@@ -101,22 +102,42 @@ def test_resume_is_bit_identical_on_2_ranks(tmp_path, strategy, precision):
     assert_bit_identical(tmp_path, run_ranks(straight_and_resumed, 2, tmp_path, strategy, *precision))
 
 
+# How many pieces of an entry a checkpoint stores: one per distinct part held (a tensor shard per
+# tp rank, qkv's q, k and v rows apart), one for an entry held whole by several ranks.
+STORED_PIECES = {
+    "pipeline": {"model.tok_emb.weight": 1, "optimizer.tok_emb.weight.exp_avg": 1,  # on both stages
+                 "model.blocks.1.mlp.up.weight": 1},
+    "tensor": {"model.blocks.0.attn.qkv.weight": 6, "optimizer.blocks.0.attn.qkv.weight.exp_avg_sq": 6,
+               "model.blocks.0.mlp.down.weight": 2, "model.ln_f.weight": 1, "model.tok_emb.weight": 1},
+}
+
+
+@pytest.mark.parametrize("strategy", STORED_PIECES)
+def test_a_split_model_resumes_bit_identically_on_2_ranks(tmp_path, strategy):
+    assert_bit_identical(tmp_path, run_ranks(straight_and_resumed, 2, tmp_path, strategy))
+    metadata = safe_reader(checkpoint_dir(tmp_path / "resumed") / "step-00000040").read_metadata()
+    for name, pieces in STORED_PIECES[strategy].items():
+        assert sum(index.fqn == name for index in metadata.storage_data) == pieces, name
+
+
 # --- resharding --------------------------------------------------------------------------
 
-RESHARD = ("train.micro_batch=2",)  # global batch 8: 4 micro-steps on 1 rank, 2 on 2, 1 on 4
+# Global batch 8: 4 micro-steps on 1 rank (or one model replica), 2 on 2, 1 on 4; a pipeline
+# splits each micro-batch of 2 into 2.
+RESHARD = ("train.micro_batch=2", "parallel.micro_batches=2")
 
 
-def save_then_crash(ctx: DistContext, out: Path, strategy: str) -> None:
+def save_then_crash(ctx: DistContext, out: Path, strategy: str, *overrides: str) -> None:
     with pytest.raises(Crash):
-        crash_at(Trainer(cfg_for(out, strategy, ctx.world_size, *RESHARD), ctx), CRASH_AT).fit()
+        crash_at(Trainer(cfg_for(out, strategy, ctx.world_size, *RESHARD, *overrides), ctx), CRASH_AT).fit()
 
 
-def resume(ctx: DistContext, out: Path, strategy: str) -> None:
-    Trainer(cfg_for(out, strategy, ctx.world_size, "run.resume=true", *RESHARD), ctx).fit()
+def resume(ctx: DistContext, out: Path, strategy: str, *overrides: str) -> None:
+    Trainer(cfg_for(out, strategy, ctx.world_size, "run.resume=true", *RESHARD, *overrides), ctx).fit()
 
 
-def reshard_on_2_ranks(ctx: DistContext, root: Path) -> None:
-    for saved_by, loaded_by in (("fsdp", "ddp"), ("zero2", "fsdp")):
+def reshard(ctx: DistContext, root: Path, pairs: tuple[tuple[str, str], ...]) -> None:
+    for saved_by, loaded_by in pairs:
         save_then_crash(ctx, root / f"{saved_by}-to-{loaded_by}", saved_by)
         resume(ctx, root / f"{saved_by}-to-{loaded_by}", loaded_by)
 
@@ -136,9 +157,25 @@ def assert_continues(run: Path, reference: list[float]) -> None:
 
 
 def test_a_checkpoint_reshards_across_strategies_on_2_ranks(tmp_path, reference):
-    run_ranks(reshard_on_2_ranks, 2, tmp_path)
+    run_ranks(reshard, 2, tmp_path, (("fsdp", "ddp"), ("zero2", "fsdp")))
     for run in ("fsdp-to-ddp", "zero2-to-fsdp"):
         assert_continues(tmp_path / run, reference)
+
+
+def test_a_split_model_checkpoint_reshards_to_and_from_data_parallel_on_2_ranks(tmp_path, reference):
+    run_ranks(reshard, 2, tmp_path, (("tensor", "ddp"), ("fsdp", "pipeline")))
+    for run in ("tensor-to-ddp", "fsdp-to-pipeline"):
+        assert_continues(tmp_path / run, reference)
+
+
+def dp2_tensor_to_pp2_tp2_pipeline(ctx: DistContext, out: Path) -> None:
+    save_then_crash(ctx, out, "tensor", "parallel.dp=2")
+    resume(ctx, out, "pipeline", "parallel.tp=2", "parallel.micro_batches=1")  # 4 ranks on 2 cores: fewer messages
+
+
+def test_a_dp2_tp2_checkpoint_resumes_as_2_stages_of_2_tensor_shards(tmp_path, reference):
+    run_ranks(dp2_tensor_to_pp2_tp2_pipeline, 4, tmp_path)
+    assert_continues(tmp_path, reference)
 
 
 def test_an_fsdp_checkpoint_from_4_ranks_resumes_on_one(tmp_path, reference):
@@ -238,22 +275,75 @@ def fsdp_state_at_the_checkpoint(ctx: DistContext, out: Path) -> dict[str, torch
     return trainer.strategy.full_state_dict()
 
 
-def test_consolidate_writes_a_plain_state_dict_of_an_fsdp_checkpoint(tmp_path):
+def consolidated(run: Path) -> dict[str, torch.Tensor]:
+    """`shardwise consolidate` of the run's newest checkpoint, loaded strictly into the plain model
+    (every key, no shardwise code); the model's state dict."""
     import subprocess
     import sys
 
     from conftest import REPO
-    from safetensors.torch import load_file
 
     from shardwise.models import build_model
 
-    expected = run_ranks(fsdp_state_at_the_checkpoint, 2, tmp_path)[0]
-    cfg_for(tmp_path, "fsdp", 2, *RESHARD).save(tmp_path / "config.toml")  # as `shardwise train` writes it
-    out = tmp_path / "plain.safetensors"
-    result = subprocess.run([sys.executable, "-m", "shardwise.cli", "consolidate", str(tmp_path), str(out)],
+    out = run / "plain.safetensors"
+    result = subprocess.run([sys.executable, "-m", "shardwise.cli", "consolidate", str(run), str(out)],
                             cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    model = build_model(cfg_for(tmp_path, "single", 1).model)
-    model.load_state_dict(load_file(str(out)))  # strict: every key, no shardwise code
-    for name, tensor in model.state_dict().items():
+    model = build_model(cfg_for(run, "single", 1).model)
+    model.load_state_dict(load_file(str(out)))
+    return model.state_dict()
+
+
+def test_consolidate_writes_a_plain_state_dict_of_an_fsdp_checkpoint(tmp_path):
+    expected = run_ranks(fsdp_state_at_the_checkpoint, 2, tmp_path)[0]
+    cfg_for(tmp_path, "fsdp", 2, *RESHARD).save(tmp_path / "config.toml")  # as `shardwise train` writes it
+    for name, tensor in consolidated(tmp_path).items():
         assert torch.equal(tensor, expected[name]), name
+
+
+def train_to_a_final_checkpoint(ctx: DistContext, root: Path, strategies: tuple[str, ...]) -> None:
+    for strategy in strategies:
+        Trainer(cfg_for(root / strategy, strategy, ctx.world_size, "train.steps=4", "train.checkpoint_every=4"),
+                ctx).fit()
+
+
+def test_consolidate_writes_the_plain_model_of_a_pipeline_or_tensor_checkpoint(tmp_path):
+    from safetensors.torch import load_model
+
+    from shardwise.models import build_model
+
+    strategies = ("pipeline", "tensor")
+    run_ranks(train_to_a_final_checkpoint, 2, tmp_path, strategies)
+    for strategy in strategies:
+        run = tmp_path / strategy
+        cfg_for(run, strategy, 2).save(run / "config.toml")
+        expected = build_model(cfg_for(run, "single", 1).model)
+        load_model(expected, str(run / "model.safetensors"))  # the weights the run wrote at its end, step 4
+        for name, tensor in consolidated(run).items():
+            assert torch.equal(tensor, expected.state_dict()[name]), (strategy, name)
+
+
+# --- SIGTERM ----------------------------------------------------------------------------------
+
+def stopped_by_sigterm_then_resumed(ctx: DistContext, out: Path) -> None:
+    """A pipeline whose second stage gets SIGTERM during step 3: both stages save after it and stop;
+    then the run resumes to its end."""
+    trainer = Trainer(cfg_for(out, "pipeline", ctx.world_size, "train.steps=6"), ctx)
+    original = trainer.train_step
+
+    def train_step(k: int) -> torch.Tensor:
+        if k == 2 and ctx.rank == 1:
+            signal.raise_signal(signal.SIGTERM)
+        return original(k)
+
+    trainer.train_step = train_step
+    with pytest.raises(SystemExit, match="SIGTERM: saved a checkpoint after step 3"):
+        trainer.fit()
+    Trainer(cfg_for(out, "pipeline", ctx.world_size, "train.steps=6", "run.resume=true"), ctx).fit()
+
+
+def test_sigterm_saves_a_pipeline_checkpoint_on_every_stage_and_the_run_resumes(tmp_path):
+    run_ranks(stopped_by_sigterm_then_resumed, 2, tmp_path)
+    assert (checkpoint_dir(tmp_path) / "latest").read_text() == "step-00000003"
+    assert [r["step"] for r in read_records(tmp_path)] == list(range(1, 7))
+    assert read_records(tmp_path, "summary")[0]["resumed_at"] == 3

@@ -196,9 +196,3 @@ def test_a_mesh_error_stops_the_cli_before_any_worker_starts(tmp_path, tiny_conf
     assert "config error: parallel.dp x pp x tp = 2 x 1 x 3 = 6" in capsys.readouterr().err
     assert not out.exists()
 
-
-def test_model_splitting_strategies_refuse_what_they_do_not_support_yet(tmp_path):
-    message = error_for(tmp_path, overrides=("parallel.strategy=pipeline", "parallel.precision=bf16-mixed",
-                                             "train.checkpoint_every=5"), flags={"launch.nproc": 2})
-    assert ("parallel.precision = 'bf16-mixed', train.checkpoint_every = 5: not yet supported with "
-            "parallel.strategy = 'pipeline'") in message

@@ -21,11 +21,11 @@ BATCH = 4
 
 
 def gradients_and_saved_bytes(ctx: DistContext, strategy_name: str) -> dict[str, tuple[list[torch.Tensor], int]]:
-    """For each policy: this rank's gradients after one forward/backward on its part of a fixed
-    batch, and the bytes the forward saved for backward."""
+    """For each policy: this rank's gradients after one forward/backward (a pipeline's: its
+    schedule) on its replica's part of a fixed batch, and the most bytes saved for backward at once."""
     out = {}
     generator = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, 256, (BATCH * ctx.world_size, 65), generator=generator)[ctx.rank :: ctx.world_size]
+    tokens = torch.randint(0, 256, (BATCH * ctx.world_size, 65), generator=generator)
     for policy in POLICIES:
         cfg = load_config(CONFIGS / "gpt-tiny.toml", [
             f"parallel.strategy={strategy_name}", f"parallel.recompute={policy}", f"model.n_layer={LAYERS}",
@@ -36,9 +36,9 @@ def gradients_and_saved_bytes(ctx: DistContext, strategy_name: str) -> dict[str,
         strategy = make_strategy(cfg.parallel, ctx)
         model = strategy.wrap(build_model(cfg.model))
         strategy.optimizer(lambda params: torch.optim.SGD(params, lr=0.1))
+        mine = tokens[strategy.data_rank :: strategy.data_size]
         with ActivationCounter(model) as counter:
-            loss = loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
-        strategy.backward(loss)
+            strategy.forward_backward(model, [(mine[:, :-1], mine[:, 1:])], loss_fn, accum=1)
         out[policy] = ([g.clone() for g in strategy.local_grads()], counter.bytes)
     return out
 
@@ -58,7 +58,7 @@ def test_recomputation_changes_no_gradient_under_single():
     assert_same_gradients(results)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "pipeline", "tensor"])
 def test_recomputation_changes_no_gradient_on_2_ranks(strategy):
     for results in run_ranks(gradients_and_saved_bytes, 2, strategy):
         assert_same_gradients(results)

@@ -106,6 +106,16 @@ def training_state(trainer: Trainer, world_size: int, with_rng: bool = True) -> 
     return state
 
 
+def _model_shapes(state: dict[str, Any]) -> dict[str, list[int]]:
+    """The global shape of every model entry any rank holds (a pipeline stage holds only its own)."""
+    shapes = {name: list(t.shape) for name, t in state["model"].items()}
+    if dist.is_initialized():
+        every: list[dict[str, list[int]]] = [{}] * dist.get_world_size()
+        dist.all_gather_object(every, shapes)
+        shapes = {name: shape for part in every for name, shape in part.items()}
+    return shapes
+
+
 def save_checkpoint(trainer: Trainer, step: int, keep: int) -> Path:
     """Save the state after `step` completed steps; keep the newest `keep` checkpoints. A save
     that fails (a full or read-only disk) raises the same CheckpointError on every rank, leaving
@@ -127,7 +137,7 @@ def save_checkpoint(trainer: Trainer, step: int, keep: int) -> Path:
                 "world_size": trainer.ctx.world_size,
                 "strategy": trainer.cfg.parallel.strategy,
                 "precision": trainer.cfg.parallel.precision,
-                "shapes": {name: list(t.shape) for name, t in state["model"].items()},
+                "shapes": _model_shapes(state),
             }
             problem = _agreed_from_rank0(trainer.ctx.is_main, lambda: _seal(tmp, final, manifest, keep))
     if problem is not None:
@@ -260,7 +270,7 @@ class _AllowListUnpickler(pickle.Unpickler):
 def check_fits(path: Path, state: dict[str, Any]) -> None:
     """Raise naming every parameter whose name or shape differs between checkpoint and model."""
     saved = json.loads((path / MANIFEST).read_text())["shapes"]
-    ours = {name: list(t.shape) for name, t in state["model"].items()}
+    ours = _model_shapes(state)
     missing = sorted(set(ours) - set(saved))
     extra = sorted(set(saved) - set(ours))
     shapes = [f"{n} {saved[n]} in the checkpoint vs {ours[n]} here" for n in sorted(set(ours) & set(saved))

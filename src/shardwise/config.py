@@ -399,13 +399,6 @@ def _validate_mesh(cfg: Config, world: int) -> None:
     if m.name != "gpt":
         raise ConfigError(f"parallel.strategy = {p.strategy!r}: splits the GPT's blocks and matrices; "
                           f"model.name = {m.name!r} is not supported")
-    unsupported = [f"{key} = {value!r}" for key, value, plain in (
-        ("parallel.precision", p.precision, "fp32"), ("parallel.recompute", p.recompute, "none"),
-        ("train.checkpoint_every", t.checkpoint_every, 0), ("run.resume", cfg.run.resume, False),
-    ) if value != plain]
-    if unsupported:
-        raise ConfigError(f"{', '.join(unsupported)}: not yet supported with parallel.strategy = {p.strategy!r}, "
-                          "which trains in fp32 without recomputation or checkpoints for now")
     if dp * pp * tp != world:
         raise ConfigError(
             f"parallel.dp x pp x tp = {dp} x {pp} x {tp} = {dp * pp * tp}: must equal the world size {world} "

@@ -76,7 +76,7 @@ class LossScaler:
         for dtype in {g.dtype for g in grads}:
             same = [g for g in grads if g.dtype == dtype]
             torch._amp_foreach_non_finite_check_and_unscale_(same, found_inf, inv_scale)
-        if dist.is_initialized():
+        if dist.is_initialized():  # the whole world: pipeline stages and tensor shards hold different gradients
             dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
         return bool(found_inf.item())
 

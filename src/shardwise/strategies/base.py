@@ -23,7 +23,6 @@ class Strategy:
     gradient synchronisation and clipping. Subclasses override what they do differently."""
 
     name = "base"
-    checkpointable = True  # its state_dict() names and places every tensor for checkpoints
 
     def __init__(self, ctx: DistContext, cfg: ParallelConfig) -> None:
         self.ctx = ctx
@@ -102,6 +101,10 @@ class Strategy:
         """`local_parameters()` by the model's parameter names (a tied weight under its first)."""
         return list(self.module.named_parameters())
 
+    def named_local_buffers(self) -> list[tuple[str, torch.Tensor]]:
+        """The buffers this rank holds, by the model's names."""
+        return list(self.module.named_buffers())
+
     def as_global(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """`local`, a tensor shaped like this rank's part of parameter `name`, as the whole
         parameter's tensor: itself where the rank holds it whole, a DTensor where it holds a shard."""
@@ -112,7 +115,7 @@ class Strategy:
         sharing storage with the live state: what a checkpoint saves, and loads in place."""
         params = self.named_local_parameters()
         model = {name: self.as_global(name, p.detach()) for name, p in params}
-        model.update(self.module.named_buffers())
+        model.update(self.named_local_buffers())
         optimizer = {}
         for name, param in params:
             for key, value in self.optim.state[param].items():

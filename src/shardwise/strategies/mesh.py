@@ -13,6 +13,11 @@ needs done across it.
   the tp and pp groups. The norm is then the one a single device computes.
 - State: `full_state_dict` gathers tensor shards within each tp group and sends each stage's
   tensors to rank 0, which gets the plain model's complete state.
+- Checkpoints: `state_dict` names each entry this rank holds by the plain model's name, a tensor
+  shard as a DTensor of the whole parameter on the tp dimension. Whatever is held whole on several
+  ranks (a replicated parameter on each tp rank, every entry on each dp replica, the tied weight on
+  the first and the last stage) is the same tensor on each: DCP writes it once and loads it into
+  every rank that holds it. So a checkpoint loads into any strategy and mesh.
 """
 
 from __future__ import annotations
@@ -40,14 +45,13 @@ def find_blocks(model: nn.Module, block: str) -> list[nn.Module]:
 
 
 class MeshStrategy(DeferrableSync):
-    checkpointable = False  # its stages and tensor shards have no global names and placements yet
-
     def __init__(self, ctx: DistContext, cfg: ParallelConfig) -> None:
         super().__init__(ctx, cfg)
         self.dp, self.pp, self.tp = cfg.mesh_shape(ctx.world_size)
         self.mesh = init_mesh(ctx, self.dp, self.pp, self.tp)
         self.dp_group, self.pp_group, self.tp_group = (self.mesh.get_group(dim) for dim in ("dp", "pp", "tp"))
         self.dp_rank, self.pp_rank, self.tp_rank = (self.mesh.get_local_rank(dim) for dim in ("dp", "pp", "tp"))
+        self.tp_mesh = self.mesh["tp"]  # what tensor shards are DTensors over, in checkpoints
         self.tensor_shards: dict[int, TensorShard] = {}  # id(parameter) -> how it is split over tp
         self.duplicates: set[int] = set()  # ids of parameters an earlier stage also holds (a tied head)
 
@@ -80,7 +84,7 @@ class MeshStrategy(DeferrableSync):
                    and (id(p) in self.tensor_shards or self.tp_rank == 0)]
         squares = torch.zeros((), device=self.ctx.device)
         if counted:
-            squares = torch.stack([g.pow(2).sum() for g in counted]).sum()
+            squares = torch.stack([g.float().pow(2).sum() for g in counted]).sum()  # bf16-true's too, in fp32
         dist.all_reduce(squares, group=self.tp_group)
         dist.all_reduce(squares, group=self.pp_group)
         norm = squares.sqrt()
@@ -89,12 +93,13 @@ class MeshStrategy(DeferrableSync):
             param.grad.mul_(scale)
         return norm
 
-    # --- the plain model's state, gathered on rank 0 --------------------------------------
+    # --- the plain model's layout, and this rank's part of it -----------------------------
 
     def record_layout(self, model: nn.Module, stages: list[nn.Module]) -> None:
-        """Note, before the model is split, each state entry's full shape and dtype, which stage
-        owns it (the first that holds it) and which names are aliases (a tied weight's second name)."""
-        self._full = {name: (t.shape, t.dtype) for name, t in model.state_dict(keep_vars=True).items()}
+        """Note, before the model is split, each state entry's full shape, stride and dtype (as a
+        meta tensor), which stage owns it (the first that holds it) and which names are aliases (a
+        tied weight's second name)."""
+        self._full = {name: t.detach().to("meta") for name, t in model.state_dict(keep_vars=True).items()}
         first_name: dict[int, str] = {}
         self._canonical = {name: first_name.setdefault(id(t), name)
                            for name, t in model.state_dict(keep_vars=True).items()}
@@ -102,10 +107,28 @@ class MeshStrategy(DeferrableSync):
         self._owner = {name: next(s for s, ids in enumerate(stage_ids) if id(t) in ids)
                        for name, t in model.state_dict(keep_vars=True).items() if self._canonical[name] == name}
 
-    def record_local_state(self, model: nn.Module) -> None:
-        """After splitting: this rank's entries of the state (shards where tensor parallel), by full name."""
+    def record_local_state(self, model: nn.Module, stage: nn.Module) -> None:
+        """After splitting: the entries of the state this rank's `stage` holds (shards where tensor
+        parallel), by full name; a tied weight under its first name, on each stage that holds it."""
+        held = {id(t) for t in stage.state_dict(keep_vars=True).values()}
         self._local = {name: t for name, t in model.state_dict(keep_vars=True).items()
-                       if self._owner.get(name) == self.pp_rank}
+                       if self._canonical[name] == name and id(t) in held}
+
+    # --- checkpoints: the state by the plain model's names ------------------------------
+
+    def named_local_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return [(name, t) for name, t in self._local.items() if isinstance(t, nn.Parameter)]
+
+    def named_local_buffers(self) -> list[tuple[str, torch.Tensor]]:
+        return [(name, t) for name, t in self._local.items() if not isinstance(t, nn.Parameter)]
+
+    def as_global(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """A tensor shard as a DTensor of the whole parameter on the tp dimension; anything else is
+        whole already."""
+        shard = self.tensor_shards.get(id(self._local[name]))
+        return local if shard is None else shard.as_dtensor(local, self._full[name], self.tp_mesh)
+
+    # --- the plain model's state, gathered on rank 0 --------------------------------------
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         state = {}
@@ -132,6 +155,5 @@ class MeshStrategy(DeferrableSync):
                 if self.ctx.rank == source:
                     dist.send(state[name].contiguous(), dst=0)
                 elif self.ctx.rank == 0:
-                    shape, dtype = self._full[name]
-                    state[name] = torch.empty(shape, dtype=dtype, device=self.ctx.device)
+                    state[name] = torch.empty_like(self._full[name], device=self.ctx.device)
                     dist.recv(state[name], src=source)

@@ -6,7 +6,8 @@ parameter count, or at `parallel.split_points`): the first stage also holds the 
 last the final norm, the head and the loss. A stage's parameters live only on its rank. The one
 exception is the GPT's tied weight, the token embedding that is also the head: the first and
 the last stage each hold it, and after backward their two gradients are summed between them, so
-both copies take the same step, as the one tensor does on one device.
+both copies take the same step, as the one tensor does on one device. Being equal, the two
+copies are one entry of a checkpoint, `tok_emb.weight`: written once, loaded into both.
 
 Each train.micro_batch of samples is split into M = parallel.micro_batches micro-batches, which
 flow through the stages: activations forward, their gradients backward, each sent point to point
@@ -27,7 +28,9 @@ backwards' drain, when stages have equal work and messages are free.
 others wait; the bubble is (P-1)/P.
 
 The loss is computed on the last stage and broadcast to the replica's other stages, so every rank
-(rank 0 included) reports its replica's loss.
+(rank 0 included) reports its replica's loss. Under mixed precision every stage runs its forward
+under autocast, and fp16's loss scale multiplies the loss on the last stage: every gradient sent
+back is scaled with it.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from torch import nn
 
 from shardwise.config import ParallelConfig
 from shardwise.dist import DistContext
+from shardwise.precision import LossScaler, Precision
 from shardwise.strategies.base import LossFn
 from shardwise.strategies.mesh import MeshStrategy, find_blocks
 from shardwise.strategies.tensor import parallelize_blocks
@@ -134,11 +138,13 @@ class StageRun:
     the stage waited."""
 
     def __init__(self, stage: GPTStage, index: int, count: int, group: Group, activations: Activations,
-                 inputs: list[torch.Tensor], targets: list[torch.Tensor], loss_fn: LossFn, divisor: int) -> None:
+                 inputs: list[torch.Tensor], targets: list[torch.Tensor], loss_fn: LossFn, divisor: int,
+                 precision: Precision, scaler: LossScaler | None) -> None:
         self.stage, self.index, self.count, self.group = stage, index, count, group
         self.activations = activations
         self.inputs, self.targets = inputs, targets
         self.loss_fn, self.divisor = loss_fn, divisor
+        self.precision, self.scaler = precision, scaler
         self.first, self.last = index == 0, index == count - 1
         self.held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # i -> (stage input, output or loss)
         self.receives: dict[tuple[int, int], tuple[dist.Work, torch.Tensor]] = {}  # (from stage, i) -> posted
@@ -160,10 +166,11 @@ class StageRun:
     def forward(self, i: int) -> None:
         x = self.inputs[i] if self.first else self._receive(self.index - 1, i).requires_grad_()
         started = time.perf_counter()
-        out = self.stage(x)
-        if self.last:
-            out = self.loss_fn(out, self.targets[i])
-            self.loss_sum += out.detach()
+        with self.precision.autocast(self.activations.device):
+            out = self.stage(x)
+            if self.last:
+                out = self.loss_fn(out, self.targets[i])
+                self.loss_sum += out.detach()
         self.timeline.append(("forward", i, started, time.perf_counter()))
         if not self.last:
             self.sends.append((send(out.detach(), self.index + 1, self.group), out))
@@ -173,6 +180,8 @@ class StageRun:
         x, out = self.held.pop(i)
         if self.last:
             out, grad = out / self.divisor, None  # the loss: this micro-batch's share of the step's mean
+            if self.scaler:  # fp16: scaled here, every stage's gradients are
+                out = self.scaler.scale_loss(out)
         else:
             grad = self._receive(self.index + 1, i)
         started = time.perf_counter()
@@ -237,9 +246,13 @@ class PipelineModule(nn.Module):
             x = self.activations.empty(idx)
             post_receive(x, self.index - 1, self.group).wait()
         out = self.stage(x)
-        if not self.stage.last:
+        # Logits travel in the activations' dtype, which every stage knows: under autocast the
+        # head computes in 16 bits, and the float32 they come to holds them exactly.
+        if self.stage.last:
+            out = out.to(self.activations.dtype)
+        else:
             send(out, self.index + 1, self.group).wait()
-            out = torch.empty((*idx.shape, self.vocab_size), dtype=out.dtype, device=out.device)
+            out = torch.empty((*idx.shape, self.vocab_size), dtype=self.activations.dtype, device=out.device)
         dist.broadcast(out, group=self.group, group_src=self.count - 1)
         return out
 
@@ -255,7 +268,7 @@ class Pipeline(MeshStrategy):
         self._tied: tuple[list[nn.Parameter], Group] | None = None  # see _tie_first_and_last
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        model = model.to(self.ctx.device)
+        model = self.prepare(model)
         blocks = find_blocks(model, self.cfg.block)
         starts = [0, *(self.cfg.split_points or balanced_split(parameter_counts(model, blocks), self.pp))]
         self.stage_blocks = list(zip(starts, [*starts[1:], len(blocks)], strict=True))  # [start, stop) per stage
@@ -265,7 +278,7 @@ class Pipeline(MeshStrategy):
         self.stage = stages[self.pp_rank]
         if self.tp > 1:
             self.tensor_shards = parallelize_blocks(list(self.stage.blocks), self.tp_group)
-        self.record_local_state(model)
+        self.record_local_state(model, self.stage)
         self._tie_first_and_last(stages)
         self.activations = Activations(model.tok_emb.embedding_dim, model.tok_emb.weight.dtype, self.ctx.device)
         # From here only this rank's stage is referenced: the other stages' parameters are freed.
@@ -300,7 +313,8 @@ class Pipeline(MeshStrategy):
         self.timeline = []
         for inputs, targets in micro_batches:
             run = StageRun(self.stage, self.pp_rank, self.pp, self.pp_group, self.activations,
-                           self._split(inputs), self._split(targets), loss_fn, accum * self.micro_batches)
+                           self._split(inputs), self._split(targets), loss_fn, accum * self.micro_batches,
+                           self.precision, self.scaler)
             self.schedule(run, self.micro_batches)
             run.finish()
             loss_sum += run.loss_sum / self.micro_batches

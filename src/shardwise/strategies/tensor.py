@@ -23,7 +23,8 @@ byte-level vocabulary of 256, splitting them would save little and add two colle
 
 Applied from outside: `parallelize_blocks` swaps the blocks' linear layers and attention for
 these, keeping parameter names, so the state dict reads like the plain model's (shards instead
-of whole tensors; `full_state_dict` joins them).
+of whole tensors; `full_state_dict` joins them). In checkpoints each shard is a DTensor of the
+whole parameter, `Shard(dim)` over the tp ranks (`TensorShard.as_dtensor`).
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
 from shardwise.strategies.mesh import MeshStrategy, find_blocks
 
@@ -93,6 +97,24 @@ class TensorShard:
         """The full tensor from every rank's shard, in rank order."""
         per_rank = [shard.chunk(self.parts, self.dim) for shard in shards]
         return torch.cat([torch.cat([parts[j] for parts in per_rank], self.dim) for j in range(self.parts)], self.dim)
+
+    def as_dtensor(self, shard: torch.Tensor, full: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+        """This rank's `shard` as a DTensor, `Shard(dim)` over `mesh`, of a tensor shaped like
+        `full` (a meta tensor), sharing `shard`'s storage: what a checkpoint saves and loads in place.
+
+        A shard of several parts is as many pieces of the full tensor (qkv: rank r's rows of q, of k
+        and of v), not the one chunk `Shard(dim)` alone would place. Its local tensor is then a
+        LocalShardsWrapper, which tells DCP where each piece lies (torchrec's way of holding several
+        shards on one rank)."""
+        local = shard
+        if self.parts > 1:
+            rank, part_size = mesh.get_local_rank(), full.shape[self.dim] // self.parts
+            pieces = list(shard.chunk(self.parts, self.dim))
+            starts = [j * part_size + rank * piece.shape[self.dim] for j, piece in enumerate(pieces)]
+            offsets = [tuple(start if d == self.dim else 0 for d in range(full.dim())) for start in starts]
+            local = LocalShardsWrapper(pieces, offsets)
+        return DTensor.from_local(local, mesh, [Shard(self.dim)], run_check=False, shape=full.shape,
+                                  stride=full.stride())
 
 
 class ColumnParallelLinear(nn.Module):
@@ -170,9 +192,9 @@ class TensorParallel(MeshStrategy):
     name = "tensor"
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        model = model.to(self.ctx.device)
+        model = self.prepare(model)
         self.record_layout(model, [model])
         self.tensor_shards = parallelize_blocks(find_blocks(model, self.cfg.block), self.tp_group)
-        self.record_local_state(model)
+        self.record_local_state(model, model)
         self.module = model
         return model
