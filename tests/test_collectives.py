@@ -1,15 +1,22 @@
-"""Our ring all-reduce against the backend's, on real Gloo ranks."""
+"""Our ring all-reduce against the backend's, and `ddp`'s ring and gradient compression against
+plain `ddp` and `single`, on real Gloo ranks."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+from conftest import CONFIGS, assert_same_training, losses, read_records, train_in_process
 from distributed import run_ranks
 
 from shardwise import collectives
 from shardwise.collectives import ring_all_reduce, ring_bytes_sent
+from shardwise.config import load_config
 from shardwise.dist import DistContext
+from shardwise.models import build_model
+from shardwise.trainer import Trainer
 
 # 0 and 1 element, primes, sizes divisible by none of 2, 3, 4 and by all of them
 SIZES = (0, 1, 2, 3, 5, 7, 12, 64, 1001, 4099, 65_537)
@@ -109,3 +116,90 @@ def test_ring_all_reduce_refuses_what_it_cannot_do():
         ring_all_reduce(torch.zeros(4, 4).T)
     with pytest.raises(TypeError, match="torch.int64 cannot hold a mean"):
         ring_all_reduce(torch.zeros(4, dtype=torch.int64), average=True)
+
+
+# --- ddp with our ring and with compression ------------------------------------------------
+
+PARITY_STEPS = 20
+ACCURACY_STEPS = 200
+
+
+def ddp_cfg(out: Path, steps: int, *overrides: str):
+    return load_config(CONFIGS / "gpt-tiny.toml", [
+        f"run.out={out}", f"train.steps={steps}", "train.eval_every=0", "parallel.strategy=ddp", "launch.nproc=2",
+        *overrides,
+    ])
+
+
+def train_variants(ctx: DistContext, root: Path, runs: dict[str, tuple]) -> dict[str, int]:
+    """Train each run in this world; return each one's bytes sent by this rank."""
+    sent = {}
+    for name, (steps, *overrides) in runs.items():
+        trainer = Trainer(ddp_cfg(root / name, steps, *overrides), ctx)
+        trainer.fit()
+        sent[name] = trainer.strategy.bytes_sent
+    return sent
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory) -> tuple[Path, list[dict[str, int]]]:
+    root = tmp_path_factory.mktemp("collectives")
+    runs = {
+        "plain": (PARITY_STEPS,),
+        "ring": (PARITY_STEPS, "parallel.all_reduce=ring", "parallel.bucket_mb=0.1"),  # several buckets
+        "fp16": (PARITY_STEPS, "parallel.grad_compression=fp16"),
+        "bf16": (PARITY_STEPS, "parallel.grad_compression=bf16", "parallel.all_reduce=ring"),
+        "plain-200": (ACCURACY_STEPS,),
+        "powersgd-200": (ACCURACY_STEPS, "parallel.grad_compression=powersgd", "parallel.bucket_mb=0.1"),
+    }
+    sent = run_ranks(train_variants, 2, root, runs)
+    train_in_process(ddp_cfg(root / "single", PARITY_STEPS, "parallel.strategy=single", "launch.nproc=1"))
+    return root, sent
+
+
+def gradient_elements() -> int:
+    return sum(p.numel() for p in build_model(load_config(CONFIGS / "gpt-tiny.toml").model).parameters())
+
+
+def test_ddp_with_our_ring_matches_ddp_and_single_device(ddp_runs):
+    root, sent = ddp_runs
+    assert_same_training(root / "ring", root / "plain", PARITY_STEPS)
+    assert_same_training(root / "ring", root / "single", PARITY_STEPS)
+    # On 2 ranks each rank sends the whole gradient once per step, in fp32, either way.
+    for rank in sent:
+        assert rank["ring"] == rank["plain"] == PARITY_STEPS * gradient_elements() * 4
+
+
+@pytest.mark.parametrize("dtype, tolerance", [("fp16", 1e-5), ("bf16", 1e-4)])
+def test_16_bit_compression_halves_the_bytes_and_trains_like_fp32(ddp_runs, dtype, tolerance):
+    root, sent = ddp_runs
+    for rank in sent:
+        assert rank[dtype] * 2 == rank["plain"] == PARITY_STEPS * gradient_elements() * 4
+    got, want = losses(root / dtype), losses(root / "plain")
+    worst = max(abs(a - b) / b for a, b in zip(got, want, strict=True))
+    assert worst <= tolerance, f"{dtype}: loss {worst:.1e} relative from fp32 within {PARITY_STEPS} steps"
+    assert got[-1] < got[0] - 1.0  # and it does train
+
+
+def test_powersgd_reaches_the_uncompressed_loss_within_5_percent_after_200_steps(ddp_runs):
+    root, _ = ddp_runs
+    compressed, plain = (read_records(root / run, "summary")[0] for run in ("powersgd-200", "plain-200"))
+    for key in ("final_loss", "val_loss"):
+        assert compressed[key] <= 1.05 * plain[key], f"{key}: {compressed[key]:.4f} vs {plain[key]:.4f} uncompressed"
+    assert compressed["val_loss"] < 3.0  # it learned (a byte-level model starts near ln 256 = 5.5)
+
+
+def test_powersgd_sends_rank_r_factors_instead_of_matrices(ddp_runs):
+    """After its 10 plain steps, a compressed matrix of n x m costs r (n + m) numbers, a vector n."""
+    _, sent = ddp_runs
+    cfg = load_config(CONFIGS / "gpt-tiny.toml")
+    rank, start = cfg.parallel.powersgd_rank, cfg.parallel.powersgd_start_step
+    per_step = 0
+    for param in build_model(cfg.model).parameters():
+        rows, columns = param.shape[0], param[0].numel()
+        compressed = param.dim() >= 2 and 2 * rank * (rows + columns) <= rows * columns
+        per_step += rank * (rows + columns) if compressed else param.numel()
+    plain_step = gradient_elements()
+    for bytes_sent in sent:
+        assert bytes_sent["powersgd-200"] == 4 * (start * plain_step + (ACCURACY_STEPS - start) * per_step)
+        assert per_step * 8 < plain_step  # gpt-tiny's matrices are 64 wide: rank 4 sends 1/8 or less
