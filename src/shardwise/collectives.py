@@ -80,14 +80,13 @@ def _send_and_receive(send: torch.Tensor, to: int, recv: torch.Tensor, source: i
     """Send `send` to group rank `to` while receiving `recv` in place from group rank `source`;
     return the bytes sent. An empty chunk is skipped by both its sender and its receiver, who
     know its size."""
-    ops = []
+    works = []
     if send.numel():
-        ops.append(dist.P2POp(dist.isend, send, group=group, group_peer=to))
+        works.append(dist.isend(send, group=group, group_dst=to))
     if recv.numel():
-        ops.append(dist.P2POp(dist.irecv, recv, group=group, group_peer=source))
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+        works.append(dist.irecv(recv, group=group, group_src=source))
+    for work in works:
+        work.wait()
     return send.numel() * send.element_size()
 
 
