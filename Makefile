@@ -36,6 +36,7 @@ bench: setup
 	$(BIN)/shardwise bench precision
 	$(BIN)/shardwise bench pipeline
 	$(BIN)/shardwise bench tensor
+	$(BIN)/shardwise bench collectives
 
 lint: setup
 	$(BIN)/ruff check src tests

@@ -137,6 +137,26 @@ def test_debug_collectives_is_refused_for_ddp_native_which_crashes_under_it(tmp_
     assert "launch.debug_collectives = true" in message and "--strategy ddp" in message
 
 
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (("parallel.all_reduce=tree",), "parallel.all_reduce = 'tree': unknown; allowed: backend, ring"),
+        (("parallel.grad_compression=int8",), "parallel.grad_compression = 'int8': unknown; allowed: none, fp16"),
+        (("parallel.powersgd_rank=0",), "parallel.powersgd_rank = 0: must be > 0"),
+        (("parallel.powersgd_start_step=-1",), "parallel.powersgd_start_step = -1: must be >= 0"),
+        (("parallel.all_reduce=ring", "parallel.strategy=ddp-native"),
+         "parallel.all_reduce = 'ring': only parallel.strategy = 'ddp' (ours) has it; parallel.strategy is "
+         "'ddp-native'"),
+        (("parallel.grad_compression=fp16", "parallel.strategy=fsdp"),
+         "parallel.grad_compression = 'fp16': only parallel.strategy = 'ddp' (ours) has it"),
+        (("parallel.grad_compression=powersgd", "parallel.strategy=ddp", "parallel.precision=fp16-mixed"),
+         "parallel.grad_compression = 'powersgd': needs fp32 gradients on a steady scale"),
+    ],
+)
+def test_bad_gradient_reduction_settings_are_named(tmp_path, overrides, expected):
+    assert expected in error_for(tmp_path, overrides=overrides)
+
+
 def test_precision_and_recompute_flags_reach_the_config():
     cfg = load_config(None, [], {"parallel.precision": "bf16-mixed", "parallel.recompute": "every:3"})
     assert (cfg.parallel.precision, cfg.parallel.recompute) == ("bf16-mixed", "every:3")

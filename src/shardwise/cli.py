@@ -145,8 +145,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=200, help="bytes to generate")
     p.add_argument("--seed", type=int, default=0)
     p = commands.add_parser("bench", help="ours vs PyTorch native, or an option's variants, alternating in one run",
-                            description="ddp, fsdp, pipeline, tensor: ours against PyTorch's own; recompute, "
-                            "precision: each policy or precision against the plain one. Writes "
+                            description="ddp, fsdp, pipeline, tensor: ours against PyTorch's own; collectives: our "
+                            "ring all-reduce against the backend's, and ddp's gradient compression against plain "
+                            "ddp; recompute, precision: each policy or precision against the plain one. Writes "
                             "bench/results/NAME.json (and --json FILE).")
     p.add_argument("name", choices=list(BENCHES), help="which benchmark")
     p.add_argument("--steps", type=int, default=12, help="measured steps per variant")

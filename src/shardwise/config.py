@@ -28,6 +28,8 @@ MESH_STRATEGIES = (*PIPELINES, "tensor")
 SCHEDULES = ("gpipe", "1f1b")
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
 REDUCE_DTYPES = ("fp32", "bf16")
+ALL_REDUCES = ("backend", "ring")
+GRAD_COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 SHARDED = ("zero1", "zero2", "fsdp", "fsdp-native")
 MODELS = ("gpt", "cnn", "mlp")
 GPT_PRESETS = ("tiny", "small", "gpt2-124m")
@@ -95,6 +97,13 @@ class ParallelConfig:
     # none | blocks | every:K | selective (see recompute.py)
     recompute: str = "none"
     bucket_mb: float = 25.0
+    # ddp: how buckets are averaged: the backend's all-reduce or our ring (collectives.py), and
+    # sent as they are, cast to 16 bits, or PowerSGD-compressed at this rank after this many
+    # plain steps (compression.py)
+    all_reduce: str = "backend"
+    grad_compression: str = "none"
+    powersgd_rank: int = 4
+    powersgd_start_step: int = 10
     find_unused_parameters: bool = False
     sync_batchnorm: bool = False
     # class name of the model's repeated block: the unit of sharding and of recomputation
@@ -307,6 +316,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             f"parallel.reduce_dtype = {p.reduce_dtype!r}: only the sharded strategies ({', '.join(SHARDED)}) "
             f"reduce in another dtype; parallel.strategy is {p.strategy!r}"
         )
+    _validate_gradient_reduction(p)
     try:
         parse_policy(p.recompute)
     except ValueError as exc:
@@ -377,6 +387,24 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(
             f"train.global_batch = {t.global_batch}: must be divisible by {replicas} x "
             f"train.micro_batch {t.micro_batch} = {per_step} (the rest is gradient accumulation)"
+        )
+
+
+def _validate_gradient_reduction(p: ParallelConfig) -> None:
+    """The ring and gradient compression are our ddp's, and PowerSGD needs steady fp32 gradients."""
+    _choice("parallel.all_reduce", p.all_reduce, ALL_REDUCES)
+    _choice("parallel.grad_compression", p.grad_compression, GRAD_COMPRESSIONS)
+    _positive("parallel.powersgd_rank", p.powersgd_rank)
+    _positive("parallel.powersgd_start_step", p.powersgd_start_step, zero_ok=True)
+    for key, value, plain in (("parallel.all_reduce", p.all_reduce, "backend"),
+                              ("parallel.grad_compression", p.grad_compression, "none")):
+        if value != plain and p.strategy != "ddp":
+            raise ConfigError(f"{key} = {value!r}: only parallel.strategy = 'ddp' (ours) has it; "
+                              f"parallel.strategy is {p.strategy!r}")
+    if p.grad_compression == "powersgd" and p.precision in ("fp16-mixed", "bf16-true"):
+        raise ConfigError(
+            f"parallel.grad_compression = 'powersgd': needs fp32 gradients on a steady scale (its error feedback "
+            f"carries them from step to step), not parallel.precision = {p.precision!r}; use fp32 or bf16-mixed"
         )
 
 

@@ -103,6 +103,14 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
+def new_group_of_all(device: torch.device) -> dist.ProcessGroup:
+    """A second process group of every rank (for collectives issued from another thread), with
+    the world's timeout: new_group's default is 30 minutes, and a stall in it would go
+    unexplained that long. `device`: the one this rank communicates from."""
+    timeout = dist.group.WORLD._get_backend(torch.device(device.type)).options._timeout
+    return dist.new_group(timeout=timeout)
+
+
 def init_mesh(ctx: DistContext, dp: int, pp: int, tp: int) -> DeviceMesh:
     """The world as a dp x pp x tp DeviceMesh, one process group per dimension (`mesh.get_group("pp")`).
 

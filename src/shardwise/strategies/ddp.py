@@ -10,6 +10,9 @@ How a step goes:
 2. During backward, a post-accumulate hook on each parameter counts it ready; when every
    parameter of a bucket is ready, that bucket's all-reduce is launched asynchronously. Buckets
    are launched strictly in order, so every rank issues the same collectives in the same order.
+   How a bucket is averaged is the reducer's business (compression.py): by default the
+   backend's all-reduce; with `parallel.all_reduce = "ring"` our ring (collectives.py); with
+   `parallel.grad_compression` cast to 16 bits or PowerSGD-compressed.
 3. When the autograd engine finishes, a final callback waits for all buckets. After
    `backward()` returns, every rank holds the same averaged gradients.
 
@@ -23,9 +26,9 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
+from shardwise.compression import Waitable, make_reducer
 from shardwise.dist import broadcast_from_rank0
 from shardwise.strategies.base import HookedStrategy
 from shardwise.strategies.sync_batchnorm import convert_sync_batchnorm
@@ -37,7 +40,7 @@ class Bucket:
     params: list[nn.Parameter]
     views: list[torch.Tensor]
     ready: set[int] = field(default_factory=set)  # ids of parameters whose gradient is final
-    work: dist.Work | None = None
+    work: Waitable | None = None
 
 
 def plan_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.Parameter]]:
@@ -69,6 +72,7 @@ class DDP(HookedStrategy):
         groups = plan_buckets(list(reversed(trainable)), int(self.cfg.bucket_mb * 2**20))
         self.buckets = [self._make_bucket(group) for group in groups]
         self._bucket_of = {id(p): i for i, bucket in enumerate(self.buckets) for p in bucket.params}
+        self.reducer = make_reducer(self.cfg, [(bucket.buffer, bucket.views) for bucket in self.buckets])
         for param in trainable:
             param.register_post_accumulate_grad_hook(self._on_grad_ready)
         self._init_backward_state()
@@ -119,8 +123,13 @@ class DDP(HookedStrategy):
             bucket = self.buckets[self._next_launch]
             if len(bucket.ready) < len(bucket.params):
                 return
-            bucket.work = dist.all_reduce(bucket.buffer, op=dist.ReduceOp.AVG, async_op=True)
+            bucket.work = self.reducer.launch(self._next_launch)
             self._next_launch += 1
+
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes this rank has sent averaging gradients since `wrap`."""
+        return self.reducer.bytes_sent
 
     def _finish_backward(self) -> None:
         """Runs once the autograd engine is done: launch what is left, wait for everything."""
