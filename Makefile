@@ -36,6 +36,7 @@ bench: setup
 	$(BIN)/shardwise bench precision
 	$(BIN)/shardwise bench pipeline
 	$(BIN)/shardwise bench tensor
+	$(BIN)/shardwise bench checkpoint
 
 lint: setup
 	$(BIN)/ruff check src tests

@@ -11,4 +11,5 @@ BENCHES = {  # name -> (module, ranks)
     "precision": ("shardwise.bench.precision", 1),
     "pipeline": ("shardwise.bench.pipeline", 2),
     "tensor": ("shardwise.bench.tensor", 2),
+    "checkpoint": ("shardwise.bench.checkpoint", 2),
 }
