@@ -37,6 +37,7 @@ bench: setup
 	$(BIN)/shardwise bench pipeline
 	$(BIN)/shardwise bench tensor
 	$(BIN)/shardwise bench collectives
+	$(BIN)/shardwise bench checkpoint
 
 lint: setup
 	$(BIN)/ruff check src tests

@@ -147,10 +147,11 @@ def main(argv: list[str] | None = None) -> int:
     p = commands.add_parser("bench", help="ours vs PyTorch native, or an option's variants, alternating in one run",
                             description="ddp, fsdp, pipeline, tensor: ours against PyTorch's own; collectives: our "
                             "ring all-reduce against the backend's, and ddp's gradient compression against plain "
-                            "ddp; recompute, precision: each policy or precision against the plain one. Writes "
+                            "ddp; recompute, precision: each policy or precision against the plain one; checkpoint: "
+                            "save and load against a plain write of the same bytes, and async save. Writes "
                             "bench/results/NAME.json (and --json FILE).")
     p.add_argument("name", choices=list(BENCHES), help="which benchmark")
-    p.add_argument("--steps", type=int, default=12, help="measured steps per variant")
+    p.add_argument("--steps", type=int, default=12, help="measured steps per variant (checkpoint: rounds)")
     p.add_argument("--json", help="also write the result to this file")
     p = commands.add_parser("consolidate", help="write a run's newest checkpoint as one plain safetensors file",
                             description="Reads the newest good checkpoint of RUN_DIR, whatever strategy and world "

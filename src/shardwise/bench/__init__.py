@@ -12,4 +12,5 @@ BENCHES = {  # name -> (module, ranks)
     "pipeline": ("shardwise.bench.pipeline", 2),
     "tensor": ("shardwise.bench.tensor", 2),
     "collectives": ("shardwise.bench.collectives", 2),
+    "checkpoint": ("shardwise.bench.checkpoint", 2),
 }
