@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -53,3 +54,9 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    # Everything is written and the group destroyed. torch 2.13 on Gloo sometimes aborts ("terminate
+    # called without an active exception") as the interpreter frees its threads at exit, which
+    # makes a finished run look failed: leave without that teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
