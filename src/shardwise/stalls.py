@@ -1,5 +1,5 @@
-"""No silent hangs: turn a collective that timed out into an error that says which collective
-and which rank never joined it.
+"""No silent hangs: turn a collective that timed out (or lost a peer) into an error that says
+which collective, and which rank never joined it.
 
 Gloo reports only "Timed out waiting 300000ms for recv operation to complete". Two things make
 that useful:
@@ -7,7 +7,7 @@ that useful:
 - PyTorch's flight recorder (enabled for every process group before it is made) remembers the
   collectives this rank issued: the newest is the one it is waiting in, by name, group, sequence
   number and tensor shapes.
-- Every rank that times out posts that collective to the rendezvous store and, for a few
+- Every rank whose collective fails posts that collective to the rendezvous store and, for a few
   seconds, reads what the others posted. A rank that posts nothing never reached the point of
   waiting: it is the stalled (or crashed, or busy) one. Ranks that posted different collectives
   disagree on what comes next, a bug that `launch.debug_collectives` pins down at the first
@@ -31,13 +31,13 @@ from shardwise.dist import DistContext
 
 # Collectives the flight recorder keeps per process; only the newest is read.
 FLIGHT_RECORDER_ENTRIES = 64
-# How long a rank that timed out waits for the others to say they timed out too.
+# How long a rank whose collective failed waits for the others to report theirs.
 REPORT_GRACE_S = 3.0
 
 
-class CollectiveTimeout(RuntimeError):
-    """A collective did not complete within launch.timeout_s; the message names it and the ranks
-    that never joined it."""
+class CollectiveFailure(RuntimeError):
+    """A collective timed out or lost a peer; the message names it and the ranks that never
+    joined it."""
 
 
 def enable_flight_recorder() -> None:
@@ -45,8 +45,12 @@ def enable_flight_recorder() -> None:
     os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(FLIGHT_RECORDER_ENTRIES))
 
 
-def is_collective_timeout(error: BaseException) -> bool:
-    return isinstance(error, RuntimeError) and "Timed out waiting" in str(error)
+def is_collective_failure(error: BaseException) -> bool:
+    """Gloo's words for a collective that timed out, or whose peer closed the connection: one that
+    died, or gave up on the same collective first (the ranks of a stalled collective do not all
+    time out at the same instant)."""
+    return isinstance(error, RuntimeError) and any(
+        words in str(error) for words in ("Timed out waiting", "Connection closed by peer"))
 
 
 def newest_collective() -> dict[str, object] | None:
@@ -72,35 +76,36 @@ def describe(collective: dict[str, object] | None) -> str:
     return f"{collective['op']} #{collective['seq']} on group '{collective['group']}' ({tensors or 'no tensors'})"
 
 
-def explain(error: BaseException, ctx: DistContext, timeout_s: float, where: str) -> CollectiveTimeout:
-    """The CollectiveTimeout to raise instead of Gloo's `error`, after learning from the other
+def explain(error: BaseException, ctx: DistContext, timeout_s: float, where: str) -> CollectiveFailure:
+    """The CollectiveFailure to raise instead of Gloo's `error`, after learning from the other
     ranks (through the rendezvous store) which of them also waited and in what."""
     mine = newest_collective()
-    head = (f"rank {ctx.rank}: {describe(mine)} did not complete within launch.timeout_s = {timeout_s:g} s "
-            f"({where})")
+    what = f"did not complete within launch.timeout_s = {timeout_s:g} s" if "Timed out" in str(error) else \
+        "failed: a peer closed its connection"
+    head = f"rank {ctx.rank}: {describe(mine)} {what} ({where})"
     try:
         reports = _exchange_reports_in_time(ctx, mine)
     except (RuntimeError, OSError, TimeoutError) as store_error:  # DistStoreError is a RuntimeError
         agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
         suspect = "" if agent_hosts_store or ctx.rank == 0 else "; rank 0 hosts it and is probably the stalled one"
-        return CollectiveTimeout(
+        return CollectiveFailure(
             f"{head}. Which rank is missing is unknown: the rendezvous store did not answer "
             f"({store_error}){suspect}. Original error: {error}")
     missing = [rank for rank in range(ctx.world_size) if rank not in reports]
     if missing:
         waited = ", ".join(map(str, sorted(reports)))
-        return CollectiveTimeout(
-            f"{head}. Rank(s) {', '.join(map(str, missing))} never joined it: within {REPORT_GRACE_S:g} s of the "
-            f"timeout they did not report waiting in any collective (stalled, crashed, or busy outside "
+        return CollectiveFailure(
+            f"{head}. Rank(s) {', '.join(map(str, missing))} never joined it: within {REPORT_GRACE_S:g} s they "
+            f"did not report waiting in any collective (stalled, crashed, or busy outside "
             f"collectives), while rank(s) {waited} did. Original error: {error}")
     distinct = {json.dumps(c, sort_keys=True) for c in reports.values()}
     if len(distinct) > 1:
         each = "; ".join(f"rank {rank}: {describe(c)}" for rank, c in sorted(reports.items()))
-        return CollectiveTimeout(
-            f"{head}. Every rank timed out, in different collectives ({each}): the ranks disagree on which "
+        return CollectiveFailure(
+            f"{head}. Every rank was waiting, in different collectives ({each}): the ranks disagree on which "
             "collective comes next. Rerun with --debug-collectives to stop at the first mismatched call.")
-    return CollectiveTimeout(
-        f"{head}. Every rank timed out waiting in the same collective: the network or a peer's transport "
+    return CollectiveFailure(
+        f"{head}. Every rank was waiting in the same collective: the network or a peer's transport "
         f"stopped delivering. Original error: {error}")
 
 

@@ -17,7 +17,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from shardwise.config import load_config, validate
 from shardwise.dist import init_distributed, shutdown_distributed
 from shardwise.metrics import format_summary
-from shardwise.stalls import explain, is_collective_timeout
+from shardwise.stalls import explain, is_collective_failure
 from shardwise.trainer import Trainer
 
 
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
         trainer = Trainer(cfg, ctx)
         summary = trainer.fit()
     except RuntimeError as error:
-        if not is_collective_timeout(error):
+        if not is_collective_failure(error):
             raise
         where = f"step {trainer.step + 1}" if trainer else "while setting up"
         raise explain(error, ctx, launch.timeout_s, where) from error

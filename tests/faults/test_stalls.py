@@ -15,7 +15,7 @@ import torch.distributed as dist
 from distributed import run_ranks
 from jobs import start_training, wait_for_step, worker_pids
 
-from shardwise.stalls import explain, is_collective_timeout
+from shardwise.stalls import explain, is_collective_failure
 
 TIMEOUT_S = 5
 
@@ -38,7 +38,7 @@ def test_a_stalled_rank_fails_the_job_naming_the_collective_and_the_rank(tmp_pat
     assert job.returncode == 1, err
     assert elapsed < TIMEOUT_S + 30, f"the job took {elapsed:.0f} s to end after the stall"
     survivor = 1 - stalled
-    message = re.search(rf"CollectiveTimeout: rank {survivor}: (\w+) #\d+ on group 'default_pg' .*", err)
+    message = re.search(rf"CollectiveFailure: rank {survivor}: (\w+) #\d+ on group 'default_pg' .*", err)
     assert message, err
     assert message[1] in {"all_reduce", "allreduce", "all_gather", "broadcast"}, message[0]
     assert f"did not complete within launch.timeout_s = {TIMEOUT_S} s" in message[0]
@@ -47,16 +47,18 @@ def test_a_stalled_rank_fails_the_job_naming_the_collective_and_the_rank(tmp_pat
 
 
 def _mismatched_collectives(ctx, debug: bool) -> str:
-    """Rank 0 all-reduces while rank 1 broadcasts: user code that took different branches."""
+    """Rank 0 all-reduces while rank 1, a second later, broadcasts: user code that took different
+    branches. Rank 0 times out first and closes its connections, so rank 1 sees its peer leave."""
     tensor = torch.ones(8)
-    dist.barrier()  # both ranks reach the mismatch together, so both time out together
+    dist.barrier()
     try:
         if ctx.rank == 0:
             dist.all_reduce(tensor)
         else:
+            time.sleep(0 if debug else 1)
             dist.broadcast(tensor, src=0)
     except RuntimeError as error:
-        message = str(error) if debug or not is_collective_timeout(error) else str(explain(error, ctx, 2, "test"))
+        message = str(error) if debug or not is_collective_failure(error) else str(explain(error, ctx, 2, "test"))
         dist.destroy_process_group()  # broken now: skip the harness's closing barrier
         return message
     return "no error"
@@ -64,8 +66,11 @@ def _mismatched_collectives(ctx, debug: bool) -> str:
 
 def test_ranks_in_different_collectives_are_both_named_after_the_timeout():
     messages = run_ranks(_mismatched_collectives, 2, False, timeout_s=2)
-    for rank, message in enumerate(messages):
-        assert message.startswith(f"rank {rank}: "), message
+    assert messages[0].startswith("rank 0: all_reduce #2 on group 'default_pg' (Float[8]) did not complete within "
+                                  "launch.timeout_s = 2 s"), messages[0]
+    assert messages[1].startswith("rank 1: broadcast #2 on group 'default_pg' (Float[8]) failed: a peer closed its "
+                                  "connection"), messages[1]
+    for message in messages:
         assert "the ranks disagree on which collective comes next" in message
         assert "rank 0: all_reduce #2 on group 'default_pg' (Float[8])" in message
         assert "rank 1: broadcast #2 on group 'default_pg' (Float[8])" in message
