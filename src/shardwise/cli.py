@@ -8,6 +8,8 @@ from pathlib import Path
 
 from shardwise.bench import BENCHES
 from shardwise.config import PRECISIONS, STRATEGIES, Config, ConfigError, load_config
+from shardwise.planner.candidates import DEFAULT_PRECISIONS, POLICIES
+from shardwise.recompute import parse_policy
 
 
 def _add_train_parser(commands: argparse._SubParsersAction) -> None:
@@ -131,10 +133,85 @@ def consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_plan_parser(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser(
+        "plan", help="predict per-rank memory and step time of every strategy, ranked, with one recommended",
+        description="Builds the model on the meta device, traces what it saves for backward on fake tensors, "
+        "and for every strategy, mesh, precision, recomputation and micro-batch the trainer accepts on this "
+        "world size predicts each rank's bytes (params, grads, optimizer, activations, buffers, margin) and the "
+        "step time (compute, communication, overlap); ranks those that fit and recommends one. Nothing is "
+        "allocated or run.")
+    p.add_argument("config", help="TOML config file (model and train sections are what matter)")
+    world = p.add_mutually_exclusive_group()
+    world.add_argument("--nproc", type=int, help="ranks on one node (default: the config's launch.nproc x nnodes)")
+    world.add_argument("--nodes", type=int, help="nodes, each with --gpus-per-node ranks")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node with --nodes (default 8)")
+    p.add_argument("--device", help="a preset (h100-sxm, h200, a100-80gb, cpu) or a profile JSON from "
+                   "`shardwise bench hardware`; default: this machine's GPU if it is a preset, else cpu")
+    p.add_argument("--memory-gb", type=float, help="GiB one rank may use (default: the device's memory less "
+                   "what its runtime reserves)")
+    p.add_argument("--margin", type=float, default=0.1, help="fraction added to every prediction for the "
+                   "allocator (default 0.1)")
+    p.add_argument("--precision", action="append", choices=PRECISIONS,
+                   help="consider only these (repeatable; default fp32, bf16-mixed, fp16-mixed: bf16-true trains "
+                   "differently, so only when named)")
+    p.add_argument("--recompute", action="append", metavar="POLICY",
+                   help="consider only these policies: none, blocks, every:K, selective (repeatable)")
+    p.add_argument("--micro-batch", action="append", type=int, metavar="N",
+                   help="consider only these micro-batches (default: every divisor of a replica's share)")
+    p.add_argument("--max-batch", action="store_true",
+                   help="also find each strategy's largest micro-batch that fits")
+    p.add_argument("--top", type=int, default=15, help="candidates shown in the table (default 15)")
+    p.add_argument("--json", help="write every number to this file (schema in README.md)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override any config key, e.g. --set train.global_batch=64 (repeatable)")
+
+
+def _default_device() -> str:
+    import torch
+
+    from shardwise.planner import PRESETS
+
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name().lower()
+        for preset in PRESETS:
+            if preset.split("-")[0] in name:
+                return preset
+    return "cpu"
+
+
+def plan(args: argparse.Namespace) -> int:
+    import json
+
+    from shardwise.planner import PlanError, format_plan, load_profile, make_plan, plan_json
+
+    try:
+        cfg = load_config(args.config, args.set)
+        if args.nodes is not None:
+            nodes, world = args.nodes, args.nodes * args.gpus_per_node
+        else:
+            nodes, world = 1, args.nproc if args.nproc is not None else cfg.world_size
+        for policy in args.recompute or []:
+            parse_policy(policy)
+        result = make_plan(
+            cfg, world, load_profile(args.device or _default_device()), nodes=nodes, memory_gb=args.memory_gb,
+            margin=args.margin, precisions=tuple(args.precision or DEFAULT_PRECISIONS),
+            policies=tuple(args.recompute or POLICIES), micro_batches=args.micro_batch, max_batch=args.max_batch)
+    except (PlanError, ValueError) as error:
+        print(f"shardwise plan: {error}", file=sys.stderr)
+        return 2
+    print(format_plan(result, args.top))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(plan_json(result), indent=1) + "\n")
+    return 0 if result.recommended is not None else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shardwise", description="Distributed training for PyTorch.")
     commands = parser.add_subparsers(dest="command", required=True)
     _add_train_parser(commands)
+    _add_plan_parser(commands)
     p = commands.add_parser("sample", help="generate text from a trained GPT run")
     p.add_argument("run_dir", help="a run directory written by `shardwise train`")
     p.add_argument("--prompt", default="\n", help="text to continue")
@@ -153,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("run_dir", help="a run directory with checkpoints/")
     p.add_argument("out", help="the .safetensors file to write")
     args = parser.parse_args(argv)
-    handlers = {"train": train, "sample": sample, "bench": bench, "consolidate": consolidate}
+    handlers = {"train": train, "sample": sample, "bench": bench, "consolidate": consolidate, "plan": plan}
     try:
         return handlers[args.command](args)
     except ConfigError as error:
