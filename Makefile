@@ -36,6 +36,8 @@ bench: setup
 	$(BIN)/shardwise bench precision
 	$(BIN)/shardwise bench pipeline
 	$(BIN)/shardwise bench tensor
+	$(BIN)/shardwise bench hardware
+	$(BIN)/shardwise bench planner
 
 lint: setup
 	$(BIN)/ruff check src tests

@@ -259,3 +259,36 @@ def test_device_presets_cite_their_sources():
         profile = load_profile(name)
         assert "datasheet" in profile.source and profile.matmul_flops["bf16"] >= 312e12
     assert load_profile("H100").name == "h100-sxm"
+
+
+def test_a_measured_hardware_profile_plans_like_a_preset(tmp_path):
+    from shardwise.bench.hardware import run
+
+    threads = torch.get_num_threads()
+    try:
+        profile = run(DistContext(0, 1, 0, torch.device("cpu"), "gloo"), 0, 0, 0)
+    finally:
+        torch.set_num_threads(threads)
+    assert profile["matmul_flops"]["fp32"] > 1e8 and profile["memory_bandwidth"] > 1e8
+    assert 0 < profile["op_overhead_s"] < 1e-3
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(profile))
+    plan = make_plan(config(), 1, load_profile(str(path)), precisions=("fp32",))
+    assert plan.recommended is not None and plan.device.matmul_flops == profile["matmul_flops"]
+
+
+def test_measure_trains_the_top_candidates_and_sets_measured_beside_predicted(tmp_path):
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(CONFIGS / "gpt-tiny.toml"), "--nproc", "2", "--device", "cpu", "--precision", "fp32",
+                 "--recompute", "none", "--micro-batch", "8", "--measure", "2", "--measure-steps", "2",
+                 "--json", str(out)]) == 0
+    plan = json.loads(out.read_text())
+    assert len(plan["measured"]) == 2
+    for entry in plan["measured"]:
+        assert entry["measured_step_s"] > 0 and len(entry["step_times_s"]) == 2
+        if entry["candidate"]["strategy"] in ("pipeline", "model-parallel"):
+            continue  # stages differ; per-stage predictions are checked above
+        for rank in entry["memory_by_rank"]:  # what the run counted is what was predicted
+            for key in ("params", "grads", "optimizer", "activations"):
+                assert rank[key] == pytest.approx(entry["predicted_memory"][key], rel=0.02)
+    assert plan["recommended_measured"] == min(plan["measured"], key=lambda e: e["measured_step_s"])

@@ -110,11 +110,14 @@ def bench(args: argparse.Namespace) -> int:
     from shardwise.launch import WorkerFailed, launch_workers
 
     module, ranks = BENCHES[args.name]
+    if args.nproc is not None and args.name != "hardware":
+        raise ConfigError(f"--nproc {args.nproc}: only `bench hardware` takes a world size; "
+                          f"{args.name} runs on {ranks}")
     entry = [module, "--steps", str(args.steps), "--json", f"bench/results/{args.name}.json"]
     if args.json:
         entry += ["--json", args.json]
     try:
-        launch_workers(LaunchConfig(nproc=ranks), entry)
+        launch_workers(LaunchConfig(nproc=args.nproc or ranks), entry)
     except WorkerFailed as failure:
         print(f"shardwise bench: {failure}", file=sys.stderr)
         return 1
@@ -161,6 +164,10 @@ def _add_plan_parser(commands: argparse._SubParsersAction) -> None:
                    help="consider only these micro-batches (default: every divisor of a replica's share)")
     p.add_argument("--max-batch", action="store_true",
                    help="also find each strategy's largest micro-batch that fits")
+    p.add_argument("--measure", type=int, metavar="K", help="then train the K fastest-predicted candidates that "
+                   "fit for a few steps on this machine's ranks, show predicted beside measured, and recommend "
+                   "from the measurement")
+    p.add_argument("--measure-steps", type=int, default=6, metavar="N", help="measured steps per candidate (default 6)")
     p.add_argument("--top", type=int, default=15, help="candidates shown in the table (default 15)")
     p.add_argument("--json", help="write every number to this file (schema in README.md)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
@@ -184,6 +191,7 @@ def plan(args: argparse.Namespace) -> int:
     import json
 
     from shardwise.planner import PlanError, format_plan, load_profile, make_plan, plan_json
+    from shardwise.planner.report import format_measured
 
     try:
         cfg = load_config(args.config, args.set)
@@ -201,9 +209,21 @@ def plan(args: argparse.Namespace) -> int:
         print(f"shardwise plan: {error}", file=sys.stderr)
         return 2
     print(format_plan(result, args.top))
+    document = plan_json(result)
+    if args.measure:
+        from shardwise.planner.measure import measure_plan
+
+        try:
+            measured = measure_plan(result, args.measure, args.measure_steps)
+        except PlanError as error:
+            print(f"shardwise plan: {error}", file=sys.stderr)
+            return 1
+        print(format_measured(measured))
+        document["measured"] = measured
+        document["recommended_measured"] = measured[0]
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(plan_json(result), indent=1) + "\n")
+        Path(args.json).write_text(json.dumps(document, indent=1) + "\n")
     return 0 if result.recommended is not None else 1
 
 
@@ -219,11 +239,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p = commands.add_parser("bench", help="ours vs PyTorch native, or an option's variants, alternating in one run",
                             description="ddp, fsdp, pipeline, tensor: ours against PyTorch's own; recompute, "
-                            "precision: each policy or precision against the plain one. Writes "
-                            "bench/results/NAME.json (and --json FILE).")
+                            "precision: each policy or precision against the plain one; hardware: this "
+                            "machine's matmul throughput per dtype and collective bandwidths, as a device "
+                            "profile for `shardwise plan`. Writes bench/results/NAME.json (and --json FILE).")
     p.add_argument("name", choices=list(BENCHES), help="which benchmark")
     p.add_argument("--steps", type=int, default=12, help="measured steps per variant")
-    p.add_argument("--json", help="also write the result to this file")
+    p.add_argument("--json", "--out", dest="json", help="also write the result to this file (for hardware: "
+                   "the device profile `shardwise plan --device FILE` reads)")
+    p.add_argument("--nproc", type=int, help="hardware: ranks to measure the collectives over (default 2)")
     p = commands.add_parser("consolidate", help="write a run's newest checkpoint as one plain safetensors file",
                             description="Reads the newest good checkpoint of RUN_DIR, whatever strategy and world "
                             "size saved it, in one process, and writes its full model state dict.")

@@ -11,4 +11,6 @@ BENCHES = {  # name -> (module, ranks)
     "precision": ("shardwise.bench.precision", 1),
     "pipeline": ("shardwise.bench.pipeline", 2),
     "tensor": ("shardwise.bench.tensor", 2),
+    "hardware": ("shardwise.bench.hardware", 2),  # a device profile for `shardwise plan --device FILE`
+    "planner": ("shardwise.bench.planner", 2),  # the planner's predictions against real runs
 }

@@ -8,6 +8,7 @@ given world of devices, ranked, with one recommended.
 - devices.py: device profiles (presets with sources, or measured JSON)
 - candidates.py, search.py: what can run, evaluated, ranked, recommended; largest micro-batches
 - report.py: the table and the JSON
+- measure.py: `--measure`, the top candidates trained for a few steps on this machine's ranks
 """
 
 from shardwise.planner.devices import PRESETS, DeviceProfile, load_profile

@@ -33,14 +33,19 @@ class DeviceProfile:
     matmul_efficiency: float = 1.0
     link_efficiency: float = 1.0
     overlap: float = 1.0  # fraction of communication that can run hidden behind computation
+    # Measured bus bandwidth of each collective inside a node (all_reduce, all_gather, reduce_scatter),
+    # where they differ from the link's: Gloo's all-gather and reduce-scatter are far slower than its all-reduce.
+    collective_bandwidth: dict[str, float] = field(default_factory=dict)
     gpus_per_node: int = 8
     source: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)  # what a measurement found beyond the above
 
     def flops(self, dtype: str) -> float:
         return self.matmul_flops[dtype] * self.matmul_efficiency
 
-    def bandwidth(self, inter_node: bool) -> float:
+    def bandwidth(self, inter_node: bool, collective: str = "all_reduce") -> float:
+        """Bytes/s one rank sends in `collective` (all_reduce, all_gather, reduce_scatter, p2p)."""
+        if not inter_node and collective in self.collective_bandwidth:
+            return self.collective_bandwidth[collective]
         return (self.inter_node_bandwidth if inter_node else self.intra_node_bandwidth) * self.link_efficiency
 
     def to_dict(self) -> dict[str, Any]:

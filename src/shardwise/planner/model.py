@@ -15,6 +15,9 @@ Saved bytes are traced on shallow copies of the model and composed, because a fo
 The counter's peak is the end of the forward: backward only releases what the forward saved
 (recomputation keeps its tensors out of the counter's sight, as it does in a real run).
 `tests/test_planner.py` holds the composition to a full-depth trace and to real runs.
+
+The same fake forward also counts the operators it dispatches, for the time model's per-operator
+overhead.
 """
 
 from __future__ import annotations
@@ -275,7 +278,7 @@ class TraceKey:
     tp: int = 1
 
 
-class _OpCounter(TorchDispatchMode):
+class OpCounter(TorchDispatchMode):
     """Counts the operators a forward dispatches: each one is a kernel launch (or, on a CPU, a
     trip through the dispatcher) whatever its size."""
 
@@ -289,7 +292,7 @@ class _OpCounter(TorchDispatchMode):
 
 
 def _trace(key: TraceKey, n_layer: int, policy: str, first: bool, last: bool, batch: int,
-           ops: _OpCounter | None = None) -> int:
+           ops: OpCounter | None = None) -> int:
     """Bytes saved for backward by one forward (and loss, on a last stage) of a stage of the model
     with `n_layer` blocks, on fake tensors: the peak an ActivationCounter sees. `ops`, if given,
     counts the operators of the forward."""
@@ -342,7 +345,7 @@ class ForwardOps:
 def forward_ops(shape: GPTShape) -> ForwardOps:
     """Traced on fake tensors at one and two blocks; the count depends on neither batch nor width."""
     key = TraceKey(shape, torch.float32)
-    one, two = _OpCounter(), _OpCounter()
+    one, two = OpCounter(), OpCounter()
     _trace(key, 1, "none", True, True, 2, one)
     _trace(key, 2, "none", True, True, 2, two)
     return ForwardOps(two.ops - one.ops, 2 * one.ops - two.ops)

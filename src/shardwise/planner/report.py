@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from shardwise.planner.candidates import Candidate
 from shardwise.planner.search import Evaluated, GiB, Plan
 
 
@@ -92,4 +93,19 @@ def format_plan(plan: Plan, top: int = 15) -> str:
         for (strategy, dp, pp, tp), entry in sorted(best.items()):
             lines.append(f"  {strategy:<14} {dp}x{pp}x{tp:<12} {entry['max_micro_batch']:>8}  "
                          f"({entry['precision']}, recompute {entry['recompute']})")
+    return "\n".join(lines)
+
+
+def format_measured(measured: list[dict[str, Any]]) -> str:
+    """Predicted beside measured for the candidates `--measure` ran, fastest measured first."""
+    lines = ["", f"measured on this machine ({len(measured)} candidates, median step):",
+             f"  {'candidate':<48} {'predicted s':>11} {'measured s':>11}  {'GiB/rank pred.':>14} {'counted':>8}"]
+    for entry in measured:
+        label = Candidate(**entry["candidate"]).label
+        counted = max(sum(rank[k] for k in ("params", "grads", "optimizer", "activations"))
+                      for rank in entry["memory_by_rank"])
+        lines.append(f"  {label:<48} {entry['predicted_step_s']:>11.4g} {entry['measured_step_s']:>11.4g}  "
+                     f"{entry['predicted_memory']['total'] / GiB:>14.3f} {counted / GiB:>8.3f}")
+    best = Candidate(**measured[0]["candidate"])
+    lines.append(f"recommended from measurement: {best.label} ({measured[0]['measured_step_s']:.4g} s a step)")
     return "\n".join(lines)

@@ -144,25 +144,27 @@ def _data_parallel(c: Candidate, cfg: Config, shape: GPTShape, device: DevicePro
     micro_step = micro_step_s(c, shape, device, 0, shape.n_layer, True, True, c.micro_batch)
     compute = micro_steps * micro_step
     backward = 2 / 3 * micro_step  # what the last micro-step's communication may hide behind
-    bandwidth = device.bandwidth(_spans_nodes(c.dp, 1, device.gpus_per_node))
+    inter_node = _spans_nodes(c.dp, 1, device.gpus_per_node)
     latency = device.latency_s
     stored = dtype_bytes(precision.param_dtype)
     padded = sum(c.dp * unit.sharded_numel(c.dp) for unit in facts.units)
     reduce_bytes = padded * dtype_bytes(precision.reduce_dtype)
+    gather_bandwidth = device.bandwidth(inter_node, "all_gather")
+    scatter_bandwidth = device.bandwidth(inter_node, "reduce_scatter")
     if c.strategy == "ddp":
-        comm = all_reduce_s(facts.params_total * stored, c.dp, bandwidth, latency)
+        comm = all_reduce_s(facts.params_total * stored, c.dp, device.bandwidth(inter_node), latency)
         exposed = _hidden(comm, backward, device.overlap)
         stepped = facts.params_total
     elif c.strategy in ("zero1", "zero2"):
-        reduce = all_gather_s(reduce_bytes, c.dp, bandwidth, latency)
-        gather = all_gather_s(padded * stored, c.dp, bandwidth, latency)
+        reduce = all_gather_s(reduce_bytes, c.dp, scatter_bandwidth, latency)
+        gather = all_gather_s(padded * stored, c.dp, gather_bandwidth, latency)
         comm = reduce + gather
         exposed = gather + (reduce if c.strategy == "zero1" else _hidden(reduce, backward, device.overlap))
         stepped = padded // c.dp
     else:  # fsdp: every micro-step gathers for forward and for backward; the last also reduce-scatters
         gathered = dtype_bytes(precision.compute_dtype if precision.mixed else precision.param_dtype)
-        gather = all_gather_s(padded * gathered, c.dp, bandwidth, latency)
-        reduce = all_gather_s(reduce_bytes, c.dp, bandwidth, latency)
+        gather = all_gather_s(padded * gathered, c.dp, gather_bandwidth, latency)
+        reduce = all_gather_s(reduce_bytes, c.dp, scatter_bandwidth, latency)
         first_unit = gather / max(1, len(facts.units)) * 2  # the root and the first block, before any compute
         comm = micro_steps * 2 * gather + reduce
         exposed = micro_steps * (_hidden(gather, micro_step / 3, device.overlap)
@@ -201,7 +203,7 @@ def _pipeline(c: Candidate, cfg: Config, shape: GPTShape, device: DeviceProfile)
     pipeline_runs = cfg.train.global_batch // (c.dp * c.micro_batch)
     compute = pipeline_runs * runs * slowest
     bubble = pipeline_runs * (c.pp - 1) * slowest
-    bandwidth = device.bandwidth(_spans_nodes(c.pp, c.tp, device.gpus_per_node))
+    bandwidth = device.bandwidth(_spans_nodes(c.pp, c.tp, device.gpus_per_node), "p2p")
     activation = per_run * shape.seq_len * shape.d_model * 4
     sends = pipeline_runs * 2 * (c.pp - 1) * (activation / bandwidth + device.latency_s)
     tp_comm = 0.0
