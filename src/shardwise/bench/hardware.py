@@ -6,7 +6,7 @@ would in training), one thread each:
 - memory bandwidth (a large copy) and the cost of one small operator recorded by autograd;
 - all-reduce, all-gather and reduce-scatter bus bandwidth over the world (ring volumes:
   2(n-1)/n of the buffer for all-reduce, (n-1)/n for the others), a send between two ranks, and
-  the latency of a tiny all-reduce;
+  what a small all-reduce between computations costs (latency and the ranks' skew);
 - overlap: how much of an all-reduce hides behind matmuls run while it is in flight.
 
 Rank 0 writes the profile (the median over ranks of each number) as JSON.
@@ -95,21 +95,27 @@ def collective_bandwidths(world: int) -> dict[str, float]:
 
 
 def latency(world: int) -> float:
-    """Per ring hop of a small all-reduce between computations, as tensor parallel and fsdp issue
-    them: with the ranks' skew (one reaches it before the other), not just the wire's latency."""
-    small, a = torch.ones(1024), torch.randn(128, 128)
+    """Per ring hop, what a small blocking all-reduce costs between computations of a few
+    milliseconds, as tensor parallel and fsdp issue them: the wire's latency and the ranks' skew
+    (the first to arrive waits for the other), the median over repeats, as training meets it."""
+    small, a = torch.ones(1024), torch.randn(256, 256)
 
     def compute() -> None:
-        for _ in range(20):
+        for _ in range(8):
             torch.mm(a, a)
 
-    def compute_and_reduce() -> None:
-        for _ in range(20):
-            torch.mm(a, a)
-            dist.all_reduce(small)
-
-    per_call = (_best_s(compute_and_reduce, 5) - _best_s(compute, 5)) / 20
-    return max(0.0, per_call) / (2 * (world - 1))
+    alone, together = [], []
+    compute()
+    dist.barrier()
+    for _ in range(30):
+        started = time.perf_counter()
+        compute()
+        alone.append(time.perf_counter() - started)
+        started = time.perf_counter()
+        compute()
+        dist.all_reduce(small)
+        together.append(time.perf_counter() - started)
+    return max(0.0, statistics.median(together) - statistics.median(alone)) / (2 * (world - 1))
 
 
 def overlap() -> float:

@@ -118,12 +118,18 @@ def run(ctx: DistContext, steps: int, rounds: int, micro_batch: int) -> dict[str
               for rank in row["memory_by_rank"] for cell in rank.values() if cell["counted"]]
     return {"device": profile, "noise": NOISE, "scenarios": results,
             "scenarios_matching": sum(s["ranking_matches"] for s in results.values()),
+            # a scenario whose candidates the measurement cannot tell apart matches by default: say how many did
+            "scenarios_with_pairs_told_apart": sum(s["pairs_told_apart"] > 0 for s in results.values()),
+            "pairs_ordered_alike": sum(s["pairs_ordered_alike"] for s in results.values()),
+            "pairs_told_apart": sum(s["pairs_told_apart"] for s in results.values()),
             "memory_ratio_range": [min(ratios), max(ratios)]}
 
 
 def format_result(result: dict[str, Any]) -> str:
     lines = [f"ranking matches in {result['scenarios_matching']} of {len(result['scenarios'])} scenarios "
-             f"(pairs more than {result['noise']:.0%} apart); memory predicted / counted in "
+             f"({result['scenarios_with_pairs_told_apart']} with pairs told apart: more than {result['noise']:.0%} "
+             f"and their spreads apart); {result['pairs_ordered_alike']} of {result['pairs_told_apart']} pairs "
+             f"ordered alike; memory predicted / counted in "
              f"[{result['memory_ratio_range'][0]:.4f}, {result['memory_ratio_range'][1]:.4f}]"]
     for name, scenario in result["scenarios"].items():
         lines.append(f"{name}: {scenario['pairs_ordered_alike']}/{scenario['pairs_told_apart']} pairs alike")

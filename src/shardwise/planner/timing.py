@@ -9,7 +9,9 @@ each strategy hides behind computation.
 - Communication, per rank, ring algorithms: all-reduce moves 2(n-1)/n of the buffer, all-gather
   and reduce-scatter (n-1)/n of the whole, point to point the buffer; each hop adds a latency. A
   group whose ranks span nodes runs at the inter-node bandwidth (the mesh is tp innermost, then
-  pp, then dp, so tp groups stay inside a node when they fit).
+  pp, then dp, so tp groups stay inside a node when they fit). The sharded strategies issue one
+  collective per unit and ddp one per bucket, each paying its hops' latency, which in a measured
+  profile includes the ranks' skew at a blocking collective.
 - Overlap (the device profile's `overlap` of the compute it may hide behind):
   `ddp` all-reduces buckets during the last backward; `zero1` reduce-scatters after backward and
   all-gathers after the step, nothing hidden; `zero2` reduce-scatters during backward, all-gathers
@@ -29,6 +31,7 @@ each strategy hides behind computation.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 from shardwise.config import Config
@@ -151,20 +154,25 @@ def _data_parallel(c: Candidate, cfg: Config, shape: GPTShape, device: DevicePro
     reduce_bytes = padded * dtype_bytes(precision.reduce_dtype)
     gather_bandwidth = device.bandwidth(inter_node, "all_gather")
     scatter_bandwidth = device.bandwidth(inter_node, "reduce_scatter")
+    # One collective per unit (per bucket for ddp); each pays its hops' latency.
+    per_unit = (len(facts.units) - 1) * (c.dp - 1) * latency
     if c.strategy == "ddp":
-        comm = all_reduce_s(facts.params_total * stored, c.dp, device.bandwidth(inter_node), latency)
+        grads = facts.params_total * stored
+        buckets = math.ceil(grads / (cfg.parallel.bucket_mb * 2**20))
+        comm = all_reduce_s(grads, c.dp, device.bandwidth(inter_node), latency) \
+            + (buckets - 1) * 2 * (c.dp - 1) * latency
         exposed = _hidden(comm, backward, device.overlap)
         stepped = facts.params_total
     elif c.strategy in ("zero1", "zero2"):
-        reduce = all_gather_s(reduce_bytes, c.dp, scatter_bandwidth, latency)
-        gather = all_gather_s(padded * stored, c.dp, gather_bandwidth, latency)
+        reduce = all_gather_s(reduce_bytes, c.dp, scatter_bandwidth, latency) + per_unit
+        gather = all_gather_s(padded * stored, c.dp, gather_bandwidth, latency) + per_unit
         comm = reduce + gather
         exposed = gather + (reduce if c.strategy == "zero1" else _hidden(reduce, backward, device.overlap))
         stepped = padded // c.dp
     else:  # fsdp: every micro-step gathers for forward and for backward; the last also reduce-scatters
         gathered = dtype_bytes(precision.compute_dtype if precision.mixed else precision.param_dtype)
-        gather = all_gather_s(padded * gathered, c.dp, gather_bandwidth, latency)
-        reduce = all_gather_s(reduce_bytes, c.dp, scatter_bandwidth, latency)
+        gather = all_gather_s(padded * gathered, c.dp, gather_bandwidth, latency) + per_unit
+        reduce = all_gather_s(reduce_bytes, c.dp, scatter_bandwidth, latency) + per_unit
         first_unit = gather / max(1, len(facts.units)) * 2  # the root and the first block, before any compute
         comm = micro_steps * 2 * gather + reduce
         exposed = micro_steps * (_hidden(gather, micro_step / 3, device.overlap)
