@@ -292,3 +292,18 @@ def test_measure_trains_the_top_candidates_and_sets_measured_beside_predicted(tm
             for key in ("params", "grads", "optimizer", "activations"):
                 assert rank[key] == pytest.approx(entry["predicted_memory"][key], rel=0.02)
     assert plan["recommended_measured"] == min(plan["measured"], key=lambda e: e["measured_step_s"])
+
+
+def test_plot_draws_every_candidate_and_marks_the_pareto_front(tmp_path):
+    pytest.importorskip("matplotlib")
+    from shardwise.planner.plot import pareto_front
+
+    out = tmp_path / "plan.png"
+    assert main(["plan", str(CONFIGS / "gpt-tiny.toml"), "--nproc", "2", "--device", "cpu", "--plot", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 20_000
+    plan = make_plan(config(), 2, load_profile("cpu"))
+    front = pareto_front(plan.ranked)
+    assert 1 <= len(front) < len(plan.ranked)
+    for point in front:  # nothing is both faster and smaller than a point of the front
+        assert not any(e.step.total < point.step.total and e.memory.total < point.memory.total for e in plan.ranked)
+    assert front[0].step.total == min(e.step.total for e in plan.ranked)

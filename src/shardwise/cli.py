@@ -170,6 +170,8 @@ def _add_plan_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--measure-steps", type=int, default=6, metavar="N", help="measured steps per candidate (default 6)")
     p.add_argument("--top", type=int, default=15, help="candidates shown in the table (default 15)")
     p.add_argument("--json", help="write every number to this file (schema in README.md)")
+    p.add_argument("--plot", metavar="FILE.png", help="draw step time against memory per rank for every "
+                   "candidate, the device's memory as a line, the Pareto front marked (needs matplotlib)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override any config key, e.g. --set train.global_batch=64 (repeatable)")
 
@@ -210,6 +212,14 @@ def plan(args: argparse.Namespace) -> int:
         return 2
     print(format_plan(result, args.top))
     document = plan_json(result)
+    if args.plot:
+        from shardwise.planner.plot import write_plot
+
+        try:
+            write_plot(result, Path(args.plot))
+        except PlanError as error:
+            print(f"shardwise plan: {error}", file=sys.stderr)
+            return 2
     if args.measure:
         from shardwise.planner.measure import measure_plan
 
