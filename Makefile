@@ -38,6 +38,8 @@ bench: setup
 	$(BIN)/shardwise bench tensor
 	$(BIN)/shardwise bench collectives
 	$(BIN)/shardwise bench checkpoint
+	$(BIN)/shardwise bench hardware
+	$(BIN)/shardwise bench planner
 
 lint: setup
 	$(BIN)/ruff check src tests

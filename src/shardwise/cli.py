@@ -8,6 +8,8 @@ from pathlib import Path
 
 from shardwise.bench import BENCHES
 from shardwise.config import PRECISIONS, STRATEGIES, Config, ConfigError, load_config
+from shardwise.planner.candidates import DEFAULT_PRECISIONS, POLICIES
+from shardwise.recompute import parse_policy
 
 
 def _add_train_parser(commands: argparse._SubParsersAction) -> None:
@@ -112,11 +114,14 @@ def bench(args: argparse.Namespace) -> int:
     from shardwise.launch import WorkerFailed, launch_workers
 
     module, ranks = BENCHES[args.name]
+    if args.nproc is not None and args.name != "hardware":
+        raise ConfigError(f"--nproc {args.nproc}: only `bench hardware` takes a world size; "
+                          f"{args.name} runs on {ranks}")
     entry = [module, "--steps", str(args.steps), "--json", f"bench/results/{args.name}.json"]
     if args.json:
         entry += ["--json", args.json]
     try:
-        launch_workers(LaunchConfig(nproc=ranks), entry)
+        launch_workers(LaunchConfig(nproc=args.nproc or ranks), entry)
     except WorkerFailed as failure:
         print(f"shardwise bench: {failure}", file=sys.stderr)
         return 1
@@ -135,10 +140,112 @@ def consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_plan_parser(commands: argparse._SubParsersAction) -> None:
+    p = commands.add_parser(
+        "plan", help="predict per-rank memory and step time of every strategy, ranked, with one recommended",
+        description="Builds the model on the meta device, traces what it saves for backward on fake tensors, "
+        "and for every strategy, mesh, precision, recomputation and micro-batch the trainer accepts on this "
+        "world size predicts each rank's bytes (params, grads, optimizer, activations, buffers, margin) and the "
+        "step time (compute, communication, overlap); ranks those that fit and recommends one. Nothing is "
+        "allocated or run.")
+    p.add_argument("config", help="TOML config file (model and train sections are what matter)")
+    world = p.add_mutually_exclusive_group()
+    world.add_argument("--nproc", type=int, help="ranks on one node (default: the config's launch.nproc x nnodes)")
+    world.add_argument("--nodes", type=int, help="nodes, each with --gpus-per-node ranks")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="ranks per node with --nodes (default 8)")
+    p.add_argument("--device", help="a preset (h100-sxm, h200, a100-80gb, cpu) or a profile JSON from "
+                   "`shardwise bench hardware`; default: this machine's GPU if it is a preset, else cpu")
+    p.add_argument("--memory-gb", type=float, help="GiB one rank may use (default: the device's memory less "
+                   "what its runtime reserves)")
+    p.add_argument("--margin", type=float, default=0.1, help="fraction added to every prediction for the "
+                   "allocator (default 0.1)")
+    p.add_argument("--precision", action="append", choices=PRECISIONS,
+                   help="consider only these (repeatable; default fp32, bf16-mixed, fp16-mixed: bf16-true trains "
+                   "differently, so only when named)")
+    p.add_argument("--recompute", action="append", metavar="POLICY",
+                   help="consider only these policies: none, blocks, every:K, selective (repeatable)")
+    p.add_argument("--micro-batch", action="append", type=int, metavar="N",
+                   help="consider only these micro-batches (default: every divisor of a replica's share)")
+    p.add_argument("--max-batch", action="store_true",
+                   help="also find each strategy's largest micro-batch that fits")
+    p.add_argument("--measure", type=int, metavar="K", help="then train the K fastest-predicted candidates that "
+                   "fit for a few steps on this machine's ranks, show predicted beside measured, and recommend "
+                   "from the measurement")
+    p.add_argument("--measure-steps", type=int, default=6, metavar="N", help="measured steps per candidate (default 6)")
+    p.add_argument("--top", type=int, default=15, help="candidates shown in the table (default 15)")
+    p.add_argument("--json", help="write every number to this file (schema in README.md)")
+    p.add_argument("--plot", metavar="FILE.png", help="draw step time against memory per rank for every "
+                   "candidate, the device's memory as a line, the Pareto front marked (needs matplotlib)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override any config key, e.g. --set train.global_batch=64 (repeatable)")
+
+
+def _default_device() -> str:
+    import torch
+
+    from shardwise.planner import PRESETS
+
+    if torch.cuda.is_available():
+        name = torch.cuda.get_device_name().lower()
+        for preset in PRESETS:
+            if preset.split("-")[0] in name:
+                return preset
+    return "cpu"
+
+
+def plan(args: argparse.Namespace) -> int:
+    import json
+
+    from shardwise.planner import PlanError, format_plan, load_profile, make_plan, plan_json
+    from shardwise.planner.report import format_measured
+
+    try:
+        cfg = load_config(args.config, args.set)
+        if args.nodes is not None:
+            nodes, world = args.nodes, args.nodes * args.gpus_per_node
+        else:
+            nodes, world = 1, args.nproc if args.nproc is not None else cfg.world_size
+        for policy in args.recompute or []:
+            parse_policy(policy)
+        result = make_plan(
+            cfg, world, load_profile(args.device or _default_device()), nodes=nodes, memory_gb=args.memory_gb,
+            margin=args.margin, precisions=tuple(args.precision or DEFAULT_PRECISIONS),
+            policies=tuple(args.recompute or POLICIES), micro_batches=args.micro_batch, max_batch=args.max_batch)
+    except (PlanError, ValueError) as error:
+        print(f"shardwise plan: {error}", file=sys.stderr)
+        return 2
+    print(format_plan(result, args.top))
+    document = plan_json(result)
+    if args.plot:
+        from shardwise.planner.plot import write_plot
+
+        try:
+            write_plot(result, Path(args.plot))
+        except PlanError as error:
+            print(f"shardwise plan: {error}", file=sys.stderr)
+            return 2
+    if args.measure:
+        from shardwise.planner.measure import measure_plan
+
+        try:
+            measured = measure_plan(result, args.measure, args.measure_steps)
+        except PlanError as error:
+            print(f"shardwise plan: {error}", file=sys.stderr)
+            return 1
+        print(format_measured(measured))
+        document["measured"] = measured
+        document["recommended_measured"] = measured[0]
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(document, indent=1) + "\n")
+    return 0 if result.recommended is not None else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="shardwise", description="Distributed training for PyTorch.")
     commands = parser.add_subparsers(dest="command", required=True)
     _add_train_parser(commands)
+    _add_plan_parser(commands)
     p = commands.add_parser("sample", help="generate text from a trained GPT run")
     p.add_argument("run_dir", help="a run directory written by `shardwise train`")
     p.add_argument("--prompt", default="\n", help="text to continue")
@@ -148,18 +255,22 @@ def main(argv: list[str] | None = None) -> int:
                             description="ddp, fsdp, pipeline, tensor: ours against PyTorch's own; collectives: our "
                             "ring all-reduce against the backend's, and ddp's gradient compression against plain "
                             "ddp; recompute, precision: each policy or precision against the plain one; checkpoint: "
-                            "save and load against a plain write of the same bytes, and async save. Writes "
+                            "save and load against a plain write of the same bytes, and async save; hardware: this "
+                            "machine's matmul throughput per dtype and collective bandwidths, as a device profile "
+                            "for `shardwise plan`; planner: the planner's predictions against real runs. Writes "
                             "bench/results/NAME.json (and --json FILE).")
     p.add_argument("name", choices=list(BENCHES), help="which benchmark")
     p.add_argument("--steps", type=int, default=12, help="measured steps per variant (checkpoint: rounds)")
-    p.add_argument("--json", help="also write the result to this file")
+    p.add_argument("--json", "--out", dest="json", help="also write the result to this file (for hardware: "
+                   "the device profile `shardwise plan --device FILE` reads)")
+    p.add_argument("--nproc", type=int, help="hardware: ranks to measure the collectives over (default 2)")
     p = commands.add_parser("consolidate", help="write a run's newest checkpoint as one plain safetensors file",
                             description="Reads the newest good checkpoint of RUN_DIR, whatever strategy and world "
                             "size saved it, in one process, and writes its full model state dict.")
     p.add_argument("run_dir", help="a run directory with checkpoints/")
     p.add_argument("out", help="the .safetensors file to write")
     args = parser.parse_args(argv)
-    handlers = {"train": train, "sample": sample, "bench": bench, "consolidate": consolidate}
+    handlers = {"train": train, "sample": sample, "bench": bench, "consolidate": consolidate, "plan": plan}
     try:
         return handlers[args.command](args)
     except ConfigError as error:

@@ -1,7 +1,9 @@
 """Bytes this rank holds, by category, counted from the tensors themselves.
 
 Tensors are counted by their underlying storage, once each: a tied weight, gradient views into a
-communication bucket, or q/k/v views of one matmul output are each one allocation.
+communication bucket, or q/k/v views of one matmul output are each one allocation. A storage is
+known by its identity, not its address, so the same counting works on meta and fake tensors
+(which have no addresses), and that is how the planner traces a model it never allocates.
 """
 
 from __future__ import annotations
@@ -34,12 +36,18 @@ def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
+def storage_key(storage: torch.UntypedStorage) -> int:
+    """Which storage this is: the same for every view of it, and defined on meta and fake tensors,
+    whose data pointers are all 0. (A storage freed and refilled in place, as fsdp does, keeps it.)"""
+    return storage._cdata
+
+
 def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the distinct storages behind `tensors`."""
     seen: dict[int, int] = {}
     for tensor in tensors:
         storage = local_tensor(tensor).untyped_storage()
-        seen[storage.data_ptr()] = storage.nbytes()
+        seen[storage_key(storage)] = storage.nbytes()
     return sum(seen.values())
 
 
@@ -91,45 +99,45 @@ class ActivationCounter:
     def __init__(self, model: nn.Module) -> None:
         self._params = list(model.parameters())
         self._param_storages: set[int] = set()
-        self._live: dict[int, tuple[int, int]] = {}  # storage pointer -> (saved tensors viewing it, bytes)
+        self._live: dict[int, tuple[int, int]] = {}  # storage key -> (saved tensors viewing it, bytes)
         self.live_bytes = 0
         self.bytes = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
-    def _is_parameter(self, pointer: int) -> bool:
-        if pointer not in self._param_storages:
-            # Sharded strategies refill parameter storage on each gather: look again.
-            self._param_storages = {local_tensor(p).untyped_storage().data_ptr() for p in self._params}
-        return pointer in self._param_storages
+    def _is_parameter(self, key: int) -> bool:
+        if key not in self._param_storages:
+            # A strategy may give a parameter new storage after the counter starts (a dtype change): look again.
+            self._param_storages = {storage_key(local_tensor(p).untyped_storage()) for p in self._params}
+        return key in self._param_storages
 
     def hold(self, tensor: torch.Tensor) -> int | None:
         """Count `tensor`'s storage as held; return its key for `_release`, or None for a parameter."""
         storage = tensor.untyped_storage()
-        pointer = storage.data_ptr()
-        if self._is_parameter(pointer):
+        key = storage_key(storage)
+        if self._is_parameter(key):
             return None
-        count, nbytes = self._live.get(pointer, (0, storage.nbytes()))
+        count, nbytes = self._live.get(key, (0, storage.nbytes()))
         if count == 0:
             self.live_bytes += nbytes
             self.bytes = max(self.bytes, self.live_bytes)
-        self._live[pointer] = (count + 1, nbytes)
-        return pointer
+        self._live[key] = (count + 1, nbytes)
+        return key
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor | _Saved:
-        pointer = self.hold(tensor)
-        return tensor if pointer is None else _Saved(tensor, self, pointer)
+        key = self.hold(tensor)
+        return tensor if key is None else _Saved(tensor, self, key)
 
     @staticmethod
     def _unpack(saved: torch.Tensor | _Saved) -> torch.Tensor:
         return saved.tensor if isinstance(saved, _Saved) else saved
 
-    def _release(self, pointer: int) -> None:
-        count, nbytes = self._live[pointer]
+    def _release(self, key: int) -> None:
+        count, nbytes = self._live[key]
         if count == 1:
-            del self._live[pointer]
+            del self._live[key]
             self.live_bytes -= nbytes
         else:
-            self._live[pointer] = (count - 1, nbytes)
+            self._live[key] = (count - 1, nbytes)
 
     def __enter__(self) -> ActivationCounter:
         self._hooks.__enter__()

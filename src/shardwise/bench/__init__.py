@@ -13,4 +13,6 @@ BENCHES = {  # name -> (module, ranks)
     "tensor": ("shardwise.bench.tensor", 2),
     "collectives": ("shardwise.bench.collectives", 2),
     "checkpoint": ("shardwise.bench.checkpoint", 2),
+    "hardware": ("shardwise.bench.hardware", 2),  # a device profile for `shardwise plan --device FILE`
+    "planner": ("shardwise.bench.planner", 2),  # the planner's predictions against real runs
 }

@@ -1,0 +1,143 @@
+"""`shardwise bench planner`: the planner's predictions against real runs on this machine, in one
+2-rank world.
+
+First the machine is measured (`bench hardware`'s measurements, as the device profile), then for
+each scenario every candidate trains a few steps (candidates alternating, A B C A B C, so the
+machine's drift hits all alike) and is compared with its prediction: the median step time, and
+per rank the params, grads, optimizer and activation bytes `memory` counts.
+
+A scenario's ranking matches when the predicted order of its candidates agrees with the measured
+one on every pair the measurement tells apart: medians more than `NOISE` (relative) apart and
+further apart than the two candidates' spreads (half their step times' interquartile ranges)
+together. The machine is shared: the same candidate's median moves by ~10% from run to run, and
+two within that swap places.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from typing import Any
+
+from shardwise.bench.common import bench_main
+from shardwise.bench.hardware import run as measure_hardware
+from shardwise.config import load_config
+from shardwise.dist import DistContext
+from shardwise.planner.candidates import Candidate
+from shardwise.planner.devices import DeviceProfile
+from shardwise.planner.measure import measure_candidates
+from shardwise.planner.memory import predict_memory
+from shardwise.planner.timing import predict_step_time
+
+NOISE = 0.10
+MEMORY_KEYS = ("params", "grads", "optimizer", "activations")
+
+
+def _data_parallel(strategies: str, precision: str, micro_batch: int) -> list[Candidate]:
+    return [Candidate(strategy, 2, 1, 1, precision, "none", micro_batch) for strategy in strategies.split()]
+
+
+def _split(micro_batch: int, pipeline: bool = True) -> list[Candidate]:
+    """A 2-stage 1F1B pipeline (M = 4, or 2 for small micro-batches) and a 2-way tensor split."""
+    runs = min(4, micro_batch)
+    pipe = [Candidate("pipeline", 1, 2, 1, "fp32", "none", micro_batch, runs, "1f1b")] if pipeline else []
+    return pipe + [Candidate("tensor", 1, 1, 2, "fp32", "none", micro_batch)]
+
+
+def scenarios() -> dict[str, tuple[list[str], list[Candidate]]]:
+    """name -> (config overrides, candidates): model size, batch and the compute/communication
+    ratio vary (on one host the link cannot be slowed; a wide model on short sequences sends
+    much more per FLOP, which is what a slower link does)."""
+    every = "ddp zero1 zero2 fsdp"
+    return {
+        "tiny, micro-batch 8": (["model.preset=tiny"], _data_parallel(every, "fp32", 8) + _split(8)),
+        "small, micro-batch 8": (["model.preset=small"], _data_parallel(every, "fp32", 8) + _split(8)),
+        "small, micro-batch 2": (["model.preset=small"], _data_parallel(every, "fp32", 2) + _split(2)),
+        "small, bf16-mixed vs fp32": (["model.preset=small"], _data_parallel("ddp fsdp", "bf16-mixed", 8)
+                                      + _data_parallel("ddp fsdp", "fp32", 8)),
+        "wide, short sequences (communication-heavy)": (
+            ["model.preset=small", "model.d_model=768", "model.n_head=12", "model.seq_len=32"],
+            _data_parallel(every, "fp32", 4) + _split(4, pipeline=False)),
+    }
+
+
+def _spread(times: list[float]) -> float:
+    """Half the interquartile range of a candidate's step times: how far its median may wander."""
+    quartiles = statistics.quantiles(times, n=4)
+    return (quartiles[2] - quartiles[0]) / 2
+
+
+def _agree(predicted: list[float], measured: list[float], spreads: list[float]) -> tuple[int, int]:
+    """(pairs ordered alike, pairs told apart): two candidates are told apart when their measured
+    medians differ by more than NOISE and by more than their spreads together."""
+    alike = told = 0
+    for i, j in itertools.combinations(range(len(measured)), 2):
+        gap = abs(measured[i] - measured[j])
+        if gap <= NOISE * min(measured[i], measured[j]) or gap <= spreads[i] + spreads[j]:
+            continue
+        told += 1
+        alike += (predicted[i] < predicted[j]) == (measured[i] < measured[j])
+    return alike, told
+
+
+def run_scenario(ctx: DistContext, overrides: list[str], candidates: list[Candidate], device: DeviceProfile,
+                 steps: int) -> dict[str, Any]:
+    # Every candidate trains the same global batch, one micro-batch per rank: a model-splitting
+    # one (a single replica) accumulates over the micro-batches the data-parallel ones split.
+    global_batch = ctx.world_size * candidates[0].micro_batch
+    base = load_config(None, [*overrides, "data.name=synthetic-tokens", "train.warmup_steps=0", "run.out=unused",
+                              f"train.steps={steps + 2}", "train.micro_batch=1", f"train.global_batch={global_batch}"])
+    rows = []
+    for measured in measure_candidates(ctx, base, candidates, steps):
+        candidate = Candidate(**measured["candidate"])
+        cfg = candidate.config(base, ctx.world_size)
+        predicted = predict_memory(candidate, cfg)
+        memory = [{key: {"predicted": getattr(predicted[r if len(predicted) > 1 else 0], key), "counted": got[key]}
+                   for key in MEMORY_KEYS} for r, got in enumerate(measured["memory_by_rank"])]
+        rows.append({**candidate.as_dict(), "label": candidate.label,
+                     "predicted_step_s": predict_step_time(candidate, cfg, device, ctx.world_size).total,
+                     "measured_step_s": measured["measured_step_s"], "step_times_s": measured["step_times_s"],
+                     "memory_by_rank": memory})
+    predicted = [row["predicted_step_s"] for row in rows]
+    measured = [row["measured_step_s"] for row in rows]
+    alike, told = _agree(predicted, measured, [_spread(row["step_times_s"]) for row in rows])
+    return {"candidates": rows, "pairs_ordered_alike": alike, "pairs_told_apart": told,
+            "ranking_matches": alike == told,
+            "predicted_order": [rows[i]["label"] for i in sorted(range(len(rows)), key=predicted.__getitem__)],
+            "measured_order": [rows[i]["label"] for i in sorted(range(len(rows)), key=measured.__getitem__)]}
+
+
+def run(ctx: DistContext, steps: int, rounds: int, micro_batch: int) -> dict[str, Any] | None:
+    profile = ctx.all_gather_object(measure_hardware(ctx, steps, rounds, micro_batch))[0]
+    device = DeviceProfile(**profile)
+    results = {name: run_scenario(ctx, overrides, candidates, device, steps)
+               for name, (overrides, candidates) in scenarios().items()}
+    if not ctx.is_main:
+        return None
+    ratios = [cell["predicted"] / cell["counted"] for scenario in results.values() for row in scenario["candidates"]
+              for rank in row["memory_by_rank"] for cell in rank.values() if cell["counted"]]
+    return {"device": profile, "noise": NOISE, "scenarios": results,
+            "scenarios_matching": sum(s["ranking_matches"] for s in results.values()),
+            # a scenario whose candidates the measurement cannot tell apart matches by default: say how many did
+            "scenarios_with_pairs_told_apart": sum(s["pairs_told_apart"] > 0 for s in results.values()),
+            "pairs_ordered_alike": sum(s["pairs_ordered_alike"] for s in results.values()),
+            "pairs_told_apart": sum(s["pairs_told_apart"] for s in results.values()),
+            "memory_ratio_range": [min(ratios), max(ratios)]}
+
+
+def format_result(result: dict[str, Any]) -> str:
+    lines = [f"ranking matches in {result['scenarios_matching']} of {len(result['scenarios'])} scenarios "
+             f"({result['scenarios_with_pairs_told_apart']} with pairs told apart: more than {result['noise']:.0%} "
+             f"and their spreads apart); {result['pairs_ordered_alike']} of {result['pairs_told_apart']} pairs "
+             f"ordered alike; memory predicted / counted in "
+             f"[{result['memory_ratio_range'][0]:.4f}, {result['memory_ratio_range'][1]:.4f}]"]
+    for name, scenario in result["scenarios"].items():
+        lines.append(f"{name}: {scenario['pairs_ordered_alike']}/{scenario['pairs_told_apart']} pairs alike")
+        for row in scenario["candidates"]:
+            lines.append(f"  {row['label']:<44} predicted {row['predicted_step_s'] * 1000:8.1f} ms  "
+                         f"measured {row['measured_step_s'] * 1000:8.1f} ms")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    bench_main("planner", run, format_result)

@@ -1,0 +1,19 @@
+"""`shardwise plan`: predicted per-rank memory and step time of every way to train a config on a
+given world of devices, ranked, with one recommended.
+
+- model.py: the model on the meta device (parameters per unit) and its saved-for-backward bytes,
+  traced on fake tensors
+- memory.py: bytes per rank by category, as our strategies hold them; the textbook ZeRO accounting
+- timing.py: step time from FLOPs, collective volumes and bandwidths, and each strategy's overlap
+- devices.py: device profiles (presets with sources, or measured JSON)
+- candidates.py, search.py: what can run, evaluated, ranked, recommended; largest micro-batches
+- report.py: the table and the JSON
+- measure.py: `--measure`, the top candidates trained for a few steps on this machine's ranks
+"""
+
+from shardwise.planner.devices import PRESETS, DeviceProfile, load_profile
+from shardwise.planner.model import PlanError
+from shardwise.planner.report import format_plan, plan_json
+from shardwise.planner.search import Plan, make_plan
+
+__all__ = ["PRESETS", "DeviceProfile", "Plan", "PlanError", "format_plan", "load_profile", "make_plan", "plan_json"]

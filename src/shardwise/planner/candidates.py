@@ -1,0 +1,113 @@
+"""The ways to train a config on a world of ranks: strategy, mesh, precision, recomputation and
+micro-batch. A candidate exists only if `shardwise train` would accept it: each is checked by the
+same `config.validate` that runs before training starts."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+
+from shardwise.config import Config, ConfigError, validate
+
+DATA_PARALLEL = ("ddp", "zero1", "zero2", "fsdp")
+# bf16-true only when asked for: it trains differently (updates below a weight's bf16 spacing are
+# lost), not just faster, so it is no drop-in choice to recommend.
+DEFAULT_PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
+POLICIES = ("none", "blocks", "every:2", "selective")
+SCHEDULES = ("gpipe", "1f1b")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    strategy: str
+    dp: int
+    pp: int
+    tp: int
+    precision: str
+    recompute: str
+    micro_batch: int  # samples per forward on one model replica (train.micro_batch)
+    micro_batches: int = 1  # pipeline: micro-batches per pipeline run (parallel.micro_batches)
+    schedule: str | None = None  # pipeline: gpipe or 1f1b
+
+    @property
+    def label(self) -> str:
+        mesh = f"dp{self.dp}" + (f" pp{self.pp}" if self.pp > 1 else "") + (f" tp{self.tp}" if self.tp > 1 else "")
+        pipe = f" M{self.micro_batches} {self.schedule}" if self.strategy == "pipeline" else ""
+        return f"{self.strategy} {mesh}{pipe} {self.precision} rc={self.recompute} mb={self.micro_batch}"
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+    def config(self, base: Config, world: int, global_batch: int | None = None) -> Config:
+        """`base` set up to train this candidate on `world` ranks (validated: ConfigError if not)."""
+        mesh = self.strategy in ("pipeline", "model-parallel", "tensor")
+        parallel = dataclasses.replace(
+            base.parallel, strategy=self.strategy, precision=self.precision, recompute=self.recompute,
+            dp=self.dp if mesh else None, pp=self.pp if mesh else None, tp=self.tp if mesh else None)
+        if self.strategy == "pipeline":
+            parallel.micro_batches, parallel.schedule = self.micro_batches, self.schedule
+        train = dataclasses.replace(base.train, micro_batch=self.micro_batch,
+                                    global_batch=global_batch or base.train.global_batch)
+        # The other sections are shared with `base`, not copied: nothing changes them.
+        cfg = dataclasses.replace(base, parallel=parallel, train=train)
+        validate(cfg, world_size=world)
+        return cfg
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _meshes(world: int) -> Iterator[tuple[str, int, int, int]]:
+    """(strategy, dp, pp, tp) for every strategy and factorisation of the world it can use."""
+    for strategy in DATA_PARALLEL:
+        yield strategy, world, 1, 1
+    for pp in _divisors(world):
+        for tp in _divisors(world // pp):
+            dp = world // pp // tp
+            if pp > 1:
+                yield "pipeline", dp, pp, tp
+                yield "model-parallel", dp, pp, tp
+            elif tp > 1:
+                yield "tensor", dp, pp, tp
+
+
+def micro_batch_options(per_replica: int) -> list[int]:
+    """Micro-batches that split a replica's share of the global batch evenly (none if it is 0)."""
+    return _divisors(per_replica)
+
+
+def enumerate_candidates(base: Config, world: int, precisions: tuple[str, ...] = DEFAULT_PRECISIONS,
+                         policies: tuple[str, ...] = POLICIES,
+                         micro_batches: list[int] | None = None) -> tuple[list[Candidate], dict[str, str]]:
+    """Every candidate the trainer accepts for `base` on `world` ranks, and for each mesh none
+    of whose variants it accepts, why (the first ConfigError)."""
+    found: list[Candidate] = []
+    refused: dict[str, str] = {}
+    for strategy, dp, pp, tp in _meshes(world):
+        mesh_found = len(found)
+        first_error = None
+        # An indivisible global batch still gets a candidate, for validate() to name the reason.
+        sizes = micro_batches or micro_batch_options(base.train.global_batch // dp) or [1]
+        for precision in precisions:
+            for policy in policies:
+                for micro_batch in sizes:
+                    for m, schedule in _pipeline_runs(strategy, micro_batch):
+                        candidate = Candidate(strategy, dp, pp, tp, precision, policy, micro_batch, m, schedule)
+                        try:
+                            candidate.config(base, world)
+                        except ConfigError as error:
+                            first_error = first_error or str(error)
+                            continue
+                        found.append(candidate)
+        if len(found) == mesh_found and first_error:
+            refused[f"{strategy} dp{dp} pp{pp} tp{tp}"] = first_error
+    return found, refused
+
+
+def _pipeline_runs(strategy: str, micro_batch: int) -> list[tuple[int, str | None]]:
+    """(micro-batches per run, schedule) options: a pipeline's M divides its micro-batch."""
+    if strategy != "pipeline":
+        return [(1, None)]
+    return [(m, schedule) for m in _divisors(micro_batch) if m > 1 for schedule in SCHEDULES]

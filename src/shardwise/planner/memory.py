@@ -1,0 +1,216 @@
+"""Predicted bytes per rank, by the categories `memory` in metrics.jsonl counts, for what *our*
+strategies hold; and, apart from it, the textbook ZeRO accounting.
+
+Ours (what `shardwise train` counts at the end of a step):
+
+| | params | grads | optimizer (AdamW) |
+| --- | --- | --- | --- |
+| single, ddp | Ψ·p | Ψ·p | 2Ψ·p + 4 per tensor |
+| zero1 | (Ψ + Ψ/N)·p | (Ψ + Ψ/N)·p | 2(Ψ/N)·p + 4 per tensor |
+| zero2 | (Ψ + Ψ/N)·p | (Ψ/N)·p | the same |
+| fsdp | (Ψ/N)·p | (Ψ/N)·p | the same |
+
+with p the bytes of the stored dtype: 4 under fp32, bf16-mixed and fp16-mixed (the parameters *are*
+the fp32 master weights, their gradients fp32 too; only the computation is 16-bit), 2 under
+bf16-true; Ψ/N is each rank's dim-0 shards padded to equal rows, and "4 per tensor" AdamW's fp32
+`step`. zero1 and zero2 keep the full parameters beside the shards the optimizer steps on.
+
+The textbook (Rajbhandari et al. 2020, "ZeRO", section 3) assumes mixed-precision Adam with fp16
+parameters and gradients and an fp32 copy, momentum and variance: 2 + 2 + 12 bytes per parameter,
+the 12 sharded from stage 1, the gradients' 2 from stage 2, the parameters' 2 from stage 3.
+`zero_textbook_bytes` computes that, per rank, from the same per-unit shard sizes.
+
+Beyond the counted categories the prediction adds `buffers` (communication buffers and
+gradients that live only within a step: all-gather and reduce-scatter buffers in flight, fsdp's
+gathered units, pipeline sends, gradients kept whole during accumulation) and `margin`, a stated
+fraction of the rest for allocator fragmentation and the optimizer step's temporaries.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from shardwise.config import Config
+from shardwise.planner.candidates import Candidate
+from shardwise.planner.model import (
+    GPTShape,
+    SavedBytes,
+    Tensors,
+    TraceKey,
+    model_facts,
+    rank_facts,
+    saved_bytes,
+    stage_bounds,
+    stage_tensors,
+)
+from shardwise.precision import DTYPES, make_precision
+
+DEFAULT_MARGIN = 0.10  # allocator fragmentation and the optimizer step's temporaries
+UNITS_IN_FLIGHT = 2  # collectives of at most this many units outstanding at once (one working, one next)
+
+
+@dataclass
+class RankMemory:
+    """Bytes one rank holds at its peak, by category; `total` includes the margin."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    buffers: int
+    margin: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers + self.margin
+
+    def with_margin(self, fraction: float) -> RankMemory:
+        self.margin = int(fraction * (self.total - self.margin))
+        return self
+
+    def as_dict(self) -> dict[str, int]:
+        return {**asdict(self), "total": self.total}
+
+
+def dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def optimizer_bytes(numel: int, tensors: int, stored: int, cfg: Config) -> int:
+    """State of the trainer's optimizer over `tensors` tensors of `numel` elements stored in
+    `stored` bytes each: AdamW's two moments and a float32 step per tensor, SGD's momentum."""
+    if cfg.train.optimizer == "adamw":
+        return 2 * numel * stored + 4 * tensors
+    return numel * stored if cfg.train.momentum else 0
+
+
+def trace_key(shape: GPTShape, candidate: Candidate, tp: int = 1) -> TraceKey:
+    """What the forward looks like under `candidate`: parameters as they are while computing
+    (fsdp gathers mixed precision's in the compute dtype) and autocast when mixed."""
+    precision = make_precision(candidate.precision)
+    computing = precision.compute_dtype if candidate.strategy == "fsdp" and precision.mixed else precision.param_dtype
+    return TraceKey(shape, computing, precision.compute_dtype if precision.mixed else None, tp)
+
+
+def predict_memory(candidate: Candidate, cfg: Config, margin: float = DEFAULT_MARGIN) -> list[RankMemory]:
+    """Each rank's bytes under `candidate` for the model and training setup of `cfg`: one entry
+    for data-parallel and tensor-parallel ranks (all alike), one per stage for a pipeline."""
+    shape = GPTShape.of(cfg.model)
+    if candidate.strategy in ("pipeline", "model-parallel"):
+        ranks = _pipeline(candidate, cfg, shape)
+    elif candidate.strategy == "tensor":
+        ranks = [_tensor(candidate, cfg, shape)]
+    else:
+        ranks = [_data_parallel(candidate, cfg, shape)]
+    return [rank.with_margin(margin) for rank in ranks]
+
+
+def _data_parallel(c: Candidate, cfg: Config, shape: GPTShape) -> RankMemory:
+    facts = model_facts(shape)
+    world = c.dp
+    precision = make_precision(c.precision, cfg.parallel.reduce_dtype)
+    stored = dtype_bytes(precision.param_dtype)
+    full, count = facts.params_total, facts.tensor_count
+    shard = sum(unit.sharded_numel(world) for unit in facts.units)
+    held_params = {"ddp": full, "zero1": full + shard, "zero2": full + shard, "fsdp": shard}[c.strategy]
+    held_grads = {"ddp": full, "zero1": full + shard, "zero2": shard, "fsdp": shard}[c.strategy]
+    optimizer = optimizer_bytes(full if c.strategy == "ddp" else shard, count, stored, cfg)
+    saved = saved_bytes(trace_key(shape, c)).stage(0, shape.n_layer, True, True, c.recompute, c.micro_batch)
+    return RankMemory(held_params * stored, held_grads * stored, optimizer, saved,
+                      _sharded_buffers(c, cfg, facts.units, world, stored))
+
+
+def _sharded_buffers(c: Candidate, cfg: Config, units: list[Tensors], world: int, stored: int) -> int:
+    """Bytes alive only within a step under the sharded strategies (ddp's gradients are its buckets)."""
+    if c.strategy == "ddp":
+        return 0
+    precision = make_precision(c.precision, cfg.parallel.reduce_dtype)
+    reduce = dtype_bytes(precision.reduce_dtype)
+    # What one unit's all-gather and reduce-scatter move: every rank's padded shards.
+    padded = [world * unit.sharded_numel(world) for unit in units]
+    largest = sorted(padded, reverse=True)[:UNITS_IN_FLIGHT]
+    kept_whole = 0
+    if c.strategy in ("zero2", "fsdp") and cfg.train.global_batch > world * c.micro_batch:
+        kept_whole = sum(unit.numel for unit in units) * stored  # full gradients between micro-steps
+    if c.strategy == "zero1":  # every unit's reduce-scatter at the end of backward; two gathers after the step
+        return max(sum(padded) * reduce, sum(largest) * stored)
+    if c.strategy == "zero2":
+        return sum(largest) * max(reduce, stored) + kept_whole
+    gathered = dtype_bytes(precision.compute_dtype if precision.mixed else precision.param_dtype)
+    elements = fsdp_gathered_numel(units, world, cfg.parallel.prefetch, cfg.parallel.reshard_after_forward)
+    return elements * gathered + sum(largest) * reduce + kept_whole
+
+
+def fsdp_gathered_numel(units: list[Tensors], world: int, prefetch: int, reshard_after_forward: bool) -> int:
+    """fsdp's most gathered elements at once (what it reports as `gathered_peak`): the root, whole
+    for the step, the unit computing, and the all-gather buffers of the `prefetch` units issued
+    ahead, each every rank's padded shards; without resharding, every unit stays whole after its
+    forward until its backward."""
+    *blocks, root = units
+    if not blocks:
+        return root.numel
+    block = max(blocks, key=lambda unit: unit.numel)
+    computing = sum(unit.numel for unit in blocks) if not reshard_after_forward else block.numel
+    return root.numel + computing + min(prefetch, len(blocks) - 1) * world * block.sharded_numel(world)
+
+
+def _pipeline(c: Candidate, cfg: Config, shape: GPTShape) -> list[RankMemory]:
+    facts = rank_facts(shape, c.tp)
+    bounds = stage_bounds(shape, c.pp)
+    saved = saved_bytes(trace_key(shape, c, c.tp))
+    runs = 1 if c.strategy == "model-parallel" else c.micro_batches
+    per_run = c.micro_batch / runs
+    activation = int(per_run * shape.seq_len * shape.d_model * 4)  # what crosses between stages
+    ranks = []
+    for stage, (start, stop) in enumerate(bounds):
+        first, last = stage == 0, stage == c.pp - 1
+        tensors = stage_tensors(facts, first, last, stop - start)
+        in_flight = runs if c.schedule != "1f1b" else min(c.pp - stage, runs)
+        # Sends are kept until the run ends (outputs forward, input gradients back); a receive is
+        # posted one micro-batch ahead from each neighbour.
+        sends = runs * ((not last) + (not first)) * activation
+        receives = 2 * ((not first) + (not last)) * activation
+        ranks.append(_mesh_rank(c, cfg, tensors, in_flight * saved.stage(start, stop, first, last, c.recompute,
+                                                                          per_run), sends + receives))
+    return ranks
+
+
+def _tensor(c: Candidate, cfg: Config, shape: GPTShape) -> RankMemory:
+    facts = rank_facts(shape, c.tp)
+    saved: SavedBytes = saved_bytes(trace_key(shape, c, c.tp))
+    tensors = Tensors(facts.block.shapes * shape.n_layer + facts.root.shapes)
+    # An all-reduce's result is a copy of one activation (ReduceFromTensorParallel clones its input).
+    activation = c.micro_batch * shape.seq_len * shape.d_model * 4
+    return _mesh_rank(c, cfg, tensors, saved.stage(0, shape.n_layer, True, True, c.recompute, c.micro_batch),
+                      activation)
+
+
+def _mesh_rank(c: Candidate, cfg: Config, tensors: Tensors, activations: int, buffers: int) -> RankMemory:
+    """A rank of the model-splitting strategies: fp32 parameters and gradients it holds whole,
+    plus, with data parallel beside, the packed copy of its gradients the dp all-reduce sends."""
+    stored = dtype_bytes(DTYPES["fp32"])
+    held = tensors.numel * stored
+    packed = held if c.dp > 1 else 0
+    return RankMemory(held, held, optimizer_bytes(tensors.numel, tensors.count, stored, cfg), activations,
+                      buffers + packed)
+
+
+ZERO_STAGES = {"ddp": 0, "zero1": 1, "zero2": 2, "fsdp": 3}
+
+
+def zero_textbook_bytes(shape: GPTShape, stage: int, world: int) -> dict[str, int]:
+    """Model-state bytes per rank by the ZeRO paper's accounting of mixed-precision Adam: 2 bytes
+    of fp16 parameters, 2 of fp16 gradients, 12 of fp32 master weights, momentum and variance per
+    parameter, each sharded across the `world` ranks from its stage on (1: the 12, 2: + the
+    gradients, 3: + the parameters). Shards are our padded per-unit ones, so with padding this
+    is a few bytes above Ψ/N."""
+    facts = model_facts(shape)
+    full = facts.params_total
+    shard = sum(unit.sharded_numel(world) for unit in facts.units)
+    return {
+        "params": 2 * (shard if stage >= 3 else full),
+        "grads": 2 * (shard if stage >= 2 else full),
+        "optimizer": 12 * (shard if stage >= 1 else full),
+    }

@@ -1,0 +1,225 @@
+"""Predicted step time: computation from FLOPs over the device's matmul throughput, communication
+from what each collective moves over the link it crosses, and how much of the communication
+each strategy hides behind computation.
+
+- Computation: the GPT's 6 FLOPs per parameter per token plus attention (its own estimate), split
+  between the blocks and the rest so tensor and pipeline parallel divide the right part, plus one
+  more forward of every recomputed block (`blocks`, `every:K`; `selective` redoes only
+  elementwise work, counted as free). A micro-step's backward is two thirds of it.
+- Communication, per rank, ring algorithms: all-reduce moves 2(n-1)/n of the buffer, all-gather
+  and reduce-scatter (n-1)/n of the whole, point to point the buffer; each hop adds a latency. A
+  group whose ranks span nodes runs at the inter-node bandwidth (the mesh is tp innermost, then
+  pp, then dp, so tp groups stay inside a node when they fit). The sharded strategies issue one
+  collective per unit and ddp one per bucket, each paying its hops' latency, which in a measured
+  profile includes the ranks' skew at a blocking collective.
+- Overlap (the device profile's `overlap` of the compute it may hide behind):
+  `ddp` all-reduces buckets during the last backward; `zero1` reduce-scatters after backward and
+  all-gathers after the step, nothing hidden; `zero2` reduce-scatters during backward, all-gathers
+  after the step; `fsdp` all-gathers each unit during the previous one's forward and backward and
+  reduce-scatters during backward, only the first gather exposed; `pipeline` idles
+  (P-1)/(M+P-1) of the schedule (the bubble) and sends activations on the critical path during
+  fill and drain; `tensor` all-reduces activations 4 times per block on the critical path; the
+  model-splitting strategies' dp all-reduce runs after backward.
+- Every operator costs the device profile's `op_overhead_s` on top (a kernel launch; on a CPU a
+  trip through the dispatcher), which decides small models' steps: a forward's operators are
+  counted on fake tensors, and a forward and backward is taken as 3 times a forward's.
+- `selective` recomputes the elementwise work whose results it no longer keeps: the bytes it saves
+  less than `none` (traced), read and written again at the device's memory bandwidth.
+- The optimizer step reads and writes each element it steps about 8 times (AdamW: parameter,
+  gradient, two moments, and clipping's read) at the device's memory bandwidth.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from shardwise.config import Config
+from shardwise.planner.candidates import Candidate
+from shardwise.planner.devices import DeviceProfile
+from shardwise.planner.memory import dtype_bytes, trace_key
+from shardwise.planner.model import GPTShape, forward_ops, model_facts, rank_facts, saved_bytes, stage_bounds
+from shardwise.precision import make_precision
+
+OPTIMIZER_ACCESSES = {"adamw": 8, "sgd": 5}
+
+
+@dataclass
+class StepTime:
+    compute_s: float  # matmul FLOPs, selective recomputation's elementwise traffic, per-operator overhead
+    communication_s: float  # every collective's time, hidden or not
+    exposed_communication_s: float  # the part not hidden behind computation
+    bubble_s: float  # pipeline stages idle
+    optimizer_s: float
+
+    @property
+    def total(self) -> float:
+        return self.compute_s + self.exposed_communication_s + self.bubble_s + self.optimizer_s
+
+    def as_dict(self) -> dict[str, float]:
+        return {**asdict(self), "total": self.total}
+
+
+def all_reduce_s(nbytes: float, ranks: int, bandwidth: float, latency: float) -> float:
+    if ranks == 1:
+        return 0.0
+    return 2 * (ranks - 1) / ranks * nbytes / bandwidth + 2 * (ranks - 1) * latency
+
+
+def all_gather_s(nbytes: float, ranks: int, bandwidth: float, latency: float) -> float:
+    """All-gather (or reduce-scatter) of a `nbytes` whole."""
+    if ranks == 1:
+        return 0.0
+    return (ranks - 1) / ranks * nbytes / bandwidth + (ranks - 1) * latency
+
+
+def _spans_nodes(size: int, stride: int, per_node: int) -> bool:
+    """Whether a group of `size` ranks `stride` apart in rank order leaves one node."""
+    return size > 1 and size * stride > per_node
+
+
+def _hidden(comm: float, compute: float, overlap: float) -> float:
+    """What is left exposed of `comm` run alongside `compute`, `overlap` of which can hide it."""
+    return comm - min(comm, overlap * compute)
+
+
+@dataclass(frozen=True)
+class _Flops:
+    """Training FLOPs per token: one block's, and the rest's (embeddings do no matmul; the head does)."""
+
+    block: float
+    outside: float
+
+    @classmethod
+    def of(cls, shape: GPTShape, tp: int = 1) -> _Flops:
+        facts = rank_facts(shape, tp)
+        attention = 12 * shape.d_model * shape.seq_len / tp
+        return cls(6 * facts.block.numel + attention, 6 * (facts.root.numel - shape.seq_len * shape.d_model))
+
+
+def _compute_dtype(precision: str) -> str:
+    return {"fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16-true": "bf16"}[precision]
+
+
+def _recomputed(shape: GPTShape, policy: str, start: int, stop: int) -> int:
+    """Blocks in [start, stop) whose forward runs again in backward."""
+    if policy in ("none", "selective"):
+        return 0
+    every = 1 if policy == "blocks" else int(policy.split(":")[1])
+    return sum(1 for index in range(start, stop) if index % every == 0)
+
+
+def predict_step_time(c: Candidate, cfg: Config, device: DeviceProfile, world: int) -> StepTime:
+    """Seconds one optimizer step of `cfg.train.global_batch` samples takes under `c`."""
+    shape = GPTShape.of(cfg.model)
+    if c.strategy in ("pipeline", "model-parallel"):
+        return _pipeline(c, cfg, shape, device)
+    if c.strategy == "tensor":
+        return _tensor(c, cfg, shape, device)
+    return _data_parallel(c, cfg, shape, device, world)
+
+
+def _optimizer_s(numel: int, stored: int, cfg: Config, device: DeviceProfile) -> float:
+    return OPTIMIZER_ACCESSES[cfg.train.optimizer] * numel * stored / device.memory_bandwidth
+
+
+def micro_step_s(c: Candidate, shape: GPTShape, device: DeviceProfile, start: int, stop: int, first: bool,
+                 last: bool, batch: float) -> float:
+    """One forward and backward of `batch` samples through blocks [start, stop) (and the parts
+    outside the blocks a first or last stage holds) on one rank of tensor-parallel degree c.tp."""
+    flops = _Flops.of(shape, c.tp)
+    blocks = stop - start
+    per_token = (blocks + _recomputed(shape, c.recompute, start, stop) / 3) * flops.block + last * flops.outside
+    seconds = batch * shape.seq_len * per_token / device.flops(_compute_dtype(c.precision))
+    ops = forward_ops(shape)
+    seconds += 3 * (blocks * ops.block + (first or last) * ops.outside) * device.op_overhead_s
+    if c.recompute == "selective":
+        saved = saved_bytes(trace_key(shape, c, c.tp))
+        dropped = saved.block.at(batch) - saved.selective.at(batch)
+        seconds += 2 * blocks * dropped / device.memory_bandwidth
+    return seconds
+
+
+def _data_parallel(c: Candidate, cfg: Config, shape: GPTShape, device: DeviceProfile, world: int) -> StepTime:
+    facts = model_facts(shape)
+    precision = make_precision(c.precision, cfg.parallel.reduce_dtype)
+    micro_steps = cfg.train.global_batch // (c.dp * c.micro_batch)
+    micro_step = micro_step_s(c, shape, device, 0, shape.n_layer, True, True, c.micro_batch)
+    compute = micro_steps * micro_step
+    backward = 2 / 3 * micro_step  # what the last micro-step's communication may hide behind
+    inter_node = _spans_nodes(c.dp, 1, device.gpus_per_node)
+    latency = device.latency_s
+    stored = dtype_bytes(precision.param_dtype)
+    padded = sum(c.dp * unit.sharded_numel(c.dp) for unit in facts.units)
+    reduce_bytes = padded * dtype_bytes(precision.reduce_dtype)
+    gather_bandwidth = device.bandwidth(inter_node, "all_gather")
+    scatter_bandwidth = device.bandwidth(inter_node, "reduce_scatter")
+    # One collective per unit (per bucket for ddp); each pays its hops' latency.
+    per_unit = (len(facts.units) - 1) * (c.dp - 1) * latency
+    if c.strategy == "ddp":
+        grads = facts.params_total * stored
+        buckets = math.ceil(grads / (cfg.parallel.bucket_mb * 2**20))
+        comm = all_reduce_s(grads, c.dp, device.bandwidth(inter_node), latency) \
+            + (buckets - 1) * 2 * (c.dp - 1) * latency
+        exposed = _hidden(comm, backward, device.overlap)
+        stepped = facts.params_total
+    elif c.strategy in ("zero1", "zero2"):
+        reduce = all_gather_s(reduce_bytes, c.dp, scatter_bandwidth, latency) + per_unit
+        gather = all_gather_s(padded * stored, c.dp, gather_bandwidth, latency) + per_unit
+        comm = reduce + gather
+        exposed = gather + (reduce if c.strategy == "zero1" else _hidden(reduce, backward, device.overlap))
+        stepped = padded // c.dp
+    else:  # fsdp: every micro-step gathers for forward and for backward; the last also reduce-scatters
+        gathered = dtype_bytes(precision.compute_dtype if precision.mixed else precision.param_dtype)
+        gather = all_gather_s(padded * gathered, c.dp, gather_bandwidth, latency) + per_unit
+        reduce = all_gather_s(reduce_bytes, c.dp, scatter_bandwidth, latency) + per_unit
+        first_unit = gather / max(1, len(facts.units)) * 2  # the root and the first block, before any compute
+        comm = micro_steps * 2 * gather + reduce
+        exposed = micro_steps * (_hidden(gather, micro_step / 3, device.overlap)
+                                 + _hidden(gather, backward, device.overlap) + first_unit)
+        exposed += _hidden(reduce, max(0.0, backward - gather), device.overlap)
+        stepped = padded // c.dp
+    return StepTime(compute, comm, exposed, 0.0, _optimizer_s(stepped, stored, cfg, device))
+
+
+def _mesh_dp_all_reduce(c: Candidate, numel: int, device: DeviceProfile) -> float:
+    """The model-splitting strategies average every gradient over the dp group after backward."""
+    bandwidth = device.bandwidth(_spans_nodes(c.dp, c.pp * c.tp, device.gpus_per_node))
+    return all_reduce_s(numel * 4, c.dp, bandwidth, device.latency_s)
+
+
+def _tensor(c: Candidate, cfg: Config, shape: GPTShape, device: DeviceProfile) -> StepTime:
+    facts = rank_facts(shape, c.tp)
+    micro_steps = cfg.train.global_batch // (c.dp * c.micro_batch)
+    tokens = c.micro_batch * shape.seq_len
+    compute = micro_steps * micro_step_s(c, shape, device, 0, shape.n_layer, True, True, c.micro_batch)
+    bandwidth = device.bandwidth(_spans_nodes(c.tp, 1, device.gpus_per_node))
+    activations = all_reduce_s(tokens * shape.d_model * 4, c.tp, bandwidth, device.latency_s)
+    tp_comm = micro_steps * 4 * shape.n_layer * activations
+    numel = facts.block.numel * shape.n_layer + facts.root.numel
+    dp_comm = _mesh_dp_all_reduce(c, numel, device)
+    return StepTime(compute, tp_comm + dp_comm, tp_comm + dp_comm, 0.0, _optimizer_s(numel, 4, cfg, device))
+
+
+def _pipeline(c: Candidate, cfg: Config, shape: GPTShape, device: DeviceProfile) -> StepTime:
+    facts = rank_facts(shape, c.tp)
+    runs = 1 if c.strategy == "model-parallel" else c.micro_batches
+    per_run = c.micro_batch / runs
+    bounds = stage_bounds(shape, c.pp)
+    slowest = max(micro_step_s(c, shape, device, start, stop, stage == 0, stage == c.pp - 1, per_run)
+                  for stage, (start, stop) in enumerate(bounds))  # one micro-batch, forward and backward
+    pipeline_runs = cfg.train.global_batch // (c.dp * c.micro_batch)
+    compute = pipeline_runs * runs * slowest
+    bubble = pipeline_runs * (c.pp - 1) * slowest
+    bandwidth = device.bandwidth(_spans_nodes(c.pp, c.tp, device.gpus_per_node), "p2p")
+    activation = per_run * shape.seq_len * shape.d_model * 4
+    sends = pipeline_runs * 2 * (c.pp - 1) * (activation / bandwidth + device.latency_s)
+    tp_comm = 0.0
+    if c.tp > 1:
+        tp_bandwidth = device.bandwidth(_spans_nodes(c.tp, 1, device.gpus_per_node))
+        per_block = all_reduce_s(per_run * shape.seq_len * shape.d_model * 4, c.tp, tp_bandwidth, device.latency_s)
+        tp_comm = pipeline_runs * runs * 4 * max(stop - start for start, stop in bounds) * per_block
+    stage_numel = max((stop - start) * facts.block.numel for start, stop in bounds) + facts.root.numel
+    tied = all_reduce_s(shape.vocab_size * shape.d_model * 4, 2, bandwidth, device.latency_s)  # first + last stage
+    comm = sends + tp_comm + tied + _mesh_dp_all_reduce(c, stage_numel, device)
+    return StepTime(compute, comm, comm, bubble, _optimizer_s(stage_numel, 4, cfg, device))
