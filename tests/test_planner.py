@@ -14,10 +14,11 @@ from distributed import run_ranks
 from shardwise.cli import main
 from shardwise.config import Config, load_config
 from shardwise.dist import DistContext
+from shardwise.models import GPTConfig
 from shardwise.planner import PlanError, load_profile, make_plan
 from shardwise.planner.candidates import Candidate
 from shardwise.planner.memory import ZERO_STAGES, predict_memory, zero_textbook_bytes
-from shardwise.planner.model import GPTShape, TraceKey, _trace, model_facts, saved_bytes
+from shardwise.planner.model import TraceKey, _trace, gpt_shape, model_facts, saved_bytes
 from shardwise.trainer import Trainer
 
 SIZES = {  # name -> (n_layer, n_head, d_model, seq_len, vocab_size)
@@ -28,8 +29,8 @@ SIZES = {  # name -> (n_layer, n_head, d_model, seq_len, vocab_size)
 }
 
 
-def shape_of(name: str) -> GPTShape:
-    return GPTShape(*SIZES[name])
+def shape_of(name: str) -> GPTConfig:
+    return GPTConfig(*SIZES[name])
 
 
 def gpt_params(n_layer: int, d: int, seq: int, vocab: int) -> int:
@@ -96,7 +97,7 @@ def config(global_batch: int = 16, preset: str = "tiny", **model: int) -> Config
 
 @pytest.mark.parametrize("autocast", [None, torch.bfloat16])
 def test_composed_saved_bytes_equal_a_full_depth_trace(autocast):
-    shape = GPTShape.of(config(n_layer=5).model)
+    shape = gpt_shape(config(n_layer=5).model)
     key = TraceKey(shape, torch.float32, autocast)
     saved = saved_bytes(key)
     for policy in ("none", "blocks", "every:2", "every:3", "selective"):
@@ -166,7 +167,7 @@ def test_predicted_memory_equals_counted_for_gpt_small_on_2_ranks():
 def test_fsdp_predicted_gathered_peak_is_what_it_gathers():
     from shardwise.planner.memory import fsdp_gathered_numel
 
-    facts = model_facts(GPTShape.of(config(preset="small").model))
+    facts = model_facts(gpt_shape(config(preset="small").model))
     # gpt small, measured on 2 ranks (fp32): the root, the block computing, the next one's gather buffer
     assert fsdp_gathered_numel(facts.units, 2, 1, True) * 4 == 14957568
 

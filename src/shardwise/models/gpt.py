@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 
-@dataclass
+@dataclass(frozen=True)
 class GPTConfig:
     n_layer: int
     n_head: int

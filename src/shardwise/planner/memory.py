@@ -33,12 +33,13 @@ from dataclasses import asdict, dataclass
 import torch
 
 from shardwise.config import Config
+from shardwise.models import GPTConfig
 from shardwise.planner.candidates import Candidate
 from shardwise.planner.model import (
-    GPTShape,
     SavedBytes,
     Tensors,
     TraceKey,
+    gpt_shape,
     model_facts,
     rank_facts,
     saved_bytes,
@@ -86,7 +87,7 @@ def optimizer_bytes(numel: int, tensors: int, stored: int, cfg: Config) -> int:
     return numel * stored if cfg.train.momentum else 0
 
 
-def trace_key(shape: GPTShape, candidate: Candidate, tp: int = 1) -> TraceKey:
+def trace_key(shape: GPTConfig, candidate: Candidate, tp: int = 1) -> TraceKey:
     """What the forward looks like under `candidate`: parameters as they are while computing
     (fsdp gathers mixed precision's in the compute dtype) and autocast when mixed."""
     precision = make_precision(candidate.precision)
@@ -97,7 +98,7 @@ def trace_key(shape: GPTShape, candidate: Candidate, tp: int = 1) -> TraceKey:
 def predict_memory(candidate: Candidate, cfg: Config, margin: float = DEFAULT_MARGIN) -> list[RankMemory]:
     """Each rank's bytes under `candidate` for the model and training setup of `cfg`: one entry
     for data-parallel and tensor-parallel ranks (all alike), one per stage for a pipeline."""
-    shape = GPTShape.of(cfg.model)
+    shape = gpt_shape(cfg.model)
     if candidate.strategy in ("pipeline", "model-parallel"):
         ranks = _pipeline(candidate, cfg, shape)
     elif candidate.strategy == "tensor":
@@ -107,7 +108,7 @@ def predict_memory(candidate: Candidate, cfg: Config, margin: float = DEFAULT_MA
     return [rank.with_margin(margin) for rank in ranks]
 
 
-def _data_parallel(c: Candidate, cfg: Config, shape: GPTShape) -> RankMemory:
+def _data_parallel(c: Candidate, cfg: Config, shape: GPTConfig) -> RankMemory:
     facts = model_facts(shape)
     world = c.dp
     precision = make_precision(c.precision, cfg.parallel.reduce_dtype)
@@ -156,7 +157,7 @@ def fsdp_gathered_numel(units: list[Tensors], world: int, prefetch: int, reshard
     return root.numel + computing + min(prefetch, len(blocks) - 1) * world * block.sharded_numel(world)
 
 
-def _pipeline(c: Candidate, cfg: Config, shape: GPTShape) -> list[RankMemory]:
+def _pipeline(c: Candidate, cfg: Config, shape: GPTConfig) -> list[RankMemory]:
     facts = rank_facts(shape, c.tp)
     bounds = stage_bounds(shape, c.pp)
     saved = saved_bytes(trace_key(shape, c, c.tp))
@@ -177,7 +178,7 @@ def _pipeline(c: Candidate, cfg: Config, shape: GPTShape) -> list[RankMemory]:
     return ranks
 
 
-def _tensor(c: Candidate, cfg: Config, shape: GPTShape) -> RankMemory:
+def _tensor(c: Candidate, cfg: Config, shape: GPTConfig) -> RankMemory:
     facts = rank_facts(shape, c.tp)
     saved: SavedBytes = saved_bytes(trace_key(shape, c, c.tp))
     tensors = Tensors(facts.block.shapes * shape.n_layer + facts.root.shapes)
@@ -200,7 +201,7 @@ def _mesh_rank(c: Candidate, cfg: Config, tensors: Tensors, activations: int, bu
 ZERO_STAGES = {"ddp": 0, "zero1": 1, "zero2": 2, "fsdp": 3}
 
 
-def zero_textbook_bytes(shape: GPTShape, stage: int, world: int) -> dict[str, int]:
+def zero_textbook_bytes(shape: GPTConfig, stage: int, world: int) -> dict[str, int]:
     """Model-state bytes per rank by the ZeRO paper's accounting of mixed-precision Adam: 2 bytes
     of fp16 parameters, 2 of fp16 gradients, 12 of fp32 master weights, momentum and variance per
     parameter, each sharded across the `world` ranks from its stage on (1: the 12, 2: + the

@@ -23,6 +23,7 @@ overhead.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardwise.config import ModelConfig
 from shardwise.memory import ActivationCounter
-from shardwise.models import GPT, build_model
+from shardwise.models import GPT, GPTConfig
 from shardwise.recompute import apply_recompute, parse_policy
 from shardwise.strategies.pipeline import GPTStage, balanced_split, parameter_counts
 from shardwise.strategies.tensor import LocalHeadsAttention
@@ -144,26 +145,16 @@ def _tensors(params: list[nn.Parameter]) -> Tensors:
     return Tensors(tuple(tuple(p.shape) for p in params))
 
 
-@dataclass(frozen=True)
-class GPTShape:
-    """The sizes of a GPT (a ModelConfig with its presets resolved), hashable for caching."""
+def gpt_shape(cfg: ModelConfig) -> GPTConfig:
+    """The sizes of the GPT a ModelConfig (presets resolved) names: hashable, for caching."""
+    if cfg.name != "gpt":
+        raise PlanError(f"model.name = {cfg.name!r}: the planner plans the GPT (model.name = 'gpt') only")
+    return GPTConfig(cfg.n_layer, cfg.n_head, cfg.d_model, cfg.seq_len, cfg.vocab_size, cfg.bias)
 
-    n_layer: int
-    n_head: int
-    d_model: int
-    seq_len: int
-    vocab_size: int
-    bias: bool = False
 
-    @classmethod
-    def of(cls, cfg: ModelConfig) -> GPTShape:
-        if cfg.name != "gpt":
-            raise PlanError(f"model.name = {cfg.name!r}: the planner plans the GPT (model.name = 'gpt') only")
-        return cls(cfg.n_layer, cfg.n_head, cfg.d_model, cfg.seq_len, cfg.vocab_size, cfg.bias)
-
-    def config(self, n_layer: int | None = None) -> ModelConfig:
-        return ModelConfig("gpt", n_layer=n_layer or self.n_layer, n_head=self.n_head, d_model=self.d_model,
-                           seq_len=self.seq_len, vocab_size=self.vocab_size, bias=self.bias)
+def _gpt(shape: GPTConfig, n_layer: int | None) -> GPT:
+    """The GPT of `shape`, with `n_layer` blocks if given, on the current default device."""
+    return GPT(dataclasses.replace(shape, n_layer=n_layer or shape.n_layer))
 
 
 @dataclass(frozen=True)
@@ -171,7 +162,7 @@ class ModelFacts:
     """A GPT's parameters per unit (its blocks, then the root: embeddings, final norm, tied head),
     counted on the meta device, each distinct parameter once."""
 
-    shape: GPTShape
+    shape: GPTConfig
     block: Tensors  # one block's; every block has the same
     root: Tensors
 
@@ -197,15 +188,13 @@ class ModelFacts:
         return meta_gpt(self.shape).flops_per_token() * self.shape.seq_len
 
 
-def meta_gpt(shape: GPTShape, n_layer: int | None = None) -> GPT:
+def meta_gpt(shape: GPTConfig, n_layer: int | None = None) -> GPT:
     """The GPT of `shape` (with `n_layer` blocks if given) on the meta device: shapes, no memory."""
     with torch.device("meta"):
-        model = build_model(shape.config(n_layer))
-    assert isinstance(model, GPT)
-    return model
+        return _gpt(shape, n_layer)
 
 
-def _split_facts(shape: GPTShape, model: GPT) -> ModelFacts:
+def _split_facts(shape: GPTConfig, model: GPT) -> ModelFacts:
     block = model.blocks[0]
     in_block = {id(p) for p in block.parameters()}
     root = [p for p in model.parameters() if id(p) not in in_block]
@@ -213,7 +202,7 @@ def _split_facts(shape: GPTShape, model: GPT) -> ModelFacts:
 
 
 @functools.cache
-def model_facts(shape: GPTShape) -> ModelFacts:
+def model_facts(shape: GPTConfig) -> ModelFacts:
     """Parameter shapes per unit, read from a one-block meta copy of the model."""
     return _split_facts(shape, meta_gpt(shape, n_layer=1))
 
@@ -231,7 +220,7 @@ def tensor_parallel_block(block: nn.Module, tp: int) -> None:
 
 
 @functools.cache
-def rank_facts(shape: GPTShape, tp: int) -> ModelFacts:
+def rank_facts(shape: GPTConfig, tp: int) -> ModelFacts:
     """The parameters one tensor-parallel rank holds: blocks split `tp` ways, the rest whole."""
     if tp == 1:
         return model_facts(shape)
@@ -242,7 +231,7 @@ def rank_facts(shape: GPTShape, tp: int) -> ModelFacts:
 
 
 @functools.cache
-def stage_bounds(shape: GPTShape, pp: int) -> tuple[tuple[int, int], ...]:
+def stage_bounds(shape: GPTConfig, pp: int) -> tuple[tuple[int, int], ...]:
     """[start, stop) of each pipeline stage's blocks, balanced by parameter count as the pipeline
     strategy cuts them (the same function, on a meta model)."""
     model = meta_gpt(shape)
@@ -257,7 +246,7 @@ def stage_tensors(facts: ModelFacts, first: bool, last: bool, blocks: int) -> Te
 
 
 @functools.cache
-def _stage_outside(shape: GPTShape, first: bool, last: bool) -> Tensors:
+def _stage_outside(shape: GPTConfig, first: bool, last: bool) -> Tensors:
     model = meta_gpt(shape, n_layer=1)
     root_parts = ([model.tok_emb, model.pos_emb] if first else []) + ([model.ln_f, model.head] if last else [])
     seen: dict[int, nn.Parameter] = {}
@@ -272,7 +261,7 @@ class TraceKey:
     """What decides the bytes a forward saves: the model, the dtype parameters have while computing,
     autocast's dtype (None: off), and the tensor split."""
 
-    shape: GPTShape
+    shape: GPTConfig
     param_dtype: torch.dtype
     autocast: torch.dtype | None = None
     tp: int = 1
@@ -298,7 +287,7 @@ def _trace(key: TraceKey, n_layer: int, policy: str, first: bool, last: bool, ba
     counts the operators of the forward."""
     shape = key.shape
     with FakeTensorMode():
-        model = build_model(shape.config(n_layer))
+        model = _gpt(shape, n_layer)
         for param in model.parameters():  # as the strategies do (Module.to cannot swap fake tensors)
             param.data = param.data.to(key.param_dtype)
         if key.tp > 1:
@@ -342,7 +331,7 @@ class ForwardOps:
 
 
 @functools.cache
-def forward_ops(shape: GPTShape) -> ForwardOps:
+def forward_ops(shape: GPTConfig) -> ForwardOps:
     """Traced on fake tensors at one and two blocks; the count depends on neither batch nor width."""
     key = TraceKey(shape, torch.float32)
     one, two = OpCounter(), OpCounter()

@@ -35,10 +35,11 @@ import math
 from dataclasses import asdict, dataclass
 
 from shardwise.config import Config
+from shardwise.models import GPTConfig
 from shardwise.planner.candidates import Candidate
 from shardwise.planner.devices import DeviceProfile
 from shardwise.planner.memory import dtype_bytes, trace_key
-from shardwise.planner.model import GPTShape, forward_ops, model_facts, rank_facts, saved_bytes, stage_bounds
+from shardwise.planner.model import forward_ops, gpt_shape, model_facts, rank_facts, saved_bytes, stage_bounds
 from shardwise.precision import make_precision
 
 OPTIMIZER_ACCESSES = {"adamw": 8, "sgd": 5}
@@ -91,7 +92,7 @@ class _Flops:
     outside: float
 
     @classmethod
-    def of(cls, shape: GPTShape, tp: int = 1) -> _Flops:
+    def of(cls, shape: GPTConfig, tp: int = 1) -> _Flops:
         facts = rank_facts(shape, tp)
         attention = 12 * shape.d_model * shape.seq_len / tp
         return cls(6 * facts.block.numel + attention, 6 * (facts.root.numel - shape.seq_len * shape.d_model))
@@ -101,7 +102,7 @@ def _compute_dtype(precision: str) -> str:
     return {"fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16-true": "bf16"}[precision]
 
 
-def _recomputed(shape: GPTShape, policy: str, start: int, stop: int) -> int:
+def _recomputed(shape: GPTConfig, policy: str, start: int, stop: int) -> int:
     """Blocks in [start, stop) whose forward runs again in backward."""
     if policy in ("none", "selective"):
         return 0
@@ -111,7 +112,7 @@ def _recomputed(shape: GPTShape, policy: str, start: int, stop: int) -> int:
 
 def predict_step_time(c: Candidate, cfg: Config, device: DeviceProfile, world: int) -> StepTime:
     """Seconds one optimizer step of `cfg.train.global_batch` samples takes under `c`."""
-    shape = GPTShape.of(cfg.model)
+    shape = gpt_shape(cfg.model)
     if c.strategy in ("pipeline", "model-parallel"):
         return _pipeline(c, cfg, shape, device)
     if c.strategy == "tensor":
@@ -123,7 +124,7 @@ def _optimizer_s(numel: int, stored: int, cfg: Config, device: DeviceProfile) ->
     return OPTIMIZER_ACCESSES[cfg.train.optimizer] * numel * stored / device.memory_bandwidth
 
 
-def micro_step_s(c: Candidate, shape: GPTShape, device: DeviceProfile, start: int, stop: int, first: bool,
+def micro_step_s(c: Candidate, shape: GPTConfig, device: DeviceProfile, start: int, stop: int, first: bool,
                  last: bool, batch: float) -> float:
     """One forward and backward of `batch` samples through blocks [start, stop) (and the parts
     outside the blocks a first or last stage holds) on one rank of tensor-parallel degree c.tp."""
@@ -140,7 +141,7 @@ def micro_step_s(c: Candidate, shape: GPTShape, device: DeviceProfile, start: in
     return seconds
 
 
-def _data_parallel(c: Candidate, cfg: Config, shape: GPTShape, device: DeviceProfile, world: int) -> StepTime:
+def _data_parallel(c: Candidate, cfg: Config, shape: GPTConfig, device: DeviceProfile, world: int) -> StepTime:
     facts = model_facts(shape)
     precision = make_precision(c.precision, cfg.parallel.reduce_dtype)
     micro_steps = cfg.train.global_batch // (c.dp * c.micro_batch)
@@ -188,7 +189,7 @@ def _mesh_dp_all_reduce(c: Candidate, numel: int, device: DeviceProfile) -> floa
     return all_reduce_s(numel * 4, c.dp, bandwidth, device.latency_s)
 
 
-def _tensor(c: Candidate, cfg: Config, shape: GPTShape, device: DeviceProfile) -> StepTime:
+def _tensor(c: Candidate, cfg: Config, shape: GPTConfig, device: DeviceProfile) -> StepTime:
     facts = rank_facts(shape, c.tp)
     micro_steps = cfg.train.global_batch // (c.dp * c.micro_batch)
     tokens = c.micro_batch * shape.seq_len
@@ -201,7 +202,7 @@ def _tensor(c: Candidate, cfg: Config, shape: GPTShape, device: DeviceProfile) -
     return StepTime(compute, tp_comm + dp_comm, tp_comm + dp_comm, 0.0, _optimizer_s(numel, 4, cfg, device))
 
 
-def _pipeline(c: Candidate, cfg: Config, shape: GPTShape, device: DeviceProfile) -> StepTime:
+def _pipeline(c: Candidate, cfg: Config, shape: GPTConfig, device: DeviceProfile) -> StepTime:
     facts = rank_facts(shape, c.tp)
     runs = 1 if c.strategy == "model-parallel" else c.micro_batches
     per_run = c.micro_batch / runs
