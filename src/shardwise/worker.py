@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from shardwise.config import load_config, validate
-from shardwise.dist import init_distributed, shutdown_distributed
+from shardwise.dist import init_distributed, leave_process, shutdown_distributed
 from shardwise.metrics import format_summary
 from shardwise.stalls import explain, is_collective_failure
 from shardwise.trainer import Trainer
@@ -54,9 +53,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
-    # Everything is written and the group destroyed. torch 2.13 on Gloo sometimes aborts ("terminate
-    # called without an active exception") as the interpreter frees its threads at exit, which
-    # makes a finished run look failed: leave without that teardown.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_process()

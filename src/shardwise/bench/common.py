@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.config import Config, load_config
-from shardwise.dist import DistContext, init_distributed, shutdown_distributed
+from shardwise.dist import DistContext, init_distributed, leave_process, shutdown_distributed
 from shardwise.trainer import Trainer
 
 
@@ -70,7 +70,8 @@ def write_json(result: dict[str, Any], paths: list[str]) -> None:
 
 def bench_main(name: str, run: Callable[..., dict[str, Any] | None], format_result: Callable[[dict], str],
                ranks: int = 2) -> None:
-    """A bench's entry point on every rank: parse, join the world of `ranks`, run, report on rank 0."""
+    """A bench's entry point on every rank: parse, join the world of `ranks`, run, report on rank 0,
+    leave the process."""
     parser = argparse.ArgumentParser(prog=f"python -m shardwise.bench.{name}")
     parser.add_argument("--steps", type=int, default=12, help="measured steps per strategy")
     parser.add_argument("--rounds", type=int, default=3, help="blocks the steps are split into")
@@ -85,3 +86,4 @@ def bench_main(name: str, run: Callable[..., dict[str, Any] | None], format_resu
         write_json(result, args.json)
         print(format_result(result), flush=True)
     shutdown_distributed()
+    leave_process()

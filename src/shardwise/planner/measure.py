@@ -24,7 +24,7 @@ from typing import Any
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from shardwise.config import Config, load_config
-from shardwise.dist import DistContext, init_distributed, shutdown_distributed
+from shardwise.dist import DistContext, init_distributed, leave_process, shutdown_distributed
 from shardwise.planner.candidates import Candidate
 from shardwise.planner.model import PlanError
 from shardwise.planner.search import Plan
@@ -103,3 +103,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    leave_process()
