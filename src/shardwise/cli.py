@@ -72,13 +72,22 @@ def _train_config(args: argparse.Namespace) -> Config:
 
 
 def train(args: argparse.Namespace) -> int:
-    from shardwise.launch import Stopped, WorkerFailed, launch_workers
+    from shardwise.launch import Stopped, WorkerFailed, launch_local, launch_workers
 
     cfg = _train_config(args)
     config_path = Path(cfg.run.out) / "config.toml"
     cfg.save(config_path)
+    entry = ["shardwise.worker", str(config_path)]
     try:
-        launch_workers(cfg.launch, ["shardwise.worker", str(config_path)])
+        if cfg.parallel.strategy == "param-server":
+            # An asynchronous job goes on without a lost worker, except rank 0, which writes the run.
+            workers = cfg.launch.nproc - cfg.parallel.ps_servers
+            expendable = frozenset(range(1, workers)) if cfg.parallel.ps_mode == "async" else frozenset()
+            lost = launch_local(cfg.launch, entry, expendable)
+            if lost:
+                print(f"shardwise train: finished without worker rank(s) {', '.join(map(str, lost))}", file=sys.stderr)
+        else:
+            launch_workers(cfg.launch, entry)
     except WorkerFailed as failure:
         print(f"shardwise train: {failure}", file=sys.stderr)
         return 1

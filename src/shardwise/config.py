@@ -20,12 +20,13 @@ import torch
 
 from shardwise.recompute import parse_policy
 
-STRATEGIES = ("single", "ddp", "ddp-native", "zero1", "zero2", "fsdp", "fsdp-native", "pipeline", "model-parallel",
-              "tensor")
+STRATEGIES = ("single", "dp", "ddp", "ddp-native", "zero1", "zero2", "fsdp", "fsdp-native", "pipeline",
+              "model-parallel", "tensor", "param-server")
 PIPELINES = ("pipeline", "model-parallel")
 # Strategies that split the model over a dp x pp x tp device mesh; the rest are data parallel over the world.
 MESH_STRATEGIES = (*PIPELINES, "tensor")
 SCHEDULES = ("gpipe", "1f1b")
+PS_MODES = ("sync", "async")
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
 REDUCE_DTYPES = ("fp32", "bf16")
 ALL_REDUCES = ("backend", "ring")
@@ -122,9 +123,20 @@ class ParallelConfig:
     schedule: str = "1f1b"
     # pipeline: the first block of stages 2..P; unset, stages are balanced by parameter count
     split_points: list[int] | None = None
+    # dp: how many replicas the one process runs, each on its own device (all on the CPU without GPUs)
+    replicas: int = 2
+    # param-server: the last `ps_servers` ranks hold the parameters and their optimizer, the others are
+    # workers; "sync" averages every worker's gradients each step, "async" applies each push on arrival
+    # unless it was computed on parameters more than `ps_max_staleness` updates old
+    ps_servers: int = 1
+    ps_mode: str = "sync"
+    ps_max_staleness: int = 4
 
     def mesh_shape(self, world_size: int) -> tuple[int, int, int]:
-        """(dp, pp, tp): the device mesh's sizes, unset ones filled in as described above."""
+        """(dp, pp, tp): the device mesh's sizes, unset ones filled in as described above. A
+        parameter-server job's replicas are its workers."""
+        if self.strategy == "param-server":
+            return world_size - self.ps_servers, 1, 1
         own = {"pipeline": "pp", "model-parallel": "pp", "tensor": "tp"}.get(self.strategy, "dp")
         sizes = {"dp": self.dp, "pp": self.pp, "tp": self.tp}
         others = math.prod(size for dim, size in sizes.items() if dim != own and size is not None)
@@ -379,11 +391,16 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             "launch.debug_collectives = true: torch 2.13's DistributedDataParallel crashes (SIGSEGV) in its "
             "constructor under TORCH_DISTRIBUTED_DEBUG=DETAIL; debug with --strategy ddp, the same algorithm"
         )
+    _validate_dp(cfg, world)
+    _validate_param_server(cfg, world)
     _validate_mesh(cfg, world)
     dp = p.mesh_shape(world)[0]
     per_step = dp * t.micro_batch
     if t.global_batch % per_step:
-        replicas = f"world size {world}" if dp == world else f"parallel.dp {dp}"
+        if dp == world:
+            replicas = f"world size {world}"
+        else:
+            replicas = f"the {dp} workers" if p.strategy == "param-server" else f"parallel.dp {dp}"
         raise ConfigError(
             f"train.global_batch = {t.global_batch}: must be divisible by {replicas} x "
             f"train.micro_batch {t.micro_batch} = {per_step} (the rest is gradient accumulation)"
@@ -408,6 +425,46 @@ def _validate_gradient_reduction(p: ParallelConfig) -> None:
         )
 
 
+def _validate_dp(cfg: Config, world: int) -> None:
+    """`dp` is one process running parallel.replicas replicas, one per device (or all on the CPU)."""
+    p = cfg.parallel
+    _positive("parallel.replicas", p.replicas)
+    if p.strategy != "dp":
+        return
+    if world != 1:
+        raise ConfigError(f"parallel.strategy = 'dp': one process drives parallel.replicas = {p.replicas} devices, "
+                          f"but the world size is {world}; use --nproc 1, or ddp for one process per device")
+    gpus = torch.cuda.device_count()
+    if gpus and p.replicas > gpus:
+        raise ConfigError(f"parallel.replicas = {p.replicas}: dp puts each replica on its own GPU, and only "
+                          f"{gpus} are visible")
+    if p.replicas > cfg.train.micro_batch:
+        raise ConfigError(f"parallel.replicas = {p.replicas}: more replicas than the train.micro_batch = "
+                          f"{cfg.train.micro_batch} samples dp scatters among them")
+    if p.sync_batchnorm:
+        raise ConfigError("parallel.sync_batchnorm = true: dp keeps replica 0's batch statistics, as "
+                          "torch.nn.DataParallel does; batch statistics over all replicas are ddp's")
+
+
+def _validate_param_server(cfg: Config, world: int) -> None:
+    """A parameter-server job: servers plus workers on one machine, under our own launcher."""
+    p, t, launch = cfg.parallel, cfg.train, cfg.launch
+    _choice("parallel.ps_mode", p.ps_mode, PS_MODES)
+    _positive("parallel.ps_servers", p.ps_servers)
+    _positive("parallel.ps_max_staleness", p.ps_max_staleness, zero_ok=True)
+    if p.strategy != "param-server":
+        return
+    if world <= p.ps_servers:
+        raise ConfigError(f"world size {world}: param-server needs parallel.ps_servers = {p.ps_servers} server "
+                          f"rank(s) plus at least one worker; e.g. --nproc {p.ps_servers + 2}")
+    if launch.nnodes != 1:
+        raise ConfigError(f"launch.nnodes = {launch.nnodes}: param-server runs on one machine (its launcher "
+                          "hosts the store and watches every rank)")
+    if launch.max_restarts or t.checkpoint_every or cfg.run.resume:
+        raise ConfigError("param-server keeps no checkpoints (its optimizer state lives on the servers): "
+                          "set launch.max_restarts = 0, train.checkpoint_every = 0 and run.resume = false")
+
+
 def _validate_mesh(cfg: Config, world: int) -> None:
     """The dp x pp x tp mesh fits the world, and the model and batch split the way it asks."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
@@ -416,6 +473,11 @@ def _validate_mesh(cfg: Config, world: int) -> None:
     for dim in ("dp", "pp", "tp"):
         if getattr(p, dim) is not None:
             _positive(f"parallel.{dim}", getattr(p, dim))
+    if p.strategy == "param-server":
+        if (p.dp, p.pp, p.tp) != (None, None, None):
+            raise ConfigError("parallel.dp / pp / tp: param-server's replicas are its workers, "
+                              "launch.nproc - parallel.ps_servers; leave them unset")
+        return
     dp, pp, tp = p.mesh_shape(world)
     if p.strategy not in MESH_STRATEGIES:
         if (dp, pp, tp) != (world, 1, 1):

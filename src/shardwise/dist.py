@@ -67,25 +67,12 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300.0, threads_pe
     Every group records its collectives (stalls.py names the one a timeout happened in); with
     `debug_collectives` every collective is first checked to be the same call on every rank.
     """
-    from shardwise.stalls import enable_flight_recorder
-
-    enable_flight_recorder()
-    if debug_collectives:
-        os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
-        dist.set_debug_level_from_env()
-    # Ranks sharing a CPU must not each start one thread per core, or they fight for cores.
-    torch.set_num_threads(threads_per_rank)
+    configure_process(threads_per_rank, debug_collectives)
     backend = choose_backend(backend)
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if backend == "nccl":
-        if not torch.cuda.is_available():
-            raise RuntimeError("launch.backend = 'nccl' needs CUDA, and none is available; use 'gloo' or 'auto'")
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
+    device = rank_device(backend, local_rank)
     if "MASTER_ADDR" in os.environ and not dist.is_initialized():
         dist.init_process_group(
             backend=backend,
@@ -95,6 +82,28 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300.0, threads_pe
             device_id=device if backend == "nccl" else None,
         )
     return DistContext(rank, world_size, local_rank, device, backend)
+
+
+def configure_process(threads_per_rank: int, debug_collectives: bool) -> None:
+    """What every rank sets before it makes a process group (see init_distributed)."""
+    from shardwise.stalls import enable_flight_recorder
+
+    enable_flight_recorder()
+    if debug_collectives:
+        os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+        dist.set_debug_level_from_env()
+    # Ranks sharing a CPU must not each start one thread per core, or they fight for cores.
+    torch.set_num_threads(threads_per_rank)
+
+
+def rank_device(backend: str, local_rank: int) -> torch.device:
+    """The device a rank computes on: its own GPU under NCCL, else the CPU."""
+    if backend != "nccl":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RuntimeError("launch.backend = 'nccl' needs CUDA, and none is available; use 'gloo' or 'auto'")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
 
 
 def shutdown_distributed() -> None:

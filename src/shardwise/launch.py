@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
+import time
 import uuid
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -87,3 +89,69 @@ def launch_workers(launch: LaunchConfig, entry: list[str]) -> None:
         raise Stopped(f"stopped by signal {signal.sigval.name}; workers were sent it too") from None
     finally:
         sys.stdout.flush()
+
+
+def launch_local(launch: LaunchConfig, entry: list[str], expendable: frozenset[int] = frozenset()) -> list[int]:
+    """Run `python -m <entry...>` on launch.nproc ranks of this machine, without torchrun, and
+    return the ranks lost on the way: a job that outlives some of its ranks (an asynchronous
+    parameter server loses a worker and goes on) cannot run under torchrun, whose agent stops the
+    whole group at the first failure.
+
+    The launcher hosts the rendezvous store, so the store outlives every rank, and it writes
+    `exited/RANK` there when a rank ends, which is how the ranks left learn that one is gone. A
+    failing rank not in `expendable` stops the others (SIGTERM, then SIGKILL after
+    launch.shutdown_timeout_s) and raises WorkerFailed; SIGTERM or SIGINT to the launcher is
+    passed on the same way and raises Stopped. A rank's own error goes to stderr as it happens."""
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), WORLD_SIZE=str(launch.nproc),
+               LOCAL_WORLD_SIZE=str(launch.nproc), OMP_NUM_THREADS=str(launch.threads_per_rank),
+               TORCHELASTIC_USE_AGENT_STORE="True")  # every rank is a client of the store above
+    ranks = {rank: subprocess.Popen([sys.executable, "-m", *entry],
+                                    env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)))
+             for rank in range(launch.nproc)}
+    signalled: list[signal.Signals] = []
+
+    def note(signum: int, frame: object) -> None:
+        signalled.append(signal.Signals(signum))
+
+    previous = {sig: signal.signal(sig, note) for sig in (signal.SIGTERM, signal.SIGINT)}
+    lost: list[int] = []
+    try:
+        while ranks and not signalled:
+            for rank, process in list(ranks.items()):
+                code = process.poll()
+                if code is None:
+                    continue
+                del ranks[rank]
+                store.set(f"exited/{rank}", str(code))
+                if code == 0:
+                    continue
+                if rank not in expendable:
+                    raise WorkerFailed(f"worker rank {rank} failed (exit code {code}); its error is above")
+                print(f"rank {rank} exited with code {code}; the job goes on without it", file=sys.stderr, flush=True)
+                lost.append(rank)
+            time.sleep(0.1)
+        if signalled:
+            raise Stopped(f"stopped by signal {signalled[0].name}; workers were sent SIGTERM")
+    finally:
+        _stop(list(ranks.values()), launch.shutdown_timeout_s)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        sys.stdout.flush()
+    return lost
+
+
+def _stop(processes: list[subprocess.Popen], grace_s: float) -> None:
+    """SIGTERM every process still running; SIGKILL those still there after `grace_s`."""
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+    deadline = time.monotonic() + grace_s
+    for process in processes:
+        try:
+            process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:  # deaf to SIGTERM (stopped, or stuck in a collective)
+            process.kill()
+            process.wait()

@@ -74,7 +74,7 @@ class Trainer:
         self.skipped_steps = 0
         self.step = 0  # the step under way (0-based), for errors that happen inside it
         self.sampler = GlobalBatchSampler(len(self.train_set), cfg.train.global_batch, cfg.train.seed)
-        self.accum = cfg.grad_accum(ctx.world_size)
+        self.accum = cfg.train.global_batch // (self.strategy.data_size * cfg.train.micro_batch)
         self.activation_bytes = 0
         self.peak_flops = device_peak_flops(ctx.device)
 
@@ -127,11 +127,13 @@ class Trainer:
         """Mean loss over the same fixed validation batches every time, whatever the world size."""
         self.model.eval()
         sampler = GlobalBatchSampler(len(self.val_set), self.cfg.train.global_batch, seed=0)
+        # Without a group to average over (an asynchronous parameter-server worker), a rank
+        # evaluates every batch itself.
+        share = (self.strategy.data_rank, self.strategy.data_size) if self.ctx.distributed else (0, 1)
         loss_sum = torch.zeros((), device=self.ctx.device)
         count = 0
         for batch in range(self.cfg.train.eval_batches):
-            indices = sampler.micro_batches(batch, self.strategy.data_rank, self.strategy.data_size,
-                                            self.cfg.train.micro_batch)
+            indices = sampler.micro_batches(batch, *share, self.cfg.train.micro_batch)
             for inputs, targets in self.micro_batches(self.val_set, indices):
                 with self.strategy.precision.autocast(self.ctx.device):
                     loss_sum += loss_fn(self.model(inputs), targets)
@@ -247,7 +249,7 @@ class TerminationFlag:
     def agreed(self, ctx: DistContext) -> bool:
         """Whether any rank got SIGTERM: all ranks must stop at the same step to save together."""
         flag = torch.tensor(float(self.raised), device=ctx.device)
-        if ctx.world_size > 1:
+        if ctx.distributed and ctx.world_size > 1:
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         return bool(flag.item())
 

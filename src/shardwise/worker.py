@@ -17,7 +17,8 @@ from shardwise.config import load_config, validate
 from shardwise.dist import init_distributed, leave_process, shutdown_distributed
 from shardwise.metrics import format_summary
 from shardwise.stalls import explain, is_collective_failure
-from shardwise.trainer import Trainer
+from shardwise.strategies import param_server
+from shardwise.trainer import Trainer, optimizer_factory
 
 
 @record
@@ -28,10 +29,15 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     cfg = load_config(args.config, args.set)
     launch = cfg.launch
-    ctx = init_distributed(launch.backend, launch.timeout_s, launch.threads_per_rank, launch.debug_collectives)
-    # The world torchrun actually made is what counts, whatever the file's launch.nproc says.
+    # The world the launcher actually made is what counts, whatever the file's launch.nproc says.
     cfg.launch.nproc = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.launch.nproc))
-    validate(cfg, world_size=ctx.world_size)
+    validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", 1)))
+    if cfg.parallel.strategy == "param-server":
+        ctx = param_server.join(cfg, optimizer_factory(cfg.train))
+        if ctx is None:  # a server, done serving
+            return
+    else:
+        ctx = init_distributed(launch.backend, launch.timeout_s, launch.threads_per_rank, launch.debug_collectives)
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
         cfg.run.resume = True  # the group was restarted after a failure: go on from the last checkpoint
     if ctx.is_main:
@@ -47,6 +53,8 @@ def main(argv: list[str] | None = None) -> None:
         raise explain(error, ctx, launch.timeout_s, where) from error
     if ctx.is_main:
         print(format_summary(summary), flush=True)
+    if cfg.parallel.strategy == "param-server":
+        param_server.leave(ctx, cfg)
     # Reached only on success: after a failure another rank may be gone, and a barrier would hang.
     shutdown_distributed()
 

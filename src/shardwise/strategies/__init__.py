@@ -8,6 +8,7 @@ from shardwise.strategies.base import OptimizerFactory, Strategy
 from shardwise.strategies.ddp import DDP
 from shardwise.strategies.fsdp import FSDP, Zero1, Zero2
 from shardwise.strategies.native import NativeDDP, NativeFSDP
+from shardwise.strategies.param_server import ParamServer
 from shardwise.strategies.pipeline import ModelParallel, Pipeline
 from shardwise.strategies.single import Single
 from shardwise.strategies.tensor import TensorParallel
@@ -20,5 +21,6 @@ def make_strategy(cfg: ParallelConfig, ctx: DistContext) -> Strategy:
         "single": Single, "ddp": DDP, "ddp-native": NativeDDP,
         "zero1": Zero1, "zero2": Zero2, "fsdp": FSDP, "fsdp-native": NativeFSDP,
         "pipeline": Pipeline, "model-parallel": ModelParallel, "tensor": TensorParallel,
+        "param-server": ParamServer,
     }
     return strategies[cfg.strategy](ctx, cfg)

@@ -1,0 +1,135 @@
+"""`param-server`: servers holding the parameters and the optimizer, workers pushing gradients over
+RPC, launched by our own launcher (real processes, TensorPipe)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import CONFIGS, REPO, assert_same_training, losses, train_in_process
+from faults.jobs import wait_for_step, worker_pids
+
+from shardwise.config import ConfigError, load_config, validate
+from shardwise.strategies.param_server import assign_servers
+
+FLAGS = ["--set", "train.eval_every=0", "--set", "train.eval_batches=1"]
+
+
+def train(out: Path, nproc: int, *flags: str, steps: int = 12) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "shardwise.cli", "train", str(CONFIGS / "gpt-tiny.toml"), "--strategy", "param-server",
+         "--nproc", str(nproc), "--steps", str(steps), "--out", str(out), *FLAGS, *flags],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def finish(process: subprocess.Popen, timeout: float = 240) -> tuple[int, str]:
+    _, stderr = process.communicate(timeout=timeout)
+    return process.returncode, stderr
+
+
+def server_stats(out: Path, index: int = 0) -> dict:
+    return json.loads((out / f"param-server-{index}.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def single_12(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ps") / "single"
+    overrides = [f"run.out={out}", "train.steps=12", "train.eval_every=0", "train.eval_batches=1"]
+    train_in_process(load_config(CONFIGS / "gpt-tiny.toml", overrides))
+    return out
+
+
+@pytest.mark.parametrize("servers", [1, 2])
+def test_sync_param_server_matches_single_over_12_steps(tmp_path, single_12, servers):
+    """2 workers on half the global batch each; with 2 servers each holds part of the parameters."""
+    out = tmp_path / f"ps{servers}"
+    code, stderr = finish(train(out, 2 + servers, "--set", f"parallel.ps_servers={servers}"))
+    assert code == 0, stderr
+    assert_same_training(out, single_12, steps=12)
+    stats = [server_stats(out, index) for index in range(servers)]
+    assert [s["updates"] for s in stats] == [12] * servers
+    assert sum(s["parameters"] for s in stats) == 119424  # every parameter on exactly one server
+    if servers == 2:
+        assert min(s["parameters"] for s in stats) > 0
+
+
+def test_async_param_server_trains_within_its_staleness_bound(tmp_path):
+    out = tmp_path / "async"
+    steps = 30
+    code, stderr = finish(train(out, 3, "--set", "parallel.ps_mode=async", "--set", "parallel.ps_max_staleness=1",
+                                steps=steps))
+    assert code == 0, stderr
+    run = losses(out)
+    assert len(run) == steps and sum(run[-5:]) / 5 < sum(run[:5]) / 5 - 1.0
+    stats = server_stats(out)
+    applied = {int(k): n for k, n in stats["staleness"].items()}
+    assert applied and max(applied) <= 1
+    # Every push of both workers was either applied (at some staleness) or dropped as too stale.
+    assert sum(applied.values()) == stats["updates"] and stats["updates"] + stats["dropped"] == 2 * steps
+
+
+def test_killing_an_async_worker_leaves_the_server_and_the_other_worker_training(tmp_path):
+    out = tmp_path / "async-kill"
+    steps = 60
+    job = train(out, 3, "--set", "parallel.ps_mode=async", "--set", "train.global_batch=8",
+                "--set", "train.micro_batch=4", steps=steps)
+    wait_for_step(job, out, 5)
+    rank1 = next(pid for pid in worker_pids(out) if _rank(pid) == 1)
+    os.kill(rank1, signal.SIGKILL)
+    code, stderr = finish(job)
+    assert code == 0, stderr
+    assert "rank 1 exited with code -9; the job goes on without it" in stderr
+    assert "finished without worker rank(s) 1" in stderr
+    assert len(losses(out)) == steps and (out / "model.safetensors").is_file()
+    stats = server_stats(out)
+    # Worker 0 pushed all its steps; worker 1 only those before it was killed.
+    assert steps <= stats["updates"] + stats["dropped"] < 2 * steps
+
+
+def test_a_stalled_sync_worker_fails_the_step_naming_it(tmp_path):
+    out = tmp_path / "stall"
+    timeout = 5
+    job = train(out, 3, "--set", f"launch.timeout_s={timeout}", "--set", "launch.shutdown_timeout_s=2",
+                "--set", "train.global_batch=8", "--set", "train.micro_batch=4", steps=60)
+    wait_for_step(job, out, 3)
+    rank1 = next(pid for pid in worker_pids(out) if _rank(pid) == 1)
+    os.kill(rank1, signal.SIGSTOP)
+    stopped = time.monotonic()
+    code, stderr = finish(job, timeout=timeout + 60)
+    assert code == 1
+    assert time.monotonic() - stopped < timeout + 30
+    assert "no gradients from worker 1 within 5 s" in stderr
+    assert "worker rank 0 failed" in stderr
+    assert not [pid for pid in worker_pids(out) if Path(f"/proc/{pid}").exists()]
+
+
+def _rank(pid: int) -> int:
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return int(next(v for v in environ if v.startswith(b"RANK=")).split(b"=")[1])
+
+
+def test_parameters_are_dealt_largest_first_to_the_least_loaded_server():
+    assert assign_servers([10, 1, 7, 3, 5], 2) == [0, 1, 1, 1, 0]  # loads 15 and 11
+    assert assign_servers([4, 4], 3) == [0, 1]
+    assert assign_servers([5], 1) == [0]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["launch.nproc=1"], "needs parallel.ps_servers = 1 server rank(s) plus at least one worker"),
+    (["launch.nproc=3", "parallel.ps_mode=sometimes"], "parallel.ps_mode = 'sometimes'"),
+    (["launch.nproc=3", "train.checkpoint_every=5"], "param-server keeps no checkpoints"),
+    (["launch.nproc=3", "launch.nnodes=2"], "param-server runs on one machine"),
+    (["launch.nproc=3", "parallel.dp=2"], "param-server's replicas are its workers"),
+    (["launch.nproc=4"], "must be divisible by the 3 workers x train.micro_batch 8"),  # they do not split a batch of 16
+])
+def test_bad_param_server_configs_are_refused(overrides, message):
+    cfg = load_config(CONFIGS / "gpt-tiny.toml", ["parallel.strategy=param-server", *overrides])
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        validate(cfg)
