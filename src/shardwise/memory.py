@@ -9,7 +9,9 @@ known by its identity, not its address, so the same counting works on meta and f
 from __future__ import annotations
 
 import resource
+import threading
 from collections.abc import Iterable
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass
 
 import torch
@@ -66,6 +68,11 @@ def peak_bytes(device: torch.device) -> int:
 _active_counters: list[ActivationCounter] = []
 
 
+def active_counters() -> list[ActivationCounter]:
+    """The counters open now (in any thread)."""
+    return list(_active_counters)
+
+
 def record_saved(tensor: torch.Tensor) -> None:
     """Count `tensor` as saved for backward, for code that keeps tensors for backward without
     autograd's saved-tensor hooks seeing them (selective checkpointing). Such a tensor counts as
@@ -103,6 +110,7 @@ class ActivationCounter:
         self.live_bytes = 0
         self.bytes = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._lock = threading.Lock()  # dp's replica threads save tensors concurrently
 
     def _is_parameter(self, key: int) -> bool:
         if key not in self._param_storages:
@@ -114,13 +122,14 @@ class ActivationCounter:
         """Count `tensor`'s storage as held; return its key for `_release`, or None for a parameter."""
         storage = tensor.untyped_storage()
         key = storage_key(storage)
-        if self._is_parameter(key):
-            return None
-        count, nbytes = self._live.get(key, (0, storage.nbytes()))
-        if count == 0:
-            self.live_bytes += nbytes
-            self.bytes = max(self.bytes, self.live_bytes)
-        self._live[key] = (count + 1, nbytes)
+        with self._lock:
+            if self._is_parameter(key):
+                return None
+            count, nbytes = self._live.get(key, (0, storage.nbytes()))
+            if count == 0:
+                self.live_bytes += nbytes
+                self.bytes = max(self.bytes, self.live_bytes)
+            self._live[key] = (count + 1, nbytes)
         return key
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor | _Saved:
@@ -132,12 +141,18 @@ class ActivationCounter:
         return saved.tensor if isinstance(saved, _Saved) else saved
 
     def _release(self, key: int) -> None:
-        count, nbytes = self._live[key]
-        if count == 1:
-            del self._live[key]
-            self.live_bytes -= nbytes
-        else:
-            self._live[key] = (count - 1, nbytes)
+        with self._lock:
+            count, nbytes = self._live[key]
+            if count == 1:
+                del self._live[key]
+                self.live_bytes -= nbytes
+            else:
+                self._live[key] = (count - 1, nbytes)
+
+    def listening(self) -> AbstractContextManager:
+        """The counter's saved-tensor hooks, to open in another thread (dp's replicas): autograd's
+        hooks belong to the thread that opens them."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def __enter__(self) -> ActivationCounter:
         self._hooks.__enter__()
