@@ -38,6 +38,7 @@ bench: setup
 	$(BIN)/shardwise bench tensor
 	$(BIN)/shardwise bench collectives
 	$(BIN)/shardwise bench checkpoint
+	$(BIN)/shardwise bench ps
 	$(BIN)/shardwise bench hardware
 	$(BIN)/shardwise bench planner
 

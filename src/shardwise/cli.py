@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 from pathlib import Path
 
@@ -129,6 +130,8 @@ def bench(args: argparse.Namespace) -> int:
     entry = [module, "--steps", str(args.steps), "--json", f"bench/results/{args.name}.json"]
     if args.json:
         entry += ["--json", args.json]
+    if ranks == 0:  # a driver that launches its own jobs
+        return subprocess.run([sys.executable, "-m", *entry]).returncode
     try:
         launch_workers(LaunchConfig(nproc=args.nproc or ranks), entry)
     except WorkerFailed as failure:
@@ -266,7 +269,9 @@ def main(argv: list[str] | None = None) -> int:
                             "ddp; recompute, precision: each policy or precision against the plain one; checkpoint: "
                             "save and load against a plain write of the same bytes, and async save; hardware: this "
                             "machine's matmul throughput per dtype and collective bandwidths, as a device profile "
-                            "for `shardwise plan`; planner: the planner's predictions against real runs. Writes "
+                            "for `shardwise plan`; planner: the planner's predictions against real runs; ps: the "
+                            "parameter server (sync, async), dp and ddp, whole jobs on the same model and workers. "
+                            "Writes "
                             "bench/results/NAME.json (and --json FILE).")
     p.add_argument("name", choices=list(BENCHES), help="which benchmark")
     p.add_argument("--steps", type=int, default=12, help="measured steps per variant (checkpoint: rounds)")

@@ -1,7 +1,8 @@
 """Benchmarks of ours against PyTorch's native counterpart, measured in one run (A B A B).
 
-Each is a module run on every rank under torchrun; `shardwise bench NAME` starts it and writes
-its JSON to bench/results/NAME.json.
+Each is a module run on every rank under torchrun (or, with 0 ranks, a driver run as one plain
+process that starts whole `shardwise train` jobs itself); `shardwise bench NAME` starts it and
+writes its JSON to bench/results/NAME.json.
 """
 
 BENCHES = {  # name -> (module, ranks)
@@ -15,4 +16,5 @@ BENCHES = {  # name -> (module, ranks)
     "checkpoint": ("shardwise.bench.checkpoint", 2),
     "hardware": ("shardwise.bench.hardware", 2),  # a device profile for `shardwise plan --device FILE`
     "planner": ("shardwise.bench.planner", 2),  # the planner's predictions against real runs
+    "ps": ("shardwise.bench.ps", 0),  # parameter server (sync, async), dp and ddp as whole jobs
 }
