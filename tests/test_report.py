@@ -193,7 +193,7 @@ def test_an_unfinished_run_with_mfu_is_reported_beside_itself_by_default(runs, t
     assert row["run"] == "cut (single on 1 rank)"  # from config.toml
     assert row["steps"] == f"{STEPS} (unfinished: no summary)"
     (midway,) = [r for r in kept if r["event"] == "eval"]
-    assert row["val_loss"] == f"{midway['val_loss']:.4f}"
+    assert row["val_loss"] == f"{midway['val_loss']:.4f} (step {EVAL_EVERY})"
     assert row["median_step_time_ms"] == f"{middle['step_time_s'] * 1000:,.1f}"
     assert row["mfu"] == f"{middle['mfu']:.1%}"
 

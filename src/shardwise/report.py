@@ -115,18 +115,20 @@ def summary_row(run: Run) -> dict[str, Any]:
     same quantities from its step records (median over steps after the first, as the trainer)."""
     if run.summary is not None:
         s = run.summary
-        final_loss, val_loss, median = s["final_loss"], s["val_loss"], s["median_step_time_s"]
+        final_loss, median = s["final_loss"], s["median_step_time_s"]
+        val_step, val_loss = s["steps"], s["val_loss"]
         tokens, samples, mfu = s["tokens_per_s"], s["samples_per_s"], s["mfu"]
     else:
         timed = sorted(run.steps[1:] or run.steps, key=lambda r: r["step_time_s"])
         middle = timed[len(timed) // 2]
         final_loss, median = run.steps[-1]["loss"], middle["step_time_s"]
-        val_loss = run.evals[-1][1] if run.evals else None
+        val_step, val_loss = run.evals[-1] if run.evals else (None, None)
         tokens, samples, mfu = middle["tokens_per_s"], middle["samples_per_s"], middle["mfu"]
     peaks = [memory["peak"] for memory in run.steps[-1]["memory_by_rank"]]
     return {"run": run.label, "steps": run.steps[-1]["step"], "final_loss": final_loss, "val_loss": val_loss,
-            "median_step_time_ms": median * 1000, "tokens_per_s": tokens, "samples_per_s": samples, "mfu": mfu,
-            "peak_mib_by_rank": [peak / 2**20 for peak in peaks], "finished": run.summary is not None}
+            "val_step": val_step, "median_step_time_ms": median * 1000, "tokens_per_s": tokens,
+            "samples_per_s": samples, "mfu": mfu, "peak_mib_by_rank": [peak / 2**20 for peak in peaks],
+            "finished": run.summary is not None}
 
 
 def _number(value: float | None, digits: int) -> str:
@@ -144,8 +146,11 @@ def summary_table(runs: list[Run]) -> str:
         mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "not known"
         peaks = ", ".join(f"r{rank}: {_number(peak, 1)}" for rank, peak in enumerate(row["peak_mib_by_rank"]))
         steps = f"{row['steps']}" + ("" if row["finished"] else " (unfinished: no summary)")
+        val_loss = _number(row["val_loss"], 4)
+        if row["val_step"] is not None and row["val_step"] != row["steps"]:  # an unfinished run's last evaluation
+            val_loss += f" (step {row['val_step']})"
         cells = [("run", row["run"]), ("steps", steps), ("final_loss", _number(row["final_loss"], 4)),
-                 ("val_loss", _number(row["val_loss"], 4)),
+                 ("val_loss", val_loss),
                  ("median_step_time_ms", _number(row["median_step_time_ms"], 1)), ("throughput", throughput),
                  ("mfu", mfu), ("peak_memory", peaks)]
         rows.append("<tr>" + "".join(f'<td class="{name}">{html.escape(text)}</td>' for name, text in cells) + "</tr>")
@@ -196,7 +201,7 @@ def _loss_plot(runs: list[Run], x_of: Callable[[Run, int], float], xlabel: str, 
     return figure
 
 
-def _per_step_plot(runs: list[Run], key: str, scale: float, ylabel: str, title: str) -> Any:
+def _per_step_plot(runs: list[Run], key: str, scale: float, ylabel: str, title: str, ticks: str | None = None) -> Any:
     figure, axes = _pyplot().subplots(figsize=(8, 4.5))
     for run in runs:
         points = [(r["step"], r[key] * scale) for r in run.steps if r.get(key) is not None]
@@ -204,7 +209,8 @@ def _per_step_plot(runs: list[Run], key: str, scale: float, ylabel: str, title: 
     axes.set_xlabel("step")
     axes.set_ylabel(ylabel)
     axes.set_ylim(bottom=0)
-    axes.yaxis.set_major_formatter("{x:,.0f}")
+    if ticks:
+        axes.yaxis.set_major_formatter(ticks)
     axes.set_title(title)
     axes.grid(alpha=0.3)
     axes.legend(fontsize=8)
@@ -309,7 +315,7 @@ def _sections(runs: list[Run]) -> list[str]:
     tokens = all(r.get("tokens_per_s") is not None for run in runs for r in run.steps)
     key, unit = ("tokens_per_s", "tokens") if tokens else ("samples_per_s", "samples")
     sections.append(("Throughput", _figure("throughput", _per_step_plot(
-        runs, key, 1.0, f"{unit}/s (global batch / step time)", "Throughput per step"),
+        runs, key, 1.0, f"{unit}/s (global batch / step time)", "Throughput per step", ticks="{x:,.0f}"),
         f"{unit.capitalize()} per second of each step, over all ranks. The first step includes warm-up "
         "(allocation, thread pools); the table's throughput is the median over the steps after it.")))
     known = [run for run in runs if any(r.get("mfu") is not None for r in run.steps)]
@@ -342,7 +348,8 @@ body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 1100px; 
 table { border-collapse: collapse; font-size: 0.9em; }
 th, td { border: 1px solid #ccc; padding: 0.3em 0.6em; text-align: right; }
 th { background: #f3f3f3; }
-td.run { text-align: left; font-weight: 600; }
+th:first-child, td.run { text-align: left; }
+td.run { font-weight: 600; }
 figure { margin: 0.5em 0 1.5em; }
 figure img { max-width: 100%; }
 figcaption, .runs, .not-known { color: #555; font-size: 0.9em; }
