@@ -25,6 +25,7 @@ test: setup
 demo: setup
 	$(BIN)/shardwise train configs/demo.toml --out runs/demo
 	$(BIN)/shardwise sample runs/demo --prompt "ROMEO." --tokens 300
+	$(BIN)/shardwise report runs/demo
 
 # Every bench, with DeepSpeed as the fsdp bench's second anchor (torch stays pinned).
 bench: setup

@@ -35,6 +35,9 @@ def _add_train_parser(commands: argparse._SubParsersAction) -> None:
                    help="run.resume: continue from the newest good checkpoint in the run directory")
     p.add_argument("--max-restarts", type=int, metavar="K",
                    help="launch.max_restarts: restart the group up to K times after a worker dies; it resumes")
+    p.add_argument("--tensorboard", action="store_true", default=None,
+                   help="run.tensorboard: also write the metrics as TensorBoard scalars to OUT/tensorboard "
+                   "(needs the tensorboard package: pip install 'shardwise[tensorboard]')")
     p.add_argument("--debug-collectives", action="store_true", default=None,
                    help="launch.debug_collectives: check before every collective that all ranks make the same "
                    "call, and fail naming both calls at the first mismatch (slow; for hunting hangs)")
@@ -62,6 +65,7 @@ def _train_config(args: argparse.Namespace) -> Config:
         "run.resume": args.resume,
         "launch.max_restarts": args.max_restarts,
         "launch.debug_collectives": args.debug_collectives,
+        "run.tensorboard": args.tensorboard,
         "parallel.dp": args.dp,
         "parallel.pp": args.pp,
         "parallel.tp": args.tp,
@@ -149,6 +153,18 @@ def consolidate(args: argparse.Namespace) -> int:
         print(f"shardwise consolidate: {error}", file=sys.stderr)
         return 1
     print(f"wrote {args.out} from {used}")
+    return 0
+
+
+def report(args: argparse.Namespace) -> int:
+    from shardwise.report import ReportError, write_report
+
+    try:
+        out = write_report([Path(d) for d in args.run_dirs], Path(args.out) if args.out else None)
+    except ReportError as error:
+        print(f"shardwise report: {error}", file=sys.stderr)
+        return 2
+    print(f"wrote {out}")
     return 0
 
 
@@ -283,8 +299,18 @@ def main(argv: list[str] | None = None) -> int:
                             "size saved it, in one process, and writes its full model state dict.")
     p.add_argument("run_dir", help="a run directory with checkpoints/")
     p.add_argument("out", help="the .safetensors file to write")
+    p = commands.add_parser("report", help="one HTML page of plots and a table comparing runs",
+                            description="Reads each RUN_DIR's metrics.jsonl and writes one self-contained HTML "
+                            "page (plots embedded as PNG, no network, no JavaScript): loss and validation loss "
+                            "against step and training time, throughput, MFU, memory per rank by category, and "
+                            "for pipeline runs each stage's busy and idle time in the last step; a summary table "
+                            "above them. Needs matplotlib (pip install 'shardwise[plot]').")
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories written by `shardwise train`")
+    p.add_argument("--out", help="the HTML file to write (default: report.html beside the first RUN_DIR, "
+                   "e.g. runs/report.html for runs/demo)")
     args = parser.parse_args(argv)
-    handlers = {"train": train, "sample": sample, "bench": bench, "consolidate": consolidate, "plan": plan}
+    handlers = {"train": train, "sample": sample, "bench": bench, "consolidate": consolidate, "plan": plan,
+                "report": report}
     try:
         return handlers[args.command](args)
     except ConfigError as error:

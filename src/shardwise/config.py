@@ -7,6 +7,7 @@ allowed, and all of it happens before any worker starts.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import tomllib
 import types
@@ -167,6 +168,7 @@ class RunConfig:
     out: str = "runs/latest"
     log_every: int = 10
     resume: bool = False  # continue from the newest good checkpoint in `out`
+    tensorboard: bool = False  # the main rank also writes its metrics as TensorBoard scalars to `out`/tensorboard
 
 
 @dataclass
@@ -375,6 +377,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if not 0 <= launch.node_rank < launch.nnodes:
         raise ConfigError(f"launch.node_rank = {launch.node_rank}: must be in [0, launch.nnodes = {launch.nnodes})")
     _positive("run.log_every", cfg.run.log_every)
+    if cfg.run.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("run.tensorboard = true: the tensorboard package is not installed; "
+                          "pip install 'shardwise[tensorboard]' (or pip install tensorboard), or leave it off")
     world = world_size or cfg.world_size
     if p.strategy == "single" and world != 1:
         raise ConfigError(

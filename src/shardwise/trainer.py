@@ -167,7 +167,8 @@ class Trainer:
         if first >= t.steps:
             raise CheckpointError(f"{self.out}: its checkpoint is at step {first} of train.steps = {t.steps}; "
                                   "nothing left to resume (raise train.steps to train further)")
-        writer = MetricsWriter(self.out / "metrics.jsonl", self.ctx.is_main, resumed_at=first)
+        writer = MetricsWriter(self.out / "metrics.jsonl", self.ctx.is_main, resumed_at=first,
+                               tensorboard=self.cfg.run.tensorboard)
         progress = Progress(t.steps, self.ctx.is_main, self.cfg.run.log_every, first=first)
         records: list[dict[str, Any]] = []
         val_loss = None
@@ -205,6 +206,7 @@ class Trainer:
         times = sorted(r["step_time_s"] for r in records[1:] or records)
         median = times[len(times) // 2]
         samples_per_s = self.cfg.train.global_batch / median
+        timeline = self.strategy.stage_timeline()
         return {
             "event": "summary",
             "strategy": self.cfg.parallel.strategy,
@@ -221,6 +223,7 @@ class Trainer:
             "precision": self.cfg.parallel.precision,
             "recompute": self.cfg.parallel.recompute,
             "skipped_steps": self.skipped_steps,
+            **({"stage_timeline": timeline} if timeline is not None else {}),
         }
 
     def _save_weights(self) -> None:

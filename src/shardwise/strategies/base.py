@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any
 
 import torch
 from torch import nn
@@ -93,6 +94,11 @@ class Strategy:
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale gradients so their global L2 norm is at most max_norm; return the norm before."""
         return torch.nn.utils.clip_grad_norm_(self.local_parameters(), max_norm)
+
+    def stage_timeline(self) -> list[dict[str, Any]] | None:
+        """A pipeline's last step, stage by stage, for metrics (a collective where there is one);
+        None for strategies that do not pipeline."""
+        return None
 
     def memory(self, activations: int) -> MemoryBreakdown:
         return count_memory(self.local_parameters(), self.optim, activations, self.ctx.device)

@@ -40,6 +40,7 @@ import itertools
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -265,6 +266,7 @@ class Pipeline(MeshStrategy):
         self.micro_batches = cfg.micro_batches
         self.schedule = SCHEDULES[cfg.schedule]
         self.timeline: list[tuple[str, int, float, float]] = []  # the last step's, all its runs
+        self.window = (0.0, 0.0)  # the last step's forward_backward: perf_counter start and end
         self._tied: tuple[list[nn.Parameter], Group] | None = None  # see _tie_first_and_last
 
     def wrap(self, model: nn.Module) -> nn.Module:
@@ -311,6 +313,7 @@ class Pipeline(MeshStrategy):
         stage."""
         loss_sum = torch.zeros((), device=self.ctx.device)
         self.timeline = []
+        started = time.perf_counter()
         for inputs, targets in micro_batches:
             run = StageRun(self.stage, self.pp_rank, self.pp, self.pp_group, self.activations,
                            self._split(inputs), self._split(targets), loss_fn, accum * self.micro_batches,
@@ -325,7 +328,25 @@ class Pipeline(MeshStrategy):
             for param in params:
                 dist.all_reduce(param.grad, group=group)
         self.average_over_replicas()
+        self.window = (started, time.perf_counter())
         return loss_sum
+
+    def stage_timeline(self) -> list[dict[str, Any]]:
+        """The last step's `timeline` of every rank, gathered (a collective), for metrics: each
+        rank's stage, replica and tp rank, its forward_backward `window` and its compute
+        `intervals` [kind, micro-batch, start, end], in seconds from the earliest window start.
+        Times go through the wall clock, which every process of a host (and NTP-synced hosts) shares."""
+        offset = time.time() - time.perf_counter()
+        mine = {"rank": self.ctx.rank, "stage": self.pp_rank, "replica": self.dp_rank, "tp_rank": self.tp_rank,
+                "window": [t + offset for t in self.window],
+                "intervals": [[kind, i, start + offset, end + offset] for kind, i, start, end in self.timeline]}
+        ranks = self.ctx.all_gather_object(mine)
+        origin = min(rank["window"][0] for rank in ranks)
+        for rank in ranks:  # microseconds are plenty, and keep the record short
+            rank["window"] = [round(t - origin, 6) for t in rank["window"]]
+            rank["intervals"] = [[kind, i, round(start - origin, 6), round(end - origin, 6)]
+                                 for kind, i, start, end in rank["intervals"]]
+        return ranks
 
     def _split(self, batch: torch.Tensor) -> list[torch.Tensor]:
         # Copies, not views of one storage: a micro-batch's saved inputs are freed (and counted) with it.
