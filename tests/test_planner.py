@@ -116,6 +116,14 @@ TINY_CASES = [Candidate(strategy, 2, 1, 1, precision, policy, 4)
     Candidate("pipeline", 1, 2, 1, "fp32", "none", 4, 4, "gpipe"),
     Candidate("model-parallel", 1, 2, 1, "fp32", "none", 4),
     Candidate("tensor", 1, 1, 2, "fp32", "none", 4),
+    # the split models in every other precision, recomputing
+    Candidate("pipeline", 1, 2, 1, "bf16-mixed", "blocks", 4, 2, "1f1b"),
+    Candidate("pipeline", 1, 2, 1, "fp16-mixed", "selective", 4, 4, "gpipe"),
+    Candidate("pipeline", 1, 2, 1, "bf16-true", "blocks", 4, 2, "gpipe"),
+    Candidate("model-parallel", 1, 2, 1, "bf16-mixed", "selective", 4),
+    Candidate("tensor", 1, 1, 2, "bf16-mixed", "blocks", 4),
+    Candidate("tensor", 1, 1, 2, "fp16-mixed", "selective", 4),
+    Candidate("tensor", 1, 1, 2, "bf16-true", "every:2", 4),
 ]
 SMALL_CASES = [Candidate("ddp", 2, 1, 1, "bf16-mixed", "selective", 2),
                Candidate("fsdp", 2, 1, 1, "fp32", "every:2", 2)]
@@ -155,8 +163,9 @@ def test_predicted_memory_equals_counted_for_every_strategy_precision_and_policy
     base = config(global_batch=8)
     ratios = assert_predicted_equals_counted([(candidate, base) for candidate in TINY_CASES])
     # In fact exact to the byte but for pipeline micro-batches: each is a copy of its samples (s
-    # tokens, not the loader's s + 1), and a 1-sample one's targets need no flattening copy.
-    assert max(abs(r - 1) for r in ratios) < 1e-4
+    # tokens, not the loader's s + 1), and a 1-sample one's targets need no flattening copy: 32
+    # bytes on a first stage, 0.09% of a recomputing bf16 stage's 35 840.
+    assert max(abs(r - 1) for r in ratios) < 1e-3
 
 
 def test_predicted_memory_equals_counted_for_gpt_small_on_2_ranks():

@@ -8,10 +8,11 @@ known by its identity, not its address, so the same counting works on meta and f
 
 from __future__ import annotations
 
+import functools
 import resource
 import threading
-from collections.abc import Iterable
-from contextlib import AbstractContextManager
+from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import asdict, dataclass
 
 import torch
@@ -75,10 +76,36 @@ def active_counters() -> list[ActivationCounter]:
 
 def record_saved(tensor: torch.Tensor) -> None:
     """Count `tensor` as saved for backward, for code that keeps tensors for backward without
-    autograd's saved-tensor hooks seeing them (selective checkpointing). Such a tensor counts as
-    held until the counter closes: nothing tells when its keeper lets go."""
+    autograd's saved-tensor hooks seeing them (selective checkpointing). It counts as held until
+    the gradient named by the innermost `saved_until_gradient` around the call is computed, or,
+    without one, until the counter closes."""
     for counter in _active_counters:
-        counter.hold(tensor)
+        key = counter.hold(tensor)
+        if key is not None and getattr(_recording, "stack", None):
+            _recording.stack[-1].append((counter, key))
+
+
+_recording = threading.local()  # per thread: dp's replicas record at once
+
+
+@contextmanager
+def saved_until_gradient(tensor: torch.Tensor) -> Iterator[None]:
+    """What `record_saved` counts inside is released when `tensor`'s gradient is computed: for a
+    block's input, once the block's backward is done with everything it kept (so the next
+    micro-batch's forward does not find it still counted)."""
+    recorded: list[tuple[ActivationCounter, int]] = []
+    _recording.stack = [*getattr(_recording, "stack", []), recorded]
+    try:
+        yield
+    finally:
+        _recording.stack = _recording.stack[:-1]
+    if recorded and tensor.requires_grad:
+        tensor.register_hook(functools.partial(_release_all, recorded))
+
+
+def _release_all(recorded: list[tuple[ActivationCounter, int]], grad: torch.Tensor) -> None:
+    for counter, key in recorded:
+        counter._release(key)
 
 
 class _Saved:

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from shardwise.memory import record_saved
+from shardwise.memory import record_saved, saved_until_gradient
 
 # What `selective` keeps: the expensive ops' outputs.
 _SAVED_OPS = {
@@ -67,7 +67,10 @@ def _checkpointed(forward: Callable, selective: bool) -> Callable:
 
     @functools.wraps(forward)
     def run(*args: object, **kwargs: object) -> object:
-        return checkpoint(forward, *args, use_reentrant=False, **options, **kwargs)
+        if not selective or not isinstance(args[0], torch.Tensor):
+            return checkpoint(forward, *args, use_reentrant=False, **options, **kwargs)
+        with saved_until_gradient(args[0]):  # what it keeps lives until the block's backward is done
+            return checkpoint(forward, *args, use_reentrant=False, **options, **kwargs)
 
     return run
 

@@ -46,7 +46,7 @@ from shardwise.planner.model import (
     stage_bounds,
     stage_tensors,
 )
-from shardwise.precision import DTYPES, make_precision
+from shardwise.precision import make_precision
 
 DEFAULT_MARGIN = 0.10  # allocator fragmentation and the optimizer step's temporaries
 UNITS_IN_FLIGHT = 2  # collectives of at most this many units outstanding at once (one working, one next)
@@ -189,9 +189,10 @@ def _tensor(c: Candidate, cfg: Config, shape: GPTConfig) -> RankMemory:
 
 
 def _mesh_rank(c: Candidate, cfg: Config, tensors: Tensors, activations: int, buffers: int) -> RankMemory:
-    """A rank of the model-splitting strategies: fp32 parameters and gradients it holds whole,
-    plus, with data parallel beside, the packed copy of its gradients the dp all-reduce sends."""
-    stored = dtype_bytes(DTYPES["fp32"])
+    """A rank of the model-splitting strategies: the parameters and gradients it holds whole, in
+    the precision's storage dtype, plus, with data parallel beside, the packed copy of its
+    gradients the dp all-reduce sends."""
+    stored = dtype_bytes(make_precision(c.precision, cfg.parallel.reduce_dtype).param_dtype)
     held = tensors.numel * stored
     packed = held if c.dp > 1 else 0
     return RankMemory(held, held, optimizer_bytes(tensors.numel, tensors.count, stored, cfg), activations,
