@@ -96,10 +96,18 @@ def test_single_resumes_bit_identically(tmp_path, precision):
     assert_bit_identical(tmp_path, [in_process(straight_and_resumed, tmp_path, "single", *precision)])
 
 
-@pytest.mark.parametrize(("strategy", "precision"), [("ddp", FP32), ("fsdp", FP32), ("ddp", BF16), ("fsdp", FP16)],
-                         ids=["ddp-fp32", "fsdp-fp32", "ddp-bf16-mixed", "fsdp-fp16-mixed"])
+# compressing from step 5, so the checkpoint at 20 holds its Q factors and error feedback
+POWERSGD = ("parallel.grad_compression=powersgd", "parallel.powersgd_start_step=5", "parallel.bucket_mb=0.2")
+
+
+@pytest.mark.parametrize(("strategy", "precision"), [("ddp", FP32), ("fsdp", FP32), ("ddp", BF16), ("fsdp", FP16),
+                                                     ("ddp", POWERSGD)],
+                         ids=["ddp-fp32", "fsdp-fp32", "ddp-bf16-mixed", "fsdp-fp16-mixed", "ddp-powersgd"])
 def test_resume_is_bit_identical_on_2_ranks(tmp_path, strategy, precision):
     assert_bit_identical(tmp_path, run_ranks(straight_and_resumed, 2, tmp_path, strategy, *precision))
+    if precision == POWERSGD:
+        manifest = json.loads((checkpoint_dir(tmp_path / "resumed") / "step-00000040" / "manifest.json").read_text())
+        assert "bucket0.q" in manifest["rank_state"] and "bucket0.error0" in manifest["rank_state"]
 
 
 # How many pieces of an entry a checkpoint stores: one per distinct part held (a tensor shard per

@@ -103,6 +103,9 @@ def training_state(trainer: Trainer, world_size: int, with_rng: bool = True) -> 
         state["trainer"]["clean_steps"] = torch.tensor(trainer.scaler.clean_steps)
     if with_rng:  # one per rank: only a load at the same world size can use them
         state["rng"] = {f"rank{trainer.ctx.rank}": torch.get_rng_state()}
+        own = trainer.strategy.rank_state()
+        if own:
+            state["rank_state"] = {f"rank{trainer.ctx.rank}.{key}": value for key, value in own.items()}
     return state
 
 
@@ -138,6 +141,7 @@ def save_checkpoint(trainer: Trainer, step: int, keep: int) -> Path:
                 "strategy": trainer.cfg.parallel.strategy,
                 "precision": trainer.cfg.parallel.precision,
                 "shapes": _model_shapes(state),
+                "rank_state": sorted(trainer.strategy.rank_state()),
             }
             problem = _agreed_from_rank0(trainer.ctx.is_main, lambda: _seal(tmp, final, manifest, keep))
     if problem is not None:
@@ -308,6 +312,11 @@ def load_checkpoint(trainer: Trainer) -> int:
     check_fits(path, state)
     if trainer.scaler is None:
         state["trainer"] = {"step": state["trainer"]["step"]}
+    if "rank_state" in state and manifest.get("rank_state") != sorted(trainer.strategy.rank_state()):
+        del state["rank_state"]  # saved without it (another strategy or option): it starts afresh
+        if trainer.ctx.is_main:
+            print(f"{path} holds none of this run's per-rank state (PowerSGD's factors and error feedback): "
+                  "it starts afresh", file=sys.stderr)
     dcp.load(state, storage_reader=safe_reader(path))
     trainer.strategy.after_state_loaded()
     if trainer.scaler:

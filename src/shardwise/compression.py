@@ -23,7 +23,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from queue import SimpleQueue
 from typing import Protocol
 
@@ -48,6 +48,10 @@ class BucketReducer(Protocol):
 
     def launch(self, index: int) -> Waitable: ...
 
+    def state(self) -> dict[str, torch.Tensor]:
+        """What this rank carries from step to step (PowerSGD's), as live tensors a load overwrites."""
+        ...
+
 
 def make_reducer(cfg: ParallelConfig, layout: Layout) -> BucketReducer:
     """The reducer `parallel.all_reduce` and `parallel.grad_compression` ask for."""
@@ -70,6 +74,9 @@ class AsyncBackendMean:
         self.buffers = [buffer for buffer, _ in layout]
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         self.bytes_sent = 0
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {}
 
     def launch(self, index: int) -> Waitable:
         buffer = self.buffers[index]
@@ -134,7 +141,8 @@ class PowerSGDBucket:
     ps: list[torch.Tensor]
     q_flat: torch.Tensor  # every matrix's Q (columns x rank), kept from step to step (warm start)
     qs: list[torch.Tensor]
-    reductions: int = 0  # steps this bucket has been averaged in
+    # steps this bucket has been averaged in: a tensor, so that a checkpoint load can fill it
+    reductions: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.int64))
 
 
 class PowerSGD:
@@ -185,6 +193,15 @@ class PowerSGD:
             q_flat=q_flat, qs=_split_matrices(q_flat, [m.shape[1] for m in matrices], rank),
         )
 
+    def state(self) -> dict[str, torch.Tensor]:
+        """Every bucket's Q, error feedback and step count: resuming exactly needs them."""
+        state = {}
+        for i, bucket in enumerate(self.buckets):
+            state[f"bucket{i}.q"] = bucket.q_flat
+            state[f"bucket{i}.reductions"] = bucket.reductions
+            state.update({f"bucket{i}.error{j}": error for j, error in enumerate(bucket.errors)})
+        return state
+
     def __call__(self, index: int) -> None:
         bucket = self.buckets[index]
         bucket.reductions += 1
@@ -232,6 +249,9 @@ class InBackground:
     @property
     def bytes_sent(self) -> int:
         return self.all_reduce.bytes_sent
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return self.average.state() if isinstance(self.average, PowerSGD) else {}
 
     def launch(self, index: int) -> Waitable:
         future: Future = Future()

@@ -128,6 +128,12 @@ class Strategy:
                 optimizer[f"{name}.{key}"] = self.as_global(name, value) if value.shape == param.shape else value
         return {"model": model, "optimizer": optimizer}
 
+    def rank_state(self) -> dict[str, torch.Tensor]:
+        """State of this rank alone that an exact resume needs (ddp's PowerSGD error feedback), as
+        live tensors: a checkpoint keeps it per rank, and only a load at the same world size
+        restores it (another one starts it afresh)."""
+        return {}
+
     def after_state_loaded(self) -> None:
         """Called once `state_dict()`'s tensors have been overwritten by a load."""
 

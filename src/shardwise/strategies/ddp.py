@@ -131,6 +131,9 @@ class DDP(HookedStrategy):
         """Bytes this rank has sent averaging gradients since `wrap`."""
         return self.reducer.bytes_sent
 
+    def rank_state(self) -> dict[str, torch.Tensor]:
+        return self.reducer.state()
+
     def _finish_backward(self) -> None:
         """Runs once the autograd engine is done: launch what is left, wait for everything."""
         unused = [p for b in self.buckets for p in b.params if id(p) not in b.ready]
