@@ -105,7 +105,10 @@ def test_a_stalled_sync_worker_fails_the_step_naming_it(tmp_path):
     code, stderr = finish(job, timeout=timeout + 60)
     assert code == 1
     assert time.monotonic() - stopped < timeout + 30
-    assert "no gradients from worker 1 within 5 s" in stderr
+    # Worker 0 waits either for the server's answer, which names the worker missing from the step,
+    # or, if worker 1 stopped after its push, in the workers' loss all-reduce, which names it too.
+    assert ("ps0, step" in stderr and "no gradients from worker 1 within 5 s" in stderr) or \
+        "Rank(s) 1 never joined it" in stderr, stderr[-3000:]
     assert "worker rank 0 failed" in stderr
     assert not [pid for pid in worker_pids(out) if Path(f"/proc/{pid}").exists()]
 
