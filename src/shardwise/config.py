@@ -224,7 +224,8 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
     raise ConfigError(f"{key} = {value!r}: expected {names}, got {kind.__name__}")
 
 
-def _apply(cfg: Config, section: str, values: dict[str, Any], origin: str) -> None:
+def apply_section(cfg: Config, section: str, values: dict[str, Any], origin: str) -> None:
+    """Set `values` (by key) in `cfg`'s [section], each checked for its key and type."""
     if section not in SECTIONS:
         raise ConfigError(f"[{section}] in {origin}: unknown section; allowed: {', '.join(SECTIONS)}")
     if not isinstance(values, dict):
@@ -270,14 +271,14 @@ def load_config(
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {str(path)!r}: not valid TOML ({exc})") from None
         for section, values in data.items():
-            _apply(cfg, section, values, str(path))
+            apply_section(cfg, section, values, str(path))
     for text in overrides:
         section, key, value = parse_override(text)
-        _apply(cfg, section, {key: value}, "--set")
+        apply_section(cfg, section, {key: value}, "--set")
     for dotted, value in (flags or {}).items():
         if value is not None:
             section, key = dotted.split(".", 1)
-            _apply(cfg, section, {key: value}, f"--{key.replace('_', '-')}")
+            apply_section(cfg, section, {key: value}, f"--{key.replace('_', '-')}")
     resolve_presets(cfg)
     validate(cfg)
     return cfg
@@ -308,19 +309,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     """Check every value and every relation between values; `world_size` defaults to the launch's."""
     m, d, t, p, launch = cfg.model, cfg.data, cfg.train, cfg.parallel, cfg.launch
     _choice("model.name", m.name, MODELS)
-    _choice("parallel.strategy", p.strategy, STRATEGIES)
-    _choice("parallel.precision", p.precision, PRECISIONS)
-    _choice("parallel.reduce_dtype", p.reduce_dtype, REDUCE_DTYPES)
-    if p.reduce_dtype != "fp32" and p.strategy not in SHARDED:
-        raise ConfigError(
-            f"parallel.reduce_dtype = {p.reduce_dtype!r}: only the sharded strategies ({', '.join(SHARDED)}) "
-            f"reduce in another dtype; parallel.strategy is {p.strategy!r}"
-        )
-    _validate_gradient_reduction(p)
-    try:
-        parse_policy(p.recompute)
-    except ValueError as exc:
-        raise ConfigError(f"parallel.recompute = {exc}") from None
+    validate_parallel(p)
     _choice("launch.backend", launch.backend, BACKENDS)
     _choice("train.optimizer", t.optimizer, OPTIMIZERS)
     datasets = TEXT_DATASETS if m.name == "gpt" else IMAGE_DATASETS
@@ -352,10 +341,6 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             raise ConfigError(f"train.{key} = {getattr(t, key)!r}: must be in [0, 1)")
     if t.min_lr > t.lr:
         raise ConfigError(f"train.min_lr = {t.min_lr!r}: must be <= train.lr = {t.lr!r}")
-    _positive("parallel.bucket_mb", p.bucket_mb)
-    _positive("parallel.prefetch", p.prefetch, zero_ok=True)
-    _positive("parallel.loss_scale", p.loss_scale)
-    _positive("parallel.loss_scale_growth_interval", p.loss_scale_growth_interval)
     _positive("launch.max_restarts", launch.max_restarts, zero_ok=True)
     _positive("launch.shutdown_timeout_s", launch.shutdown_timeout_s, zero_ok=True)
     for key in ("nproc", "nnodes", "threads_per_rank", "timeout_s"):
@@ -388,6 +373,28 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             f"train.global_batch = {t.global_batch}: must be divisible by {replicas} x "
             f"train.micro_batch {t.micro_batch} = {per_step} (the rest is gradient accumulation)"
         )
+
+
+def validate_parallel(p: ParallelConfig) -> None:
+    """The [parallel] values that need no model, batch or world size to check: all the Python API
+    (api.py) can check before it sees a model."""
+    _choice("parallel.strategy", p.strategy, STRATEGIES)
+    _choice("parallel.precision", p.precision, PRECISIONS)
+    _choice("parallel.reduce_dtype", p.reduce_dtype, REDUCE_DTYPES)
+    if p.reduce_dtype != "fp32" and p.strategy not in SHARDED:
+        raise ConfigError(
+            f"parallel.reduce_dtype = {p.reduce_dtype!r}: only the sharded strategies ({', '.join(SHARDED)}) "
+            f"reduce in another dtype; parallel.strategy is {p.strategy!r}"
+        )
+    _validate_gradient_reduction(p)
+    try:
+        parse_policy(p.recompute)
+    except ValueError as exc:
+        raise ConfigError(f"parallel.recompute = {exc}") from None
+    _positive("parallel.bucket_mb", p.bucket_mb)
+    _positive("parallel.prefetch", p.prefetch, zero_ok=True)
+    _positive("parallel.loss_scale", p.loss_scale)
+    _positive("parallel.loss_scale_growth_interval", p.loss_scale_growth_interval)
 
 
 def _validate_gradient_reduction(p: ParallelConfig) -> None:

@@ -57,6 +57,21 @@ def learning_rate(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
 
 
+def optimizer_step(strategy: Strategy, optimizer: torch.optim.Optimizer, grad_clip: float) -> bool:
+    """Clip (if grad_clip > 0) and step on the synchronised gradients; return whether it stepped.
+    Under fp16 the gradients are unscaled first, and if any rank found an inf or NaN every rank
+    skips the step. The trainer and the Python API (api.py) both step through this."""
+    if strategy.scaler:
+        found_inf = strategy.scaler.unscale_(strategy.local_grads())
+        strategy.scaler.update(found_inf)
+        if found_inf:
+            return False
+    if grad_clip > 0:
+        strategy.clip_grad_norm_(grad_clip)
+    optimizer.step()
+    return True
+
+
 class Trainer:
     def __init__(self, cfg: Config, ctx: DistContext) -> None:
         self.cfg = cfg
@@ -109,18 +124,7 @@ class Trainer:
         return loss_sum
 
     def optimizer_step(self) -> bool:
-        """Clip (if configured) and step on the synchronised gradients; return whether it stepped.
-        Under fp16 the gradients are unscaled first, and if any rank found an inf or NaN every
-        rank skips the step."""
-        if self.scaler:
-            found_inf = self.scaler.unscale_(self.strategy.local_grads())
-            self.scaler.update(found_inf)
-            if found_inf:
-                return False
-        if self.cfg.train.grad_clip > 0:
-            self.strategy.clip_grad_norm_(self.cfg.train.grad_clip)
-        self.optimizer.step()
-        return True
+        return optimizer_step(self.strategy, self.optimizer, self.cfg.train.grad_clip)
 
     @torch.no_grad()
     def evaluate(self) -> float:
