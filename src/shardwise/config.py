@@ -31,12 +31,16 @@ REDUCE_DTYPES = ("fp32", "bf16")
 ALL_REDUCES = ("backend", "ring")
 GRAD_COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 SHARDED = ("zero1", "zero2", "fsdp", "fsdp-native")
-MODELS = ("gpt", "cnn", "mlp")
+HF_MODELS = ("hf-llama", "hf-gpt2")  # transformers models of the GPT presets' sizes (models/hf.py)
+# Models of token sequences: sized by a GPT preset, trained on text.
+LANGUAGE_MODELS = ("gpt", *HF_MODELS)
+MODELS = (*LANGUAGE_MODELS, "cnn", "mlp")
 GPT_PRESETS = ("tiny", "small", "gpt2-124m")
 OPTIMIZERS = ("adamw", "sgd")
 TEXT_DATASETS = ("shakespeare", "stdlib", "synthetic-tokens")
 IMAGE_DATASETS = ("digits", "synthetic-images")
 BACKENDS = ("auto", "gloo", "nccl")
+DEFAULT_BLOCK = "Block"  # the GPT's block class
 
 
 class ConfigError(ValueError):
@@ -46,7 +50,7 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     name: str = "gpt"
-    # GPT: a preset fills every size below that is left unset.
+    # GPT and hf-*: a preset fills every size below that is left unset.
     preset: str = "tiny"
     n_layer: int | None = None
     n_head: int | None = None
@@ -106,8 +110,9 @@ class ParallelConfig:
     powersgd_start_step: int = 10
     find_unused_parameters: bool = False
     sync_batchnorm: bool = False
-    # class name of the model's repeated block: the unit of sharding and of recomputation
-    block: str = "Block"
+    # class name of the model's repeated block: the unit of sharding and of recomputation; left at
+    # the default, a model without a `Block` (a transformers model) has its declared layer class used
+    block: str = DEFAULT_BLOCK
     # sharded strategies
     reshard_after_forward: bool = True
     prefetch: int = 1
@@ -286,7 +291,7 @@ def load_config(
 
 def resolve_presets(cfg: Config) -> None:
     m = cfg.model
-    if m.name == "gpt":
+    if m.name in LANGUAGE_MODELS:
         if m.preset not in GPT_PRESET_SIZES:
             raise ConfigError(f"model.preset = {m.preset!r}: unknown; allowed: {', '.join(GPT_PRESETS)}")
         for key, value in GPT_PRESET_SIZES[m.preset].items():
@@ -312,19 +317,19 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     validate_parallel(p)
     _choice("launch.backend", launch.backend, BACKENDS)
     _choice("train.optimizer", t.optimizer, OPTIMIZERS)
-    datasets = TEXT_DATASETS if m.name == "gpt" else IMAGE_DATASETS
+    datasets = TEXT_DATASETS if m.name in LANGUAGE_MODELS else IMAGE_DATASETS
     if d.name not in datasets:
         raise ConfigError(
             f"data.name = {d.name!r}: not usable with model.name = {m.name!r}; allowed: {', '.join(datasets)}"
         )
-    if m.name == "gpt":
+    if m.name in LANGUAGE_MODELS:
         for key in ("n_layer", "n_head", "d_model", "seq_len", "vocab_size"):
             _positive(f"model.{key}", getattr(m, key))
         if m.d_model % m.n_head:
             raise ConfigError(f"model.d_model = {m.d_model}: must be divisible by model.n_head = {m.n_head}")
         if m.vocab_size < 256:
             raise ConfigError(f"model.vocab_size = {m.vocab_size}: must be >= 256 for byte-level data")
-    if p.recompute != "none" and m.name != "gpt":
+    if p.recompute != "none" and m.name not in LANGUAGE_MODELS:
         raise ConfigError(f"parallel.recompute = {p.recompute!r}: model.name = {m.name!r} has no blocks to recompute")
     _positive("model.width", m.width)
     _positive("model.num_classes", m.num_classes)

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from shardwise.config import Config, TrainConfig
+from shardwise.config import LANGUAGE_MODELS, Config, TrainConfig
 from shardwise.data import Dataset, GlobalBatchSampler, make_datasets
 from shardwise.dist import DistContext, seed_everything
 from shardwise.memory import ActivationCounter
@@ -81,7 +81,7 @@ class Trainer:
         self.train_set, self.val_set = make_datasets(cfg)
         model = build_model(cfg.model)
         self.flops_per_sample = flops_per_sample(model)
-        self.seq_len = cfg.model.seq_len if cfg.model.name == "gpt" else None
+        self.seq_len = cfg.model.seq_len if cfg.model.name in LANGUAGE_MODELS else None
         self.strategy: Strategy = make_strategy(cfg.parallel, ctx)
         self.model = self.strategy.wrap(model)
         self.optimizer = self.strategy.optimizer(optimizer_factory(cfg.train))
