@@ -95,9 +95,11 @@ class ShardedDataParallel(HookedStrategy):
         if self.stage == 3:
             self._install_gather_hooks()
             for unit in self.units:
-                if self.precision.mixed:  # full parameters exist only to compute with: gather them in its dtype
-                    for param in unit.params:
+                for param in unit.params:
+                    if self.precision.mixed:  # full parameters exist only to compute with: gather them in its dtype
                         param.data = param.data.to(self.precision.compute_dtype)
+                    elif not param.untyped_storage().resizable():  # mapped from a file (from_pretrained): copy
+                        param.data = param.data.clone()
                 self._free(unit)
             self.peak_gathered_bytes = 0  # the peak counts from the first step
         return self.module
