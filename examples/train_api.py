@@ -20,6 +20,7 @@ import torch
 
 import shardwise as sw
 from shardwise.data.corpus import TokenWindows, load_corpus, split_tokens
+from shardwise.dist import leave_process
 from shardwise.models import GPT, GPTConfig
 from shardwise.trainer import loss_fn
 
@@ -85,3 +86,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     main()
+    # Everything is written and the group left: skip the interpreter's teardown, where torch 2.13's
+    # Gloo sometimes aborts and would make a finished run exit non-zero.
+    leave_process()
