@@ -28,7 +28,7 @@ import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -38,10 +38,24 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 if TYPE_CHECKING:
-    from shardwise.trainer import Trainer
+    from shardwise.config import Config
+    from shardwise.dist import DistContext
+    from shardwise.precision import LossScaler
+    from shardwise.strategies import Strategy
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
+
+
+class TrainingRun(Protocol):
+    """What a checkpoint is saved from and loaded into: the CLI's Trainer or the Python API's Run."""
+
+    cfg: Config
+    ctx: DistContext
+    out: Path  # the run directory; checkpoints go to out/checkpoints
+    strategy: Strategy
+    optimizer: torch.optim.Optimizer
+    scaler: LossScaler | None
 
 
 class CheckpointError(RuntimeError):
@@ -94,7 +108,7 @@ def _from_rank0(value: Any) -> Any:
     return box[0]
 
 
-def training_state(trainer: Trainer, world_size: int, with_rng: bool = True) -> dict[str, Any]:
+def training_state(trainer: TrainingRun, world_size: int, with_rng: bool = True) -> dict[str, Any]:
     """What a checkpoint holds, as live tensors a load overwrites in place."""
     state: dict[str, Any] = trainer.strategy.state_dict()
     state["trainer"] = {"step": torch.zeros((), dtype=torch.int64)}
@@ -119,7 +133,7 @@ def _model_shapes(state: dict[str, Any]) -> dict[str, list[int]]:
     return shapes
 
 
-def save_checkpoint(trainer: Trainer, step: int, keep: int) -> Path:
+def save_checkpoint(trainer: TrainingRun, step: int, keep: int) -> Path:
     """Save the state after `step` completed steps; keep the newest `keep` checkpoints. A save
     that fails (a full or read-only disk) raises the same CheckpointError on every rank, leaving
     the previous checkpoints and `latest` as they were."""
@@ -286,7 +300,7 @@ def check_fits(path: Path, state: dict[str, Any]) -> None:
         raise CheckpointError(f"checkpoint {path} is of another model: {' | '.join(parts)}")
 
 
-def load_checkpoint(trainer: Trainer) -> int:
+def load_checkpoint(trainer: TrainingRun) -> int:
     """Load the newest good checkpoint of the trainer's run into it; return the steps it had
     completed (0 when the run has no checkpoint yet)."""
     if trainer.ctx.is_main:

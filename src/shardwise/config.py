@@ -33,12 +33,16 @@ REDUCE_DTYPES = ("fp32", "bf16")
 ALL_REDUCES = ("backend", "ring")
 GRAD_COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 SHARDED = ("zero1", "zero2", "fsdp", "fsdp-native")
-MODELS = ("gpt", "cnn", "mlp")
+HF_MODELS = ("hf-llama", "hf-gpt2")  # transformers models of the GPT presets' sizes (models/hf.py)
+# Models of token sequences: sized by a GPT preset, trained on text.
+LANGUAGE_MODELS = ("gpt", *HF_MODELS)
+MODELS = (*LANGUAGE_MODELS, "cnn", "mlp")
 GPT_PRESETS = ("tiny", "small", "gpt2-124m")
 OPTIMIZERS = ("adamw", "sgd")
 TEXT_DATASETS = ("shakespeare", "stdlib", "synthetic-tokens")
 IMAGE_DATASETS = ("digits", "synthetic-images")
 BACKENDS = ("auto", "gloo", "nccl")
+DEFAULT_BLOCK = "Block"  # the GPT's block class
 
 
 class ConfigError(ValueError):
@@ -48,7 +52,7 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     name: str = "gpt"
-    # GPT: a preset fills every size below that is left unset.
+    # GPT and hf-*: a preset fills every size below that is left unset.
     preset: str = "tiny"
     n_layer: int | None = None
     n_head: int | None = None
@@ -108,8 +112,9 @@ class ParallelConfig:
     powersgd_start_step: int = 10
     find_unused_parameters: bool = False
     sync_batchnorm: bool = False
-    # class name of the model's repeated block: the unit of sharding and of recomputation
-    block: str = "Block"
+    # class name of the model's repeated block: the unit of sharding and of recomputation; left at
+    # the default, a model without a `Block` (a transformers model) has its declared layer class used
+    block: str = DEFAULT_BLOCK
     # sharded strategies
     reshard_after_forward: bool = True
     prefetch: int = 1
@@ -238,7 +243,8 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
     raise ConfigError(f"{key} = {value!r}: expected {names}, got {kind.__name__}")
 
 
-def _apply(cfg: Config, section: str, values: dict[str, Any], origin: str) -> None:
+def apply_section(cfg: Config, section: str, values: dict[str, Any], origin: str) -> None:
+    """Set `values` (by key) in `cfg`'s [section], each checked for its key and type."""
     if section not in SECTIONS:
         raise ConfigError(f"[{section}] in {origin}: unknown section; allowed: {', '.join(SECTIONS)}")
     if not isinstance(values, dict):
@@ -284,14 +290,14 @@ def load_config(
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"config file {str(path)!r}: not valid TOML ({exc})") from None
         for section, values in data.items():
-            _apply(cfg, section, values, str(path))
+            apply_section(cfg, section, values, str(path))
     for text in overrides:
         section, key, value = parse_override(text)
-        _apply(cfg, section, {key: value}, "--set")
+        apply_section(cfg, section, {key: value}, "--set")
     for dotted, value in (flags or {}).items():
         if value is not None:
             section, key = dotted.split(".", 1)
-            _apply(cfg, section, {key: value}, f"--{key.replace('_', '-')}")
+            apply_section(cfg, section, {key: value}, f"--{key.replace('_', '-')}")
     resolve_presets(cfg)
     validate(cfg)
     return cfg
@@ -299,7 +305,7 @@ def load_config(
 
 def resolve_presets(cfg: Config) -> None:
     m = cfg.model
-    if m.name == "gpt":
+    if m.name in LANGUAGE_MODELS:
         if m.preset not in GPT_PRESET_SIZES:
             raise ConfigError(f"model.preset = {m.preset!r}: unknown; allowed: {', '.join(GPT_PRESETS)}")
         for key, value in GPT_PRESET_SIZES[m.preset].items():
@@ -322,34 +328,22 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     """Check every value and every relation between values; `world_size` defaults to the launch's."""
     m, d, t, p, launch = cfg.model, cfg.data, cfg.train, cfg.parallel, cfg.launch
     _choice("model.name", m.name, MODELS)
-    _choice("parallel.strategy", p.strategy, STRATEGIES)
-    _choice("parallel.precision", p.precision, PRECISIONS)
-    _choice("parallel.reduce_dtype", p.reduce_dtype, REDUCE_DTYPES)
-    if p.reduce_dtype != "fp32" and p.strategy not in SHARDED:
-        raise ConfigError(
-            f"parallel.reduce_dtype = {p.reduce_dtype!r}: only the sharded strategies ({', '.join(SHARDED)}) "
-            f"reduce in another dtype; parallel.strategy is {p.strategy!r}"
-        )
-    _validate_gradient_reduction(p)
-    try:
-        parse_policy(p.recompute)
-    except ValueError as exc:
-        raise ConfigError(f"parallel.recompute = {exc}") from None
+    validate_parallel(p)
     _choice("launch.backend", launch.backend, BACKENDS)
     _choice("train.optimizer", t.optimizer, OPTIMIZERS)
-    datasets = TEXT_DATASETS if m.name == "gpt" else IMAGE_DATASETS
+    datasets = TEXT_DATASETS if m.name in LANGUAGE_MODELS else IMAGE_DATASETS
     if d.name not in datasets:
         raise ConfigError(
             f"data.name = {d.name!r}: not usable with model.name = {m.name!r}; allowed: {', '.join(datasets)}"
         )
-    if m.name == "gpt":
+    if m.name in LANGUAGE_MODELS:
         for key in ("n_layer", "n_head", "d_model", "seq_len", "vocab_size"):
             _positive(f"model.{key}", getattr(m, key))
         if m.d_model % m.n_head:
             raise ConfigError(f"model.d_model = {m.d_model}: must be divisible by model.n_head = {m.n_head}")
         if m.vocab_size < 256:
             raise ConfigError(f"model.vocab_size = {m.vocab_size}: must be >= 256 for byte-level data")
-    if p.recompute != "none" and m.name != "gpt":
+    if p.recompute != "none" and m.name not in LANGUAGE_MODELS:
         raise ConfigError(f"parallel.recompute = {p.recompute!r}: model.name = {m.name!r} has no blocks to recompute")
     _positive("model.width", m.width)
     _positive("model.num_classes", m.num_classes)
@@ -366,10 +360,6 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             raise ConfigError(f"train.{key} = {getattr(t, key)!r}: must be in [0, 1)")
     if t.min_lr > t.lr:
         raise ConfigError(f"train.min_lr = {t.min_lr!r}: must be <= train.lr = {t.lr!r}")
-    _positive("parallel.bucket_mb", p.bucket_mb)
-    _positive("parallel.prefetch", p.prefetch, zero_ok=True)
-    _positive("parallel.loss_scale", p.loss_scale)
-    _positive("parallel.loss_scale_growth_interval", p.loss_scale_growth_interval)
     _positive("launch.max_restarts", launch.max_restarts, zero_ok=True)
     _positive("launch.shutdown_timeout_s", launch.shutdown_timeout_s, zero_ok=True)
     for key in ("nproc", "nnodes", "threads_per_rank", "timeout_s"):
@@ -410,6 +400,28 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             f"train.global_batch = {t.global_batch}: must be divisible by {replicas} x "
             f"train.micro_batch {t.micro_batch} = {per_step} (the rest is gradient accumulation)"
         )
+
+
+def validate_parallel(p: ParallelConfig) -> None:
+    """The [parallel] values that need no model, batch or world size to check: all the Python API
+    (api.py) can check before it sees a model."""
+    _choice("parallel.strategy", p.strategy, STRATEGIES)
+    _choice("parallel.precision", p.precision, PRECISIONS)
+    _choice("parallel.reduce_dtype", p.reduce_dtype, REDUCE_DTYPES)
+    if p.reduce_dtype != "fp32" and p.strategy not in SHARDED:
+        raise ConfigError(
+            f"parallel.reduce_dtype = {p.reduce_dtype!r}: only the sharded strategies ({', '.join(SHARDED)}) "
+            f"reduce in another dtype; parallel.strategy is {p.strategy!r}"
+        )
+    _validate_gradient_reduction(p)
+    try:
+        parse_policy(p.recompute)
+    except ValueError as exc:
+        raise ConfigError(f"parallel.recompute = {exc}") from None
+    _positive("parallel.bucket_mb", p.bucket_mb)
+    _positive("parallel.prefetch", p.prefetch, zero_ok=True)
+    _positive("parallel.loss_scale", p.loss_scale)
+    _positive("parallel.loss_scale_growth_interval", p.loss_scale_growth_interval)
 
 
 def _validate_gradient_reduction(p: ParallelConfig) -> None:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from shardwise.config import Config, TrainConfig
+from shardwise.config import LANGUAGE_MODELS, Config, TrainConfig
 from shardwise.data import Dataset, GlobalBatchSampler, make_datasets
 from shardwise.dist import DistContext, seed_everything
 from shardwise.memory import ActivationCounter
@@ -57,6 +57,21 @@ def learning_rate(step: int, cfg: TrainConfig) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * progress))
 
 
+def optimizer_step(strategy: Strategy, optimizer: torch.optim.Optimizer, grad_clip: float) -> bool:
+    """Clip (if grad_clip > 0) and step on the synchronised gradients; return whether it stepped.
+    Under fp16 the gradients are unscaled first, and if any rank found an inf or NaN every rank
+    skips the step. The trainer and the Python API (api.py) both step through this."""
+    if strategy.scaler:
+        found_inf = strategy.scaler.unscale_(strategy.local_grads())
+        strategy.scaler.update(found_inf)
+        if found_inf:
+            return False
+    if grad_clip > 0:
+        strategy.clip_grad_norm_(grad_clip)
+    optimizer.step()
+    return True
+
+
 class Trainer:
     def __init__(self, cfg: Config, ctx: DistContext) -> None:
         self.cfg = cfg
@@ -66,7 +81,7 @@ class Trainer:
         self.train_set, self.val_set = make_datasets(cfg)
         model = build_model(cfg.model)
         self.flops_per_sample = flops_per_sample(model)
-        self.seq_len = cfg.model.seq_len if cfg.model.name == "gpt" else None
+        self.seq_len = cfg.model.seq_len if cfg.model.name in LANGUAGE_MODELS else None
         self.strategy: Strategy = make_strategy(cfg.parallel, ctx)
         self.model = self.strategy.wrap(model)
         self.optimizer = self.strategy.optimizer(optimizer_factory(cfg.train))
@@ -109,18 +124,7 @@ class Trainer:
         return loss_sum
 
     def optimizer_step(self) -> bool:
-        """Clip (if configured) and step on the synchronised gradients; return whether it stepped.
-        Under fp16 the gradients are unscaled first, and if any rank found an inf or NaN every
-        rank skips the step."""
-        if self.scaler:
-            found_inf = self.scaler.unscale_(self.strategy.local_grads())
-            self.scaler.update(found_inf)
-            if found_inf:
-                return False
-        if self.cfg.train.grad_clip > 0:
-            self.strategy.clip_grad_norm_(self.cfg.train.grad_clip)
-        self.optimizer.step()
-        return True
+        return optimizer_step(self.strategy, self.optimizer, self.cfg.train.grad_clip)
 
     @torch.no_grad()
     def evaluate(self) -> float:

@@ -7,6 +7,7 @@ from torch import nn
 from shardwise.config import ModelConfig
 from shardwise.models.cnn import CNN
 from shardwise.models.gpt import GPT, GPTConfig
+from shardwise.models.hf import HF_MODELS, build_causal_lm
 from shardwise.models.mlp import MLP
 
 __all__ = ["CNN", "GPT", "GPTConfig", "MLP", "build_model", "flops_per_sample"]
@@ -16,6 +17,8 @@ def build_model(cfg: ModelConfig, image_pixels: int = 64) -> nn.Module:
     """The model a config names, on the CPU, initialised from the current torch seed."""
     if cfg.name == "gpt":
         return GPT(GPTConfig(cfg.n_layer, cfg.n_head, cfg.d_model, cfg.seq_len, cfg.vocab_size, cfg.bias))
+    if cfg.name in HF_MODELS:
+        return build_causal_lm(cfg.name, cfg.n_layer, cfg.n_head, cfg.d_model, cfg.seq_len, cfg.vocab_size)
     if cfg.name == "cnn":
         return CNN(cfg.width, cfg.num_classes)
     return MLP(image_pixels, cfg.width, cfg.num_classes)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
@@ -9,9 +10,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise.config import ParallelConfig
+from shardwise.config import DEFAULT_BLOCK, ParallelConfig
 from shardwise.dist import DistContext
 from shardwise.memory import MemoryBreakdown, count_memory, local_tensor
+from shardwise.models.hf import decoder_layer_class
 from shardwise.precision import LossScaler, make_precision
 from shardwise.recompute import apply_recompute
 
@@ -41,8 +43,10 @@ class Strategy:
         raise NotImplementedError
 
     def prepare(self, model: nn.Module) -> nn.Module:
-        """What every strategy's `wrap` does first: checkpoint the blocks `parallel.recompute`
-        chooses, and move the model to this rank's device in the parameters' storage dtype."""
+        """What every strategy's `wrap` does first: settle the model's block class, checkpoint the
+        blocks `parallel.recompute` chooses, and move the model to this rank's device in the
+        parameters' storage dtype."""
+        self.cfg = dataclasses.replace(self.cfg, block=block_class(model, self.cfg.block))
         apply_recompute(model, self.cfg.recompute, self.cfg.block)
         return model.to(self.ctx.device, self.precision.param_dtype)
 
@@ -140,6 +144,14 @@ class Strategy:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The plain model's complete state dict, on CPU (gathered if sharded); valid on rank 0."""
         return {k: v.detach().cpu() for k, v in self.module.state_dict().items()}
+
+
+def block_class(model: nn.Module, block: str) -> str:
+    """`block`, unless it is the default and the model has no module of that class but declares its
+    layers (every transformers model does): then the declared layer class, found automatically."""
+    if block != DEFAULT_BLOCK or any(type(m).__name__ == block for m in model.modules()):
+        return block
+    return decoder_layer_class(model) or block
 
 
 class DeferrableSync(Strategy):

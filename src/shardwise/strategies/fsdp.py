@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
@@ -94,9 +95,11 @@ class ShardedDataParallel(HookedStrategy):
         if self.stage == 3:
             self._install_gather_hooks()
             for unit in self.units:
-                if self.precision.mixed:  # full parameters exist only to compute with: gather them in its dtype
-                    for param in unit.params:
+                for param in unit.params:
+                    if self.precision.mixed:  # full parameters exist only to compute with: gather them in its dtype
                         param.data = param.data.to(self.precision.compute_dtype)
+                    elif not param.untyped_storage().resizable():  # mapped from a file (from_pretrained): copy
+                        param.data = param.data.clone()
                 self._free(unit)
             self.peak_gathered_bytes = 0  # the peak counts from the first step
         return self.module
@@ -212,11 +215,14 @@ class ShardedDataParallel(HookedStrategy):
         for ahead in blocks[index + 1 : index + 1 + self.cfg.prefetch]:
             self._start_gather(ahead)
 
-    def _after_unit_forward(self, blocks: list[Unit], index: int, output: torch.Tensor) -> None:
+    def _after_unit_forward(self, blocks: list[Unit], index: int, output: object) -> None:
         if self.cfg.reshard_after_forward:
             self._free(blocks[index])
-        if isinstance(output, torch.Tensor) and output.requires_grad:
-            output.register_hook(lambda grad, i=index: self._before_unit_backward(blocks, i))
+        # A unit may return a tuple or a dict (many transformers layers do): the first gradient to
+        # reach any of its tensors gathers it again, the others find it gathered.
+        for tensor in pytree.tree_leaves(output):
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                tensor.register_hook(lambda grad, i=index: self._before_unit_backward(blocks, i))
 
     def _after_root_forward(self, module: nn.Module, args: object, output: object) -> None:
         if not torch.is_grad_enabled():  # no backward will follow (evaluation)
