@@ -47,6 +47,8 @@ def _add_train_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--nnodes", type=int, help="launch.nnodes: nodes in the job")
     p.add_argument("--node-rank", type=int, help="launch.node_rank: this node's rank")
     p.add_argument("--rdzv-endpoint", help="launch.rdzv_endpoint: HOST:PORT of node 0's rendezvous")
+    p.add_argument("--node-addr", metavar="ADDR", help="launch.node_addr: this node's IP address on the network "
+                   "the nodes share; the launcher and Gloo are set up to use the interface that holds it")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override any config key, e.g. --set train.lr=3e-4 (repeatable)")
 
@@ -72,6 +74,7 @@ def _train_config(args: argparse.Namespace) -> Config:
         "launch.nnodes": args.nnodes,
         "launch.node_rank": args.node_rank,
         "launch.rdzv_endpoint": args.rdzv_endpoint,
+        "launch.node_addr": args.node_addr,
     }
     return load_config(args.config, args.set, flags)
 

@@ -158,6 +158,9 @@ class LaunchConfig:
     nnodes: int = 1
     node_rank: int = 0
     rdzv_endpoint: str = "127.0.0.1:29500"
+    # This node's address on the network the nodes share (multi-node): the launcher derives its
+    # --local-addr, whether it hosts the rendezvous, and Gloo's interface from it (launch.py).
+    node_addr: str | None = None
     backend: str = "auto"
     timeout_s: float = 300.0  # a collective waiting longer fails, naming itself and the missing rank
     threads_per_rank: int = 1
@@ -366,6 +369,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         _positive(f"launch.{key}", getattr(launch, key))
     if not 0 <= launch.node_rank < launch.nnodes:
         raise ConfigError(f"launch.node_rank = {launch.node_rank}: must be in [0, launch.nnodes = {launch.nnodes})")
+    if launch.node_addr and launch.nnodes == 1:
+        raise ConfigError(f"launch.node_addr = {launch.node_addr!r}: only for several nodes (launch.nnodes > 1); "
+                          "one node rendezvous on loopback")
     _positive("run.log_every", cfg.run.log_every)
     if cfg.run.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError("run.tensorboard = true: the tensorboard package is not installed; "

@@ -1,13 +1,18 @@
 """Start workers through PyTorch's own launcher (torch.distributed.run), never a transport of our own.
 
 One node: a rendezvous on a free loopback port. Several nodes: c10d rendezvous at
-launch.rdzv_endpoint, with --nnodes and --node-rank passed through.
+launch.rdzv_endpoint, with --nnodes and --node-rank passed through; with launch.node_addr, what a
+node's launcher and Gloo need to know about that address is derived from it (node_addr_settings).
 """
 
 from __future__ import annotations
 
+import fcntl
+import ipaddress
 import os
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import time
@@ -16,7 +21,7 @@ import uuid
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from shardwise.config import LaunchConfig
+from shardwise.config import ConfigError, LaunchConfig
 
 
 class WorkerFailed(RuntimeError):
@@ -40,7 +45,63 @@ def torchrun_args(launch: LaunchConfig, entry: list[str]) -> list[str]:
             f"--rdzv-endpoint={launch.rdzv_endpoint}",
             "--rdzv-id=shardwise",
         ]
+        if launch.node_addr:
+            # The launcher publishes --local-addr to the others (else its hostname, which need not
+            # resolve to this node); c10d guesses whether it hosts the rendezvous store by comparing
+            # hostnames, which nodes sharing one (containers, namespaces) all match: say it.
+            host = "true" if launch.node_rank == 0 else "false"
+            args += [f"--local-addr={launch.node_addr}", f"--rdzv-conf=is_host={host}"]
     return args + ["-m", *entry]
+
+
+SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
+
+
+def _ipv4_of(interface: str) -> str | None:
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            answer = fcntl.ioctl(probe.fileno(), SIOCGIFADDR, struct.pack("256s", interface.encode()[:15]))
+        except OSError:  # no IPv4 address on it
+            return None
+    return socket.inet_ntoa(answer[20:24])
+
+
+def _ipv6_addresses() -> dict[str, str]:
+    """address -> interface, from the kernel's own table (hex address, index, prefix, scope, flags, name)."""
+    table = {}
+    try:
+        lines = open("/proc/net/if_inet6").read().splitlines()
+    except OSError:
+        return table
+    for line in lines:
+        fields = line.split()
+        table[str(ipaddress.IPv6Address(bytes.fromhex(fields[0])))] = fields[-1]
+    return table
+
+
+def interface_of(address: str) -> str:
+    """The name of this machine's network interface that holds `address` (Gloo binds by interface name)."""
+    try:
+        wanted = ipaddress.ip_address(address)
+    except ValueError:
+        raise ConfigError(f"launch.node_addr = {address!r}: not an IP address; give this node's address on the "
+                         "network the nodes share, e.g. --node-addr 10.0.0.2") from None
+    held = {_ipv4_of(name): name for _, name in socket.if_nameindex()} | _ipv6_addresses()
+    held.pop(None, None)
+    if str(wanted) not in held:
+        listed = ", ".join(f"{addr} ({name})" for addr, name in held.items())
+        raise ConfigError(f"launch.node_addr = {address!r}: no interface of this machine holds it; this machine "
+                         f"has {listed}")
+    return held[str(wanted)]
+
+
+def node_addr_settings(launch: LaunchConfig) -> dict[str, str]:
+    """Environment for the workers of a node at launch.node_addr: Gloo binds to the interface that
+    holds it (left to itself it binds to whatever the hostname resolves to, often 127.0.0.1, which
+    other nodes cannot reach)."""
+    if not launch.node_addr:
+        return {}
+    return {"GLOO_SOCKET_IFNAME": interface_of(launch.node_addr)}
 
 
 def _failure_message(error: ChildFailedError) -> str:
@@ -76,6 +137,7 @@ def launch_workers(launch: LaunchConfig, entry: list[str]) -> None:
 
     # torchrun would set this itself, with a warning; the config says how many threads a rank gets.
     os.environ["OMP_NUM_THREADS"] = str(launch.threads_per_rank)
+    os.environ.update(node_addr_settings(launch))
     if launch.max_restarts:
         # torch 2.13 reuses the rendezvous store across restarts, and restarted Gloo groups then
         # sometimes reach a dead peer's address or hang (pytorch#135712, #167288): one store each.

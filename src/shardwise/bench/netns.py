@@ -1,0 +1,233 @@
+"""Several "nodes" on one Linux machine: network namespaces joined by veth pairs to a bridge.
+
+Each node is a namespace with its own loopback and one interface holding its own address; the
+bridge lives in a namespace of its own (the switch), so nothing touches the host's network and
+every cluster is isolated from every other (names carry a random id, so parallel runs do not
+collide, and the same addresses serve all of them). A link can be rate-limited with a token
+bucket (`tc qdisc ... tbf`) on both of its ends, cut (`ip link set down`) and restored. Traffic
+between a node's own processes stays on its loopback, unlimited, as inside a real machine.
+
+    python -m shardwise.bench.netns up 2 [--rate 1gbit]      # prints the cluster's name and nodes
+    python -m shardwise.bench.netns train NAME CONFIG [--nproc N] [shardwise train flags ...]
+    python -m shardwise.bench.netns down NAME
+
+(scripts/netns-nodes.sh wraps these.) `train` starts `shardwise train` in every node with
+--nnodes, --node-rank, --node-addr and a c10d rendezvous on node 0's address. Needs root.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+SUBNET = "10.213.0"  # node i is SUBNET.(i+1)/24; each cluster is its own network, so all share it
+RDZV_PORT = 29400
+# tc's bucket must hold at least one of the largest packets the veth hands it (GSO makes them up
+# to 64 KiB), or tbf drops them all; a few ms of the rate beyond that smooths the bursts.
+MIN_BURST_BYTES = 256 * 1024
+
+
+class NetnsUnavailable(RuntimeError):
+    """Namespaces cannot be made here; the message says why."""
+
+
+def _ip(*args: str) -> None:
+    result = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if result.returncode:
+        raise NetnsUnavailable(f"`ip {' '.join(args)}` failed: {result.stderr.strip()}")
+
+
+def unavailable_reason() -> str | None:
+    """Why namespaces cannot be made on this machine, or None if they can (as far as can be told
+    without making one)."""
+    if os.geteuid() != 0:
+        return "network namespaces need root (run as root, as CI does)"
+    if shutil.which("ip") is None or shutil.which("tc") is None:
+        return "`ip` and `tc` (iproute2) are not installed"
+    return None
+
+
+def parse_rate(rate: str) -> float:
+    """Bytes per second of a tc rate such as 1gbit, 200mbit, 500kbit."""
+    units = {"gbit": 1e9, "mbit": 1e6, "kbit": 1e3, "bit": 1}
+    for unit, bits in units.items():
+        if rate.endswith(unit):
+            try:
+                return float(rate[: -len(unit)]) * bits / 8
+            except ValueError:
+                break
+    raise ValueError(f"rate {rate!r}: expected a number and a unit, e.g. 1gbit, 200mbit, 500kbit")
+
+
+@dataclass(frozen=True)
+class Node:
+    rank: int
+    netns: str
+    interface: str  # the node's end of its veth pair
+    port: str  # the switch's end
+    addr: str
+
+
+class Cluster:
+    """`nodes` namespaces on a bridge; a context manager that always removes what it made."""
+
+    def __init__(self, nodes: int, rate: str | None = None, name: str | None = None) -> None:
+        if not 1 <= nodes <= 250:
+            raise ValueError(f"nodes = {nodes}: expected 1 to 250")
+        self.name = name or f"sw{uuid.uuid4().hex[:6]}"
+        self.switch = f"{self.name}-switch"
+        self.nodes = [Node(i, f"{self.name}-n{i}", f"{self.name}n{i}", f"{self.name}p{i}", f"{SUBNET}.{i + 1}")
+                      for i in range(nodes)]
+        self.rate = rate
+        self.processes: list[subprocess.Popen] = []
+
+    def __enter__(self) -> Cluster:
+        self.up()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.down()
+
+    def up(self) -> None:
+        reason = unavailable_reason()
+        if reason:
+            raise NetnsUnavailable(reason)
+        try:
+            _ip("netns", "add", self.switch)
+            _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+            _ip("-n", self.switch, "link", "set", "br0", "up")
+            for node in self.nodes:
+                _ip("netns", "add", node.netns)
+                _ip("-n", node.netns, "link", "set", "lo", "up")
+                _ip("link", "add", node.interface, "netns", node.netns, "type", "veth",
+                    "peer", "name", node.port, "netns", self.switch)
+                _ip("-n", self.switch, "link", "set", node.port, "master", "br0")
+                _ip("-n", self.switch, "link", "set", node.port, "up")
+                _ip("-n", node.netns, "addr", "add", f"{node.addr}/24", "dev", node.interface)
+                _ip("-n", node.netns, "link", "set", node.interface, "up")
+            self.set_rate(self.rate)
+        except BaseException:
+            self.down()
+            raise
+
+    def set_rate(self, rate: str | None) -> None:
+        """Limit every link to `rate` (tc syntax, e.g. 1gbit) each way, or lift the limit (None)."""
+        self.rate = rate
+        for node in self.nodes:
+            for netns, interface in ((node.netns, node.interface), (self.switch, node.port)):
+                subprocess.run(["tc", "-n", netns, "qdisc", "del", "dev", interface, "root"], capture_output=True)
+                if rate is not None:
+                    burst = max(MIN_BURST_BYTES, int(parse_rate(rate) * 0.005))
+                    result = subprocess.run(["tc", "-n", netns, "qdisc", "add", "dev", interface, "root", "tbf",
+                                             "rate", rate, "burst", str(burst), "latency", "100ms"],
+                                            capture_output=True, text=True)
+                    if result.returncode:
+                        raise NetnsUnavailable(f"tc tbf on {interface} in {netns} failed: {result.stderr.strip()}")
+
+    def cut(self, rank: int) -> None:
+        """Take node `rank`'s link down, as a pulled cable or a dead switch port would."""
+        _ip("-n", self.switch, "link", "set", self.nodes[rank].port, "down")
+
+    def restore(self, rank: int) -> None:
+        _ip("-n", self.switch, "link", "set", self.nodes[rank].port, "up")
+
+    def popen(self, rank: int, argv: list[str], **kwargs: object) -> subprocess.Popen:
+        """Start `argv` inside node `rank`'s namespace."""
+        process = subprocess.Popen(["ip", "netns", "exec", self.nodes[rank].netns, *argv], **kwargs)
+        self.processes.append(process)
+        return process
+
+    def train_argv(self, rank: int, config: str, nproc: int, flags: list[str]) -> list[str]:
+        """`shardwise train` as node `rank` of this cluster runs it."""
+        return [sys.executable, "-m", "shardwise.cli", "train", config, "--nproc", str(nproc),
+                "--nnodes", str(len(self.nodes)), "--node-rank", str(rank),
+                "--rdzv-endpoint", f"{self.nodes[0].addr}:{RDZV_PORT}", "--node-addr", self.nodes[rank].addr,
+                *flags]
+
+    def train(self, config: str, flags: list[str], nproc: int = 1, **kwargs: object) -> list[subprocess.Popen]:
+        """Start `shardwise train CONFIG FLAGS` on every node; one process per node, node 0 first."""
+        return [self.popen(node.rank, self.train_argv(node.rank, config, nproc, flags), **kwargs)
+                for node in self.nodes]
+
+    def down(self) -> None:
+        """Kill what runs in the namespaces (what this cluster started, and their children) and
+        remove them, the veths and the bridge with them. Safe to call twice."""
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+        for netns in [node.netns for node in self.nodes] + [self.switch]:
+            kill_and_remove(netns)
+        for process in self.processes:
+            process.wait()
+
+
+def kill_and_remove(netns: str) -> None:
+    """Kill every process inside namespace `netns` (a namespace lives on while one does), then delete it."""
+    pids = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True).stdout.split()
+    for pid in pids:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    subprocess.run(["ip", "netns", "del", netns], capture_output=True)
+
+
+def _namespaces(name: str) -> list[str]:
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split("\n")
+    return [line.split()[0] for line in listed if line.startswith(f"{name}-")]
+
+
+def _cluster_of(name: str) -> Cluster:
+    nodes = sum(1 for netns in _namespaces(name) if netns.startswith(f"{name}-n"))
+    if not nodes:
+        raise SystemExit(f"no cluster named {name!r}: `ip netns list` shows no {name}-n0")
+    return Cluster(nodes, name=name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m shardwise.bench.netns", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+    up = commands.add_parser("up", help="make N nodes on a bridge; prints the cluster's name")
+    up.add_argument("nodes", type=int)
+    up.add_argument("--rate", help="limit every link to this rate each way (tc syntax: 1gbit, 200mbit)")
+    train = commands.add_parser("train", help="run `shardwise train` on every node of a cluster, wait for all")
+    train.add_argument("name")
+    train.add_argument("config")
+    train.add_argument("--nproc", type=int, default=1, help="processes per node")
+    down = commands.add_parser("down", help="kill what runs in a cluster's nodes and remove them")
+    down.add_argument("name")
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "up":
+        cluster = Cluster(args.nodes, args.rate)
+        try:
+            cluster.up()
+        except NetnsUnavailable as error:
+            print(f"netns: {error}", file=sys.stderr)
+            return 2
+        print(cluster.name)
+        for node in cluster.nodes:
+            print(f"  node {node.rank}: ip netns exec {node.netns} ...  address {node.addr} on {node.interface}")
+        return 0
+    if rest and args.command != "train":
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    cluster = _cluster_of(args.name)
+    if args.command == "down":
+        for netns in _namespaces(args.name):
+            kill_and_remove(netns)
+        return 0
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    processes = cluster.train(args.config, rest, args.nproc, env=env)
+    return max(process.wait() for process in processes)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""What `--node-addr` derives for the launcher and Gloo (no namespaces needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from shardwise.config import ConfigError, LaunchConfig, load_config
+from shardwise.launch import interface_of, node_addr_settings, torchrun_args
+
+
+def test_node_0_hosts_the_rendezvous_and_every_node_publishes_its_address():
+    for rank, hosts in ((0, "true"), (1, "false")):
+        launch = LaunchConfig(nnodes=2, node_rank=rank, rdzv_endpoint="10.0.0.1:29400", node_addr=f"10.0.0.{rank + 1}")
+        args = torchrun_args(launch, ["shardwise.worker", "c.toml"])
+        assert f"--local-addr=10.0.0.{rank + 1}" in args
+        assert f"--rdzv-conf=is_host={hosts}" in args
+        assert "--rdzv-endpoint=10.0.0.1:29400" in args and f"--node-rank={rank}" in args
+
+
+def test_gloo_binds_to_the_interface_that_holds_the_address():
+    assert interface_of("127.0.0.1") == "lo"
+    assert interface_of("::1") == "lo"
+    assert node_addr_settings(LaunchConfig(nnodes=2, node_addr="127.0.0.1")) == {"GLOO_SOCKET_IFNAME": "lo"}
+    assert node_addr_settings(LaunchConfig(nnodes=2)) == {}
+
+
+@pytest.mark.parametrize(("address", "words"), [("198.51.100.254", "no interface of this machine holds it"),
+                                                ("node-0", "not an IP address")])
+def test_an_address_this_machine_does_not_hold_is_refused_naming_it(address, words):
+    with pytest.raises(ConfigError, match=f"launch.node_addr = '{address}': {words}"):
+        interface_of(address)
+
+
+def test_node_addr_on_one_node_is_refused():
+    with pytest.raises(ConfigError, match="launch.node_addr = '10.0.0.1': only for several nodes"):
+        load_config(None, ["launch.node_addr='10.0.0.1'"])
