@@ -21,7 +21,7 @@ import torch
 
 from shardwise.recompute import parse_policy
 
-STRATEGIES = ("single", "dp", "ddp", "ddp-native", "zero1", "zero2", "fsdp", "fsdp-native", "pipeline",
+STRATEGIES = ("single", "dp", "ddp", "ddp-native", "zero1", "zero2", "fsdp", "fsdp-native", "hsdp", "pipeline",
               "model-parallel", "tensor", "param-server")
 PIPELINES = ("pipeline", "model-parallel")
 # Strategies that split the model over a dp x pp x tp device mesh; the rest are data parallel over the world.
@@ -32,7 +32,7 @@ PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
 REDUCE_DTYPES = ("fp32", "bf16")
 ALL_REDUCES = ("backend", "ring")
 GRAD_COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
-SHARDED = ("zero1", "zero2", "fsdp", "fsdp-native")
+SHARDED = ("zero1", "zero2", "fsdp", "fsdp-native", "hsdp")
 HF_MODELS = ("hf-llama", "hf-gpt2")  # transformers models of the GPT presets' sizes (models/hf.py)
 # Models of token sequences: sized by a GPT preset, trained on text.
 LANGUAGE_MODELS = ("gpt", *HF_MODELS)

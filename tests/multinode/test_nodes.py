@@ -48,3 +48,14 @@ def test_dp_x_pp_over_2_nodes_of_2_processes_trains_as_one_process_does(two_node
     train_on_nodes(two_nodes, tmp_path, "--strategy", "pipeline", "--dp", "2", "--pp", "2", "--steps", str(STEPS),
                    "--set", "parallel.micro_batches=2", nproc=2)
     assert_same_training(tmp_path, single, STEPS)
+
+
+def test_hsdp_over_2_nodes_of_2_processes_trains_as_one_process_does(two_nodes, single, tmp_path):
+    sent_before = bytes_sent(two_nodes, 1)
+    train_on_nodes(two_nodes, tmp_path, "--strategy", "hsdp", "--steps", str(STEPS), "--set", "train.micro_batch=2",
+                   nproc=2)
+    assert_same_training(tmp_path, single, STEPS)
+    # Across the link go only the gradient shards' all-reduce: per step each of node 1's 2 ranks sends
+    # its half of a half of the gradients, far less than fsdp's gathers of the whole model.
+    sent = bytes_sent(two_nodes, 1) - sent_before
+    assert STEPS * PARAM_BYTES / 2 < sent < STEPS * PARAM_BYTES * 1.5

@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Placement, Shard
 
 from shardwise.dist import broadcast_from_rank0
 from shardwise.memory import MemoryBreakdown, count_memory, storage_bytes
@@ -73,18 +73,16 @@ class ShardedDataParallel(HookedStrategy):
         if self.cfg.sync_batchnorm:
             model = convert_sync_batchnorm(model)
         self.module = self.prepare(model)
-        self.world = self.ctx.world_size
-        self.rank = self.ctx.rank
         scalars = [name for name, p in self.module.named_parameters() if p.dim() == 0]
         if scalars:
             raise ValueError(f"{self.name}: parameters {', '.join(scalars)} are 0-dim; sharding splits dim 0")
+        self._init_mesh()
         broadcast_from_rank0([*self.module.parameters(), *self.module.buffers()])
         self.units = self._make_units()
         self.root = self.units[-1]
         self._unit_of = {id(p): unit for unit in self.units for p in unit.params}
         rows_of = {id(p): rows for unit in self.units for p, rows in zip(unit.params, unit.rows, strict=True)}
         self._layout = {name: (p, rows_of[id(p)]) for name, p in self.module.named_parameters()}
-        self._mesh: DeviceMesh = init_device_mesh(self.ctx.device.type, (self.world,))
         for unit in self.units:
             for param in unit.params:
                 param.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -103,6 +101,15 @@ class ShardedDataParallel(HookedStrategy):
                 self._free(unit)
             self.peak_gathered_bytes = 0  # the peak counts from the first step
         return self.module
+
+    def _init_mesh(self) -> None:
+        """Shard over every rank: `group` (None: the world) is what parameters are split over,
+        `world` its size and `rank` this rank's place in it; checkpoints see each shard as a
+        DTensor with `placements` on `_mesh`. (hsdp.py shards within a node instead.)"""
+        self._mesh: DeviceMesh = init_device_mesh(self.ctx.device.type, (self.ctx.world_size,))
+        self.group: dist.ProcessGroup | None = None
+        self.world, self.rank = self.ctx.world_size, self.ctx.rank
+        self._placements: list[Placement] = [Shard(0)]
 
     # --- sharding layout ------------------------------------------------------------------
 
@@ -152,7 +159,7 @@ class ShardedDataParallel(HookedStrategy):
             return
         send = unit.shard_buffer.to(unit.full_dtype)
         out = torch.empty(self.world * send.numel(), dtype=send.dtype, device=send.device)
-        work = dist.all_gather_single(out, send, async_op=True)
+        work = dist.all_gather_single(out, send, group=self.group, async_op=True)
         self.bytes_moved += (out.numel() + send.numel()) * out.element_size()
         unit.pending_gather = (work, out)
         self._count_gathered(out.numel() * out.element_size())
@@ -262,7 +269,8 @@ class ShardedDataParallel(HookedStrategy):
             if self.stage >= 2:
                 param.grad = None
         shard_grad = torch.empty(numel, dtype=packed.dtype, device=packed.device)
-        work = dist.reduce_scatter_single(shard_grad, packed.view(-1), op=dist.ReduceOp.AVG, async_op=True)
+        work = dist.reduce_scatter_single(shard_grad, packed.view(-1), op=dist.ReduceOp.AVG, group=self.group,
+                                          async_op=True)
         self.bytes_moved += (packed.numel() + numel) * packed.element_size()
         self._reductions.append((work, unit, shard_grad))
 
@@ -318,7 +326,7 @@ class ShardedDataParallel(HookedStrategy):
         then over ranks; each parameter is one shard per rank, so nothing is counted twice."""
         grads = [s.grad for s in self.local_parameters() if s.grad is not None]
         squares = torch.stack([g.pow(2).sum() for g in grads]).sum()
-        dist.all_reduce(squares)
+        dist.all_reduce(squares, group=self.group)
         norm = squares.sqrt()
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         for grad in grads:
@@ -342,7 +350,7 @@ class ShardedDataParallel(HookedStrategy):
         for unit in self.units:
             out = torch.empty(self.world * unit.shard_buffer.numel(), dtype=unit.shard_buffer.dtype,
                               device=unit.shard_buffer.device)
-            dist.all_gather_single(out, unit.shard_buffer)
+            dist.all_gather_single(out, unit.shard_buffer, group=self.group)
             for param, rows, offset in zip(unit.params, unit.rows, unit.offsets, strict=True):
                 full[id(param)] = torch.empty(param.shape, dtype=out.dtype, device=out.device)
                 self._copy_out(full[id(param)], rows, offset, out.view(self.world, -1))
@@ -358,7 +366,7 @@ class ShardedDataParallel(HookedStrategy):
         """This rank's shard as a DTensor sharded along dim 0 over the world, padding dropped:
         torch.chunk's layout, which is DTensor's, so checkpoints reshard to any world size."""
         param, rows = self._layout[name]
-        return DTensor.from_local(local[: self._real_rows(param, rows, self.rank)], self._mesh, [Shard(0)],
+        return DTensor.from_local(local[: self._real_rows(param, rows, self.rank)], self._mesh, self._placements,
                                   run_check=False, shape=param.shape, stride=param.stride())
 
     def after_state_loaded(self) -> None:
