@@ -18,12 +18,15 @@ from shardwise.checkpoint import consolidate
 from shardwise.config import load_config
 from shardwise.dist import DistContext
 from shardwise.models import build_model
+from shardwise.planner.candidates import Candidate
+from shardwise.planner.memory import predict_memory
 from shardwise.trainer import Trainer
 
 FOUR_RANKS = ("train.micro_batch=2",)  # a global batch of 8 over 4 ranks
 # Parameters are compared after 20 steps, as every parity test does: over 40, Adam's normalisation
 # lets summation-order noise in attention's query and key gradients reach ~5e-6 in a few weights.
 PARITY_STEPS = 20
+PLANNED = Candidate("hsdp", 4, 1, 1, "fp32", "none", 2, shard=2)  # what the planner proposes for 2 nodes x 2
 
 
 def two_nodes_of_two(ctx: DistContext, root: Path) -> dict:
@@ -32,7 +35,11 @@ def two_nodes_of_two(ctx: DistContext, root: Path) -> dict:
     trainer = Trainer(cfg_for(root / "parity", "hsdp", ctx.world_size, *FOUR_RANKS, f"train.steps={PARITY_STEPS}"), ctx)
     trainer.fit()
     shards = torch.cat([shard.detach().reshape(-1) for shard in trainer.strategy.local_parameters()])
-    return {**states, "shards": shards, "group_size": trainer.strategy.world}
+    base = cfg_for(root / "planned", "hsdp", ctx.world_size, *FOUR_RANKS)
+    planned = Trainer(PLANNED.config(base, ctx.world_size), ctx)
+    planned.train_step(0)
+    memory = planned.strategy.memory(planned.activation_bytes).as_dict()
+    return {**states, "shards": shards, "group_size": trainer.strategy.world, "memory": memory}
 
 
 @pytest.fixture(scope="module")
@@ -68,3 +75,11 @@ def test_hsdp_resumes_bit_identically_and_its_checkpoint_consolidates(hsdp, tmp_
     assert expected.keys() <= got.keys()  # consolidate writes a tied weight under both names, save_model once
     for key in expected:
         assert torch.equal(got[key], expected[key]), key
+
+
+def test_the_planners_hsdp_memory_is_what_each_rank_holds(hsdp):
+    root, ranks = hsdp
+    predicted = predict_memory(PLANNED, PLANNED.config(cfg_for(root / "planned", "hsdp", 4, *FOUR_RANKS), 4))[0]
+    for rank in ranks:
+        for key in ("params", "grads", "optimizer", "activations"):
+            assert getattr(predicted, key) == rank["memory"][key], key

@@ -29,11 +29,13 @@ class Candidate:
     micro_batch: int  # samples per forward on one model replica (train.micro_batch)
     micro_batches: int = 1  # pipeline: micro-batches per pipeline run (parallel.micro_batches)
     schedule: str | None = None  # pipeline: gpipe or 1f1b
+    shard: int | None = None  # hsdp: the ranks each parameter is split over (one node's); dp / shard replicas
 
     @property
     def label(self) -> str:
         mesh = f"dp{self.dp}" + (f" pp{self.pp}" if self.pp > 1 else "") + (f" tp{self.tp}" if self.tp > 1 else "")
         pipe = f" M{self.micro_batches} {self.schedule}" if self.strategy == "pipeline" else ""
+        pipe += f" shard{self.shard}" if self.shard else ""
         return f"{self.strategy} {mesh}{pipe} {self.precision} rc={self.recompute} mb={self.micro_batch}"
 
     def as_dict(self) -> dict[str, object]:
@@ -59,10 +61,13 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _meshes(world: int) -> Iterator[tuple[str, int, int, int]]:
-    """(strategy, dp, pp, tp) for every strategy and factorisation of the world it can use."""
+def _meshes(world: int, nodes: int) -> Iterator[tuple[str, int, int, int]]:
+    """(strategy, dp, pp, tp) for every strategy and factorisation of the world it can use; hsdp
+    only on several nodes (on one it is fsdp)."""
     for strategy in DATA_PARALLEL:
         yield strategy, world, 1, 1
+    if nodes > 1:
+        yield "hsdp", world, 1, 1
     for pp in _divisors(world):
         for tp in _divisors(world // pp):
             dp = world // pp // tp
@@ -80,12 +85,13 @@ def micro_batch_options(per_replica: int) -> list[int]:
 
 def enumerate_candidates(base: Config, world: int, precisions: tuple[str, ...] = DEFAULT_PRECISIONS,
                          policies: tuple[str, ...] = POLICIES,
-                         micro_batches: list[int] | None = None) -> tuple[list[Candidate], dict[str, str]]:
-    """Every candidate the trainer accepts for `base` on `world` ranks, and for each mesh none
-    of whose variants it accepts, why (the first ConfigError)."""
+                         micro_batches: list[int] | None = None,
+                         nodes: int = 1) -> tuple[list[Candidate], dict[str, str]]:
+    """Every candidate the trainer accepts for `base` on `world` ranks (`nodes` nodes of them), and
+    for each mesh none of whose variants it accepts, why (the first ConfigError)."""
     found: list[Candidate] = []
     refused: dict[str, str] = {}
-    for strategy, dp, pp, tp in _meshes(world):
+    for strategy, dp, pp, tp in _meshes(world, nodes):
         mesh_found = len(found)
         first_error = None
         # An indivisible global batch still gets a candidate, for validate() to name the reason.
@@ -94,7 +100,8 @@ def enumerate_candidates(base: Config, world: int, precisions: tuple[str, ...] =
             for policy in policies:
                 for micro_batch in sizes:
                     for m, schedule in _pipeline_runs(strategy, micro_batch):
-                        candidate = Candidate(strategy, dp, pp, tp, precision, policy, micro_batch, m, schedule)
+                        shard = world // nodes if strategy == "hsdp" else None
+                        candidate = Candidate(strategy, dp, pp, tp, precision, policy, micro_batch, m, schedule, shard)
                         try:
                             candidate.config(base, world)
                         except ConfigError as error:

@@ -91,7 +91,8 @@ def trace_key(shape: GPTConfig, candidate: Candidate, tp: int = 1) -> TraceKey:
     """What the forward looks like under `candidate`: parameters as they are while computing
     (fsdp gathers mixed precision's in the compute dtype) and autocast when mixed."""
     precision = make_precision(candidate.precision)
-    computing = precision.compute_dtype if candidate.strategy == "fsdp" and precision.mixed else precision.param_dtype
+    gathers = candidate.strategy in ("fsdp", "hsdp")
+    computing = precision.compute_dtype if gathers and precision.mixed else precision.param_dtype
     return TraceKey(shape, computing, precision.compute_dtype if precision.mixed else None, tp)
 
 
@@ -110,17 +111,20 @@ def predict_memory(candidate: Candidate, cfg: Config, margin: float = DEFAULT_MA
 
 def _data_parallel(c: Candidate, cfg: Config, shape: GPTConfig) -> RankMemory:
     facts = model_facts(shape)
-    world = c.dp
+    world = c.shard or c.dp  # the ranks each parameter is split over: hsdp's is one node
     precision = make_precision(c.precision, cfg.parallel.reduce_dtype)
     stored = dtype_bytes(precision.param_dtype)
     full, count = facts.params_total, facts.tensor_count
     shard = sum(unit.sharded_numel(world) for unit in facts.units)
-    held_params = {"ddp": full, "zero1": full + shard, "zero2": full + shard, "fsdp": shard}[c.strategy]
-    held_grads = {"ddp": full, "zero1": full + shard, "zero2": shard, "fsdp": shard}[c.strategy]
+    kind = "fsdp" if c.strategy == "hsdp" else c.strategy  # hsdp holds what fsdp over its node does
+    held_params = {"ddp": full, "zero1": full + shard, "zero2": full + shard, "fsdp": shard}[kind]
+    held_grads = {"ddp": full, "zero1": full + shard, "zero2": shard, "fsdp": shard}[kind]
     optimizer = optimizer_bytes(full if c.strategy == "ddp" else shard, count, stored, cfg)
     saved = saved_bytes(trace_key(shape, c)).stage(0, shape.n_layer, True, True, c.recompute, c.micro_batch)
-    return RankMemory(held_params * stored, held_grads * stored, optimizer, saved,
-                      _sharded_buffers(c, cfg, facts.units, world, stored))
+    buffers = _sharded_buffers(c, cfg, facts.units, world, stored)
+    if c.strategy == "hsdp" and c.dp > world:
+        buffers += shard * stored  # the packed gradient shards all-reduced across nodes
+    return RankMemory(held_params * stored, held_grads * stored, optimizer, saved, buffers)
 
 
 def _sharded_buffers(c: Candidate, cfg: Config, units: list[Tensors], world: int, stored: int) -> int:
@@ -133,7 +137,7 @@ def _sharded_buffers(c: Candidate, cfg: Config, units: list[Tensors], world: int
     padded = [world * unit.sharded_numel(world) for unit in units]
     largest = sorted(padded, reverse=True)[:UNITS_IN_FLIGHT]
     kept_whole = 0
-    if c.strategy in ("zero2", "fsdp") and cfg.train.global_batch > world * c.micro_batch:
+    if c.strategy in ("zero2", "fsdp", "hsdp") and cfg.train.global_batch > c.dp * c.micro_batch:
         kept_whole = sum(unit.numel for unit in units) * stored  # full gradients between micro-steps
     if c.strategy == "zero1":  # every unit's reduce-scatter at the end of backward; two gathers after the step
         return max(sum(padded) * reduce, sum(largest) * stored)

@@ -88,7 +88,7 @@ def make_plan(cfg: Config, world: int, device: DeviceProfile, *, nodes: int = 1,
     gpt_shape(cfg.model)  # only the GPT can be planned: say so before anything else
     device = dataclasses.replace(device, gpus_per_node=world // nodes)
     limit = memory_limit(device, memory_gb)
-    candidates, refused = enumerate_candidates(cfg, world, precisions, policies, micro_batches)
+    candidates, refused = enumerate_candidates(cfg, world, precisions, policies, micro_batches, nodes)
     if not candidates:
         reasons = "\n".join(f"  {mesh}: {why}" for mesh, why in refused.items())
         raise PlanError(f"no candidate can train this config on {world} ranks; each way of using them is refused:\n"
@@ -102,7 +102,7 @@ def make_plan(cfg: Config, world: int, device: DeviceProfile, *, nodes: int = 1,
     plan = Plan(cfg, world, nodes, world // nodes, device, limit, margin, fitting + over, refused, recommended,
                 _reason(fitting, over, limit))
     if max_batch:
-        plan.max_batch = largest_micro_batches(cfg, world, device, limit, margin, precisions, policies)
+        plan.max_batch = largest_micro_batches(cfg, world, device, limit, margin, precisions, policies, nodes)
     return plan
 
 
@@ -128,7 +128,8 @@ def _reason(fitting: list[Evaluated], over: list[Evaluated], limit: int) -> str:
 
 
 def largest_micro_batches(cfg: Config, world: int, device: DeviceProfile, limit: int, margin: float,
-                          precisions: tuple[str, ...], policies: tuple[str, ...]) -> list[dict[str, object]]:
+                          precisions: tuple[str, ...], policies: tuple[str, ...],
+                          nodes: int = 1) -> list[dict[str, object]]:
     """For every strategy, mesh, precision and recomputation, the largest micro-batch (samples per
     forward on one replica) whose predicted memory fits; 0 if not even one sample does. Each
     is searched with the global batch set to one micro-batch per replica."""
@@ -136,7 +137,7 @@ def largest_micro_batches(cfg: Config, world: int, device: DeviceProfile, limit:
     # The shapes to search: every candidate with a micro-batch of 8, so pipelines offer M = 2, 4, 8.
     probe = copy.deepcopy(cfg)
     probe.train.global_batch = world * 8
-    shapes, _ = enumerate_candidates(probe, world, precisions, policies, micro_batches=[8])
+    shapes, _ = enumerate_candidates(probe, world, precisions, policies, micro_batches=[8], nodes=nodes)
     for shape in {dataclasses.replace(c, micro_batch=c.micro_batches) for c in shapes}:
         key = (shape.strategy, shape.dp, shape.pp, shape.tp, shape.precision, shape.recompute, shape.micro_batches,
                shape.schedule)

@@ -16,7 +16,8 @@ each strategy hides behind computation.
   `ddp` all-reduces buckets during the last backward; `zero1` reduce-scatters after backward and
   all-gathers after the step, nothing hidden; `zero2` reduce-scatters during backward, all-gathers
   after the step; `fsdp` all-gathers each unit during the previous one's forward and backward and
-  reduce-scatters during backward, only the first gather exposed; `pipeline` idles
+  reduce-scatters during backward, only the first gather exposed; `hsdp` is `fsdp` over a node's
+  ranks plus an all-reduce of the gradient shards across nodes after backward, exposed; `pipeline` idles
   (P-1)/(M+P-1) of the schedule (the bubble) and sends activations on the critical path during
   fill and drain; `tensor` all-reduces activations 4 times per block on the critical path; the
   model-splitting strategies' dp all-reduce runs after backward.
@@ -31,6 +32,7 @@ each strategy hides behind computation.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass
 
@@ -117,6 +119,8 @@ def predict_step_time(c: Candidate, cfg: Config, device: DeviceProfile, world: i
         return _pipeline(c, cfg, shape, device)
     if c.strategy == "tensor":
         return _tensor(c, cfg, shape, device)
+    if c.strategy == "hsdp":
+        return _hsdp(c, cfg, shape, device, world)
     return _data_parallel(c, cfg, shape, device, world)
 
 
@@ -181,6 +185,21 @@ def _data_parallel(c: Candidate, cfg: Config, shape: GPTConfig, device: DevicePr
         exposed += _hidden(reduce, max(0.0, backward - gather), device.overlap)
         stepped = padded // c.dp
     return StepTime(compute, comm, exposed, 0.0, _optimizer_s(stepped, stored, cfg, device))
+
+
+def _hsdp(c: Candidate, cfg: Config, shape: GPTConfig, device: DeviceProfile, world: int) -> StepTime:
+    """fsdp within a node (on the node's share of the global batch), then the gradient shards
+    all-reduced across the nodes after backward, nothing left to hide behind."""
+    replicas = c.dp // c.shard
+    node_batch = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train,
+                                                                     global_batch=cfg.train.global_batch // replicas))
+    within = _data_parallel(dataclasses.replace(c, strategy="fsdp", dp=c.shard, shard=None), node_batch, shape,
+                            device, c.shard)
+    stored = dtype_bytes(make_precision(c.precision).param_dtype)
+    shards = sum(unit.sharded_numel(c.shard) for unit in model_facts(shape).units) * stored
+    across = all_reduce_s(shards, replicas, device.bandwidth(replicas > 1), device.latency_s)
+    return dataclasses.replace(within, communication_s=within.communication_s + across,
+                               exposed_communication_s=within.exposed_communication_s + across)
 
 
 def _mesh_dp_all_reduce(c: Candidate, numel: int, device: DeviceProfile) -> float:
