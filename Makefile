@@ -42,6 +42,7 @@ bench: setup
 	$(BIN)/shardwise bench ps
 	$(BIN)/shardwise bench hardware
 	$(BIN)/shardwise bench planner
+	$(BIN)/shardwise bench multinode
 
 lint: setup
 	$(BIN)/ruff check src tests

@@ -289,9 +289,10 @@ def main(argv: list[str] | None = None) -> int:
                             "save and load against a plain write of the same bytes, and async save; hardware: this "
                             "machine's matmul throughput per dtype and collective bandwidths, as a device profile "
                             "for `shardwise plan`; planner: the planner's predictions against real runs; ps: the "
-                            "parameter server (sync, async), dp and ddp, whole jobs on the same model and workers. "
-                            "Writes "
-                            "bench/results/NAME.json (and --json FILE).")
+                            "parameter server (sync, async), dp and ddp, whole jobs on the same model and workers; "
+                            "multinode: ddp, fsdp and hsdp over 2 nodes (network namespaces; needs root) at 3 link "
+                            "rates, communication share measured and predicted. Writes bench/results/NAME.json (and "
+                            "--json FILE).")
     p.add_argument("name", choices=list(BENCHES), help="which benchmark")
     p.add_argument("--steps", type=int, default=12, help="measured steps per variant (checkpoint: rounds)")
     p.add_argument("--json", "--out", dest="json", help="also write the result to this file (for hardware: "

@@ -17,4 +17,5 @@ BENCHES = {  # name -> (module, ranks)
     "hardware": ("shardwise.bench.hardware", 2),  # a device profile for `shardwise plan --device FILE`
     "planner": ("shardwise.bench.planner", 2),  # the planner's predictions against real runs
     "ps": ("shardwise.bench.ps", 0),  # parameter server (sync, async), dp and ddp as whole jobs
+    "multinode": ("shardwise.bench.multinode", 0),  # makes its own nodes (namespaces, as root) and ranks
 }

@@ -1,0 +1,300 @@
+"""`shardwise bench multinode`: ddp, fsdp and hsdp over 2 nodes of 2 processes (network namespaces
+on a bridge, bench/netns.py), with the link between the nodes unlimited, at 1 Gbit/s and at 200
+Mbit/s (tc tbf, each way), gpt small on synthetic tokens: tokens/s and communication share,
+measured, beside the planner's prediction for the same case. Needs root (namespaces).
+
+Communication share, measured: the time a rank spends blocked in communication (inside a
+synchronous collective, or in `.wait()` on an asynchronous one, timed by wrapping
+torch.distributed's functions in the workers) over its step time, summed over the measured
+steps, averaged over ranks. That is what the planner calls exposed communication: what
+overlapping with computation did not hide. Predicted: the planner's `exposed_communication_s /
+total` on the `cpu` device profile with the link's rate as the inter-node bandwidth (per rank
+in the planner, which assumes a NIC per GPU: here a node's ranks share one link, which a ring over
+all ranks crosses with one flow each way, hsdp's shard all-reduces with one flow per process);
+unlimited, the veth is a memory copy like loopback, so the intra-node bandwidth.
+
+    python -m shardwise.bench.multinode [--steps N] [--json FILE]       # on the host, as root
+The same module is each node's launcher (`node`) and each rank (`worker`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+RATES = (None, "1gbit", "200mbit")
+STRATEGIES = ("ddp", "fsdp", "hsdp")
+NODES, NPROC = 2, 2
+WARMUP_STEPS = 2
+# What the ranks call to communicate, wrapped to time how long they block in it.
+COLLECTIVES = ("all_reduce", "all_gather_single", "reduce_scatter_single", "all_gather_into_tensor",
+               "reduce_scatter_tensor", "broadcast", "all_gather", "barrier", "send", "recv")
+
+
+# --- in each rank ----------------------------------------------------------------------------
+
+class BlockedClock:
+    """Seconds this process has spent blocked in communication since the last reset."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def timed(self, call: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(call)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            started = time.perf_counter()
+            result = call(*args, **kwargs)
+            self.seconds += time.perf_counter() - started
+            return TimedWork(result, self) if kwargs.get("async_op") and result is not None else result
+
+        return wrapper
+
+
+class TimedWork:
+    """An asynchronous collective's handle whose wait() is timed."""
+
+    def __init__(self, work: Any, clock: BlockedClock) -> None:
+        self._work, self._clock = work, clock
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        try:
+            return self._work.wait(*args, **kwargs)
+        finally:
+            self._clock.seconds += time.perf_counter() - started
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+def instrument() -> BlockedClock:
+    import torch.distributed as dist
+
+    clock = BlockedClock()
+    for name in COLLECTIVES:
+        setattr(dist, name, clock.timed(getattr(dist, name)))
+    return clock
+
+
+def case_config(strategy: str, world: int, preset: str, micro_batch: int, steps: int) -> Any:
+    from shardwise.bench.common import bench_config
+
+    return bench_config(strategy, world, micro_batch, steps, f"model.preset={preset}")
+
+
+def worker(args: argparse.Namespace) -> None:
+    """Every strategy built once; at each rate (set by the host when rank 0 asks for it, through
+    files in args.handshake) each strategy in turn runs WARMUP_STEPS + args.steps steps, timed."""
+    from shardwise.dist import init_distributed, leave_process, shutdown_distributed
+    from shardwise.trainer import Trainer
+
+    ctx = init_distributed("gloo", timeout_s=900, threads_per_rank=1)
+    clock = instrument()
+    strategies, rates = args.strategies.split(","), args.rates.split(",")
+    total = len(rates) * (WARMUP_STEPS + args.steps)
+    trainers = {name: Trainer(case_config(name, ctx.world_size, args.preset, args.micro_batch, total), ctx)
+                for name in strategies}
+    handshake = Path(args.handshake)
+    timings: dict[str, dict[str, list[float]]] = {}
+    for index, rate in enumerate(rates):
+        if ctx.is_main:
+            (handshake / f"want-{index}").write_text(rate)
+            while not (handshake / f"set-{index}").exists():
+                time.sleep(0.05)
+        ctx.barrier()
+        for name, trainer in trainers.items():
+            steps, blocked = [], []
+            for k in range(index * (WARMUP_STEPS + args.steps), (index + 1) * (WARMUP_STEPS + args.steps)):
+                ctx.barrier()
+                clock.seconds = 0.0
+                started = time.perf_counter()
+                trainer.train_step(k).item()  # .item() waits for the step to finish
+                trainer.optimizer.zero_grad(set_to_none=True)
+                steps.append(time.perf_counter() - started)
+                blocked.append(clock.seconds)
+            timings[f"{name}@{rate}"] = {"step_times_s": steps[WARMUP_STEPS:], "blocked_s": blocked[WARMUP_STEPS:]}
+    every = ctx.all_gather_object(timings)
+    if ctx.is_main:
+        (handshake / "result.json").write_text(json.dumps(every))
+    shutdown_distributed()
+    leave_process()
+
+
+# --- each node's launcher --------------------------------------------------------------------
+
+def node(args: argparse.Namespace, worker_args: list[str]) -> None:
+    from shardwise.config import LaunchConfig
+    from shardwise.launch import launch_workers
+
+    launch = LaunchConfig(nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
+                          rdzv_endpoint=args.rdzv_endpoint, node_addr=args.node_addr)
+    launch_workers(launch, ["shardwise.bench.multinode", "worker", *worker_args])
+
+
+# --- on the host -----------------------------------------------------------------------------
+
+def predict(strategy: str, rate: str | None, preset: str, micro_batch: int, nproc: int) -> dict[str, float]:
+    """The planner's step time and communication for the case, on the cpu profile with the link's rate."""
+    from shardwise.bench.netns import parse_rate
+    from shardwise.planner import load_profile
+    from shardwise.planner.candidates import Candidate
+    from shardwise.planner.timing import predict_step_time
+
+    world = NODES * nproc
+    cpu = load_profile("cpu")
+    link = cpu.intra_node_bandwidth if rate is None else parse_rate(rate)
+    # The planner's inter-node bandwidth is per rank (a NIC per GPU); here a node's ranks share one
+    # link. A ring over all ranks crosses it with one flow each way; hsdp's all-reduces, one per
+    # shard, cross it all at once.
+    per_rank = link / nproc if strategy == "hsdp" else link
+    device = dataclasses.replace(cpu, inter_node_bandwidth=per_rank, gpus_per_node=nproc)
+    candidate = Candidate(strategy, world, 1, 1, "fp32", "none", micro_batch,
+                          shard=nproc if strategy == "hsdp" else None)
+    step = predict_step_time(candidate, case_config(strategy, world, preset, micro_batch, 1), device, world)
+    return {"step_time_s": step.total, "communication_s": step.communication_s,
+            "exposed_communication_s": step.exposed_communication_s,
+            "communication_share": step.exposed_communication_s / step.total}
+
+
+def run_job(cluster: Any, strategies: tuple[str, ...], rates: tuple[str | None, ...], steps: int, preset: str,
+            micro_batch: int, nproc: int) -> dict[str, list[dict[str, list[float]]]]:
+    """One job on every node of `cluster` that runs every strategy at every rate, the host setting
+    the link's rate when rank 0 asks for the next; each case's timings, per rank."""
+    from shardwise.bench.netns import RDZV_PORT
+
+    names = ["unlimited" if rate is None else rate for rate in rates]
+    with tempfile.TemporaryDirectory() as tmp:
+        handshake = Path(tmp)
+        worker_args = ["--strategies", ",".join(strategies), "--rates", ",".join(names), "--steps", str(steps),
+                       "--preset", preset, "--micro-batch", str(micro_batch), "--handshake", tmp]
+        processes = [cluster.popen(n.rank, [sys.executable, "-m", "shardwise.bench.multinode", "node",
+                                            "--nproc", str(nproc), "--nnodes", str(len(cluster.nodes)),
+                                            "--node-rank", str(n.rank), "--node-addr", n.addr,
+                                            "--rdzv-endpoint", f"{cluster.nodes[0].addr}:{RDZV_PORT}", *worker_args],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                     for n in cluster.nodes]
+        errors = [tempfile.TemporaryFile(mode="w+") for _ in processes]
+        readers = [_drain(process, error) for process, error in zip(processes, errors, strict=True)]
+        for index, rate in enumerate(rates):
+            while not (handshake / f"want-{index}").exists():
+                _check_alive(processes, errors)
+                time.sleep(0.05)
+            cluster.set_rate(rate)
+            (handshake / f"set-{index}").write_text("")
+        for reader in readers:
+            reader.join()
+        _check_alive(processes, errors, finished=True)
+        ranks = json.loads((handshake / "result.json").read_text())
+    return {case: [rank[case] for rank in ranks] for case in ranks[0]}
+
+
+def _drain(process: subprocess.Popen, sink: Any) -> Any:
+    """A thread copying the process's stderr to `sink` (so a full pipe never blocks it)."""
+    import threading
+
+    thread = threading.Thread(target=lambda: sink.write(process.stderr.read()), daemon=True)
+    thread.start()
+    return thread
+
+
+def _check_alive(processes: list[subprocess.Popen], errors: list[Any], finished: bool = False) -> None:
+    for rank, (process, error) in enumerate(zip(processes, errors, strict=True)):
+        code = process.wait() if finished else process.poll()
+        if code:  # a failed node: the others would wait for it until the timeout
+            error.seek(0)
+            raise RuntimeError(f"node {rank} failed (exit {code}):\n{error.read()[-3000:]}")
+
+
+def summarise(ranks: list[dict[str, list[float]]], cfg: Any) -> dict[str, Any]:
+    """A case's step time (median), tokens/s and communication share (blocked / step time, summed
+    over the steps, averaged over ranks)."""
+    step = statistics.median(ranks[0]["step_times_s"])
+    return {"step_time_s": step, "tokens_per_s": cfg.train.global_batch * cfg.model.seq_len / step,
+            "communication_s": statistics.mean(statistics.median(r["blocked_s"]) for r in ranks),
+            "communication_share": statistics.mean(sum(r["blocked_s"]) / sum(r["step_times_s"]) for r in ranks),
+            "step_times_s": ranks[0]["step_times_s"]}
+
+
+def run_bench(steps: int, strategies: tuple[str, ...] = STRATEGIES, rates: tuple[str | None, ...] = RATES,
+              preset: str = "small", micro_batch: int = 4, nproc: int = NPROC) -> dict[str, Any]:
+    """Every strategy at every rate, in one job on a cluster of NODES nodes."""
+    from shardwise.bench.netns import Cluster
+
+    with Cluster(NODES) as cluster:
+        timings = run_job(cluster, strategies, rates, steps, preset, micro_batch, nproc)
+    cases = []
+    for rate in rates:
+        for strategy in strategies:
+            cfg = case_config(strategy, NODES * nproc, preset, micro_batch, 1)
+            cases.append({"strategy": strategy, "rate": rate or "unlimited",
+                          "measured": summarise(timings[f"{strategy}@{rate or 'unlimited'}"], cfg),
+                          "predicted": predict(strategy, rate, preset, micro_batch, nproc)})
+    return {"bench": "multinode", "nodes": NODES, "nproc_per_node": nproc, "model": f"gpt {preset}",
+            "micro_batch": micro_batch, "global_batch": micro_batch * NODES * nproc, "steps": steps,
+            "device_profile": "cpu; inter-node bandwidth: the link's rate (hsdp: / processes per node)",
+            "cases": cases}
+
+
+def format_result(result: dict[str, Any]) -> str:
+    lines = [f"{result['model']}, {result['nodes']} nodes x {result['nproc_per_node']} processes, global batch "
+             f"{result['global_batch']}, {result['steps']} steps each",
+             f"{'strategy':8} {'link':>9} {'tokens/s':>9} {'step s':>7} {'comm share':>10}   "
+             f"{'predicted step s':>16} {'comm share':>10}"]
+    for case in result["cases"]:
+        m, p = case["measured"], case["predicted"]
+        lines.append(f"{case['strategy']:8} {case['rate']:>9} {m['tokens_per_s']:9.0f} {m['step_time_s']:7.3f} "
+                     f"{m['communication_share']:10.2f}   {p['step_time_s']:16.3f} {p['communication_share']:10.2f}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m shardwise.bench.multinode", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("role", nargs="?", default="host", choices=("host", "node", "worker"))
+    parser.add_argument("--steps", type=int, default=6, help="measured steps per case (after 2 warm-up steps)")
+    parser.add_argument("--json", action="append", default=[], help="write the result here (repeatable)")
+    parser.add_argument("--strategies")
+    parser.add_argument("--rates")
+    parser.add_argument("--handshake")
+    parser.add_argument("--preset", default="small")
+    parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--nproc", type=int, default=NPROC)
+    parser.add_argument("--nnodes", type=int)
+    parser.add_argument("--node-rank", type=int)
+    parser.add_argument("--node-addr")
+    parser.add_argument("--rdzv-endpoint")
+    args = parser.parse_args(argv)
+    if args.role == "worker":
+        worker(args)
+    elif args.role == "node":
+        node(args, ["--strategies", args.strategies, "--rates", args.rates, "--steps", str(args.steps),
+                    "--preset", args.preset, "--micro-batch", str(args.micro_batch), "--handshake", args.handshake])
+    else:
+        from shardwise.bench.common import write_json
+        from shardwise.bench.netns import unavailable_reason
+
+        reason = unavailable_reason()
+        if reason:
+            print(f"shardwise bench multinode: it makes its nodes as network namespaces, and {reason}",
+                  file=sys.stderr)
+            return 2
+        result = run_bench(args.steps)
+        write_json(result, args.json)
+        print(format_result(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.exit(main())
