@@ -1,6 +1,7 @@
 """`hsdp` on 4 ranks as 2 "nodes" of 2 processes (LOCAL_WORLD_SIZE=2, as torchrun would set on 2
 nodes; the math needs no namespaces): it trains as one device does, each node holds one whole
-replica sharded in 2, and its checkpoints resume bit-identically and consolidate into the model."""
+replica sharded in 2, its checkpoints resume bit-identically and consolidate into the model, and
+the planner predicts its bytes."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONFIGS, assert_same_training
+from conftest import CONFIGS, assert_same_training, losses
 from distributed import run_ranks
 from safetensors.torch import load_file
-from test_checkpoint import assert_bit_identical, cfg_for, in_process, straight_and_resumed
+from test_checkpoint import Crash, cfg_for, crash_at, in_process, optimizer_tensors
 
 from shardwise.checkpoint import consolidate
 from shardwise.config import load_config
@@ -22,38 +23,39 @@ from shardwise.planner.candidates import Candidate
 from shardwise.planner.memory import predict_memory
 from shardwise.trainer import Trainer
 
-FOUR_RANKS = ("train.micro_batch=2",)  # a global batch of 8 over 4 ranks
-# Parameters are compared after 20 steps, as every parity test does: over 40, Adam's normalisation
-# lets summation-order noise in attention's query and key gradients reach ~5e-6 in a few weights.
-PARITY_STEPS = 20
+STEPS, SAVE_EVERY, CRASH_AT = 20, 10, 14  # the last checkpoint is the final model
+# A global batch of 8 over 4 ranks; checkpoints change no number, so the straight run is the parity run.
+RUN = ("train.micro_batch=2", f"train.steps={STEPS}", f"train.checkpoint_every={SAVE_EVERY}")
 PLANNED = Candidate("hsdp", 4, 1, 1, "fp32", "none", 2, shard=2)  # what the planner proposes for 2 nodes x 2
 
 
 def two_nodes_of_two(ctx: DistContext, root: Path) -> dict:
     os.environ["LOCAL_WORLD_SIZE"] = "2"
-    states = straight_and_resumed(ctx, root, "hsdp", *FOUR_RANKS)
-    trainer = Trainer(cfg_for(root / "parity", "hsdp", ctx.world_size, *FOUR_RANKS, f"train.steps={PARITY_STEPS}"), ctx)
-    trainer.fit()
-    shards = torch.cat([shard.detach().reshape(-1) for shard in trainer.strategy.local_parameters()])
-    base = cfg_for(root / "planned", "hsdp", ctx.world_size, *FOUR_RANKS)
-    planned = Trainer(PLANNED.config(base, ctx.world_size), ctx)
+    straight = Trainer(cfg_for(root / "straight", "hsdp", ctx.world_size, *RUN), ctx)
+    straight.fit()
+    with pytest.raises(Crash):
+        crash_at(Trainer(cfg_for(root / "resumed", "hsdp", ctx.world_size, *RUN), ctx), CRASH_AT).fit()
+    resumed = Trainer(cfg_for(root / "resumed", "hsdp", ctx.world_size, *RUN, "run.resume=true"), ctx)
+    resumed.fit()
+    shards = torch.cat([shard.detach().reshape(-1) for shard in straight.strategy.local_parameters()])
+    planned = Trainer(PLANNED.config(cfg_for(root / "planned", "hsdp", ctx.world_size, *RUN), ctx.world_size), ctx)
     planned.train_step(0)
-    memory = planned.strategy.memory(planned.activation_bytes).as_dict()
-    return {**states, "shards": shards, "group_size": trainer.strategy.world, "memory": memory}
+    return {"straight": optimizer_tensors(straight), "resumed": optimizer_tensors(resumed), "shards": shards,
+            "group_size": straight.strategy.world,
+            "memory": planned.strategy.memory(planned.activation_bytes).as_dict()}
 
 
 @pytest.fixture(scope="module")
 def hsdp(tmp_path_factory) -> tuple[Path, list[dict]]:
     root = tmp_path_factory.mktemp("hsdp")
     ranks = run_ranks(two_nodes_of_two, 4, root)
-    in_process(lambda ctx: Trainer(cfg_for(root / "single", "single", 1, *FOUR_RANKS, f"train.steps={PARITY_STEPS}"),
-                                   ctx).fit())
+    in_process(lambda ctx: Trainer(cfg_for(root / "single", "single", 1, *RUN), ctx).fit())
     return root, ranks
 
 
 def test_hsdp_on_2_nodes_of_2_matches_single_device(hsdp):
     root, _ = hsdp
-    assert_same_training(root / "parity", root / "single", PARITY_STEPS)
+    assert_same_training(root / "straight", root / "single", STEPS)
 
 
 def test_each_node_holds_one_replica_sharded_over_its_own_processes(hsdp):
@@ -67,10 +69,16 @@ def test_each_node_holds_one_replica_sharded_over_its_own_processes(hsdp):
 
 def test_hsdp_resumes_bit_identically_and_its_checkpoint_consolidates(hsdp, tmp_path):
     root, ranks = hsdp
-    assert_bit_identical(root, ranks)
-    cfg_for(root / "straight", "hsdp", 4, *FOUR_RANKS).save(root / "straight" / "config.toml")  # as the worker does
+    assert losses(root / "resumed") == losses(root / "straight")
+    weights, expected = (load_file(str(root / run / "model.safetensors")) for run in ("resumed", "straight"))
+    for key in expected:
+        assert torch.equal(weights[key], expected[key]), key
+    for rank in ranks:
+        assert rank["resumed"].keys() == rank["straight"].keys() and rank["straight"]
+        for key in rank["straight"]:
+            assert torch.equal(rank["resumed"][key], rank["straight"][key]), key
+    cfg_for(root / "straight", "hsdp", 4, *RUN).save(root / "straight" / "config.toml")  # as the worker does
     consolidate(root / "straight", tmp_path / "model.safetensors")
-    expected = load_file(str(root / "straight" / "model.safetensors"))
     got = load_file(str(tmp_path / "model.safetensors"))
     assert expected.keys() <= got.keys()  # consolidate writes a tied weight under both names, save_model once
     for key in expected:
@@ -79,7 +87,7 @@ def test_hsdp_resumes_bit_identically_and_its_checkpoint_consolidates(hsdp, tmp_
 
 def test_the_planners_hsdp_memory_is_what_each_rank_holds(hsdp):
     root, ranks = hsdp
-    predicted = predict_memory(PLANNED, PLANNED.config(cfg_for(root / "planned", "hsdp", 4, *FOUR_RANKS), 4))[0]
+    predicted = predict_memory(PLANNED, PLANNED.config(cfg_for(root / "planned", "hsdp", 4, *RUN), 4))[0]
     for rank in ranks:
         for key in ("params", "grads", "optimizer", "activations"):
             assert getattr(predicted, key) == rank["memory"][key], key
