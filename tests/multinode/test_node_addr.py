@@ -1,4 +1,5 @@
-"""What `--node-addr` derives for the launcher and Gloo (no namespaces needed)."""
+"""What `--node-addr` derives for the launcher and Gloo, and what the harness says without root
+(no namespaces needed)."""
 
 from __future__ import annotations
 
@@ -34,3 +35,15 @@ def test_an_address_this_machine_does_not_hold_is_refused_naming_it(address, wor
 def test_node_addr_on_one_node_is_refused():
     with pytest.raises(ConfigError, match="launch.node_addr = '10.0.0.1': only for several nodes"):
         load_config(None, ["launch.node_addr='10.0.0.1'"])
+
+
+def test_without_root_the_harness_and_the_bench_say_they_need_it(monkeypatch, capsys):
+    from shardwise.bench import multinode, netns
+
+    monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
+    assert netns.unavailable_reason() == "network namespaces need root (run as root, as CI does)"
+    with pytest.raises(netns.NetnsUnavailable, match="need root"):
+        netns.Cluster(2).up()
+    assert multinode.main(["--json", "unused.json"]) == 2
+    assert "bench multinode: it makes its nodes as network namespaces, and network namespaces need root" in \
+        capsys.readouterr().err

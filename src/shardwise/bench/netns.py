@@ -198,7 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     up = commands.add_parser("up", help="make N nodes on a bridge; prints the cluster's name")
     up.add_argument("nodes", type=int)
     up.add_argument("--rate", help="limit every link to this rate each way (tc syntax: 1gbit, 200mbit)")
-    train = commands.add_parser("train", help="run `shardwise train` on every node of a cluster, wait for all")
+    # No abbreviations: every flag it does not know is shardwise train's
+    train = commands.add_parser("train", help="run `shardwise train` on every node of a cluster, wait for all",
+                                allow_abbrev=False)
     train.add_argument("name")
     train.add_argument("config")
     train.add_argument("--nproc", type=int, default=1, help="processes per node")
