@@ -108,11 +108,11 @@ def flags_by_command() -> dict[str, set[str]]:
 
 
 def command_lines(text: str) -> list[tuple[str, str]]:
-    """(command, its text) for every `shardwise CMD ...` the page shows: in code blocks with their
-    indented continuation lines, and in inline code."""
+    """(command, its text) for every `shardwise CMD ...` the page shows: in code blocks (after a
+    `$ ` prompt or none) with their indented continuation lines, and in inline code."""
     found = []
     for block in re.findall(r"^```.*?\n(.*?)^```", text, flags=re.M | re.S):
-        for usage in re.findall(r"^(shardwise \w+.*(?:\n[ \t]+\S.*)*)", block, flags=re.M):
+        for usage in re.findall(r"^(?:\$ )?(shardwise \w+.*(?:\n[ \t]+\S.*)*)", block, flags=re.M):
             found.append((usage.split()[1], usage))
     for span in re.findall(r"`(shardwise \w+[^`\n]*)`", re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)):
         found.append((span.split()[1], span))
