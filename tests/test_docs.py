@@ -107,6 +107,12 @@ def flags_by_command() -> dict[str, set[str]]:
     return flags
 
 
+def example_flags() -> set[str]:
+    """The flags the scripts in examples/ define, which the docs show beside ours."""
+    return {flag for script in (REPO / "examples").glob("*.py")
+            for flag in re.findall(r"add_argument\(\"(--[a-z][a-z0-9-]*)\"", script.read_text())}
+
+
 def command_lines(text: str) -> list[tuple[str, str]]:
     """(command, its text) for every `shardwise CMD ...` the page shows: in code blocks (after a
     `$ ` prompt or none) with their indented continuation lines, and in inline code."""
@@ -129,7 +135,7 @@ def test_every_shardwise_flag_the_docs_mention_exists(page, flags_by_command):
             continue
         wrong += [f"shardwise {command} {flag}" for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", usage)
                   if flag not in flags_by_command[command]]
-    known = set().union(*flags_by_command.values()) | set(FOREIGN_FLAGS)
+    known = set().union(*flags_by_command.values()) | set(FOREIGN_FLAGS) | example_flags()
     wrong += [flag for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", text) if flag not in known]
     assert not wrong, f"{page_id(page)} mentions flags no --help lists: {sorted(set(wrong))}"
 
