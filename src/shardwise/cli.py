@@ -204,7 +204,7 @@ def _add_plan_parser(commands: argparse._SubParsersAction) -> None:
                    "from the measurement")
     p.add_argument("--measure-steps", type=int, default=6, metavar="N", help="measured steps per candidate (default 6)")
     p.add_argument("--top", type=int, default=15, help="candidates shown in the table (default 15)")
-    p.add_argument("--json", help="write every number to this file (schema in README.md)")
+    p.add_argument("--json", help="write every number to this file (schema in docs/planner.md)")
     p.add_argument("--plot", metavar="FILE.png", help="draw step time against memory per rank for every "
                    "candidate, the device's memory as a line, the Pareto front marked (needs matplotlib)")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",

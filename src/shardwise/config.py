@@ -49,94 +49,123 @@ class ConfigError(ValueError):
     """A config value is wrong; the message is one line naming key, value and what is allowed."""
 
 
+def option(default: Any, doc: str, choices: tuple[str, ...] = ()) -> Any:
+    """A config key: its default, what it does and, for a key with a fixed set of values, those.
+    `python -m shardwise.docs` writes docs/config.md from these."""
+    return field(default=default, metadata={"doc": doc, "choices": choices})
+
+
 @dataclass
 class ModelConfig:
-    name: str = "gpt"
-    # GPT and hf-*: a preset fills every size below that is left unset.
-    preset: str = "tiny"
-    n_layer: int | None = None
-    n_head: int | None = None
-    d_model: int | None = None
-    seq_len: int | None = None
-    vocab_size: int | None = None
-    bias: bool = False
-    # CNN / MLP
-    width: int = 32
-    num_classes: int = 10
+    """The model to train. A GPT's (and an hf-* model's) sizes come from `preset`; any size set here
+    overrides the preset's."""
+
+    name: str = option("gpt", "`gpt` (decoder-only transformer), `hf-llama` / `hf-gpt2` (a randomly initialised "
+                       "transformers Llama or GPT-2 of the preset's sizes), `cnn` (with BatchNorm) or `mlp`", MODELS)
+    preset: str = option("tiny", "GPT and hf-* size: `tiny` (2 blocks x width 64, 64-token context), `small` "
+                         "(6 x 384, 256), `gpt2-124m` (12 x 768, 1024, vocabulary 50304); fills every size below "
+                         "left unset", GPT_PRESETS)
+    n_layer: int | None = option(None, "GPT, hf-*: blocks (unset: the preset's)")
+    n_head: int | None = option(None, "GPT, hf-*: attention heads; must divide d_model (unset: the preset's)")
+    d_model: int | None = option(None, "GPT, hf-*: width (unset: the preset's)")
+    seq_len: int | None = option(None, "GPT, hf-*: context length in tokens (unset: the preset's)")
+    vocab_size: int | None = option(None, "GPT, hf-*: vocabulary size, >= 256 for byte-level data (unset: the "
+                                    "preset's)")
+    bias: bool = option(False, "biases in the GPT's linear layers")
+    width: int = option(32, "CNN / MLP: hidden width")
+    num_classes: int = option(10, "CNN / MLP: output classes")
 
 
 @dataclass
 class DataConfig:
-    name: str = "shakespeare"
-    val_fraction: float = 0.05
-    synthetic_size: int = 1 << 20
+    """The training data (see the Data section of docs/training.md)."""
+
+    name: str = option("shakespeare", "GPT, hf-*: `shakespeare`, `stdlib` (Python's own sources), `synthetic-tokens`; "
+                       "CNN / MLP: `digits` (scikit-learn), `synthetic-images`", TEXT_DATASETS + IMAGE_DATASETS)
+    val_fraction: float = option(0.05, "the last fraction of the corpus validates; between 0 and 1")
+    synthetic_size: int = option(1 << 20, "bytes (or images) of synthetic data")
 
 
 @dataclass
 class TrainConfig:
-    steps: int = 100
-    optimizer: str = "adamw"
-    global_batch: int = 16
-    micro_batch: int = 8
-    lr: float = 1e-3
-    min_lr: float = 1e-4
-    warmup_steps: int = 10
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    momentum: float = 0.9
-    grad_clip: float = 1.0
-    eval_every: int = 50
-    eval_batches: int = 2
-    seed: int = 0
-    checkpoint_every: int = 0  # steps between checkpoints; 0: none (SIGTERM still saves one)
-    keep_checkpoints: int = 3
+    """The loop: steps, batch, optimizer, schedule, evaluation, checkpoints."""
+
+    steps: int = option(100, "optimizer steps")
+    optimizer: str = option("adamw", "`adamw`, or `sgd` with `train.momentum`", OPTIMIZERS)
+    global_batch: int = option(16, "samples per optimizer step, over all ranks")
+    micro_batch: int = option(8, "samples per forward on one model replica (`pipeline`: per pipeline run, split "
+                              "into `parallel.micro_batches`); global_batch / (replicas x micro_batch) micro-steps "
+                              "are accumulated, replicas being the world size, `parallel.dp` or param-server's "
+                              "workers")
+    lr: float = option(1e-3, "peak learning rate: linear warm-up over `warmup_steps`, then cosine to `min_lr`")
+    min_lr: float = option(1e-4, "learning rate at the end of the cosine; at most `lr`")
+    warmup_steps: int = option(10, "steps of linear learning-rate warm-up")
+    weight_decay: float = option(0.1, "decoupled weight decay on matrices and embeddings (none on biases and norms)")
+    beta1: float = option(0.9, "AdamW's first-moment decay, in [0, 1)")
+    beta2: float = option(0.95, "AdamW's second-moment decay, in [0, 1)")
+    momentum: float = option(0.9, "SGD's momentum, in [0, 1)")
+    grad_clip: float = option(1.0, "clip the global gradient norm (over all ranks and shards) to this; 0 turns "
+                              "clipping off")
+    eval_every: int = option(50, "validate every k steps (0: only at the end)")
+    eval_batches: int = option(2, "global batches each validation averages over")
+    seed: int = option(0, "model init and data order")
+    checkpoint_every: int = option(0, "save a checkpoint every N steps; 0: none (SIGTERM still saves one)")
+    keep_checkpoints: int = option(3, "keep the newest K checkpoints")
 
 
 @dataclass
 class ParallelConfig:
-    strategy: str = "single"
-    precision: str = "fp32"
-    # fp16-mixed's dynamic loss scaler: starting scale, and clean steps before it doubles
-    loss_scale: float = 65536.0
-    loss_scale_growth_interval: int = 2000
-    # none | blocks | every:K | selective (see recompute.py)
-    recompute: str = "none"
-    bucket_mb: float = 25.0
-    # ddp: how buckets are averaged: the backend's all-reduce or our ring (collectives.py), and
-    # sent as they are, cast to 16 bits, or PowerSGD-compressed at this rank after this many
-    # plain steps (compression.py)
-    all_reduce: str = "backend"
-    grad_compression: str = "none"
-    powersgd_rank: int = 4
-    powersgd_start_step: int = 10
-    find_unused_parameters: bool = False
-    sync_batchnorm: bool = False
-    # class name of the model's repeated block: the unit of sharding and of recomputation; left at
-    # the default, a model without a `Block` (a transformers model) has its declared layer class used
-    block: str = DEFAULT_BLOCK
-    # sharded strategies
-    reshard_after_forward: bool = True
-    prefetch: int = 1
-    reduce_dtype: str = "fp32"  # what gradients are reduce-scattered in
-    # model parallel: the device mesh, dp x pp x tp = world size. Left unset, the strategy's own
-    # dimension (pp for the pipelines, tp for tensor) takes the ranks the others leave; the others are 1.
-    dp: int | None = None
-    pp: int | None = None
-    tp: int | None = None
-    # pipeline: each train.micro_batch is split into this many micro-batches, run by this schedule
-    micro_batches: int = 4
-    schedule: str = "1f1b"
-    # pipeline: the first block of stages 2..P; unset, stages are balanced by parameter count
-    split_points: list[int] | None = None
-    # dp: how many replicas the one process runs, each on its own device (all on the CPU without GPUs)
-    replicas: int = 2
-    # param-server: the last `ps_servers` ranks hold the parameters and their optimizer, the others are
-    # workers; "sync" averages every worker's gradients each step, "async" applies each push on arrival
-    # unless it was computed on parameters more than `ps_max_staleness` updates old
-    ps_servers: int = 1
-    ps_mode: str = "sync"
-    ps_max_staleness: int = 4
+    """How training is spread over ranks: the strategy (docs/strategies/), precision, recomputation and
+    each strategy's own settings."""
+
+    strategy: str = option("single", "how training is spread over ranks; one page each in docs/strategies/",
+                           STRATEGIES)
+    precision: str = option("fp32", "what computes and what is stored in which dtype (docs/precision.md)",
+                            PRECISIONS)
+    loss_scale: float = option(65536.0, "`fp16-mixed`: the dynamic loss scaler's starting scale")
+    loss_scale_growth_interval: int = option(2000, "`fp16-mixed`: clean steps before the loss scale doubles")
+    recompute: str = option("none", "activation checkpointing of the blocks, every:K with K >= 1 "
+                            "(docs/recompute.md)", ("none", "blocks", "every:K", "selective"))
+    bucket_mb: float = option(25.0, "`ddp`, `ddp-native`: gradient bucket size in MiB")
+    all_reduce: str = option("backend", "`ddp`: average buckets with the backend's all-reduce or our `ring` "
+                             "(collectives.py)", ALL_REDUCES)
+    grad_compression: str = option("none", "`ddp`: send buckets as they are, cast to `fp16` or `bf16`, or "
+                                   "`powersgd`-compressed (compression.py; PowerSGD needs fp32 or bf16-mixed)",
+                                   GRAD_COMPRESSIONS)
+    powersgd_rank: int = option(4, "`powersgd`: rank r of the factors")
+    powersgd_start_step: int = option(10, "`powersgd`: plain averaged steps before compressing")
+    find_unused_parameters: bool = option(False, "data parallel: allow parameters that get no gradient (reduced "
+                                          "as zero) instead of failing")
+    sync_batchnorm: bool = option(False, "data parallel: BatchNorm statistics over the global batch")
+    block: str = option(DEFAULT_BLOCK, "class name of the model's repeated block: the unit sharded as one (zero1/2, "
+                        "fsdp, fsdp-native), recomputed, cut into stages (pipeline) or split (tensor); left at the "
+                        "default, a model without a `Block` (a transformers model) has the layer class its "
+                        "`_no_split_modules` declares used")
+    reshard_after_forward: bool = option(True, "`fsdp`, `fsdp-native`: free a unit's full parameters after its "
+                                         "forward")
+    prefetch: int = option(1, "`fsdp`: units whose all-gather is issued ahead")
+    reduce_dtype: str = option("fp32", "sharded strategies: the dtype gradients are reduce-scattered in",
+                               REDUCE_DTYPES)
+    dp: int | None = option(None, "`pipeline`, `model-parallel`, `tensor`: model replicas on the dp x pp x tp "
+                            "device mesh, dp x pp x tp = world size. Left unset, the strategy's own dimension "
+                            "(pp for the pipelines, tp for tensor) takes the ranks the others leave; the others "
+                            "are 1")
+    pp: int | None = option(None, "`pipeline`, `model-parallel`: pipeline stages per replica (as for dp)")
+    tp: int | None = option(None, "`tensor`, and `pipeline` / `model-parallel` with tensor-parallel stages: "
+                            "tensor-parallel ranks per stage; divides model.n_head (as for dp)")
+    micro_batches: int = option(4, "`pipeline`: micro-batches per pipeline run (M); must divide "
+                                "`train.micro_batch`")
+    schedule: str = option("1f1b", "`pipeline`: the schedule micro-batches run by", SCHEDULES)
+    split_points: list[int] | None = option(None, "`pipeline`: the first block of stages 2..P, e.g. [3]; unset, "
+                                            "stages are balanced by parameter count")
+    replicas: int = option(2, "`dp`: replicas the one process runs, each on its own device (all on the CPU "
+                           "without GPUs)")
+    ps_servers: int = option(1, "`param-server`: the last ps_servers ranks hold the parameters and their "
+                             "optimizer; the others are workers")
+    ps_mode: str = option("sync", "`param-server`: `sync` averages every worker's gradients each step, `async` "
+                          "applies each push on arrival", PS_MODES)
+    ps_max_staleness: int = option(4, "`param-server`, `async`: drop a push computed on parameters more than this "
+                                   "many updates old")
 
     def mesh_shape(self, world_size: int) -> tuple[int, int, int]:
         """(dp, pp, tp): the device mesh's sizes, unset ones filled in as described above. A
@@ -154,29 +183,37 @@ class ParallelConfig:
 
 @dataclass
 class LaunchConfig:
-    nproc: int = 1
-    nnodes: int = 1
-    node_rank: int = 0
-    rdzv_endpoint: str = "127.0.0.1:29500"
-    # This node's address on the network the nodes share (multi-node): the launcher derives its
-    # --local-addr, whether it hosts the rendezvous, and Gloo's interface from it (launch.py).
-    node_addr: str | None = None
-    backend: str = "auto"
-    timeout_s: float = 300.0  # a collective waiting longer fails, naming itself and the missing rank
-    threads_per_rank: int = 1
-    max_restarts: int = 0  # restart the whole group this often after a worker dies; it resumes
-    # After SIGTERM, workers get this long (to save a checkpoint) before SIGKILL; a stalled rank
-    # also lives this long after the job has failed.
-    shutdown_timeout_s: int = 25
-    debug_collectives: bool = False  # check every collective is the same call on every rank (slow)
+    """How the workers are started (through torch.distributed.run), and how failures are handled."""
+
+    nproc: int = option(1, "worker processes on this node")
+    nnodes: int = option(1, "nodes in the job")
+    node_rank: int = option(0, "this node's rank, in [0, nnodes)")
+    rdzv_endpoint: str = option("127.0.0.1:29500", "HOST:PORT of node 0's rendezvous (multi-node)")
+    node_addr: str | None = option(None, "this node's address on the network the nodes share (multi-node): the "
+                                   "launcher derives its --local-addr, whether it hosts the rendezvous, and Gloo's "
+                                   "interface from it")
+    backend: str = option("auto", "`auto`: `nccl` with CUDA, else `gloo`", BACKENDS)
+    timeout_s: float = option(300.0, "collective timeout: a collective waiting longer fails, naming itself and the "
+                              "missing rank")
+    threads_per_rank: int = option(1, "CPU threads each rank may use")
+    max_restarts: int = option(0, "restart the whole group this often after a worker dies; it resumes from the "
+                               "newest checkpoint")
+    shutdown_timeout_s: int = option(25, "after SIGTERM, workers get this long (to save a checkpoint) before "
+                                     "SIGKILL; a stalled rank also lives this long after the job has failed")
+    debug_collectives: bool = option(False, "check before every collective that it is the same call on every rank, "
+                                     "failing at the first mismatch (slow; not with ddp-native)")
 
 
 @dataclass
 class RunConfig:
-    out: str = "runs/latest"
-    log_every: int = 10
-    resume: bool = False  # continue from the newest good checkpoint in `out`
-    tensorboard: bool = False  # the main rank also writes its metrics as TensorBoard scalars to `out`/tensorboard
+    """Where the run is written, and how it is reported."""
+
+    out: str = option("runs/latest", "the run directory: config.toml, metrics.jsonl, model.safetensors, "
+                      "checkpoints/")
+    log_every: int = option(10, "steps between progress lines when not on a terminal")
+    resume: bool = option(False, "continue from the newest good checkpoint in `out`")
+    tensorboard: bool = option(False, "the main rank also writes its metrics as TensorBoard scalars to "
+                               "`out`/tensorboard (needs the tensorboard package)")
 
 
 @dataclass

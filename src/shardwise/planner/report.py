@@ -1,4 +1,4 @@
-"""A plan as a terminal table and as JSON (the schema README.md documents; scripts read it, so
+"""A plan as a terminal table and as JSON (the schema docs/planner.md documents; scripts read it, so
 its names stay put)."""
 
 from __future__ import annotations
