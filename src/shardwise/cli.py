@@ -89,7 +89,7 @@ def train(args: argparse.Namespace) -> int:
     try:
         if cfg.parallel.strategy == "param-server":
             # An asynchronous job goes on without a lost worker, except rank 0, which writes the run.
-            workers = cfg.launch.nproc - cfg.parallel.ps_servers
+            workers = cfg.parallel.mesh_shape(cfg.world_size)[0]
             expendable = frozenset(range(1, workers)) if cfg.parallel.ps_mode == "async" else frozenset()
             lost = launch_local(cfg.launch, entry, expendable)
             if lost:

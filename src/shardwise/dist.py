@@ -106,6 +106,12 @@ def rank_device(backend: str, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+def job_store(timeout_s: float) -> dist.TCPStore:
+    """A client of the store the launcher (torchrun's agent, or launch_local) hosts for the job."""
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                         timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
 def shutdown_distributed() -> None:
     """Tear the group down explicitly: Gloo can abort or hang if it is left to interpreter exit."""
     if dist.is_available() and dist.is_initialized():

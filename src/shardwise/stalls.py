@@ -22,12 +22,11 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from datetime import timedelta
 
 import torch.distributed as dist
 from torch._C._distributed_c10d import _dump_fr_trace_json
 
-from shardwise.dist import DistContext
+from shardwise.dist import DistContext, job_store
 
 # Collectives the flight recorder keeps per process; only the newest is read.
 FLIGHT_RECORDER_ENTRIES = 64
@@ -135,8 +134,7 @@ def _exchange_reports(ctx: DistContext, mine: dict[str, object] | None) -> dict[
     """Post this rank's collective; return every rank's that arrives within the grace period."""
     store = dist.PrefixStore(
         f"shardwise/timeouts/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}",
-        dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                      timeout=timedelta(seconds=REPORT_GRACE_S + 5), wait_for_workers=False),
+        job_store(REPORT_GRACE_S + 5),
     )
     store.set(f"rank{ctx.rank}", json.dumps(mine))
     keys = [f"rank{rank}" for rank in range(ctx.world_size)]

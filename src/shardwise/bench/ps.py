@@ -31,19 +31,13 @@ JOBS = {  # name -> (strategy, processes, extra overrides); every one trains on 
     "dp": ("dp", 1, [f"parallel.replicas={WORKERS}"]),
     "ddp": ("ddp", WORKERS, []),
 }
-# Variables a launcher gives its ranks: a job started from inside one must not inherit them.
-LAUNCHER_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
-                "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
-
-
 def run_job(name: str, steps: int, out: Path) -> dict[str, Any]:
     strategy, nproc, extra = JOBS[name]
     command = [sys.executable, "-m", "shardwise.cli", "train", "configs/gpt-tiny.toml", "--strategy", strategy,
                "--nproc", str(nproc), "--steps", str(steps), "--out", str(out)]
     for override in [*MODEL, *extra]:
         command += ["--set", override]
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_ENV}
-    done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=Path(__file__).parents[3])
+    done = subprocess.run(command, capture_output=True, text=True, cwd=Path(__file__).parents[3])
     if done.returncode:
         raise SystemExit(f"bench ps: {name} failed:\n{done.stderr[-3000:]}")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]

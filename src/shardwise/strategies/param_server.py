@@ -45,7 +45,7 @@ from torch import nn
 from torch.futures import Future
 
 from shardwise.config import Config, ParallelConfig
-from shardwise.dist import DistContext, choose_backend, configure_process, rank_device, seed_everything
+from shardwise.dist import DistContext, choose_backend, configure_process, job_store, rank_device, seed_everything
 from shardwise.models import build_model
 from shardwise.precision import make_precision
 from shardwise.strategies.base import OptimizerFactory, Strategy
@@ -76,12 +76,6 @@ def server_share(params: list[nn.Parameter], servers: int, index: int) -> list[n
     return [param for param, s in zip(params, owner, strict=True) if s == index]
 
 
-def _job_store(timeout_s: float) -> dist.TCPStore:
-    """A client of the store the launcher hosts."""
-    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                         timeout=timedelta(seconds=timeout_s))
-
-
 def join(cfg: Config, make_optimizer: OptimizerFactory) -> DistContext | None:
     """Join the job. A server serves it to the end (`serve`) and returns None; a worker joins RPC,
     and in sync mode one process group of the workers (for the loss and the fp16 skip), and
@@ -97,7 +91,7 @@ def join(cfg: Config, make_optimizer: OptimizerFactory) -> DistContext | None:
     backend = choose_backend(launch.backend)
     device = rank_device(backend, rank)
     if p.ps_mode == "sync" and workers > 1:
-        store = dist.PrefixStore("workers", _job_store(launch.timeout_s))
+        store = dist.PrefixStore("workers", job_store(launch.timeout_s))
         dist.init_process_group(backend, store=store, rank=rank, world_size=workers,
                                 timeout=timedelta(seconds=launch.timeout_s))
     return DistContext(rank, workers, rank, device, backend)
@@ -113,7 +107,7 @@ def _init_rpc(name: str, cfg: Config) -> None:
 def leave(ctx: DistContext, cfg: Config) -> None:
     """A worker is done: tell the servers (through the store) and close RPC: in sync mode together
     with every rank, in async mode at once, as other workers may be gone."""
-    _job_store(cfg.launch.timeout_s).set(f"finished/{ctx.rank}", "1")
+    job_store(cfg.launch.timeout_s).set(f"finished/{ctx.rank}", "1")
     rpc.shutdown(graceful=cfg.parallel.ps_mode == "sync")
 
 
@@ -268,7 +262,7 @@ def serve(cfg: Config, index: int, workers: int, make_optimizer: OptimizerFactor
     mine = server_share(list(model.parameters()), p.ps_servers, index)
     _server = ParameterServer(index, mine, make_optimizer(mine), workers, p, launch.timeout_s)
     _init_rpc(server_name(index), cfg)
-    store = _job_store(launch.timeout_s)
+    store = job_store(launch.timeout_s)
     while not all(store.check([f"finished/{w}"]) or store.check([f"exited/{w}"]) for w in range(workers)):
         time.sleep(0.2)
     stats = _server.stats(p.ps_mode)
