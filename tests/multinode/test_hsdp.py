@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONFIGS, assert_same_training, losses
+from conftest import CONFIGS, assert_same_training
 from distributed import run_ranks
 from safetensors.torch import load_file
-from test_checkpoint import Crash, cfg_for, crash_at, in_process, optimizer_tensors
+from test_checkpoint import Crash, assert_bit_identical, cfg_for, crash_at, in_process, optimizer_tensors
 
 from shardwise.checkpoint import consolidate
 from shardwise.config import load_config
@@ -69,14 +69,8 @@ def test_each_node_holds_one_replica_sharded_over_its_own_processes(hsdp):
 
 def test_hsdp_resumes_bit_identically_and_its_checkpoint_consolidates(hsdp, tmp_path):
     root, ranks = hsdp
-    assert losses(root / "resumed") == losses(root / "straight")
-    weights, expected = (load_file(str(root / run / "model.safetensors")) for run in ("resumed", "straight"))
-    for key in expected:
-        assert torch.equal(weights[key], expected[key]), key
-    for rank in ranks:
-        assert rank["resumed"].keys() == rank["straight"].keys() and rank["straight"]
-        for key in rank["straight"]:
-            assert torch.equal(rank["resumed"][key], rank["straight"][key]), key
+    assert_bit_identical(root, ranks, STEPS)
+    expected = load_file(str(root / "straight" / "model.safetensors"))
     cfg_for(root / "straight", "hsdp", 4, *RUN).save(root / "straight" / "config.toml")  # as the worker does
     consolidate(root / "straight", tmp_path / "model.safetensors")
     got = load_file(str(tmp_path / "model.safetensors"))
