@@ -15,7 +15,7 @@ BENCHES = {  # name -> (module, ranks)
     "collectives": ("shardwise.bench.collectives", 2),
     "checkpoint": ("shardwise.bench.checkpoint", 2),
     "hardware": ("shardwise.bench.hardware", 2),  # a device profile for `shardwise plan --device FILE`
-    "planner": ("shardwise.bench.planner", 2),  # the planner's predictions against real runs
+    "planner": ("shardwise.bench.planner", 0),  # the planner's predictions against real runs (namespaces as root)
     "ps": ("shardwise.bench.ps", 0),  # parameter server (sync, async), dp and ddp as whole jobs
     "multinode": ("shardwise.bench.multinode", 0),  # makes its own nodes (namespaces, as root) and ranks
 }

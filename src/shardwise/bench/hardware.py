@@ -176,7 +176,8 @@ def run(ctx: DistContext, steps: int, rounds: int, micro_batch: int) -> dict[str
         matmul_flops=measured["flops"], memory_bandwidth=measured["memory_bandwidth"],
         intra_node_bandwidth=bandwidth, inter_node_bandwidth=bandwidth,
         latency_s=measured.get("latency_s", 0.0), op_overhead_s=measured["op_overhead_s"],
-        overlap=measured.get("overlap", 1.0), collective_bandwidth=collectives, gpus_per_node=local_ranks,
+        overlap=measured.get("overlap", 1.0), collective_bandwidth=collectives,
+        reduce_scatter_volume=2.0 if ctx.backend == "gloo" else 1.0, gpus_per_node=local_ranks,
         source=f"shardwise bench hardware on {platform.node()}, {ctx.world_size} rank(s), "
                f"{torch.get_num_threads()} thread(s) each; one node, so inter-node is the intra-node figure",
     )

@@ -14,7 +14,7 @@ all ranks crosses with one flow each way, hsdp's shard all-reduces with one flow
 unlimited, the veth is a memory copy like loopback, so the intra-node bandwidth.
 
     python -m shardwise.bench.multinode [--steps N] [--json FILE]       # on the host, as root
-The same module is each node's launcher (`node`) and each rank (`worker`).
+The same module is each rank (`worker`), started on every node by netns.run_job.
 """
 
 from __future__ import annotations
@@ -25,9 +25,7 @@ import functools
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -94,8 +92,9 @@ def case_config(strategy: str, world: int, preset: str, micro_batch: int, steps:
 
 
 def worker(args: argparse.Namespace) -> None:
-    """Every strategy built once; at each rate (set by the host when rank 0 asks for it, through
-    files in args.handshake) each strategy in turn runs WARMUP_STEPS + args.steps steps, timed."""
+    """Every strategy built once; at each rate (set by the host when rank 0 asks for it) each
+    strategy in turn runs WARMUP_STEPS + args.steps steps, timed."""
+    from shardwise.bench.netns import LinkRate
     from shardwise.dist import init_distributed, leave_process, shutdown_distributed
     from shardwise.trainer import Trainer
 
@@ -105,14 +104,10 @@ def worker(args: argparse.Namespace) -> None:
     total = len(rates) * (WARMUP_STEPS + args.steps)
     trainers = {name: Trainer(case_config(name, ctx.world_size, args.preset, args.micro_batch, total), ctx)
                 for name in strategies}
-    handshake = Path(args.handshake)
+    link = LinkRate(ctx, Path(args.handshake))
     timings: dict[str, dict[str, list[float]]] = {}
     for index, rate in enumerate(rates):
-        if ctx.is_main:
-            (handshake / f"want-{index}").write_text(rate)
-            while not (handshake / f"set-{index}").exists():
-                time.sleep(0.05)
-        ctx.barrier()
+        link.set(None if rate == "unlimited" else rate)
         for name, trainer in trainers.items():
             steps, blocked = [], []
             for k in range(index * (WARMUP_STEPS + args.steps), (index + 1) * (WARMUP_STEPS + args.steps)):
@@ -126,20 +121,9 @@ def worker(args: argparse.Namespace) -> None:
             timings[f"{name}@{rate}"] = {"step_times_s": steps[WARMUP_STEPS:], "blocked_s": blocked[WARMUP_STEPS:]}
     every = ctx.all_gather_object(timings)
     if ctx.is_main:
-        (handshake / "result.json").write_text(json.dumps(every))
+        (Path(args.handshake) / "result.json").write_text(json.dumps(every))
     shutdown_distributed()
     leave_process()
-
-
-# --- each node's launcher --------------------------------------------------------------------
-
-def node(args: argparse.Namespace, worker_args: list[str]) -> None:
-    from shardwise.config import LaunchConfig
-    from shardwise.launch import launch_workers
-
-    launch = LaunchConfig(nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
-                          rdzv_endpoint=args.rdzv_endpoint, node_addr=args.node_addr)
-    launch_workers(launch, ["shardwise.bench.multinode", "worker", *worker_args])
 
 
 # --- on the host -----------------------------------------------------------------------------
@@ -167,55 +151,6 @@ def predict(strategy: str, rate: str | None, preset: str, micro_batch: int, npro
             "communication_share": step.exposed_communication_s / step.total}
 
 
-def run_job(cluster: Any, strategies: tuple[str, ...], rates: tuple[str | None, ...], steps: int, preset: str,
-            micro_batch: int, nproc: int) -> dict[str, list[dict[str, list[float]]]]:
-    """One job on every node of `cluster` that runs every strategy at every rate, the host setting
-    the link's rate when rank 0 asks for the next; each case's timings, per rank."""
-    from shardwise.bench.netns import RDZV_PORT
-
-    names = ["unlimited" if rate is None else rate for rate in rates]
-    with tempfile.TemporaryDirectory() as tmp:
-        handshake = Path(tmp)
-        worker_args = ["--strategies", ",".join(strategies), "--rates", ",".join(names), "--steps", str(steps),
-                       "--preset", preset, "--micro-batch", str(micro_batch), "--handshake", tmp]
-        processes = [cluster.popen(n.rank, [sys.executable, "-m", "shardwise.bench.multinode", "node",
-                                            "--nproc", str(nproc), "--nnodes", str(len(cluster.nodes)),
-                                            "--node-rank", str(n.rank), "--node-addr", n.addr,
-                                            "--rdzv-endpoint", f"{cluster.nodes[0].addr}:{RDZV_PORT}", *worker_args],
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-                     for n in cluster.nodes]
-        errors = [tempfile.TemporaryFile(mode="w+") for _ in processes]
-        readers = [_drain(process, error) for process, error in zip(processes, errors, strict=True)]
-        for index, rate in enumerate(rates):
-            while not (handshake / f"want-{index}").exists():
-                _check_alive(processes, errors)
-                time.sleep(0.05)
-            cluster.set_rate(rate)
-            (handshake / f"set-{index}").write_text("")
-        for reader in readers:
-            reader.join()
-        _check_alive(processes, errors, finished=True)
-        ranks = json.loads((handshake / "result.json").read_text())
-    return {case: [rank[case] for rank in ranks] for case in ranks[0]}
-
-
-def _drain(process: subprocess.Popen, sink: Any) -> Any:
-    """A thread copying the process's stderr to `sink` (so a full pipe never blocks it)."""
-    import threading
-
-    thread = threading.Thread(target=lambda: sink.write(process.stderr.read()), daemon=True)
-    thread.start()
-    return thread
-
-
-def _check_alive(processes: list[subprocess.Popen], errors: list[Any], finished: bool = False) -> None:
-    for rank, (process, error) in enumerate(zip(processes, errors, strict=True)):
-        code = process.wait() if finished else process.poll()
-        if code:  # a failed node: the others would wait for it until the timeout
-            error.seek(0)
-            raise RuntimeError(f"node {rank} failed (exit {code}):\n{error.read()[-3000:]}")
-
-
 def summarise(ranks: list[dict[str, list[float]]], cfg: Any) -> dict[str, Any]:
     """A case's step time (median), tokens/s and communication share (blocked / step time, summed
     over the steps, averaged over ranks)."""
@@ -229,10 +164,14 @@ def summarise(ranks: list[dict[str, list[float]]], cfg: Any) -> dict[str, Any]:
 def run_bench(steps: int, strategies: tuple[str, ...] = STRATEGIES, rates: tuple[str | None, ...] = RATES,
               preset: str = "small", micro_batch: int = 4, nproc: int = NPROC) -> dict[str, Any]:
     """Every strategy at every rate, in one job on a cluster of NODES nodes."""
-    from shardwise.bench.netns import Cluster
+    from shardwise.bench.netns import Cluster, run_job
 
+    names = ["unlimited" if rate is None else rate for rate in rates]
     with Cluster(NODES) as cluster:
-        timings = run_job(cluster, strategies, rates, steps, preset, micro_batch, nproc)
+        ranks = run_job(cluster, nproc, "shardwise.bench.multinode",
+                        ["worker", "--strategies", ",".join(strategies), "--rates", ",".join(names),
+                         "--steps", str(steps), "--preset", preset, "--micro-batch", str(micro_batch)])
+    timings = {case: [rank[case] for rank in ranks] for case in ranks[0]}
     cases = []
     for rate in rates:
         for strategy in strategies:
@@ -261,7 +200,7 @@ def format_result(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m shardwise.bench.multinode", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("role", nargs="?", default="host", choices=("host", "node", "worker"))
+    parser.add_argument("role", nargs="?", default="host", choices=("host", "worker"))
     parser.add_argument("--steps", type=int, default=6, help="measured steps per case (after 2 warm-up steps)")
     parser.add_argument("--json", action="append", default=[], help="write the result here (repeatable)")
     parser.add_argument("--strategies")
@@ -269,17 +208,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--handshake")
     parser.add_argument("--preset", default="small")
     parser.add_argument("--micro-batch", type=int, default=4)
-    parser.add_argument("--nproc", type=int, default=NPROC)
-    parser.add_argument("--nnodes", type=int)
-    parser.add_argument("--node-rank", type=int)
-    parser.add_argument("--node-addr")
-    parser.add_argument("--rdzv-endpoint")
     args = parser.parse_args(argv)
     if args.role == "worker":
         worker(args)
-    elif args.role == "node":
-        node(args, ["--strategies", args.strategies, "--rates", args.rates, "--steps", str(args.steps),
-                    "--preset", args.preset, "--micro-batch", str(args.micro_batch), "--handshake", args.handshake])
     else:
         from shardwise.bench.common import write_json
         from shardwise.bench.netns import unavailable_reason

@@ -13,19 +13,27 @@ between a node's own processes stays on its loopback, unlimited, as inside a rea
 
 (scripts/netns-nodes.sh wraps these.) `train` starts `shardwise train` in every node with
 --nnodes, --node-rank, --node-addr and a c10d rendezvous on node 0's address. Needs root.
+
+Benches run their own worker module over a cluster with `run_job`, and their ranks change the
+links' rate between measurements with `LinkRate` (the host sets it when rank 0 asks).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
+import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 SUBNET = "10.213.0"  # node i is SUBNET.(i+1)/24; each cluster is its own network, so all share it
 RDZV_PORT = 29400
@@ -168,6 +176,75 @@ class Cluster:
             process.wait()
 
 
+# --- a job over a cluster, its ranks choosing the links' rate --------------------------------
+
+class LinkRate:
+    """A rank's side of the rate handshake, through files in a directory host and ranks share:
+    rank 0 asks for a rate and waits until the host has set it; then every rank goes on together."""
+
+    def __init__(self, ctx: Any, handshake: Path) -> None:
+        self.ctx, self.handshake, self.asked = ctx, handshake, 0
+
+    def set(self, rate: str | None) -> None:
+        """Every link at `rate` (tc syntax) each way, or unlimited (None); called by every rank."""
+        if self.ctx.is_main:
+            want = self.handshake / f"want-{self.asked}"
+            (self.handshake / "asking").write_text(rate or "unlimited")
+            (self.handshake / "asking").rename(want)  # whole, or not at all, when the host looks
+            while not (self.handshake / f"set-{self.asked}").exists():
+                time.sleep(0.05)
+        self.asked += 1
+        self.ctx.barrier()
+
+
+def run_job(cluster: Cluster, nproc: int, module: str, args: list[str]) -> Any:
+    """Run `python -m MODULE ARGS --handshake DIR` as `nproc` ranks on every node of `cluster` (a
+    c10d rendezvous on node 0), setting the links' rate whenever rank 0 asks (`LinkRate`);
+    returns the JSON rank 0 wrote to DIR/result.json. A failed node fails the job at once, with
+    its error output."""
+    with tempfile.TemporaryDirectory() as tmp:
+        handshake = Path(tmp)
+        processes = [cluster.popen(node.rank, [sys.executable, "-m", "shardwise.bench.netns", "node",
+                                               "--nproc", str(nproc), "--nnodes", str(len(cluster.nodes)),
+                                               "--node-rank", str(node.rank), "--node-addr", node.addr,
+                                               "--rdzv-endpoint", f"{cluster.nodes[0].addr}:{RDZV_PORT}",
+                                               module, *args, "--handshake", tmp],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                     for node in cluster.nodes]
+        errors = [tempfile.TemporaryFile(mode="w+") for _ in processes]
+        readers = [_drain(process, error) for process, error in zip(processes, errors, strict=True)]
+        answered = 0
+        while any(process.poll() is None for process in processes):
+            want = handshake / f"want-{answered}"
+            if want.exists():
+                rate = want.read_text()
+                cluster.set_rate(None if rate == "unlimited" else rate)
+                (handshake / f"set-{answered}").write_text("")
+                answered += 1
+                continue
+            _check_alive(processes, errors)
+            time.sleep(0.05)
+        for reader in readers:
+            reader.join()
+        _check_alive(processes, errors)
+        return json.loads((handshake / "result.json").read_text())
+
+
+def _drain(process: subprocess.Popen, sink: Any) -> threading.Thread:
+    """A thread copying the process's stderr to `sink` (so a full pipe never blocks it)."""
+    thread = threading.Thread(target=lambda: sink.write(process.stderr.read()), daemon=True)
+    thread.start()
+    return thread
+
+
+def _check_alive(processes: list[subprocess.Popen], errors: list[Any]) -> None:
+    for rank, (process, error) in enumerate(zip(processes, errors, strict=True)):
+        code = process.poll()
+        if code:  # a failed node: the others would wait for it until the timeout
+            error.seek(0)
+            raise RuntimeError(f"node {rank} failed (exit {code}):\n{error.read()[-3000:]}")
+
+
 def kill_and_remove(netns: str) -> None:
     """Kill every process inside namespace `netns` (a namespace lives on while one does), then delete it."""
     pids = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True).stdout.split()
@@ -206,7 +283,20 @@ def main(argv: list[str] | None = None) -> int:
     train.add_argument("--nproc", type=int, default=1, help="processes per node")
     down = commands.add_parser("down", help="kill what runs in a cluster's nodes and remove them")
     down.add_argument("name")
+    node = commands.add_parser("node", help="one node's ranks of a run_job job: python -m MODULE ARGS on each",
+                               allow_abbrev=False)
+    for flag in ("--nproc", "--nnodes", "--node-rank"):
+        node.add_argument(flag, type=int, required=True)
+    node.add_argument("--node-addr", required=True)
+    node.add_argument("--rdzv-endpoint", required=True)
     args, rest = parser.parse_known_args(argv)
+    if args.command == "node":
+        from shardwise.config import LaunchConfig
+        from shardwise.launch import launch_workers
+
+        launch_workers(LaunchConfig(nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,
+                                    rdzv_endpoint=args.rdzv_endpoint, node_addr=args.node_addr), rest)
+        return 0
     if args.command == "up":
         cluster = Cluster(args.nodes, args.rate)
         try:

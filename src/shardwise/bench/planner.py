@@ -6,6 +6,13 @@ each scenario every candidate trains a few steps (candidates alternating, A B C 
 machine's drift hits all alike) and is compared with its prediction: the median step time, and
 per rank the params, grads, optimizer and activation bytes `memory` counts.
 
+The world's 2 ranks are 2 nodes of one process each (network namespaces, bench/netns.py; as
+root), so the link between them can be slowed: the scenarios with a link rate run with it
+limited to that rate each way (tc tbf), and the planner predicts them from the same profile
+with the rate as its inter-node bandwidth, as a user who knows their network would. The others
+run with the link unlimited: a veth is a memory copy, as within a node. Without namespaces the
+world is 2 processes on this host and only those run.
+
 A scenario's ranking matches when the predicted order of its candidates agrees with the measured
 one on every pair the measurement tells apart: medians more than `NOISE` (relative) apart and
 further apart than the two candidates' spreads (half their step times' interquartile ranges)
@@ -15,14 +22,21 @@ two within that swap places.
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import itertools
+import json
 import statistics
+import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
-from shardwise.bench.common import bench_main
+from shardwise.bench.common import write_json
 from shardwise.bench.hardware import run as measure_hardware
-from shardwise.config import load_config
-from shardwise.dist import DistContext
+from shardwise.bench.netns import Cluster, LinkRate, parse_rate, run_job, unavailable_reason
+from shardwise.config import LaunchConfig, load_config
+from shardwise.dist import DistContext, init_distributed, leave_process, shutdown_distributed
 from shardwise.planner.candidates import Candidate
 from shardwise.planner.devices import DeviceProfile
 from shardwise.planner.measure import measure_candidates
@@ -44,20 +58,31 @@ def _split(micro_batch: int, pipeline: bool = True) -> list[Candidate]:
     return pipe + [Candidate("tensor", 1, 1, 2, "fp32", "none", micro_batch)]
 
 
-def scenarios() -> dict[str, tuple[list[str], list[Candidate]]]:
-    """name -> (config overrides, candidates): model size, batch and the compute/communication
-    ratio vary (on one host the link cannot be slowed; a wide model on short sequences sends
-    much more per FLOP, which is what a slower link does)."""
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    overrides: list[str]
+    candidates: list[Candidate]
+    link: str | None = None  # the link's rate (tc syntax), or unlimited
+
+
+def scenarios() -> dict[str, Scenario]:
+    """Model size, batch, precision and bandwidth vary: a slower link, or a wide model on short
+    sequences, which sends much more per FLOP."""
     every = "ddp zero1 zero2 fsdp"
+    small, tiny = ["model.preset=small"], ["model.preset=tiny"]
     return {
-        "tiny, micro-batch 8": (["model.preset=tiny"], _data_parallel(every, "fp32", 8) + _split(8)),
-        "small, micro-batch 8": (["model.preset=small"], _data_parallel(every, "fp32", 8) + _split(8)),
-        "small, micro-batch 2": (["model.preset=small"], _data_parallel(every, "fp32", 2) + _split(2)),
-        "small, bf16-mixed vs fp32": (["model.preset=small"], _data_parallel("ddp fsdp", "bf16-mixed", 8)
-                                      + _data_parallel("ddp fsdp", "fp32", 8)),
-        "wide, short sequences (communication-heavy)": (
+        "tiny, micro-batch 8": Scenario(tiny, _data_parallel(every, "fp32", 8) + _split(8)),
+        "small, micro-batch 8": Scenario(small, _data_parallel(every, "fp32", 8) + _split(8)),
+        "small, micro-batch 2": Scenario(small, _data_parallel(every, "fp32", 2) + _split(2)),
+        "small, bf16-mixed vs fp32": Scenario(small, _data_parallel("ddp fsdp", "bf16-mixed", 8)
+                                              + _data_parallel("ddp fsdp", "fp32", 8)),
+        "wide, short sequences (communication-heavy)": Scenario(
             ["model.preset=small", "model.d_model=768", "model.n_head=12", "model.seq_len=32"],
             _data_parallel(every, "fp32", 4) + _split(4, pipeline=False)),
+        "small, micro-batch 8, link 1 Gbit/s": Scenario(small, _data_parallel(every, "fp32", 8) + _split(8), "1gbit"),
+        "small, micro-batch 8, link 200 Mbit/s": Scenario(small, _data_parallel(every, "fp32", 8) + _split(8),
+                                                          "200mbit"),
+        "tiny, micro-batch 8, link 20 Mbit/s": Scenario(tiny, _data_parallel(every, "fp32", 8) + _split(8), "20mbit"),
     }
 
 
@@ -107,11 +132,27 @@ def run_scenario(ctx: DistContext, overrides: list[str], candidates: list[Candid
             "measured_order": [rows[i]["label"] for i in sorted(range(len(rows)), key=measured.__getitem__)]}
 
 
-def run(ctx: DistContext, steps: int, rounds: int, micro_batch: int) -> dict[str, Any] | None:
-    profile = ctx.all_gather_object(measure_hardware(ctx, steps, rounds, micro_batch))[0]
+def link_profile(profile: DeviceProfile, world: int, link: str | None) -> DeviceProfile:
+    """The profile the planner predicts a scenario from: one node of `world` ranks over an
+    unlimited link, else a rank per node at the link's rate."""
+    if link is None:
+        return dataclasses.replace(profile, gpus_per_node=world)
+    return dataclasses.replace(profile, inter_node_bandwidth=parse_rate(link), gpus_per_node=1)
+
+
+def run(ctx: DistContext, steps: int, link: LinkRate | None) -> dict[str, Any] | None:
+    """Measure the machine, then every scenario (those with a link rate only if `link` can set it)."""
+    profile = ctx.all_gather_object(measure_hardware(ctx, steps, 1, 1))[0]
     device = DeviceProfile(**profile)
-    results = {name: run_scenario(ctx, overrides, candidates, device, steps)
-               for name, (overrides, candidates) in scenarios().items()}
+    results = {}
+    for name, scenario in scenarios().items():
+        if scenario.link is not None and link is None:
+            continue
+        if link is not None:
+            link.set(scenario.link)
+        results[name] = {"link": scenario.link or "unlimited",
+                         **run_scenario(ctx, scenario.overrides, scenario.candidates,
+                                        link_profile(device, ctx.world_size, scenario.link), steps)}
     if not ctx.is_main:
         return None
     ratios = [cell["predicted"] / cell["counted"] for scenario in results.values() for row in scenario["candidates"]
@@ -132,12 +173,55 @@ def format_result(result: dict[str, Any]) -> str:
              f"ordered alike; memory predicted / counted in "
              f"[{result['memory_ratio_range'][0]:.4f}, {result['memory_ratio_range'][1]:.4f}]"]
     for name, scenario in result["scenarios"].items():
-        lines.append(f"{name}: {scenario['pairs_ordered_alike']}/{scenario['pairs_told_apart']} pairs alike")
+        lines.append(f"{name} (link {scenario['link']}): {scenario['pairs_ordered_alike']}/"
+                     f"{scenario['pairs_told_apart']} pairs alike")
         for row in scenario["candidates"]:
             lines.append(f"  {row['label']:<44} predicted {row['predicted_step_s'] * 1000:8.1f} ms  "
                          f"measured {row['measured_step_s'] * 1000:8.1f} ms")
     return "\n".join(lines)
 
 
+def worker(args: argparse.Namespace) -> None:
+    ctx = init_distributed("gloo", timeout_s=900, threads_per_rank=1)
+    handshake = Path(args.handshake)
+    result = run(ctx, args.steps, LinkRate(ctx, handshake) if args.link else None)
+    if result is not None:
+        (handshake / "result.json").write_text(json.dumps(result))
+    shutdown_distributed()
+    leave_process()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m shardwise.bench.planner", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("role", nargs="?", default="host", choices=("host", "worker"))
+    parser.add_argument("--steps", type=int, default=10, help="measured steps per candidate")
+    parser.add_argument("--json", action="append", default=[], help="write the result here (repeatable)")
+    parser.add_argument("--handshake", help=argparse.SUPPRESS)
+    parser.add_argument("--link", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.role == "worker":
+        worker(args)
+        return 0
+    reason = unavailable_reason()
+    if reason is None:
+        with Cluster(2) as cluster:
+            result = run_job(cluster, 1, "shardwise.bench.planner", ["worker", "--steps", str(args.steps), "--link"])
+    else:
+        from shardwise.launch import launch_workers
+
+        skipped = [name for name, scenario in scenarios().items() if scenario.link]
+        print(f"shardwise bench planner: the scenarios with a slower link ({'; '.join(skipped)}) run over network "
+              f"namespaces, and {reason}: running the others on this host", file=sys.stderr)
+        with tempfile.TemporaryDirectory() as handshake:
+            launch_workers(LaunchConfig(nproc=2), ["shardwise.bench.planner", "worker", "--steps", str(args.steps),
+                                                   "--handshake", handshake])
+            result = json.loads((Path(handshake) / "result.json").read_text())
+        result["not_run"] = {"scenarios": skipped, "why": reason}
+    write_json(result, args.json)
+    print(format_result(result), flush=True)
+    return 0
+
+
 if __name__ == "__main__":
-    bench_main("planner", run, format_result)
+    sys.exit(main())
