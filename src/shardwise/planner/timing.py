@@ -178,10 +178,10 @@ def _data_parallel(c: Candidate, cfg: Config, shape: GPTConfig, device: DevicePr
         gathered = dtype_bytes(precision.compute_dtype if precision.mixed else precision.param_dtype)
         gather = all_gather_s(padded * gathered, c.dp, gather_bandwidth, latency) + per_unit
         reduce = all_gather_s(reduce_bytes, c.dp, scatter_bandwidth, latency) + per_unit
-        first_unit = gather / max(1, len(facts.units)) * 2  # the root and the first block, before any compute
+        first_units = gather / max(1, len(facts.units)) * 2  # the root and the first block, before any compute
         comm = micro_steps * 2 * gather + reduce
-        exposed = micro_steps * (_hidden(gather, micro_step / 3, device.overlap)
-                                 + _hidden(gather, backward, device.overlap) + first_unit)
+        exposed = micro_steps * (first_units + _hidden(gather - first_units, micro_step / 3, device.overlap)
+                                 + _hidden(gather, backward, device.overlap))
         exposed += _hidden(reduce, max(0.0, backward - gather), device.overlap)
         stepped = padded // c.dp
     return StepTime(compute, comm, exposed, 0.0, _optimizer_s(stepped, stored, cfg, device))
