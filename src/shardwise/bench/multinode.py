@@ -8,10 +8,12 @@ synchronous collective, or in `.wait()` on an asynchronous one, timed by wrappin
 torch.distributed's functions in the workers) over its step time, summed over the measured
 steps, averaged over ranks. That is what the planner calls exposed communication: what
 overlapping with computation did not hide. Predicted: the planner's `exposed_communication_s /
-total` on the `cpu` device profile with the link's rate as the inter-node bandwidth (per rank
-in the planner, which assumes a NIC per GPU: here a node's ranks share one link, which a ring over
-all ranks crosses with one flow each way, hsdp's shard all-reduces with one flow per process);
-unlimited, the veth is a memory copy like loopback, so the intra-node bandwidth.
+total` on the device profile `bench hardware` measures in the same world first (every rank at
+once, so the ranks share the host's cores as they do in training), with the link's rate as the
+inter-node bandwidth (per rank in the planner, which assumes a NIC per GPU: here a node's ranks
+share one link, which a ring over all ranks crosses with one flow each way, hsdp's shard
+all-reduces with one flow per process); unlimited, the veth is a memory copy like loopback, so
+the intra-node bandwidth.
 
     python -m shardwise.bench.multinode [--steps N] [--json FILE]       # on the host, as root
 The same module is each rank (`worker`), started on every node by netns.run_job.
@@ -92,13 +94,16 @@ def case_config(strategy: str, world: int, preset: str, micro_batch: int, steps:
 
 
 def worker(args: argparse.Namespace) -> None:
-    """Every strategy built once; at each rate (set by the host when rank 0 asks for it) each
-    strategy in turn runs WARMUP_STEPS + args.steps steps, timed."""
+    """The machine measured as a device profile; then every strategy built once, and at each rate
+    (set by the host when rank 0 asks for it) each strategy in turn runs WARMUP_STEPS + args.steps
+    steps, timed."""
+    from shardwise.bench.hardware import run as measure_hardware
     from shardwise.bench.netns import LinkRate
     from shardwise.dist import init_distributed, leave_process, shutdown_distributed
     from shardwise.trainer import Trainer
 
     ctx = init_distributed("gloo", timeout_s=900, threads_per_rank=1)
+    profile = measure_hardware(ctx, 0, 0, 0)
     clock = instrument()
     strategies, rates = args.strategies.split(","), args.rates.split(",")
     total = len(rates) * (WARMUP_STEPS + args.steps)
@@ -121,28 +126,29 @@ def worker(args: argparse.Namespace) -> None:
             timings[f"{name}@{rate}"] = {"step_times_s": steps[WARMUP_STEPS:], "blocked_s": blocked[WARMUP_STEPS:]}
     every = ctx.all_gather_object(timings)
     if ctx.is_main:
-        (Path(args.handshake) / "result.json").write_text(json.dumps(every))
+        (Path(args.handshake) / "result.json").write_text(json.dumps({"profile": profile, "ranks": every}))
     shutdown_distributed()
     leave_process()
 
 
 # --- on the host -----------------------------------------------------------------------------
 
-def predict(strategy: str, rate: str | None, preset: str, micro_batch: int, nproc: int) -> dict[str, float]:
-    """The planner's step time and communication for the case, on the cpu profile with the link's rate."""
+def predict(profile: dict[str, Any], strategy: str, rate: str | None, preset: str, micro_batch: int,
+            nproc: int) -> dict[str, float]:
+    """The planner's step time and communication for the case, on the measured profile with the link's rate."""
     from shardwise.bench.netns import parse_rate
-    from shardwise.planner import load_profile
+    from shardwise.planner import DeviceProfile
     from shardwise.planner.candidates import Candidate
     from shardwise.planner.timing import predict_step_time
 
     world = NODES * nproc
-    cpu = load_profile("cpu")
-    link = cpu.intra_node_bandwidth if rate is None else parse_rate(rate)
+    measured = DeviceProfile(**profile)
+    link = measured.intra_node_bandwidth if rate is None else parse_rate(rate)
     # The planner's inter-node bandwidth is per rank (a NIC per GPU); here a node's ranks share one
     # link. A ring over all ranks crosses it with one flow each way; hsdp's all-reduces, one per
     # shard, cross it all at once.
     per_rank = link / nproc if strategy == "hsdp" else link
-    device = dataclasses.replace(cpu, inter_node_bandwidth=per_rank, gpus_per_node=nproc)
+    device = dataclasses.replace(measured, inter_node_bandwidth=per_rank, gpus_per_node=nproc)
     candidate = Candidate(strategy, world, 1, 1, "fp32", "none", micro_batch,
                           shard=nproc if strategy == "hsdp" else None)
     step = predict_step_time(candidate, case_config(strategy, world, preset, micro_batch, 1), device, world)
@@ -168,20 +174,21 @@ def run_bench(steps: int, strategies: tuple[str, ...] = STRATEGIES, rates: tuple
 
     names = ["unlimited" if rate is None else rate for rate in rates]
     with Cluster(NODES) as cluster:
-        ranks = run_job(cluster, nproc, "shardwise.bench.multinode",
+        result = run_job(cluster, nproc, "shardwise.bench.multinode",
                         ["worker", "--strategies", ",".join(strategies), "--rates", ",".join(names),
                          "--steps", str(steps), "--preset", preset, "--micro-batch", str(micro_batch)])
-    timings = {case: [rank[case] for rank in ranks] for case in ranks[0]}
+    timings = {case: [rank[case] for rank in result["ranks"]] for case in result["ranks"][0]}
     cases = []
     for rate in rates:
         for strategy in strategies:
             cfg = case_config(strategy, NODES * nproc, preset, micro_batch, 1)
             cases.append({"strategy": strategy, "rate": rate or "unlimited",
                           "measured": summarise(timings[f"{strategy}@{rate or 'unlimited'}"], cfg),
-                          "predicted": predict(strategy, rate, preset, micro_batch, nproc)})
+                          "predicted": predict(result["profile"], strategy, rate, preset, micro_batch, nproc)})
     return {"bench": "multinode", "nodes": NODES, "nproc_per_node": nproc, "model": f"gpt {preset}",
             "micro_batch": micro_batch, "global_batch": micro_batch * NODES * nproc, "steps": steps,
-            "device_profile": "cpu; inter-node bandwidth: the link's rate (hsdp: / processes per node)",
+            "device_profile": result["profile"],
+            "inter_node_bandwidth": "the link's rate (hsdp: / processes per node); unlimited: the intra-node figure",
             "cases": cases}
 
 
