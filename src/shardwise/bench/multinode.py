@@ -8,12 +8,12 @@ synchronous collective, or in `.wait()` on an asynchronous one, timed by wrappin
 torch.distributed's functions in the workers) over its step time, summed over the measured
 steps, averaged over ranks. That is what the planner calls exposed communication: what
 overlapping with computation did not hide. Predicted: the planner's `exposed_communication_s /
-total` on the device profile `bench hardware` measures in the same world first (every rank at
-once, so the ranks share the host's cores as they do in training), with the link's rate as the
-inter-node bandwidth (per rank in the planner, which assumes a NIC per GPU: here a node's ranks
-share one link, which a ring over all ranks crosses with one flow each way, hsdp's shard
-all-reduces with one flow per process); unlimited, the veth is a memory copy like loopback, so
-the intra-node bandwidth.
+total` on the device profile `bench hardware` measures in the same world first, its compute
+scaled by the host's cores over the ranks (2 nodes x 2 processes share 2 cores here; real nodes
+would each have their own), with the link's rate as the inter-node bandwidth (per rank in the
+planner, which assumes a NIC per GPU: here a node's ranks share one link, which a ring over all
+ranks crosses with one flow each way, hsdp's shard all-reduces with one flow per process);
+unlimited, the veth is a memory copy like loopback, so the intra-node bandwidth.
 
     python -m shardwise.bench.multinode [--steps N] [--json FILE]       # on the host, as root
 The same module is each rank (`worker`), started on every node by netns.run_job.
@@ -143,6 +143,12 @@ def predict(profile: dict[str, Any], strategy: str, rate: str | None, preset: st
 
     world = NODES * nproc
     measured = DeviceProfile(**profile)
+    # The namespace nodes share this host's cores: beyond one rank a core, a rank computes for
+    # its share of the time (the profile's best-of-N runs catch a rank alone on a core).
+    share = min(1.0, len(os.sched_getaffinity(0)) / world)
+    measured = dataclasses.replace(measured, matmul_flops={k: v * share for k, v in measured.matmul_flops.items()},
+                                   memory_bandwidth=measured.memory_bandwidth * share,
+                                   op_overhead_s=measured.op_overhead_s / share)
     link = measured.intra_node_bandwidth if rate is None else parse_rate(rate)
     # The planner's inter-node bandwidth is per rank (a NIC per GPU); here a node's ranks share one
     # link. A ring over all ranks crosses it with one flow each way; hsdp's all-reduces, one per
