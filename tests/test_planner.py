@@ -287,6 +287,23 @@ def test_a_measured_hardware_profile_plans_like_a_preset(tmp_path):
     assert plan.recommended is not None and plan.device.matmul_flops == profile["matmul_flops"]
 
 
+def test_ranks_outnumbering_the_cores_are_profiled_computing_for_their_share(monkeypatch):
+    from shardwise.bench import hardware
+    from shardwise.planner.timing import predict_step_time
+
+    monkeypatch.setattr(hardware.os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setattr(hardware.torch, "get_num_threads", lambda: 1)
+    assert [hardware.core_share(ranks) for ranks in (1, 2, 4, 8)] == [1.0, 1.0, 0.5, 0.25]
+    cpu = load_profile("cpu")
+    half = cpu.computing_for(0.5)
+    assert half.matmul_flops["fp32"] == cpu.matmul_flops["fp32"] / 2 and half.op_overhead_s == 2 * cpu.op_overhead_s
+    candidate = Candidate("ddp", 2, 1, 1, "fp32", "none", 4)
+    cfg = candidate.config(config(), 2)
+    full, shared = predict_step_time(candidate, cfg, cpu, 2), predict_step_time(candidate, cfg, half, 2)
+    assert shared.compute_s == pytest.approx(2 * full.compute_s)
+    assert shared.optimizer_s == pytest.approx(2 * full.optimizer_s)
+
+
 def test_measure_trains_the_top_candidates_and_sets_measured_beside_predicted(tmp_path):
     out = tmp_path / "plan.json"
     assert main(["plan", str(CONFIGS / "gpt-tiny.toml"), "--nproc", "2", "--device", "cpu", "--precision", "fp32",

@@ -173,6 +173,7 @@ def run(ctx: DistContext, steps: int, rounds: int, micro_batch: int) -> dict[str
         collectives["p2p"] = statistics.median(rank["collectives"]["p2p"] for rank in every[:2])
     bandwidth = collectives.get("all_reduce", measured["memory_bandwidth"])
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", ctx.world_size))
+    share = core_share(local_ranks)
     profile = DeviceProfile(
         name=f"measured-{platform.machine()}-{ctx.world_size}rank", memory_bytes=host_memory_per_rank(local_ranks),
         reserved_bytes=300 * 2**20,  # the Python and torch runtime each rank carries
@@ -182,9 +183,17 @@ def run(ctx: DistContext, steps: int, rounds: int, micro_batch: int) -> dict[str
         overlap=measured.get("overlap", 1.0), collective_bandwidth=collectives,
         reduce_scatter_volume=2.0 if ctx.backend == "gloo" else 1.0, gpus_per_node=local_ranks,
         source=f"shardwise bench hardware on {platform.node()}, {ctx.world_size} rank(s), "
-               f"{torch.get_num_threads()} thread(s) each; one node, so inter-node is the intra-node figure",
+               f"{torch.get_num_threads()} thread(s) each; one node, so inter-node is the intra-node figure"
+               + (f"; compute x {share:.2f}, the ranks' threads outnumbering the cores" if share < 1 else ""),
     )
-    return profile.to_dict()
+    return profile.computing_for(share).to_dict()
+
+
+def core_share(local_ranks: int) -> float:
+    """The share of the time a rank computes when every local rank does at once: below 1 when
+    their threads outnumber the cores. (The best-of-N timings above catch a rank alone on a
+    core, which training, every rank computing together, does not.)"""
+    return min(1.0, len(os.sched_getaffinity(0)) / (local_ranks * torch.get_num_threads()))
 
 
 def format_result(result: dict[str, Any]) -> str:

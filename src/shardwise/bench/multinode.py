@@ -142,13 +142,9 @@ def predict(profile: dict[str, Any], strategy: str, rate: str | None, preset: st
     from shardwise.planner.timing import predict_step_time
 
     world = NODES * nproc
-    measured = DeviceProfile(**profile)
-    # The namespace nodes share this host's cores: beyond one rank a core, a rank computes for
-    # its share of the time (the profile's best-of-N runs catch a rank alone on a core).
-    share = min(1.0, len(os.sched_getaffinity(0)) / world)
-    measured = dataclasses.replace(measured, matmul_flops={k: v * share for k, v in measured.matmul_flops.items()},
-                                   memory_bandwidth=measured.memory_bandwidth * share,
-                                   op_overhead_s=measured.op_overhead_s / share)
+    # The namespace nodes share this host's cores, which the profile, measured a node at a time,
+    # does not know: beyond one rank a core, a rank computes for its share of the time.
+    measured = DeviceProfile(**profile).computing_for(min(1.0, len(os.sched_getaffinity(0)) / world))
     link = measured.intra_node_bandwidth if rate is None else parse_rate(rate)
     # The planner's inter-node bandwidth is per rank (a NIC per GPU); here a node's ranks share one
     # link. A ring over all ranks crosses it with one flow each way; hsdp's all-reduces, one per

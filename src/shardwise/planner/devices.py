@@ -53,6 +53,12 @@ class DeviceProfile:
         link = (self.inter_node_bandwidth if inter_node else self.intra_node_bandwidth) * self.link_efficiency
         return link / self.reduce_scatter_volume if collective == "reduce_scatter" else link
 
+    def computing_for(self, share: float) -> DeviceProfile:
+        """This profile for a rank that computes `share` of the time (ranks outnumbering cores)."""
+        return dataclasses.replace(self, matmul_flops={k: v * share for k, v in self.matmul_flops.items()},
+                                   memory_bandwidth=self.memory_bandwidth * share,
+                                   op_overhead_s=self.op_overhead_s / share)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
