@@ -272,11 +272,11 @@ def test_device_presets_cite_their_sources():
 
 
 def test_a_measured_hardware_profile_plans_like_a_preset(tmp_path):
-    from shardwise.bench.hardware import run
+    from shardwise.bench.hardware import measure_profile
 
     threads = torch.get_num_threads()
     try:
-        profile = run(DistContext(0, 1, 0, torch.device("cpu"), "gloo"), 0, 0, 0)
+        profile = measure_profile(DistContext(0, 1, 0, torch.device("cpu"), "gloo"))
     finally:
         torch.set_num_threads(threads)
     assert profile["matmul_flops"]["fp32"] > 1e8 and profile["memory_bandwidth"] > 1e8

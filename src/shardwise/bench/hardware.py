@@ -164,6 +164,12 @@ def _median_of(values: list[Any]) -> Any:
 
 
 def run(ctx: DistContext, steps: int, rounds: int, micro_batch: int) -> dict[str, Any] | None:
+    """bench_main's entry: the profile takes no steps, rounds or micro-batches."""
+    return measure_profile(ctx)
+
+
+def measure_profile(ctx: DistContext) -> dict[str, Any] | None:
+    """This machine as a device profile (a DeviceProfile's dict) on rank 0, None on the others."""
     every = ctx.all_gather_object(measure(ctx))
     if not ctx.is_main:
         return None

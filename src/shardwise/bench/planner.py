@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from shardwise.bench.common import write_json
-from shardwise.bench.hardware import run as measure_hardware
+from shardwise.bench.hardware import measure_profile
 from shardwise.bench.netns import Cluster, LinkRate, parse_rate, run_job, unavailable_reason
 from shardwise.config import LaunchConfig, load_config
 from shardwise.dist import DistContext, init_distributed, leave_process, shutdown_distributed
@@ -142,7 +142,7 @@ def link_profile(profile: DeviceProfile, world: int, link: str | None) -> Device
 
 def run(ctx: DistContext, steps: int, link: LinkRate | None) -> dict[str, Any] | None:
     """Measure the machine, then every scenario (those with a link rate only if `link` can set it)."""
-    profile = ctx.all_gather_object(measure_hardware(ctx, steps, 1, 1))[0]
+    profile = ctx.all_gather_object(measure_profile(ctx))[0]
     device = DeviceProfile(**profile)
     results = {}
     for name, scenario in scenarios().items():
