@@ -97,13 +97,13 @@ def worker(args: argparse.Namespace) -> None:
     """The machine measured as a device profile; then every strategy built once, and at each rate
     (set by the host when rank 0 asks for it) each strategy in turn runs WARMUP_STEPS + args.steps
     steps, timed."""
-    from shardwise.bench.hardware import run as measure_hardware
+    from shardwise.bench.hardware import measure_profile
     from shardwise.bench.netns import LinkRate
     from shardwise.dist import init_distributed, leave_process, shutdown_distributed
     from shardwise.trainer import Trainer
 
     ctx = init_distributed("gloo", timeout_s=900, threads_per_rank=1)
-    profile = measure_hardware(ctx, 0, 0, 0)
+    profile = measure_profile(ctx)
     clock = instrument()
     strategies, rates = args.strategies.split(","), args.rates.split(",")
     total = len(rates) * (WARMUP_STEPS + args.steps)
@@ -142,9 +142,10 @@ def predict(profile: dict[str, Any], strategy: str, rate: str | None, preset: st
     from shardwise.planner.timing import predict_step_time
 
     world = NODES * nproc
-    # The namespace nodes share this host's cores, which the profile, measured a node at a time,
-    # does not know: beyond one rank a core, a rank computes for its share of the time.
-    measured = DeviceProfile(**profile).computing_for(min(1.0, len(os.sched_getaffinity(0)) / world))
+    # bench hardware scaled the profile's compute for a node's nproc ranks sharing the cores; here
+    # every node's ranks share this host's (a worker runs one thread).
+    cores = len(os.sched_getaffinity(0))
+    measured = DeviceProfile(**profile).computing_for(min(1.0, cores / world) / min(1.0, cores / nproc))
     link = measured.intra_node_bandwidth if rate is None else parse_rate(rate)
     # The planner's inter-node bandwidth is per rank (a NIC per GPU); here a node's ranks share one
     # link. A ring over all ranks crosses it with one flow each way; hsdp's all-reduces, one per
