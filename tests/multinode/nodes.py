@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import CONFIGS, REPO
 
-from shardwise.bench.netns import RDZV_PORT, Cluster, NetnsUnavailable, unavailable_reason
+from shardwise.bench.netns import Cluster, NetnsUnavailable, unavailable_reason
 
 HERE = Path(__file__).resolve().parent
 
@@ -58,9 +58,8 @@ def train_many_on_nodes(nodes: Cluster, runs: list[dict], nproc: int, timeout: f
     spec = Path(runs[0]["out"]).parent / f"runs-{nproc}.json"
     spec.write_text(json.dumps([{**run, "out": str(run["out"])} for run in runs]))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
-    endpoint = f"{nodes.nodes[0].addr}:{RDZV_PORT}"
-    processes = [nodes.popen(node.rank, [sys.executable, "-m", "train_many", "node", str(node.rank),
-                                         str(len(nodes.nodes)), str(nproc), node.addr, endpoint, str(spec)],
+    processes = [nodes.popen(node.rank, [sys.executable, "-m", "shardwise.bench.netns", "node", "--nproc", str(nproc),
+                                         *nodes.node_flags(node.rank), "train_many", str(spec)],
                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for node in nodes.nodes]
     for rank, process in enumerate(processes):

@@ -1,10 +1,7 @@
 """Several trainings in one job across the nodes of a test cluster, so that the nodes start (and
-import torch) once, not once per training. On each node:
-
-    python -m train_many node NODE_RANK NNODES NPROC NODE_ADDR RDZV_ENDPOINT RUNS.json
-
-is that node's launcher (shardwise's own, given --node-addr), and each of its workers trains every
-run in RUNS.json (a list of {"out": DIR, "overrides": ["section.key=value", ...]} on gpt-tiny), one
+import torch) once, not once per training. Each node's launcher (`python -m shardwise.bench.netns
+node ... train_many RUNS.json`) starts its workers as `python -m train_many RUNS.json`, and each
+trains every run in RUNS.json (a list of {"out": DIR, "overrides": ["section.key=value", ...]} on gpt-tiny), one
 after another in one world. Node 1's first worker notes in each run directory the bytes its node
 sent over the link meanwhile (node1-tx-bytes).
 """
@@ -17,14 +14,6 @@ import sys
 from pathlib import Path
 
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "gpt-tiny.toml"
-
-
-def node(rank: str, nnodes: str, nproc: str, addr: str, endpoint: str, runs: str) -> None:
-    from shardwise.config import LaunchConfig
-    from shardwise.launch import launch_workers
-
-    launch_workers(LaunchConfig(nproc=int(nproc), nnodes=int(nnodes), node_rank=int(rank), rdzv_endpoint=endpoint,
-                                node_addr=addr, timeout_s=60), ["train_many", "worker", runs])
 
 
 def tx_bytes() -> int:
@@ -48,5 +37,4 @@ def worker(runs: str) -> None:
 
 
 if __name__ == "__main__":
-    role, *args = sys.argv[1:]
-    node(*args) if role == "node" else worker(*args)
+    worker(sys.argv[1])

@@ -152,12 +152,15 @@ class Cluster:
         self.processes.append(process)
         return process
 
+    def node_flags(self, rank: int) -> list[str]:
+        """What a launcher on node `rank` is told: the job's nodes, its rank and address, node 0's rendezvous."""
+        return ["--nnodes", str(len(self.nodes)), "--node-rank", str(rank),
+                "--rdzv-endpoint", f"{self.nodes[0].addr}:{RDZV_PORT}", "--node-addr", self.nodes[rank].addr]
+
     def train_argv(self, rank: int, config: str, nproc: int, flags: list[str]) -> list[str]:
         """`shardwise train` as node `rank` of this cluster runs it."""
         return [sys.executable, "-m", "shardwise.cli", "train", config, "--nproc", str(nproc),
-                "--nnodes", str(len(self.nodes)), "--node-rank", str(rank),
-                "--rdzv-endpoint", f"{self.nodes[0].addr}:{RDZV_PORT}", "--node-addr", self.nodes[rank].addr,
-                *flags]
+                *self.node_flags(rank), *flags]
 
     def train(self, config: str, flags: list[str], nproc: int = 1, **kwargs: object) -> list[subprocess.Popen]:
         """Start `shardwise train CONFIG FLAGS` on every node; one process per node, node 0 first."""
@@ -205,9 +208,7 @@ def run_job(cluster: Cluster, nproc: int, module: str, args: list[str]) -> Any:
     with tempfile.TemporaryDirectory() as tmp:
         handshake = Path(tmp)
         processes = [cluster.popen(node.rank, [sys.executable, "-m", "shardwise.bench.netns", "node",
-                                               "--nproc", str(nproc), "--nnodes", str(len(cluster.nodes)),
-                                               "--node-rank", str(node.rank), "--node-addr", node.addr,
-                                               "--rdzv-endpoint", f"{cluster.nodes[0].addr}:{RDZV_PORT}",
+                                               "--nproc", str(nproc), *cluster.node_flags(node.rank),
                                                module, *args, "--handshake", tmp],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
                      for node in cluster.nodes]
