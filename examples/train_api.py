@@ -21,8 +21,7 @@ import torch
 import shardwise as sw
 from shardwise.data.corpus import TokenWindows, load_corpus, split_tokens
 from shardwise.dist import leave_process
-from shardwise.models import GPT, GPTConfig
-from shardwise.trainer import loss_fn
+from shardwise.models import GPT, GPTConfig, loss_fn
 
 SEQ_LEN = 64
 

@@ -20,8 +20,7 @@ import shardwise as sw
 from shardwise.config import ConfigError
 from shardwise.data.corpus import TokenWindows, load_corpus, split_tokens
 from shardwise.dist import DistContext
-from shardwise.models import GPT, GPTConfig
-from shardwise.trainer import loss_fn
+from shardwise.models import GPT, GPTConfig, loss_fn
 
 STEPS = 10
 BATCH = 8

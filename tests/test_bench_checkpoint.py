@@ -22,7 +22,6 @@ from shardwise.bench.checkpoint import (
     rank_share,
     timed_together,
 )
-from shardwise.bench.common import trainer_step
 from shardwise.checkpoint import save_checkpoint, training_state
 from shardwise.config import load_config
 from shardwise.dist import DistContext
@@ -35,7 +34,7 @@ def measure_tiny(ctx: DistContext, root: Path) -> dict:
                                                   "launch.nproc=2", "train.global_batch=8", "train.micro_batch=4",
                                                   "data.name=synthetic-tokens"])
     trainer = Trainer(cfg, ctx)
-    step = trainer_step(trainer)
+    step = trainer.run_step
     step(0)  # the optimizer's state exists from the first step on
     phases: dict[str, float] = {}
     with phases_timed(phases, dcp=(dcp, "save"), checksums=(checkpoint, "_checksums")):

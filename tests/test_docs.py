@@ -14,7 +14,8 @@ import pytest
 
 from shardwise import docs
 from shardwise.cli import main
-from shardwise.config import SECTIONS, STRATEGIES
+from shardwise.config import SECTIONS
+from shardwise.strategies.registry import NAMES as STRATEGIES
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = sorted([REPO / "README.md", *(REPO / "docs").rglob("*.md")])

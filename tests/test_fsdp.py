@@ -14,7 +14,7 @@ from distributed import run_ranks
 from shardwise.config import load_config
 from shardwise.dist import DistContext
 from shardwise.models import build_model
-from shardwise.strategies import make_strategy
+from shardwise.strategies.base import make_strategy
 from shardwise.trainer import Trainer
 
 STEPS = 20

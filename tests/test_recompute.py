@@ -10,10 +10,9 @@ from distributed import run_ranks
 from shardwise.config import load_config
 from shardwise.dist import DistContext
 from shardwise.memory import ActivationCounter
-from shardwise.models import build_model
+from shardwise.models import build_model, loss_fn
 from shardwise.recompute import estimate_saved_bytes
-from shardwise.strategies import make_strategy
-from shardwise.trainer import loss_fn
+from shardwise.strategies.base import make_strategy
 
 POLICIES = ("none", "blocks", "every:2", "selective")
 LAYERS = 4

@@ -47,8 +47,8 @@ from shardwise.checkpoint import load_checkpoint, save_checkpoint
 from shardwise.config import Config, ConfigError, apply_section, validate_parallel
 from shardwise.data import Dataset, GlobalBatchSampler
 from shardwise.dist import DistContext, init_distributed, seed_everything, shutdown_distributed
-from shardwise.strategies import OptimizerFactory, make_strategy
-from shardwise.strategies.base import LossFn
+from shardwise.strategies.base import LossFn, OptimizerFactory, make_strategy
+from shardwise.strategies.registry import spec
 from shardwise.trainer import optimizer_step
 
 # What `run.loader` reads: shardwise's own datasets (`batch(indices)`) or any map-style dataset
@@ -74,16 +74,16 @@ def setup(strategy: str, precision: str = "fp32", recompute: str = "none", *, gr
     apply_section(cfg, "parallel", {"strategy": strategy, "precision": precision, "recompute": recompute,
                                     **parallel}, "shardwise.setup")
     validate_parallel(cfg.parallel)
-    if strategy == "param-server":
-        raise ConfigError("shardwise.setup: strategy = 'param-server' runs only under `shardwise train`, whose own "
-                          "launcher starts its servers and workers and outlives a lost async worker")
+    if not spec(strategy).api:
+        raise ConfigError(f"shardwise.setup: strategy = {strategy!r} runs only under `shardwise train`, whose own "
+                          "launcher starts its processes and outlives a lost one")
     for key, value, zero_ok in (("grad_accum", grad_accum, False), ("grad_clip", grad_clip, True)):
         if value < 0 or (value == 0 and not zero_ok):
             raise ConfigError(f"shardwise.setup: {key} = {value!r}: must be {'>= 0' if zero_ok else '>= 1'}")
     cfg.train.grad_clip, cfg.train.seed = grad_clip, seed
     cfg.launch.backend, cfg.launch.timeout_s = backend, timeout_s
     ctx = init_distributed(backend, timeout_s, threads_per_rank or torch.get_num_threads())
-    one_process = strategy in ("single", "dp")  # dp drives its replicas from one process
+    one_process = spec(strategy).one_process
     if one_process and ctx.world_size > 1:
         raise ConfigError(f"shardwise.setup: strategy = {strategy!r} runs on one process, but torchrun started "
                           f"{ctx.world_size}; use a multi-rank strategy such as 'ddp'")

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from shardwise.config import Config
     from shardwise.dist import DistContext
     from shardwise.precision import LossScaler
-    from shardwise.strategies import Strategy
+    from shardwise.strategies.base import Strategy
 
 MANIFEST = "manifest.json"
 LATEST = "latest"

@@ -8,9 +8,10 @@ import sys
 from pathlib import Path
 
 from shardwise.bench import BENCHES
-from shardwise.config import PRECISIONS, STRATEGIES, Config, ConfigError, load_config
+from shardwise.config import PRECISIONS, Config, ConfigError, load_config
 from shardwise.planner.candidates import DEFAULT_PRECISIONS, POLICIES
 from shardwise.recompute import parse_policy
+from shardwise.strategies.registry import NAMES, spec
 
 
 def _add_train_parser(commands: argparse._SubParsersAction) -> None:
@@ -21,7 +22,7 @@ def _add_train_parser(commands: argparse._SubParsersAction) -> None:
         "Flags override --set, which overrides the file.",
     )
     p.add_argument("config", help="TOML config file, e.g. configs/gpt-tiny.toml")
-    p.add_argument("--strategy", choices=STRATEGIES, help="parallel.strategy")
+    p.add_argument("--strategy", choices=NAMES, help="parallel.strategy")
     p.add_argument("--nproc", type=int, help="launch.nproc: worker processes on this node")
     p.add_argument("--steps", type=int, help="train.steps")
     p.add_argument("--out", help="run.out: run directory (metrics.jsonl, config.toml, model.safetensors)")
@@ -87,11 +88,9 @@ def train(args: argparse.Namespace) -> int:
     cfg.save(config_path)
     entry = ["shardwise.worker", str(config_path)]
     try:
-        if cfg.parallel.strategy == "param-server":
-            # An asynchronous job goes on without a lost worker, except rank 0, which writes the run.
-            workers = cfg.parallel.mesh_shape(cfg.world_size)[0]
-            expendable = frozenset(range(1, workers)) if cfg.parallel.ps_mode == "async" else frozenset()
-            lost = launch_local(cfg.launch, entry, expendable)
+        strategy = spec(cfg.parallel.strategy)
+        if strategy.own_launcher:
+            lost = launch_local(cfg.launch, entry, strategy.strategy_class().expendable_ranks(cfg))
             if lost:
                 print(f"shardwise train: finished without worker rank(s) {', '.join(map(str, lost))}", file=sys.stderr)
         else:
@@ -256,7 +255,7 @@ def plan(args: argparse.Namespace) -> int:
             print(f"shardwise plan: {error}", file=sys.stderr)
             return 2
     if args.measure:
-        from shardwise.planner.measure import measure_plan
+        from shardwise.measure import measure_plan
 
         try:
             measured = measure_plan(result, args.measure, args.measure_steps)

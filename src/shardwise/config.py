@@ -17,22 +17,17 @@ from pathlib import Path
 from typing import Any
 
 import tomli_w
-import torch
 
 from shardwise.recompute import parse_policy
+from shardwise.strategies.registry import NAMES as STRATEGIES
+from shardwise.strategies.registry import SPECS, spec
 
-STRATEGIES = ("single", "dp", "ddp", "ddp-native", "zero1", "zero2", "fsdp", "fsdp-native", "hsdp", "pipeline",
-              "model-parallel", "tensor", "param-server")
-PIPELINES = ("pipeline", "model-parallel")
-# Strategies that split the model over a dp x pp x tp device mesh; the rest are data parallel over the world.
-MESH_STRATEGIES = (*PIPELINES, "tensor")
 SCHEDULES = ("gpipe", "1f1b")
 PS_MODES = ("sync", "async")
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
 REDUCE_DTYPES = ("fp32", "bf16")
 ALL_REDUCES = ("backend", "ring")
 GRAD_COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
-SHARDED = ("zero1", "zero2", "fsdp", "fsdp-native", "hsdp")
 HF_MODELS = ("hf-llama", "hf-gpt2")  # transformers models of the GPT presets' sizes (models/hf.py)
 # Models of token sequences: sized by a GPT preset, trained on text.
 LANGUAGE_MODELS = ("gpt", *HF_MODELS)
@@ -170,9 +165,9 @@ class ParallelConfig:
     def mesh_shape(self, world_size: int) -> tuple[int, int, int]:
         """(dp, pp, tp): the device mesh's sizes, unset ones filled in as described above. A
         parameter-server job's replicas are its workers."""
-        if self.strategy == "param-server":
+        if spec(self.strategy).parameter_servers:
             return world_size - self.ps_servers, 1, 1
-        own = {"pipeline": "pp", "model-parallel": "pp", "tensor": "tp"}.get(self.strategy, "dp")
+        own = spec(self.strategy).mesh_dim
         sizes = {"dp": self.dp, "pp": self.pp, "tp": self.tp}
         others = math.prod(size for dim, size in sizes.items() if dim != own and size is not None)
         if sizes[own] is None:
@@ -414,23 +409,20 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError("run.tensorboard = true: the tensorboard package is not installed; "
                           "pip install 'shardwise[tensorboard]' (or pip install tensorboard), or leave it off")
     world = world_size or cfg.world_size
-    if p.strategy == "single" and world != 1:
+    _positive("parallel.replicas", p.replicas)
+    _choice("parallel.ps_mode", p.ps_mode, PS_MODES)
+    _positive("parallel.ps_servers", p.ps_servers)
+    _positive("parallel.ps_max_staleness", p.ps_max_staleness, zero_ok=True)
+    strategy = spec(p.strategy)
+    strategy.strategy_class().check_config(cfg, world)
+    if strategy.one_process and world != 1:
         raise ConfigError(
-            f"parallel.strategy = 'single': runs on one process, but the world size is {world}; "
+            f"parallel.strategy = {p.strategy!r}: runs on one process, but the world size is {world}; "
             "use --nproc 1 or a multi-rank strategy such as ddp"
         )
-    if p.sync_batchnorm and p.strategy == "ddp-native" and not torch.cuda.is_available():
-        raise ConfigError(
-            "parallel.sync_batchnorm = true: torch.nn.SyncBatchNorm (used by ddp-native) runs only on GPUs; "
-            "use --strategy ddp, whose SyncBatchNorm runs on CPU too"
-        )
-    if launch.debug_collectives and p.strategy == "ddp-native":
-        raise ConfigError(
-            "launch.debug_collectives = true: torch 2.13's DistributedDataParallel crashes (SIGSEGV) in its "
-            "constructor under TORCH_DISTRIBUTED_DEBUG=DETAIL; debug with --strategy ddp, the same algorithm"
-        )
-    _validate_dp(cfg, world)
-    _validate_param_server(cfg, world)
+    if not strategy.checkpoints and (launch.max_restarts or t.checkpoint_every or cfg.run.resume):
+        raise ConfigError(f"{p.strategy} keeps no checkpoints: set launch.max_restarts = 0, "
+                          "train.checkpoint_every = 0 and run.resume = false")
     _validate_mesh(cfg, world)
     dp = p.mesh_shape(world)[0]
     per_step = dp * t.micro_batch
@@ -438,7 +430,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         if dp == world:
             replicas = f"world size {world}"
         else:
-            replicas = f"the {dp} workers" if p.strategy == "param-server" else f"parallel.dp {dp}"
+            replicas = f"the {dp} workers" if strategy.parameter_servers else f"parallel.dp {dp}"
         raise ConfigError(
             f"train.global_batch = {t.global_batch}: must be divisible by {replicas} x "
             f"train.micro_batch {t.micro_batch} = {per_step} (the rest is gradient accumulation)"
@@ -451,9 +443,10 @@ def validate_parallel(p: ParallelConfig) -> None:
     _choice("parallel.strategy", p.strategy, STRATEGIES)
     _choice("parallel.precision", p.precision, PRECISIONS)
     _choice("parallel.reduce_dtype", p.reduce_dtype, REDUCE_DTYPES)
-    if p.reduce_dtype != "fp32" and p.strategy not in SHARDED:
+    sharded = [name for name, each in SPECS.items() if each.zero_stage]
+    if p.reduce_dtype != "fp32" and p.strategy not in sharded:
         raise ConfigError(
-            f"parallel.reduce_dtype = {p.reduce_dtype!r}: only the sharded strategies ({', '.join(SHARDED)}) "
+            f"parallel.reduce_dtype = {p.reduce_dtype!r}: only the sharded strategies ({', '.join(sharded)}) "
             f"reduce in another dtype; parallel.strategy is {p.strategy!r}"
         )
     _validate_gradient_reduction(p)
@@ -485,102 +478,22 @@ def _validate_gradient_reduction(p: ParallelConfig) -> None:
         )
 
 
-def _validate_dp(cfg: Config, world: int) -> None:
-    """`dp` is one process running parallel.replicas replicas, one per device (or all on the CPU)."""
-    p = cfg.parallel
-    _positive("parallel.replicas", p.replicas)
-    if p.strategy != "dp":
-        return
-    if world != 1:
-        raise ConfigError(f"parallel.strategy = 'dp': one process drives parallel.replicas = {p.replicas} devices, "
-                          f"but the world size is {world}; use --nproc 1, or ddp for one process per device")
-    gpus = torch.cuda.device_count()
-    if gpus and p.replicas > gpus:
-        raise ConfigError(f"parallel.replicas = {p.replicas}: dp puts each replica on its own GPU, and only "
-                          f"{gpus} are visible")
-    if p.replicas > cfg.train.micro_batch:
-        raise ConfigError(f"parallel.replicas = {p.replicas}: more replicas than the train.micro_batch = "
-                          f"{cfg.train.micro_batch} samples dp scatters among them")
-    if p.sync_batchnorm:
-        raise ConfigError("parallel.sync_batchnorm = true: dp keeps replica 0's batch statistics, as "
-                          "torch.nn.DataParallel does; batch statistics over all replicas are ddp's")
-
-
-def _validate_param_server(cfg: Config, world: int) -> None:
-    """A parameter-server job: servers plus workers on one machine, under our own launcher."""
-    p, t, launch = cfg.parallel, cfg.train, cfg.launch
-    _choice("parallel.ps_mode", p.ps_mode, PS_MODES)
-    _positive("parallel.ps_servers", p.ps_servers)
-    _positive("parallel.ps_max_staleness", p.ps_max_staleness, zero_ok=True)
-    if p.strategy != "param-server":
-        return
-    if world <= p.ps_servers:
-        raise ConfigError(f"world size {world}: param-server needs parallel.ps_servers = {p.ps_servers} server "
-                          f"rank(s) plus at least one worker; e.g. --nproc {p.ps_servers + 2}")
-    if launch.nnodes != 1:
-        raise ConfigError(f"launch.nnodes = {launch.nnodes}: param-server runs on one machine (its launcher "
-                          "hosts the store and watches every rank)")
-    if launch.max_restarts or t.checkpoint_every or cfg.run.resume:
-        raise ConfigError("param-server keeps no checkpoints (its optimizer state lives on the servers): "
-                          "set launch.max_restarts = 0, train.checkpoint_every = 0 and run.resume = false")
-
-
 def _validate_mesh(cfg: Config, world: int) -> None:
-    """The dp x pp x tp mesh fits the world, and the model and batch split the way it asks."""
-    m, t, p = cfg.model, cfg.train, cfg.parallel
+    """The dp x pp x tp values are sizes, and only a strategy that splits the model sets pp or tp
+    (the rest of the mesh is MeshStrategy.check_config's)."""
+    p = cfg.parallel
     _choice("parallel.schedule", p.schedule, SCHEDULES)
     _positive("parallel.micro_batches", p.micro_batches)
     for dim in ("dp", "pp", "tp"):
         if getattr(p, dim) is not None:
             _positive(f"parallel.{dim}", getattr(p, dim))
-    if p.strategy == "param-server":
-        if (p.dp, p.pp, p.tp) != (None, None, None):
-            raise ConfigError("parallel.dp / pp / tp: param-server's replicas are its workers, "
-                              "launch.nproc - parallel.ps_servers; leave them unset")
+    strategy = spec(p.strategy)
+    if strategy.splits_model or strategy.parameter_servers:
         return
     dp, pp, tp = p.mesh_shape(world)
-    if p.strategy not in MESH_STRATEGIES:
-        if (dp, pp, tp) != (world, 1, 1):
-            raise ConfigError(
-                f"parallel.dp x pp x tp = {dp} x {pp} x {tp}: parallel.strategy = {p.strategy!r} is data parallel "
-                f"over all {world} ranks; only {', '.join(MESH_STRATEGIES)} split the model over a mesh"
-            )
-        return
-    if m.name != "gpt":
-        raise ConfigError(f"parallel.strategy = {p.strategy!r}: splits the GPT's blocks and matrices; "
-                          f"model.name = {m.name!r} is not supported")
-    if dp * pp * tp != world:
+    if (dp, pp, tp) != (world, 1, 1):
+        splitting = ", ".join(name for name, each in SPECS.items() if each.splits_model)
         raise ConfigError(
-            f"parallel.dp x pp x tp = {dp} x {pp} x {tp} = {dp * pp * tp}: must equal the world size {world} "
-            f"(launch.nproc x launch.nnodes); e.g. --nproc {dp * pp * tp}"
-        )
-    if p.strategy in PIPELINES:
-        if pp < 2:
-            raise ConfigError(f"parallel.pp = {pp}: a pipeline needs at least 2 stages; "
-                              "for data parallel alone use --strategy ddp")
-        if pp > m.n_layer:
-            raise ConfigError(f"parallel.pp = {pp}: more pipeline stages than the model's {m.n_layer} blocks "
-                              "(model.n_layer); every stage needs at least one block")
-        if p.split_points is not None:
-            points = p.split_points
-            if len(points) != pp - 1 or points != sorted(set(points)) or not 0 < points[0] <= points[-1] < m.n_layer:
-                raise ConfigError(
-                    f"parallel.split_points = {points}: expected {pp - 1} increasing block indices in "
-                    f"[1, {m.n_layer - 1}], the first block of stages 2..{pp}"
-                )
-    if p.strategy == "pipeline" and t.micro_batch % p.micro_batches:
-        raise ConfigError(
-            f"parallel.micro_batches = {p.micro_batches}: must divide train.micro_batch = {t.micro_batch}, "
-            "the per-replica batch one pipeline run splits into micro-batches"
-        )
-    if p.strategy == "tensor":
-        if pp != 1:
-            raise ConfigError(f"parallel.pp = {pp}: tensor does not pipeline; use --strategy pipeline "
-                              "with --tp, which splits each stage's blocks tensor-parallel")
-        if tp < 2:
-            raise ConfigError(f"parallel.tp = {tp}: tensor parallel needs at least 2 ranks per model")
-    if m.n_head % tp:
-        raise ConfigError(
-            f"parallel.tp = {tp}: must divide model.n_head = {m.n_head}; each rank computes n_head / tp attention "
-            f"heads and the matching 1/tp of the MLP's hidden size 4 x d_model = {4 * m.d_model}"
+            f"parallel.dp x pp x tp = {dp} x {pp} x {tp}: parallel.strategy = {p.strategy!r} is data parallel "
+            f"over all {world} ranks; only {splitting} split the model over a mesh"
         )

@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+FLIGHT_RECORDER_ENTRIES = 64  # collectives the flight recorder keeps per process
+
 
 @dataclass
 class DistContext:
@@ -86,9 +88,9 @@ def init_distributed(backend: str = "auto", timeout_s: float = 300.0, threads_pe
 
 def configure_process(threads_per_rank: int, debug_collectives: bool) -> None:
     """What every rank sets before it makes a process group (see init_distributed)."""
-    from shardwise.stalls import enable_flight_recorder
-
-    enable_flight_recorder()
+    # Every group records its collectives from here on (the flight recorder, read when a process
+    # group is made), so stalls.py can name the one a timeout happened in; only the newest is read.
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(FLIGHT_RECORDER_ENTRIES))
     if debug_collectives:
         os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
         dist.set_debug_level_from_env()

@@ -28,8 +28,6 @@ from torch._C._distributed_c10d import _dump_fr_trace_json
 
 from shardwise.dist import DistContext, job_store
 
-# Collectives the flight recorder keeps per process; only the newest is read.
-FLIGHT_RECORDER_ENTRIES = 64
 # How long a rank whose collective failed waits for the others to report theirs.
 REPORT_GRACE_S = 3.0
 
@@ -37,11 +35,6 @@ REPORT_GRACE_S = 3.0
 class CollectiveFailure(RuntimeError):
     """A collective timed out or lost a peer; the message names it and the ranks that never
     joined it."""
-
-
-def enable_flight_recorder() -> None:
-    """Record every collective from here on; read before a process group is made."""
-    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", str(FLIGHT_RECORDER_ENTRIES))
 
 
 def is_collective_failure(error: BaseException) -> bool:

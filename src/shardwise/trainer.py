@@ -12,23 +12,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shardwise.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from shardwise.config import LANGUAGE_MODELS, Config, TrainConfig
 from shardwise.data import Dataset, GlobalBatchSampler, make_datasets
 from shardwise.dist import DistContext, seed_everything
-from shardwise.memory import ActivationCounter
+from shardwise.memory import ActivationCounter, MemoryBreakdown
 from shardwise.metrics import MetricsWriter, Progress, device_peak_flops, mfu
-from shardwise.models import build_model, flops_per_sample
-from shardwise.strategies import OptimizerFactory, Strategy, make_strategy
-
-
-def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over every target (tokens or images), computed in fp32: a log-softmax
-    over the vocabulary in 16 bits rounds away the small probabilities the gradient needs."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+from shardwise.models import build_model, flops_per_sample, loss_fn
+from shardwise.strategies.base import OptimizerFactory, Strategy, make_strategy
 
 
 def optimizer_factory(cfg: TrainConfig) -> OptimizerFactory:
@@ -109,6 +102,17 @@ class Trainer:
         self.skipped_steps += self.last_step_skipped
         return self.ctx.all_reduce_mean(loss_sum / self.accum)
 
+    def run_step(self, step: int) -> float:
+        """Optimizer step `step`, waited for, gradients dropped after: what a bench times and the
+        planner's measured mode runs. Returns the global batch's mean loss."""
+        loss = self.train_step(step).item()  # .item() waits for the step to finish
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss
+
+    def memory(self) -> MemoryBreakdown:
+        """This rank's counted bytes now, as metrics.jsonl records them."""
+        return self.strategy.memory(self.activation_bytes)
+
     def forward_backward(self, step: int) -> torch.Tensor:
         """Forward and backward over this rank's micro-batches of step `step`, gradients
         synchronised after the last one; returns the sum of their losses."""
@@ -147,7 +151,7 @@ class Trainer:
 
     def step_record(self, step: int, loss: float, seconds: float) -> dict[str, Any]:
         samples_per_s = self.cfg.train.global_batch / seconds
-        memory = self.strategy.memory(self.activation_bytes)
+        memory = self.memory()
         return {
             "event": "step",
             "step": step + 1,

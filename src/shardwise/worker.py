@@ -14,10 +14,10 @@ from pathlib import Path
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from shardwise.config import load_config, validate
-from shardwise.dist import init_distributed, leave_process, shutdown_distributed
+from shardwise.dist import leave_process, shutdown_distributed
 from shardwise.metrics import format_summary
 from shardwise.stalls import explain, is_collective_failure
-from shardwise.strategies import param_server
+from shardwise.strategies.registry import spec
 from shardwise.trainer import Trainer, optimizer_factory
 
 
@@ -32,12 +32,10 @@ def main(argv: list[str] | None = None) -> None:
     # The world the launcher actually made is what counts, whatever the file's launch.nproc says.
     cfg.launch.nproc = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.launch.nproc))
     validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", 1)))
-    if cfg.parallel.strategy == "param-server":
-        ctx = param_server.join(cfg, optimizer_factory(cfg.train))
-        if ctx is None:  # a server, done serving
-            return
-    else:
-        ctx = init_distributed(launch.backend, launch.timeout_s, launch.threads_per_rank, launch.debug_collectives)
+    strategy = spec(cfg.parallel.strategy).strategy_class()
+    ctx = strategy.join(cfg, optimizer_factory(cfg.train))
+    if ctx is None:  # a parameter server, done serving
+        return
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
         cfg.run.resume = True  # the group was restarted after a failure: go on from the last checkpoint
     if ctx.is_main:
@@ -53,8 +51,7 @@ def main(argv: list[str] | None = None) -> None:
         raise explain(error, ctx, launch.timeout_s, where) from error
     if ctx.is_main:
         print(format_summary(summary), flush=True)
-    if cfg.parallel.strategy == "param-server":
-        param_server.leave(ctx, cfg)
+    strategy.leave(ctx, cfg)
     # Reached only on success: after a failure another rank may be gone, and a barrier would hang.
     shutdown_distributed()
 

@@ -43,7 +43,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
 from shardwise import checkpoint
-from shardwise.bench.common import bench_config, bench_main, timed_steps, trainer_step
+from shardwise.bench.common import bench_config, bench_main, timed_steps
 from shardwise.checkpoint import load_checkpoint, save_checkpoint, training_state
 from shardwise.dist import DistContext
 from shardwise.trainer import Trainer
@@ -203,7 +203,7 @@ def run(ctx: DistContext, steps: int, rounds: int, micro_batch: int) -> dict[str
     try:
         trainer = Trainer(bench_config("fsdp", ctx.world_size, micro_batch, WARMUP_STEPS + 2 * (steps + 1),
                                        f"run.out={scratch / 'run'}"), ctx)
-        timed_steps(trainer_step(trainer), 0, WARMUP_STEPS)  # the optimizer makes its state in its first step
+        timed_steps(trainer.run_step, 0, WARMUP_STEPS)  # the optimizer makes its state in its first step
         bench = Measurements(ctx, trainer, scratch)
         times, async_runs = bench.rounds(steps)
         nbytes = files_bytes(bench.saved)
@@ -225,7 +225,7 @@ class Measurements:
 
     def __init__(self, ctx: DistContext, trainer: Trainer, scratch: Path) -> None:
         self.ctx, self.trainer, self.scratch = ctx, trainer, scratch
-        self.step = trainer_step(trainer)
+        self.step = trainer.run_step
         self.saved = Path()  # the newest checkpoint of ours
         # A group of its own, so the background thread's collectives never interleave with training's.
         self.async_group = dist.new_group(backend="gloo")

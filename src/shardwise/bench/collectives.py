@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardwise.bench.common import alternate, bench_config, bench_main, trainer_step
+from shardwise.bench.common import alternate, bench_config, bench_main
 from shardwise.collectives import bus_bandwidth, ring_all_reduce
 from shardwise.config import load_config
 from shardwise.dist import DistContext
@@ -89,7 +89,7 @@ def all_reduce_times(ctx: DistContext) -> list[dict[str, float]]:
 def compression_speed(ctx: DistContext, steps: int, rounds: int, micro_batch: int) -> dict[str, Any]:
     trainers = {name: Trainer(bench_config("ddp", ctx.world_size, micro_batch, steps * 2, *overrides), ctx)
                 for name, overrides in SPEED_VARIANTS.items()}
-    times = alternate({name: trainer_step(trainer) for name, trainer in trainers.items()}, steps, rounds)
+    times = alternate({name: trainer.run_step for name, trainer in trainers.items()}, steps, rounds)
     plain = statistics.median(times["ddp"])
     variants = {}
     for name, trainer in trainers.items():

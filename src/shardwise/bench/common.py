@@ -24,15 +24,7 @@ def bench_config(strategy: str, world_size: int, micro_batch: int, steps: int, *
     ])
 
 
-StepFn = Callable[[int], None]  # runs training step k to completion
-
-
-def trainer_step(trainer: Trainer) -> StepFn:
-    def step(k: int) -> None:
-        trainer.train_step(k).item()  # .item() waits for the step to finish
-        trainer.optimizer.zero_grad(set_to_none=True)
-
-    return step
+StepFn = Callable[[int], object]  # runs training step k to completion (Trainer.run_step)
 
 
 def timed_steps(step: StepFn, first: int, count: int) -> list[float]:

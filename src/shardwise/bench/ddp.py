@@ -24,9 +24,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardwise.bench.common import alternate, bench_config, bench_main, build_trainers, timed_steps, trainer_step
+from shardwise.bench.common import alternate, bench_config, bench_main, build_trainers, timed_steps
 from shardwise.dist import DistContext
-from shardwise.trainer import Trainer, loss_fn
+from shardwise.models import loss_fn
+from shardwise.trainer import Trainer
 
 
 def backward_timings(trainer: Trainer, samples: int, repeats: int) -> dict[str, float]:
@@ -71,7 +72,7 @@ def all_reduce_seconds(trainer: Trainer, bucket_bytes: int, repeats: int) -> flo
 
 def run(ctx: DistContext, steps: int, rounds: int, micro_batch: int) -> dict[str, Any] | None:
     trainers = build_trainers(ctx, ["ddp", "ddp-native"], steps, micro_batch)
-    times = alternate({name: trainer_step(trainer) for name, trainer in trainers.items()}, steps, rounds)
+    times = alternate({name: trainer.run_step for name, trainer in trainers.items()}, steps, rounds)
     per_round = max(1, steps // rounds)
 
     bucket_bytes = int(trainers["ddp"].cfg.parallel.bucket_mb * 2**20)
@@ -81,8 +82,8 @@ def run(ctx: DistContext, steps: int, rounds: int, micro_batch: int) -> dict[str
     single_times = None
     if ctx.is_main:
         single = Trainer(bench_config("single", 1, micro_batch, steps), DistContext(0, 1, 0, ctx.device, "gloo"))
-        timed_steps(trainer_step(single), 0, 2)
-        single_times = timed_steps(trainer_step(single), 2, per_round * 2)
+        timed_steps(single.run_step, 0, 2)
+        single_times = timed_steps(single.run_step, 2, per_round * 2)
     ctx.barrier()  # rank 1 waits here while rank 0 runs single alone
     if not ctx.is_main:
         return None

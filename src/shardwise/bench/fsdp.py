@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from shardwise.bench.common import StepFn, alternate, bench_main, build_trainers, trainer_step
+from shardwise.bench.common import StepFn, alternate, bench_main, build_trainers
 from shardwise.dist import DistContext, seed_everything
-from shardwise.models import build_model
-from shardwise.trainer import Trainer, loss_fn
+from shardwise.models import build_model, loss_fn
+from shardwise.trainer import Trainer
 
 STRATEGIES = ["fsdp", "fsdp-native", "ddp-native"]
 
@@ -62,7 +62,7 @@ def deepspeed_steps(like: Trainer) -> dict[str, StepFn] | str:
 
 def run(ctx: DistContext, steps: int, rounds: int, micro_batch: int) -> dict[str, Any] | None:
     trainers = build_trainers(ctx, STRATEGIES, steps, micro_batch)
-    steps_of = {name: trainer_step(trainer) for name, trainer in trainers.items()}
+    steps_of = {name: trainer.run_step for name, trainer in trainers.items()}
     deepspeed = deepspeed_steps(trainers["fsdp"])
     if isinstance(deepspeed, dict):
         steps_of |= deepspeed

@@ -30,10 +30,10 @@ from shardwise.bench.common import StepFn, alternate, bench_config, bench_main
 from shardwise.config import Config, validate
 from shardwise.dist import DistContext, seed_everything
 from shardwise.memory import ActivationCounter
-from shardwise.models import build_model
+from shardwise.models import build_model, loss_fn
 from shardwise.strategies.mesh import find_blocks
 from shardwise.strategies.pipeline import GPTStage
-from shardwise.trainer import Trainer, loss_fn, optimizer_factory
+from shardwise.trainer import Trainer, optimizer_factory
 
 STAGES = 2
 MICRO_BATCHES = (1, 2, 4, 8)

@@ -37,9 +37,9 @@ from shardwise.bench.hardware import measure_profile
 from shardwise.bench.netns import Cluster, LinkRate, parse_rate, run_job, unavailable_reason
 from shardwise.config import LaunchConfig, load_config
 from shardwise.dist import DistContext, init_distributed, leave_process, shutdown_distributed
+from shardwise.measure import measure_candidates
 from shardwise.planner.candidates import Candidate
 from shardwise.planner.devices import DeviceProfile
-from shardwise.planner.measure import measure_candidates
 from shardwise.planner.memory import predict_memory
 from shardwise.planner.timing import predict_step_time
 

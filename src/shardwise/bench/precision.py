@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from shardwise.bench.common import alternate, bench_config, bench_main, trainer_step
+from shardwise.bench.common import alternate, bench_config, bench_main
 from shardwise.dist import DistContext
 from shardwise.trainer import Trainer
 
@@ -22,7 +22,7 @@ PRECISIONS = ["fp32", "bf16-mixed", "bf16-true"]
 def run(ctx: DistContext, steps: int, rounds: int, micro_batch: int) -> dict[str, Any]:
     trainers = {p: Trainer(bench_config("single", 1, micro_batch, steps * 2, f"parallel.precision={p}"), ctx)
                 for p in PRECISIONS}
-    times = alternate({p: trainer_step(t) for p, t in trainers.items()}, steps, rounds)
+    times = alternate({p: t.run_step for p, t in trainers.items()}, steps, rounds)
     median = {p: statistics.median(t) for p, t in times.items()}
     results = {}
     for precision, trainer in trainers.items():

@@ -16,11 +16,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise.bench.common import alternate, bench_config, bench_main, trainer_step
+from shardwise.bench.common import alternate, bench_config, bench_main
 from shardwise.dist import DistContext
 from shardwise.memory import ActivationCounter
+from shardwise.models import loss_fn
 from shardwise.recompute import estimate_saved_bytes, saved_in_blocks
-from shardwise.trainer import Trainer, loss_fn
+from shardwise.trainer import Trainer
 
 POLICIES = ["none", "blocks", "every:2", "selective"]
 
@@ -50,7 +51,7 @@ def run(ctx: DistContext, steps: int, rounds: int, micro_batch: int) -> dict[str
     trainers = {p: Trainer(bench_config("single", 1, micro_batch, steps * 2, f"parallel.recompute={p}"), ctx)
                 for p in POLICIES}
     per_block = {p: saved_bytes_per_block(t) for p, t in trainers.items()}
-    times = alternate({p: trainer_step(t) for p, t in trainers.items()}, steps, rounds)
+    times = alternate({p: t.run_step for p, t in trainers.items()}, steps, rounds)
     m = trainers["none"].cfg.model
     median = {p: statistics.median(t) for p, t in times.items()}
     policies = {}

@@ -25,9 +25,9 @@ from shardwise.bench.common import StepFn, alternate, bench_config, bench_main
 from shardwise.config import validate
 from shardwise.dist import DistContext, seed_everything
 from shardwise.memory import storage_bytes
-from shardwise.models import build_model
+from shardwise.models import build_model, loss_fn
 from shardwise.strategies.tensor import LocalHeadsAttention, TensorShard
-from shardwise.trainer import Trainer, loss_fn, optimizer_factory
+from shardwise.trainer import Trainer, optimizer_factory
 
 
 def dtensor_model(trainer: Trainer) -> nn.Module:

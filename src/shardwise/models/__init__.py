@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+import torch.nn.functional as F
 from torch import nn
 
 from shardwise.config import ModelConfig
@@ -10,7 +12,7 @@ from shardwise.models.gpt import GPT, GPTConfig
 from shardwise.models.hf import HF_MODELS, build_causal_lm
 from shardwise.models.mlp import MLP
 
-__all__ = ["CNN", "GPT", "GPTConfig", "MLP", "build_model", "flops_per_sample"]
+__all__ = ["CNN", "GPT", "GPTConfig", "MLP", "build_model", "flops_per_sample", "loss_fn"]
 
 
 def build_model(cfg: ModelConfig, image_pixels: int = 64) -> nn.Module:
@@ -29,3 +31,9 @@ def flops_per_sample(model: nn.Module) -> int | None:
     if isinstance(model, GPT):
         return model.flops_per_token() * model.cfg.seq_len
     return None
+
+
+def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy over every target (tokens or images), computed in fp32: a log-softmax
+    over the vocabulary in 16 bits rounds away the small probabilities the gradient needs."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))

@@ -8,7 +8,9 @@ given world of devices, ranked, with one recommended.
 - devices.py: device profiles (presets with sources, or measured JSON)
 - candidates.py, search.py: what can run, evaluated, ranked, recommended; largest micro-batches
 - report.py: the table and the JSON
-- measure.py: `--measure`, the top candidates trained for a few steps on this machine's ranks
+
+Predicting trains nothing, so nothing here imports the trainer; `--measure` (the top candidates
+trained for a few steps on this machine's ranks, beside their predictions) is shardwise/measure.py.
 """
 
 from shardwise.planner.devices import PRESETS, DeviceProfile, load_profile

@@ -9,8 +9,8 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 from shardwise.config import Config, ConfigError, validate
+from shardwise.strategies.registry import SPECS, StrategySpec, spec
 
-DATA_PARALLEL = ("ddp", "zero1", "zero2", "fsdp")
 # bf16-true only when asked for: it trains differently (updates below a weight's bf16 spacing are
 # lost), not just faster, so it is no drop-in choice to recommend.
 DEFAULT_PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
@@ -32,9 +32,13 @@ class Candidate:
     shard: int | None = None  # hsdp: the ranks each parameter is split over (one node's); dp / shard replicas
 
     @property
+    def spec(self) -> StrategySpec:
+        return spec(self.strategy)
+
+    @property
     def label(self) -> str:
         mesh = f"dp{self.dp}" + (f" pp{self.pp}" if self.pp > 1 else "") + (f" tp{self.tp}" if self.tp > 1 else "")
-        pipe = f" M{self.micro_batches} {self.schedule}" if self.strategy == "pipeline" else ""
+        pipe = f" M{self.micro_batches} {self.schedule}" if self.spec.pipelined else ""
         pipe += f" shard{self.shard}" if self.shard else ""
         return f"{self.strategy} {mesh}{pipe} {self.precision} rc={self.recompute} mb={self.micro_batch}"
 
@@ -43,11 +47,11 @@ class Candidate:
 
     def config(self, base: Config, world: int, global_batch: int | None = None) -> Config:
         """`base` set up to train this candidate on `world` ranks (validated: ConfigError if not)."""
-        mesh = self.strategy in ("pipeline", "model-parallel", "tensor")
+        mesh = self.spec.splits_model
         parallel = dataclasses.replace(
             base.parallel, strategy=self.strategy, precision=self.precision, recompute=self.recompute,
             dp=self.dp if mesh else None, pp=self.pp if mesh else None, tp=self.tp if mesh else None)
-        if self.strategy == "pipeline":
+        if self.spec.pipelined:
             parallel.micro_batches, parallel.schedule = self.micro_batches, self.schedule
         train = dataclasses.replace(base.train, micro_batch=self.micro_batch,
                                     global_batch=global_batch or base.train.global_batch)
@@ -62,20 +66,19 @@ def _divisors(n: int) -> list[int]:
 
 
 def _meshes(world: int, nodes: int) -> Iterator[tuple[str, int, int, int]]:
-    """(strategy, dp, pp, tp) for every strategy and factorisation of the world it can use; hsdp
-    only on several nodes (on one it is fsdp)."""
-    for strategy in DATA_PARALLEL:
-        yield strategy, world, 1, 1
-    if nodes > 1:
-        yield "hsdp", world, 1, 1
+    """(strategy, dp, pp, tp) for every planned strategy and factorisation of the world it can use;
+    hsdp only on several nodes (on one it is fsdp)."""
+    planned = [s for s in SPECS.values() if s.planned]
+    for s in planned:
+        if not s.splits_model and (nodes > 1 or not s.across_nodes):
+            yield s.name, world, 1, 1
     for pp in _divisors(world):
         for tp in _divisors(world // pp):
             dp = world // pp // tp
-            if pp > 1:
-                yield "pipeline", dp, pp, tp
-                yield "model-parallel", dp, pp, tp
-            elif tp > 1:
-                yield "tensor", dp, pp, tp
+            own = "pp" if pp > 1 else "tp" if tp > 1 else None  # the strategy's own dimension takes what is left
+            for s in planned:
+                if s.mesh_dim == own:
+                    yield s.name, dp, pp, tp
 
 
 def micro_batch_options(per_replica: int) -> list[int]:
@@ -100,7 +103,7 @@ def enumerate_candidates(base: Config, world: int, precisions: tuple[str, ...] =
             for policy in policies:
                 for micro_batch in sizes:
                     for m, schedule in _pipeline_runs(strategy, micro_batch):
-                        shard = world // nodes if strategy == "hsdp" else None
+                        shard = world // nodes if spec(strategy).across_nodes else None
                         candidate = Candidate(strategy, dp, pp, tp, precision, policy, micro_batch, m, schedule, shard)
                         try:
                             candidate.config(base, world)
@@ -115,6 +118,6 @@ def enumerate_candidates(base: Config, world: int, precisions: tuple[str, ...] =
 
 def _pipeline_runs(strategy: str, micro_batch: int) -> list[tuple[int, str | None]]:
     """(micro-batches per run, schedule) options: a pipeline's M divides its micro-batch."""
-    if strategy != "pipeline":
+    if not spec(strategy).pipelined:
         return [(1, None)]
     return [(m, schedule) for m in _divisors(micro_batch) if m > 1 for schedule in SCHEDULES]

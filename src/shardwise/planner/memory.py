@@ -47,6 +47,7 @@ from shardwise.planner.model import (
     stage_tensors,
 )
 from shardwise.precision import make_precision
+from shardwise.strategies.registry import SPECS
 
 DEFAULT_MARGIN = 0.10  # allocator fragmentation and the optimizer step's temporaries
 UNITS_IN_FLIGHT = 2  # collectives of at most this many units outstanding at once (one working, one next)
@@ -91,7 +92,7 @@ def trace_key(shape: GPTConfig, candidate: Candidate, tp: int = 1) -> TraceKey:
     """What the forward looks like under `candidate`: parameters as they are while computing
     (fsdp gathers mixed precision's in the compute dtype) and autocast when mixed."""
     precision = make_precision(candidate.precision)
-    gathers = candidate.strategy in ("fsdp", "hsdp")
+    gathers = candidate.spec.zero_stage == 3
     computing = precision.compute_dtype if gathers and precision.mixed else precision.param_dtype
     return TraceKey(shape, computing, precision.compute_dtype if precision.mixed else None, tp)
 
@@ -100,9 +101,9 @@ def predict_memory(candidate: Candidate, cfg: Config, margin: float = DEFAULT_MA
     """Each rank's bytes under `candidate` for the model and training setup of `cfg`: one entry
     for data-parallel and tensor-parallel ranks (all alike), one per stage for a pipeline."""
     shape = gpt_shape(cfg.model)
-    if candidate.strategy in ("pipeline", "model-parallel"):
+    if candidate.spec.mesh_dim == "pp":
         ranks = _pipeline(candidate, cfg, shape)
-    elif candidate.strategy == "tensor":
+    elif candidate.spec.mesh_dim == "tp":
         ranks = [_tensor(candidate, cfg, shape)]
     else:
         ranks = [_data_parallel(candidate, cfg, shape)]
@@ -116,20 +117,22 @@ def _data_parallel(c: Candidate, cfg: Config, shape: GPTConfig) -> RankMemory:
     stored = dtype_bytes(precision.param_dtype)
     full, count = facts.params_total, facts.tensor_count
     shard = sum(unit.sharded_numel(world) for unit in facts.units)
-    kind = "fsdp" if c.strategy == "hsdp" else c.strategy  # hsdp holds what fsdp over its node does
-    held_params = {"ddp": full, "zero1": full + shard, "zero2": full + shard, "fsdp": shard}[kind]
-    held_grads = {"ddp": full, "zero1": full + shard, "zero2": shard, "fsdp": shard}[kind]
-    optimizer = optimizer_bytes(full if c.strategy == "ddp" else shard, count, stored, cfg)
+    stage = c.spec.zero_stage  # hsdp holds what fsdp over its node does
+    # zero1 and zero2 keep the full parameters (and zero1 the full gradients) beside their shards'.
+    held_params = {0: full, 1: full + shard, 2: full + shard, 3: shard}[stage]
+    held_grads = {0: full, 1: full + shard, 2: shard, 3: shard}[stage]
+    optimizer = optimizer_bytes(full if stage == 0 else shard, count, stored, cfg)
     saved = saved_bytes(trace_key(shape, c)).stage(0, shape.n_layer, True, True, c.recompute, c.micro_batch)
     buffers = _sharded_buffers(c, cfg, facts.units, world, stored)
-    if c.strategy == "hsdp" and c.dp > world:
+    if c.spec.across_nodes and c.dp > world:
         buffers += shard * stored  # the packed gradient shards all-reduced across nodes
     return RankMemory(held_params * stored, held_grads * stored, optimizer, saved, buffers)
 
 
 def _sharded_buffers(c: Candidate, cfg: Config, units: list[Tensors], world: int, stored: int) -> int:
     """Bytes alive only within a step under the sharded strategies (ddp's gradients are its buckets)."""
-    if c.strategy == "ddp":
+    stage = c.spec.zero_stage
+    if stage == 0:
         return 0
     precision = make_precision(c.precision, cfg.parallel.reduce_dtype)
     reduce = dtype_bytes(precision.reduce_dtype)
@@ -137,11 +140,11 @@ def _sharded_buffers(c: Candidate, cfg: Config, units: list[Tensors], world: int
     padded = [world * unit.sharded_numel(world) for unit in units]
     largest = sorted(padded, reverse=True)[:UNITS_IN_FLIGHT]
     kept_whole = 0
-    if c.strategy in ("zero2", "fsdp", "hsdp") and cfg.train.global_batch > c.dp * c.micro_batch:
+    if stage >= 2 and cfg.train.global_batch > c.dp * c.micro_batch:
         kept_whole = sum(unit.numel for unit in units) * stored  # full gradients between micro-steps
-    if c.strategy == "zero1":  # every unit's reduce-scatter at the end of backward; two gathers after the step
+    if stage == 1:  # every unit's reduce-scatter at the end of backward; two gathers after the step
         return max(sum(padded) * reduce, sum(largest) * stored)
-    if c.strategy == "zero2":
+    if stage == 2:
         return sum(largest) * max(reduce, stored) + kept_whole
     gathered = dtype_bytes(precision.compute_dtype if precision.mixed else precision.param_dtype)
     elements = fsdp_gathered_numel(units, world, cfg.parallel.prefetch, cfg.parallel.reshard_after_forward)
@@ -165,7 +168,7 @@ def _pipeline(c: Candidate, cfg: Config, shape: GPTConfig) -> list[RankMemory]:
     facts = rank_facts(shape, c.tp)
     bounds = stage_bounds(shape, c.pp)
     saved = saved_bytes(trace_key(shape, c, c.tp))
-    runs = 1 if c.strategy == "model-parallel" else c.micro_batches
+    runs = c.micro_batches  # 1 where the model is split without pipelining
     per_run = c.micro_batch / runs
     activation = int(per_run * shape.seq_len * shape.d_model * 4)  # what crosses between stages
     ranks = []
@@ -203,7 +206,8 @@ def _mesh_rank(c: Candidate, cfg: Config, tensors: Tensors, activations: int, bu
                       buffers + packed)
 
 
-ZERO_STAGES = {"ddp": 0, "zero1": 1, "zero2": 2, "fsdp": 3}
+ZERO_STAGES = {name: s.zero_stage for name, s in SPECS.items() if s.planned and s.zero_stage is not None
+               and not s.across_nodes}  # ddp 0 ... fsdp 3
 
 
 def zero_textbook_bytes(shape: GPTConfig, stage: int, world: int) -> dict[str, int]:

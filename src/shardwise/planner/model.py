@@ -35,11 +35,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardwise.config import ModelConfig
 from shardwise.memory import ActivationCounter
-from shardwise.models import GPT, GPTConfig
+from shardwise.models import GPT, GPTConfig, loss_fn
 from shardwise.recompute import apply_recompute, parse_policy
 from shardwise.strategies.pipeline import GPTStage, balanced_split, parameter_counts
 from shardwise.strategies.tensor import LocalHeadsAttention
-from shardwise.trainer import loss_fn
 
 BLOCK = "Block"
 

@@ -51,7 +51,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
 def _mesh(e: Evaluated) -> str:
     c = e.candidate
     mesh = f"{c.dp}x{c.pp}x{c.tp}"
-    return mesh + (f" M{c.micro_batches} {c.schedule}" if c.strategy == "pipeline" else "")
+    return mesh + (f" M{c.micro_batches} {c.schedule}" if c.spec.pipelined else "")
 
 
 def format_plan(plan: Plan, top: int = 15) -> str:

@@ -115,11 +115,11 @@ def _recomputed(shape: GPTConfig, policy: str, start: int, stop: int) -> int:
 def predict_step_time(c: Candidate, cfg: Config, device: DeviceProfile, world: int) -> StepTime:
     """Seconds one optimizer step of `cfg.train.global_batch` samples takes under `c`."""
     shape = gpt_shape(cfg.model)
-    if c.strategy in ("pipeline", "model-parallel"):
+    if c.spec.mesh_dim == "pp":
         return _pipeline(c, cfg, shape, device)
-    if c.strategy == "tensor":
+    if c.spec.mesh_dim == "tp":
         return _tensor(c, cfg, shape, device)
-    if c.strategy == "hsdp":
+    if c.spec.across_nodes:
         return _hsdp(c, cfg, shape, device, world)
     return _data_parallel(c, cfg, shape, device, world)
 
@@ -161,18 +161,19 @@ def _data_parallel(c: Candidate, cfg: Config, shape: GPTConfig, device: DevicePr
     scatter_bandwidth = device.bandwidth(inter_node, "reduce_scatter")
     # One collective per unit (per bucket for ddp); each pays its hops' latency.
     per_unit = (len(facts.units) - 1) * (c.dp - 1) * latency
-    if c.strategy == "ddp":
+    stage = c.spec.zero_stage
+    if stage == 0:
         grads = facts.params_total * stored
         buckets = math.ceil(grads / (cfg.parallel.bucket_mb * 2**20))
         comm = all_reduce_s(grads, c.dp, device.bandwidth(inter_node), latency) \
             + (buckets - 1) * 2 * (c.dp - 1) * latency
         exposed = _hidden(comm, backward, device.overlap)
         stepped = facts.params_total
-    elif c.strategy in ("zero1", "zero2"):
+    elif stage in (1, 2):
         reduce = all_gather_s(reduce_bytes, c.dp, scatter_bandwidth, latency) + per_unit
         gather = all_gather_s(padded * stored, c.dp, gather_bandwidth, latency) + per_unit
         comm = reduce + gather
-        exposed = gather + (reduce if c.strategy == "zero1" else _hidden(reduce, backward, device.overlap))
+        exposed = gather + (reduce if stage == 1 else _hidden(reduce, backward, device.overlap))
         stepped = padded // c.dp
     else:  # fsdp: every micro-step gathers for forward and for backward; the last also reduce-scatters
         gathered = dtype_bytes(precision.compute_dtype if precision.mixed else precision.param_dtype)
@@ -223,7 +224,7 @@ def _tensor(c: Candidate, cfg: Config, shape: GPTConfig, device: DeviceProfile) 
 
 def _pipeline(c: Candidate, cfg: Config, shape: GPTConfig, device: DeviceProfile) -> StepTime:
     facts = rank_facts(shape, c.tp)
-    runs = 1 if c.strategy == "model-parallel" else c.micro_batches
+    runs = c.micro_batches  # 1 where the model is split without pipelining
     per_run = c.micro_batch / runs
     bounds = stage_bounds(shape, c.pp)
     slowest = max(micro_step_s(c, shape, device, start, stop, stage == 0, stage == c.pp - 1, per_run)

@@ -10,12 +10,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise.config import DEFAULT_BLOCK, ParallelConfig
-from shardwise.dist import DistContext
+from shardwise.config import DEFAULT_BLOCK, Config, ParallelConfig
+from shardwise.dist import DistContext, init_distributed
+from shardwise.gradients import clip_grad_norm_
 from shardwise.memory import MemoryBreakdown, count_memory, local_tensor
 from shardwise.models.hf import decoder_layer_class
 from shardwise.precision import LossScaler, make_precision
 from shardwise.recompute import apply_recompute
+from shardwise.strategies.registry import spec
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (outputs, targets) -> mean loss
@@ -37,6 +39,27 @@ class Strategy:
             self.scaler = LossScaler(cfg.loss_scale, cfg.loss_scale_growth_interval)
         self.module: nn.Module | None = None  # the model as the user built it
         self.optim: torch.optim.Optimizer | None = None
+
+    @classmethod
+    def check_config(cls, cfg: Config, world: int) -> None:
+        """Raise ConfigError for what only this strategy refuses, before any worker starts
+        (config.validate has checked everything else)."""
+
+    @classmethod
+    def join(cls, cfg: Config, make_optimizer: OptimizerFactory) -> DistContext | None:
+        """A worker process joins the job: the process group torchrun describes. None: this
+        process served the job (a parameter server) and has nothing left to train."""
+        launch = cfg.launch
+        return init_distributed(launch.backend, launch.timeout_s, launch.threads_per_rank, launch.debug_collectives)
+
+    @classmethod
+    def leave(cls, ctx: DistContext, cfg: Config) -> None:
+        """A worker has finished training, before the process group shuts down."""
+
+    @classmethod
+    def expendable_ranks(cls, cfg: Config) -> frozenset[int]:
+        """Ranks the job may finish without (under its own launcher, `StrategySpec.own_launcher`)."""
+        return frozenset()
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """Return the module the trainer calls forward on."""
@@ -96,8 +119,10 @@ class Strategy:
         return nullcontext()
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Scale gradients so their global L2 norm is at most max_norm; return the norm before."""
-        return torch.nn.utils.clip_grad_norm_(self.local_parameters(), max_norm)
+        """Scale gradients so their global L2 norm is at most max_norm; return the norm before.
+        Here every rank holds every gradient whole (replicas agree after synchronising)."""
+        grads = self.local_grads()
+        return clip_grad_norm_(grads, grads, max_norm, self.ctx.device)
 
     def stage_timeline(self) -> list[dict[str, Any]] | None:
         """A pipeline's last step, stage by stage, for metrics (a collective where there is one);
@@ -144,6 +169,10 @@ class Strategy:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The plain model's complete state dict, on CPU (gathered if sharded); valid on rank 0."""
         return {k: v.detach().cpu() for k, v in self.module.state_dict().items()}
+
+
+def make_strategy(cfg: ParallelConfig, ctx: DistContext) -> Strategy:
+    return spec(cfg.strategy).strategy_class()(ctx, cfg)
 
 
 def block_class(model: nn.Module, block: str) -> str:

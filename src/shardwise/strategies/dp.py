@@ -25,7 +25,7 @@ from contextlib import ExitStack
 import torch
 from torch import nn
 
-from shardwise.config import ParallelConfig
+from shardwise.config import Config, ConfigError, ParallelConfig
 from shardwise.dist import DistContext
 from shardwise.memory import active_counters
 from shardwise.precision import Precision
@@ -86,6 +86,25 @@ class Replicated(nn.Module):
 
 class DataParallel(Strategy):
     name = "dp"
+
+    @classmethod
+    def check_config(cls, cfg: Config, world: int) -> None:
+        """One process running parallel.replicas replicas, one per device (or all on the CPU)."""
+        p = cfg.parallel
+        if world != 1:
+            raise ConfigError(f"parallel.strategy = 'dp': one process drives parallel.replicas = {p.replicas} "
+                              f"devices, but the world size is {world}; use --nproc 1, or ddp for one process per "
+                              "device")
+        gpus = torch.cuda.device_count()
+        if gpus and p.replicas > gpus:
+            raise ConfigError(f"parallel.replicas = {p.replicas}: dp puts each replica on its own GPU, and only "
+                              f"{gpus} are visible")
+        if p.replicas > cfg.train.micro_batch:
+            raise ConfigError(f"parallel.replicas = {p.replicas}: more replicas than the train.micro_batch = "
+                              f"{cfg.train.micro_batch} samples dp scatters among them")
+        if p.sync_batchnorm:
+            raise ConfigError("parallel.sync_batchnorm = true: dp keeps replica 0's batch statistics, as "
+                              "torch.nn.DataParallel does; batch statistics over all replicas are ddp's")
 
     def __init__(self, ctx: DistContext, cfg: ParallelConfig) -> None:
         super().__init__(ctx, cfg)

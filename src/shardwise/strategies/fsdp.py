@@ -38,6 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Placement, Shard
 
 from shardwise.dist import broadcast_from_rank0
+from shardwise.gradients import clip_grad_norm_
 from shardwise.memory import MemoryBreakdown, count_memory, storage_bytes
 from shardwise.strategies.base import HookedStrategy, OptimizerFactory
 from shardwise.strategies.sync_batchnorm import convert_sync_batchnorm
@@ -324,14 +325,8 @@ class ShardedDataParallel(HookedStrategy):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the global norm: squares summed over this rank's shards (padding is zero),
         then over ranks; each parameter is one shard per rank, so nothing is counted twice."""
-        grads = [s.grad for s in self.local_parameters() if s.grad is not None]
-        squares = torch.stack([g.pow(2).sum() for g in grads]).sum()
-        dist.all_reduce(squares, group=self.group)
-        norm = squares.sqrt()
-        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for grad in grads:
-            grad.mul_(scale)
-        return norm
+        grads = self.local_grads()
+        return clip_grad_norm_(grads, grads, max_norm, self.ctx.device, (self.group,))
 
     def memory(self, activations: int) -> MemoryBreakdown:
         """Shards, plus whatever full parameters and full gradients are alive right now."""

@@ -18,11 +18,10 @@ from __future__ import annotations
 
 import os
 
-import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
+from shardwise.gradients import all_reduce_packed
 from shardwise.strategies.fsdp import FSDP
 
 
@@ -53,10 +52,5 @@ class HSDP(FSDP):
             self._average_over_replicas()
 
     def _average_over_replicas(self) -> None:
-        """Average every gradient shard over the nodes: one all-reduce of them all, packed."""
-        grads = [shard.grad for shard in self.local_parameters() if shard.grad is not None]
-        packed = torch.cat([grad.reshape(-1) for grad in grads])
-        dist.all_reduce(packed, op=dist.ReduceOp.AVG, group=self.replicate_group)
-        self.bytes_moved += 2 * packed.numel() * packed.element_size()
-        for grad, part in zip(grads, packed.split([g.numel() for g in grads]), strict=True):
-            grad.copy_(part.view_as(grad))
+        """Average every gradient shard over the nodes."""
+        self.bytes_moved += all_reduce_packed(self.local_grads(), self.replicate_group)

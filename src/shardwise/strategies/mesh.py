@@ -22,18 +22,55 @@ needs done across it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
-from shardwise.config import ParallelConfig
+from shardwise.config import Config, ConfigError, ParallelConfig
 from shardwise.dist import DistContext, init_mesh
+from shardwise.gradients import all_reduce_packed, clip_grad_norm_
 from shardwise.strategies.base import DeferrableSync
 
-if TYPE_CHECKING:
-    from shardwise.strategies.tensor import TensorShard
+
+@dataclass(frozen=True)
+class TensorShard:
+    """How a tensor is split over the tp ranks: along `dim`, each of its `parts` (qkv's q, k and v)
+    split on its own, so a rank's shard holds the same heads of each part."""
+
+    dim: int
+    parts: int = 1
+
+    def take(self, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+        """Rank `rank`'s shard of `full`, a copy."""
+        return torch.cat([part.chunk(size, self.dim)[rank] for part in full.chunk(self.parts, self.dim)], self.dim)
+
+    def join(self, shards: list[torch.Tensor]) -> torch.Tensor:
+        """The full tensor from every rank's shard, in rank order."""
+        per_rank = [shard.chunk(self.parts, self.dim) for shard in shards]
+        return torch.cat([torch.cat([parts[j] for parts in per_rank], self.dim) for j in range(self.parts)], self.dim)
+
+    def as_dtensor(self, shard: torch.Tensor, full: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+        """This rank's `shard` as a DTensor, `Shard(dim)` over `mesh`, of a tensor shaped like
+        `full` (a meta tensor), sharing `shard`'s storage: what a checkpoint saves and loads in place.
+
+        A shard of several parts is as many pieces of the full tensor (qkv: rank r's rows of q, of k
+        and of v), not the one chunk `Shard(dim)` alone would place. Its local tensor is then a
+        LocalShardsWrapper, which tells DCP where each piece lies (torchrec's way of holding several
+        shards on one rank)."""
+        local = shard
+        if self.parts > 1:
+            rank, part_size = mesh.get_local_rank(), full.shape[self.dim] // self.parts
+            pieces = list(shard.chunk(self.parts, self.dim))
+            starts = [j * part_size + rank * piece.shape[self.dim] for j, piece in enumerate(pieces)]
+            offsets = [tuple(start if d == self.dim else 0 for d in range(full.dim())) for start in starts]
+            local = LocalShardsWrapper(pieces, offsets)
+        return DTensor.from_local(local, mesh, [Shard(self.dim)], run_check=False, shape=full.shape,
+                                  stride=full.stride())
 
 
 def find_blocks(model: nn.Module, block: str) -> list[nn.Module]:
@@ -45,6 +82,31 @@ def find_blocks(model: nn.Module, block: str) -> list[nn.Module]:
 
 
 class MeshStrategy(DeferrableSync):
+    @classmethod
+    def check_config(cls, cfg: Config, world: int) -> None:
+        """The dp x pp x tp mesh fits the world, and the model splits the way it asks."""
+        m, p = cfg.model, cfg.parallel
+        dp, pp, tp = p.mesh_shape(world)
+        if m.name != "gpt":
+            raise ConfigError(f"parallel.strategy = {p.strategy!r}: splits the GPT's blocks and matrices; "
+                              f"model.name = {m.name!r} is not supported")
+        if dp * pp * tp != world:
+            raise ConfigError(
+                f"parallel.dp x pp x tp = {dp} x {pp} x {tp} = {dp * pp * tp}: must equal the world size {world} "
+                f"(launch.nproc x launch.nnodes); e.g. --nproc {dp * pp * tp}"
+            )
+        cls.check_split(cfg, dp, pp, tp)
+        if m.n_head % tp:
+            raise ConfigError(
+                f"parallel.tp = {tp}: must divide model.n_head = {m.n_head}; each rank computes n_head / tp attention "
+                f"heads and the matching 1/tp of the MLP's hidden size 4 x d_model = {4 * m.d_model}"
+            )
+
+    @classmethod
+    def check_split(cls, cfg: Config, dp: int, pp: int, tp: int) -> None:
+        """What the strategy's own dimension of the mesh asks of the model and the batch."""
+        raise NotImplementedError
+
     def __init__(self, ctx: DistContext, cfg: ParallelConfig) -> None:
         super().__init__(ctx, cfg)
         self.dp, self.pp, self.tp = cfg.mesh_shape(ctx.world_size)
@@ -69,29 +131,18 @@ class MeshStrategy(DeferrableSync):
             self.average_over_replicas()
 
     def average_over_replicas(self) -> None:
-        """Average every gradient over the dp group: one all-reduce of them all, packed."""
-        if self.dp == 1:
-            return
-        grads = [p.grad for p in self.local_parameters() if p.grad is not None]
-        packed = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(packed, op=dist.ReduceOp.AVG, group=self.dp_group)
-        for grad, part in zip(grads, packed.split([g.numel() for g in grads]), strict=True):
-            grad.copy_(part.view_as(grad))
+        """Average every gradient over the dp group."""
+        if self.dp > 1:
+            all_reduce_packed(self.local_grads(), self.dp_group)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """A tensor shard counts on every tp rank, a replicated tensor on tp rank 0 only, and a
+        tied weight on the first stage that holds it."""
         params = [p for p in self.local_parameters() if p.grad is not None]
         counted = [p.grad for p in params if id(p) not in self.duplicates
                    and (id(p) in self.tensor_shards or self.tp_rank == 0)]
-        squares = torch.zeros((), device=self.ctx.device)
-        if counted:
-            squares = torch.stack([g.float().pow(2).sum() for g in counted]).sum()  # bf16-true's too, in fp32
-        dist.all_reduce(squares, group=self.tp_group)
-        dist.all_reduce(squares, group=self.pp_group)
-        norm = squares.sqrt()
-        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for param in params:
-            param.grad.mul_(scale)
-        return norm
+        return clip_grad_norm_(counted, [p.grad for p in params], max_norm, self.ctx.device,
+                               (self.tp_group, self.pp_group))
 
     # --- the plain model's layout, and this rank's part of it -----------------------------
 

@@ -11,15 +11,36 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from shardwise.config import Config, ConfigError
 from shardwise.memory import MemoryBreakdown
 from shardwise.strategies.base import Strategy
 
 
-class NativeDDP(Strategy):
+class NativeStrategy(Strategy):
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """PyTorch's own clipping, as its users clip (FSDP2's gradients are DTensors, whose global
+        norm torch computes itself)."""
+        return torch.nn.utils.clip_grad_norm_(self.local_parameters(), max_norm)
+
+
+class NativeDDP(NativeStrategy):
     """torch.nn.parallel.DistributedDataParallel with its defaults (gradients copied into its
     buckets), bucket size and unused-parameter handling taken from the config."""
 
     name = "ddp-native"
+
+    @classmethod
+    def check_config(cls, cfg: Config, world: int) -> None:
+        if cfg.parallel.sync_batchnorm and not torch.cuda.is_available():
+            raise ConfigError(
+                "parallel.sync_batchnorm = true: torch.nn.SyncBatchNorm (used by ddp-native) runs only on GPUs; "
+                "use --strategy ddp, whose SyncBatchNorm runs on CPU too"
+            )
+        if cfg.launch.debug_collectives:
+            raise ConfigError(
+                "launch.debug_collectives = true: torch 2.13's DistributedDataParallel crashes (SIGSEGV) in its "
+                "constructor under TORCH_DISTRIBUTED_DEBUG=DETAIL; debug with --strategy ddp, the same algorithm"
+            )
 
     def wrap(self, model: nn.Module) -> nn.Module:
         if self.cfg.sync_batchnorm:
@@ -37,7 +58,7 @@ class NativeDDP(Strategy):
         return self.ddp.no_sync()
 
 
-class NativeFSDP(Strategy):
+class NativeFSDP(NativeStrategy):
     """PyTorch FSDP2: `fully_shard` on every `parallel.block` module, then on the root."""
 
     name = "fsdp-native"

@@ -29,7 +29,6 @@ there; a server serves until every worker has finished or exited.
 from __future__ import annotations
 
 import json
-import math
 import os
 import threading
 import time
@@ -44,8 +43,10 @@ import torch.distributed.rpc as rpc
 from torch import nn
 from torch.futures import Future
 
-from shardwise.config import Config, ParallelConfig
+from shardwise.checkpoint import CheckpointError
+from shardwise.config import Config, ConfigError, ParallelConfig
 from shardwise.dist import DistContext, choose_backend, configure_process, job_store, rank_device, seed_everything
+from shardwise.gradients import clip_coefficient, squared_norm
 from shardwise.models import build_model
 from shardwise.precision import make_precision
 from shardwise.strategies.base import OptimizerFactory, Strategy
@@ -166,14 +167,12 @@ class ParameterServer:
         return answer
 
     def _average(self, grads: dict[int, list[torch.Tensor]]) -> float:
-        norm_sq = 0.0
         for i, param in enumerate(self.params):
             total = grads[0][i].clone()
             for worker in range(1, self.workers):
                 total += grads[worker][i]
             param.grad = (total / self.workers).to(param.dtype)
-            norm_sq += param.grad.float().pow(2).sum().item()
-        return norm_sq
+        return squared_norm([param.grad for param in self.params], self.params[0].device).item()
 
     def _expire(self, round_: int) -> None:
         with self.lock:
@@ -301,6 +300,34 @@ class ParamServer(Strategy):
 
     name = "param-server"
 
+    @classmethod
+    def check_config(cls, cfg: Config, world: int) -> None:
+        """Servers plus workers on one machine, under our own launcher."""
+        p = cfg.parallel
+        if world <= p.ps_servers:
+            raise ConfigError(f"world size {world}: param-server needs parallel.ps_servers = {p.ps_servers} server "
+                              f"rank(s) plus at least one worker; e.g. --nproc {p.ps_servers + 2}")
+        if cfg.launch.nnodes != 1:
+            raise ConfigError(f"launch.nnodes = {cfg.launch.nnodes}: param-server runs on one machine (its launcher "
+                              "hosts the store and watches every rank)")
+        if (p.dp, p.pp, p.tp) != (None, None, None):
+            raise ConfigError("parallel.dp / pp / tp: param-server's replicas are its workers, "
+                              "launch.nproc - parallel.ps_servers; leave them unset")
+
+    @classmethod
+    def join(cls, cfg: Config, make_optimizer: OptimizerFactory) -> DistContext | None:
+        return join(cfg, make_optimizer)
+
+    @classmethod
+    def leave(cls, ctx: DistContext, cfg: Config) -> None:
+        leave(ctx, cfg)
+
+    @classmethod
+    def expendable_ranks(cls, cfg: Config) -> frozenset[int]:
+        """An asynchronous job goes on without a lost worker, except rank 0, which writes the run."""
+        workers = cfg.parallel.mesh_shape(cfg.world_size)[0]
+        return frozenset(range(1, workers)) if cfg.parallel.ps_mode == "async" else frozenset()
+
     def __init__(self, ctx: DistContext, cfg: ParallelConfig) -> None:
         super().__init__(ctx, cfg)
         self.sync = cfg.ps_mode == "sync"
@@ -326,9 +353,9 @@ class ParamServer(Strategy):
         """sync: the norm of the averaged gradient, from the servers' shares; async: this worker's own."""
         if not self.sync:
             return super().clip_grad_norm_(max_norm)
-        norm = math.sqrt(self._push())
-        self.clip_coef = min(1.0, max_norm / (norm + 1e-6))  # torch.nn.utils.clip_grad_norm_'s factor
-        return torch.tensor(norm)
+        norm = torch.tensor(self._push()).sqrt()
+        self.clip_coef = clip_coefficient(norm, max_norm).item()
+        return norm
 
     def exchange(self, lr: float) -> None:
         """Send this step's gradients, load the parameters the servers answer with."""
@@ -364,6 +391,4 @@ class ParamServer(Strategy):
                 param.copy_(value)
 
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
-        from shardwise.checkpoint import CheckpointError
-
         raise CheckpointError("param-server keeps no checkpoints: its optimizer state lives on the servers")

@@ -46,11 +46,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.config import ParallelConfig
+from shardwise.config import Config, ConfigError, ParallelConfig
 from shardwise.dist import DistContext
 from shardwise.precision import LossScaler, Precision
 from shardwise.strategies.base import LossFn
 from shardwise.strategies.mesh import MeshStrategy, find_blocks
+from shardwise.strategies.registry import spec
 from shardwise.strategies.tensor import parallelize_blocks
 
 Group = dist.ProcessGroup
@@ -260,6 +261,28 @@ class PipelineModule(nn.Module):
 
 class Pipeline(MeshStrategy):
     name = "pipeline"
+
+    @classmethod
+    def check_split(cls, cfg: Config, dp: int, pp: int, tp: int) -> None:
+        m, p = cfg.model, cfg.parallel
+        if pp < 2:
+            raise ConfigError(f"parallel.pp = {pp}: a pipeline needs at least 2 stages; "
+                              "for data parallel alone use --strategy ddp")
+        if pp > m.n_layer:
+            raise ConfigError(f"parallel.pp = {pp}: more pipeline stages than the model's {m.n_layer} blocks "
+                              "(model.n_layer); every stage needs at least one block")
+        points = p.split_points
+        if points is not None and (len(points) != pp - 1 or points != sorted(set(points))
+                                   or not 0 < points[0] <= points[-1] < m.n_layer):
+            raise ConfigError(
+                f"parallel.split_points = {points}: expected {pp - 1} increasing block indices in "
+                f"[1, {m.n_layer - 1}], the first block of stages 2..{pp}"
+            )
+        if spec(p.strategy).pipelined and cfg.train.micro_batch % p.micro_batches:
+            raise ConfigError(
+                f"parallel.micro_batches = {p.micro_batches}: must divide train.micro_batch = "
+                f"{cfg.train.micro_batch}, the per-replica batch one pipeline run splits into micro-batches"
+            )
 
     def __init__(self, ctx: DistContext, cfg: ParallelConfig) -> None:
         super().__init__(ctx, cfg)

@@ -29,17 +29,13 @@ whole parameter, `Shard(dim)` over the tp ranks (`TensorShard.as_dtensor`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
-from shardwise.strategies.mesh import MeshStrategy, find_blocks
+from shardwise.config import Config, ConfigError
+from shardwise.strategies.mesh import MeshStrategy, TensorShard, find_blocks
 
 Group = dist.ProcessGroup
 
@@ -79,42 +75,6 @@ def copy_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 def reduce_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
     return ReduceFromTensorParallel.apply(x, group)
-
-
-@dataclass(frozen=True)
-class TensorShard:
-    """How a tensor is split over the tp ranks: along `dim`, each of its `parts` (qkv's q, k and v)
-    split on its own, so a rank's shard holds the same heads of each part."""
-
-    dim: int
-    parts: int = 1
-
-    def take(self, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-        """Rank `rank`'s shard of `full`, a copy."""
-        return torch.cat([part.chunk(size, self.dim)[rank] for part in full.chunk(self.parts, self.dim)], self.dim)
-
-    def join(self, shards: list[torch.Tensor]) -> torch.Tensor:
-        """The full tensor from every rank's shard, in rank order."""
-        per_rank = [shard.chunk(self.parts, self.dim) for shard in shards]
-        return torch.cat([torch.cat([parts[j] for parts in per_rank], self.dim) for j in range(self.parts)], self.dim)
-
-    def as_dtensor(self, shard: torch.Tensor, full: torch.Tensor, mesh: DeviceMesh) -> DTensor:
-        """This rank's `shard` as a DTensor, `Shard(dim)` over `mesh`, of a tensor shaped like
-        `full` (a meta tensor), sharing `shard`'s storage: what a checkpoint saves and loads in place.
-
-        A shard of several parts is as many pieces of the full tensor (qkv: rank r's rows of q, of k
-        and of v), not the one chunk `Shard(dim)` alone would place. Its local tensor is then a
-        LocalShardsWrapper, which tells DCP where each piece lies (torchrec's way of holding several
-        shards on one rank)."""
-        local = shard
-        if self.parts > 1:
-            rank, part_size = mesh.get_local_rank(), full.shape[self.dim] // self.parts
-            pieces = list(shard.chunk(self.parts, self.dim))
-            starts = [j * part_size + rank * piece.shape[self.dim] for j, piece in enumerate(pieces)]
-            offsets = [tuple(start if d == self.dim else 0 for d in range(full.dim())) for start in starts]
-            local = LocalShardsWrapper(pieces, offsets)
-        return DTensor.from_local(local, mesh, [Shard(self.dim)], run_check=False, shape=full.shape,
-                                  stride=full.stride())
 
 
 class ColumnParallelLinear(nn.Module):
@@ -190,6 +150,14 @@ class TensorParallel(MeshStrategy):
     """`tensor`: each replica's blocks split over its tp group; replicas average gradients over dp."""
 
     name = "tensor"
+
+    @classmethod
+    def check_split(cls, cfg: Config, dp: int, pp: int, tp: int) -> None:
+        if pp != 1:
+            raise ConfigError(f"parallel.pp = {pp}: tensor does not pipeline; use --strategy pipeline "
+                              "with --tp, which splits each stage's blocks tensor-parallel")
+        if tp < 2:
+            raise ConfigError(f"parallel.tp = {tp}: tensor parallel needs at least 2 ranks per model")
 
     def wrap(self, model: nn.Module) -> nn.Module:
         model = self.prepare(model)

@@ -7,7 +7,7 @@ it (after the step, before the gradients are dropped).
 
 `shardwise plan --measure K` runs this module on every rank under torch.distributed.run:
 
-    python -m shardwise.planner.measure CONFIG CANDIDATES.json OUT.json --steps N
+    python -m shardwise.measure CONFIG CANDIDATES.json OUT.json --steps N
 """
 
 from __future__ import annotations
@@ -36,17 +36,15 @@ def measure_candidates(ctx: DistContext, base: Config, candidates: list[Candidat
     trainers = {c: Trainer(c.config(base, ctx.world_size), ctx) for c in candidates}
     counted = {}
     for candidate, trainer in trainers.items():
-        trainer.train_step(0).item()
-        trainer.optimizer.zero_grad(set_to_none=True)
+        trainer.run_step(0)
         trainer.train_step(1).item()
-        counted[candidate] = ctx.all_gather_object(trainer.strategy.memory(trainer.activation_bytes).as_dict())
+        counted[candidate] = ctx.all_gather_object(trainer.memory().as_dict())  # before the gradients are dropped
         trainer.optimizer.zero_grad(set_to_none=True)
     times: dict[Candidate, list[float]] = {c: [] for c in candidates}
     for step in range(2, 2 + steps):
         for candidate, trainer in trainers.items():
             started = time.perf_counter()
-            trainer.train_step(step).item()  # .item() waits for the step to finish
-            trainer.optimizer.zero_grad(set_to_none=True)
+            trainer.run_step(step)
             times[candidate].append(time.perf_counter() - started)
     return [{"candidate": c.as_dict(), "measured_step_s": statistics.median(times[c]), "step_times_s": times[c],
              "memory_by_rank": counted[c]} for c in candidates]
@@ -73,7 +71,7 @@ def measure_plan(plan: Plan, count: int, steps: int) -> list[dict[str, Any]]:
         (Path(tmp) / "candidates.json").write_text(json.dumps([e.candidate.as_dict() for e in chosen]))
         out = Path(tmp) / "measured.json"
         try:
-            launch_workers(cfg.launch, ["shardwise.planner.measure", str(Path(tmp) / "config.toml"),
+            launch_workers(cfg.launch, ["shardwise.measure", str(Path(tmp) / "config.toml"),
                                         str(Path(tmp) / "candidates.json"), str(out), "--steps", str(steps)])
         except WorkerFailed as failure:
             raise PlanError(f"--measure: a worker failed: {failure}") from None
@@ -86,7 +84,7 @@ def measure_plan(plan: Plan, count: int, steps: int) -> list[dict[str, Any]]:
 
 @record
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m shardwise.planner.measure", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m shardwise.measure", description=__doc__)
     parser.add_argument("config")
     parser.add_argument("candidates", help="JSON list of candidates (Candidate fields)")
     parser.add_argument("out", help="where rank 0 writes the measurements (JSON)")

@@ -1,0 +1,52 @@
+"""What strategies do alike to a rank's gradients: clip them by their global L2 norm, and average
+them over a group of replicas in one packed all-reduce.
+
+Clipping by the global norm scales every gradient by min(1, max_norm / (norm + 1e-6)), the factor
+torch.nn.utils.clip_grad_norm_ uses. Where gradients are split over ranks (shards, stages, tensor
+slices), each rank sums the squares of the elements it alone accounts for and the sums are added
+over the groups that split them, so no element is counted twice or missed. Squares are summed in
+fp32 whatever the gradients' dtype: in bf16 the small ones would round away.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+def squared_norm(grads: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The sum of the squares of every element of `grads`, in fp32, as a 0-d tensor on `device`."""
+    squares = [grad.float().pow(2).sum() for grad in grads]
+    return torch.stack(squares).sum() if squares else torch.zeros((), device=device)
+
+
+def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """What gradients of global norm `norm` are multiplied by to have a norm of at most `max_norm`."""
+    return (max_norm / (norm + 1e-6)).clamp(max=1.0)
+
+
+def clip_grad_norm_(counted: Sequence[torch.Tensor], scaled: Sequence[torch.Tensor], max_norm: float,
+                    device: torch.device, groups: Sequence[dist.ProcessGroup] = ()) -> torch.Tensor:
+    """Scale `scaled` (this rank's gradients) so that the global norm is at most `max_norm`; the
+    global norm is that of `counted` (the gradients this rank accounts for) summed over every
+    group of `groups` in turn. Returns the norm before clipping."""
+    squares = squared_norm(counted, device)
+    for group in groups:
+        dist.all_reduce(squares, group=group)
+    norm = squares.sqrt()
+    coefficient = clip_coefficient(norm, max_norm)
+    for grad in scaled:
+        grad.mul_(coefficient)
+    return norm
+
+
+def all_reduce_packed(grads: Sequence[torch.Tensor], group: dist.ProcessGroup) -> int:
+    """Average `grads` in place over `group` in one all-reduce of them all, packed into one buffer
+    (one collective's latency instead of one per tensor); returns the bytes it sent and received."""
+    packed = torch.cat([grad.reshape(-1) for grad in grads])
+    dist.all_reduce(packed, op=dist.ReduceOp.AVG, group=group)
+    for grad, part in zip(grads, packed.split([grad.numel() for grad in grads]), strict=True):
+        grad.copy_(part.view_as(grad))
+    return 2 * packed.numel() * packed.element_size()

@@ -1,0 +1,85 @@
+"""The import graph of shardwise's modules: no cycles, and layers that stay apart.
+
+Every `import` counts, wherever it stands (at the top, inside a function, or under
+TYPE_CHECKING): a cycle hidden in a function is still a cycle a reader must untangle. A package's
+own `__init__` loaded on the way to one of its modules is not an edge, as in pydeps or
+import-linter.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = {".".join(path.relative_to(SRC).with_suffix("").parts).removesuffix(".__init__"): path
+             for path in (SRC / "shardwise").rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for module, path in files.items():
+        imported = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                imported.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                # `from a.b import c` imports module a.b.c where there is one, else a name of a.b.
+                imported.update(f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in files
+                                else node.module for alias in node.names)
+        graph[module] = {name for name in imported if name in files and name != module}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of `graph` as the modules along it, or None (depth-first search, three colours)."""
+    state: dict[str, str] = {}
+    path: list[str] = []
+
+    def visit(module: str) -> list[str] | None:
+        state[module] = "open"
+        path.append(module)
+        for target in sorted(graph[module]):
+            if state.get(target) == "open":
+                return path[path.index(target):] + [target]
+            if target not in state and (cycle := visit(target)):
+                return cycle
+        state[module] = "done"
+        path.pop()
+        return None
+
+    for module in sorted(graph):
+        if module not in state and (cycle := visit(module)):
+            return cycle
+    return None
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, stack = set(), [start]
+    while stack:
+        for target in graph[stack.pop()] - seen:
+            seen.add(target)
+            stack.append(target)
+    return seen
+
+
+def test_the_import_graph_has_no_cycles():
+    graph = import_graph()
+    assert len(graph) > 60 and "shardwise.strategies.fsdp" in graph["shardwise.strategies.hsdp"]  # it sees imports
+    cycle = find_cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
+
+
+def test_config_knows_strategies_only_through_the_registry_and_the_planner_never_trains():
+    graph = import_graph()
+    # config -> registry only; a strategy's class is imported when a run asks for it.
+    assert {m for m in reachable(graph, "shardwise.config") if m.startswith("shardwise.strategies")} == {
+        "shardwise.strategies.registry"}
+    assert graph["shardwise.strategies.registry"] == set()
+    for module in (m for m in graph if m.startswith("shardwise.planner")):
+        assert "shardwise.trainer" not in reachable(graph, module), f"{module} reaches the trainer"
