@@ -1,6 +1,6 @@
 # The worker image for running `shardwise train` on a cluster (deploy/k8s/train.yaml):
 #   docker build -t shardwise:0.1.0 .
-# torch is pinned as in pyproject.toml; on a GPU cluster pip's default torch 2.13.0 wheel is the
+# torch is the version the Makefile tests (pyproject.toml admits a range); on a GPU cluster pip's default torch 2.13.0 wheel is the
 # CUDA build, and the same code then takes NCCL (launch.backend = auto).
 FROM python:3.11-slim
 
