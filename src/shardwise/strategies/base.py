@@ -27,8 +27,6 @@ class Strategy:
     """Wraps a model (replicate, shard or split it), builds its optimizer, and owns backward,
     gradient synchronisation and clipping. Subclasses override what they do differently."""
 
-    name = "base"
-
     def __init__(self, ctx: DistContext, cfg: ParallelConfig) -> None:
         self.ctx = ctx
         self.cfg = cfg

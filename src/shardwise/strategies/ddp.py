@@ -59,8 +59,6 @@ def plan_buckets(params: list[nn.Parameter], bucket_bytes: int) -> list[list[nn.
 
 
 class DDP(HookedStrategy):
-    name = "ddp"
-
     def wrap(self, model: nn.Module) -> nn.Module:
         if self.cfg.sync_batchnorm:
             model = convert_sync_batchnorm(model)

@@ -85,8 +85,6 @@ class Replicated(nn.Module):
 
 
 class DataParallel(Strategy):
-    name = "dp"
-
     @classmethod
     def check_config(cls, cfg: Config, world: int) -> None:
         """One process running parallel.replicas replicas, one per device (or all on the CPU)."""

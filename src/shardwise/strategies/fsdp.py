@@ -37,10 +37,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Placement, Shard
 
-from shardwise.dist import broadcast_from_rank0
+from shardwise.config import ParallelConfig
+from shardwise.dist import DistContext, broadcast_from_rank0
 from shardwise.gradients import clip_grad_norm_
 from shardwise.memory import MemoryBreakdown, count_memory, storage_bytes
 from shardwise.strategies.base import HookedStrategy, OptimizerFactory
+from shardwise.strategies.registry import spec
 from shardwise.strategies.sync_batchnorm import convert_sync_batchnorm
 
 
@@ -68,7 +70,11 @@ class Unit:
 
 
 class ShardedDataParallel(HookedStrategy):
-    stage = 3
+    """zero1, zero2 and fsdp: which of them is the registry's ZeRO stage for the configured name."""
+
+    def __init__(self, ctx: DistContext, cfg: ParallelConfig) -> None:
+        super().__init__(ctx, cfg)
+        self.stage = spec(cfg.strategy).zero_stage
 
     def wrap(self, model: nn.Module) -> nn.Module:
         if self.cfg.sync_batchnorm:
@@ -76,7 +82,7 @@ class ShardedDataParallel(HookedStrategy):
         self.module = self.prepare(model)
         scalars = [name for name, p in self.module.named_parameters() if p.dim() == 0]
         if scalars:
-            raise ValueError(f"{self.name}: parameters {', '.join(scalars)} are 0-dim; sharding splits dim 0")
+            raise ValueError(f"{self.cfg.strategy}: parameters {', '.join(scalars)} are 0-dim; sharding splits dim 0")
         self._init_mesh()
         broadcast_from_rank0([*self.module.parameters(), *self.module.buffers()])
         self.units = self._make_units()
@@ -367,18 +373,3 @@ class ShardedDataParallel(HookedStrategy):
     def after_state_loaded(self) -> None:
         if self.stage < 3:
             self._gather_all()
-
-
-class Zero1(ShardedDataParallel):
-    name = "zero1"
-    stage = 1
-
-
-class Zero2(ShardedDataParallel):
-    name = "zero2"
-    stage = 2
-
-
-class FSDP(ShardedDataParallel):
-    name = "fsdp"
-    stage = 3

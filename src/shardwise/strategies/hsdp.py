@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
 from shardwise.gradients import all_reduce_packed
-from shardwise.strategies.fsdp import FSDP
+from shardwise.strategies.fsdp import ShardedDataParallel
 
 
 def node_size(world_size: int) -> int:
@@ -30,9 +30,7 @@ def node_size(world_size: int) -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
 
 
-class HSDP(FSDP):
-    name = "hsdp"
-
+class HSDP(ShardedDataParallel):
     def _init_mesh(self) -> None:
         shard = node_size(self.ctx.world_size)
         if self.ctx.world_size % shard:

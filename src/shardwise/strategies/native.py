@@ -27,8 +27,6 @@ class NativeDDP(NativeStrategy):
     """torch.nn.parallel.DistributedDataParallel with its defaults (gradients copied into its
     buckets), bucket size and unused-parameter handling taken from the config."""
 
-    name = "ddp-native"
-
     @classmethod
     def check_config(cls, cfg: Config, world: int) -> None:
         if cfg.parallel.sync_batchnorm and not torch.cuda.is_available():
@@ -60,8 +58,6 @@ class NativeDDP(NativeStrategy):
 
 class NativeFSDP(NativeStrategy):
     """PyTorch FSDP2: `fully_shard` on every `parallel.block` module, then on the root."""
-
-    name = "fsdp-native"
 
     def wrap(self, model: nn.Module) -> nn.Module:
         model = self.prepare(model)

@@ -298,8 +298,6 @@ class RemoteOptimizer(torch.optim.Optimizer):
 class ParamServer(Strategy):
     """A worker's side of parameter-server training (the servers run `serve`)."""
 
-    name = "param-server"
-
     @classmethod
     def check_config(cls, cfg: Config, world: int) -> None:
         """Servers plus workers on one machine, under our own launcher."""

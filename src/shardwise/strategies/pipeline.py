@@ -260,8 +260,6 @@ class PipelineModule(nn.Module):
 
 
 class Pipeline(MeshStrategy):
-    name = "pipeline"
-
     @classmethod
     def check_split(cls, cfg: Config, dp: int, pp: int, tp: int) -> None:
         m, p = cfg.model, cfg.parallel
@@ -379,8 +377,6 @@ class Pipeline(MeshStrategy):
 class ModelParallel(Pipeline):
     """`model-parallel`: the layer-wise split people try first, the pipeline with one micro-batch.
     Each stage waits while the others compute."""
-
-    name = "model-parallel"
 
     def __init__(self, ctx: DistContext, cfg: ParallelConfig) -> None:
         super().__init__(ctx, cfg)

@@ -8,8 +8,6 @@ from shardwise.strategies.base import Strategy
 
 
 class Single(Strategy):
-    name = "single"
-
     def wrap(self, model: nn.Module) -> nn.Module:
         self.module = self.prepare(model)
         return self.module

@@ -149,8 +149,6 @@ def parallelize_blocks(blocks: list[nn.Module], group: Group) -> dict[int, Tenso
 class TensorParallel(MeshStrategy):
     """`tensor`: each replica's blocks split over its tp group; replicas average gradients over dp."""
 
-    name = "tensor"
-
     @classmethod
     def check_split(cls, cfg: Config, dp: int, pp: int, tp: int) -> None:
         if pp != 1:
