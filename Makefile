@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test demo lint bench clean
+.PHONY: setup test test-fast demo lint bench clean
 
 setup: $(STAMP)
 
@@ -21,6 +21,11 @@ $(STAMP): pyproject.toml
 test: setup
 	$(BIN)/ruff check src tests
 	$(BIN)/pytest
+
+# The suite without the tests marked slow or root: a few minutes, for the edit-test loop.
+test-fast: setup
+	$(BIN)/ruff check src tests
+	$(BIN)/pytest -m "not slow and not root"
 
 demo: setup
 	$(BIN)/shardwise train configs/demo.toml --out runs/demo
