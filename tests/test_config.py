@@ -216,3 +216,11 @@ def test_a_mesh_error_stops_the_cli_before_any_worker_starts(tmp_path, tiny_conf
     assert "config error: parallel.dp x pp x tp = 2 x 1 x 3 = 6" in capsys.readouterr().err
     assert not out.exists()
 
+
+
+def test_key_value_heads_must_divide_the_heads_and_only_grouped_query_families_take_fewer(tmp_path):
+    assert "must divide model.n_head = 4" in error_for(
+        tmp_path, overrides=("model.name=hf-llama", "model.n_head=4", "model.n_kv_head=3"))
+    assert "one key/value head per head" in error_for(tmp_path, overrides=("model.name=gpt", "model.n_kv_head=1"))
+    cfg = load_config(None, ["model.name=hf-qwen2", "model.n_kv_head=1"])
+    assert (cfg.model.n_kv_head, cfg.model.d_ff) == (1, 4 * cfg.model.d_model)

@@ -28,7 +28,8 @@ PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
 REDUCE_DTYPES = ("fp32", "bf16")
 ALL_REDUCES = ("backend", "ring")
 GRAD_COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
-HF_MODELS = ("hf-llama", "hf-gpt2")  # transformers models of the GPT presets' sizes (models/hf.py)
+HF_MODELS = ("hf-llama", "hf-qwen2", "hf-gpt2")  # transformers models of the GPT presets' sizes (models/hf.py)
+GROUPED_QUERY_MODELS = ("hf-llama", "hf-qwen2")  # families whose key/value heads may be fewer than their heads
 # Models of token sequences: sized by a GPT preset, trained on text.
 LANGUAGE_MODELS = ("gpt", *HF_MODELS)
 MODELS = (*LANGUAGE_MODELS, "cnn", "mlp")
@@ -55,8 +56,9 @@ class ModelConfig:
     """The model to train. A GPT's (and an hf-* model's) sizes come from `preset`; any size set here
     overrides the preset's."""
 
-    name: str = option("gpt", "`gpt` (decoder-only transformer), `hf-llama` / `hf-gpt2` (a randomly initialised "
-                       "transformers Llama or GPT-2 of the preset's sizes), `cnn` (with BatchNorm) or `mlp`", MODELS)
+    name: str = option("gpt", "`gpt` (decoder-only transformer), `hf-llama` / `hf-qwen2` / `hf-gpt2` (a randomly "
+                       "initialised transformers Llama, Qwen2 or GPT-2 of the preset's sizes), `cnn` (with BatchNorm) "
+                       "or `mlp`", MODELS)
     preset: str = option("tiny", "GPT and hf-* size: `tiny` (2 blocks x width 64, 64-token context), `small` "
                          "(6 x 384, 256), `gpt2-124m` (12 x 768, 1024, vocabulary 50304); fills every size below "
                          "left unset", GPT_PRESETS)
@@ -66,6 +68,9 @@ class ModelConfig:
     seq_len: int | None = option(None, "GPT, hf-*: context length in tokens (unset: the preset's)")
     vocab_size: int | None = option(None, "GPT, hf-*: vocabulary size, >= 256 for byte-level data (unset: the "
                                     "preset's)")
+    n_kv_head: int | None = option(None, "hf-llama, hf-qwen2: key/value heads (grouped-query attention), dividing "
+                                   "n_head; the GPT and GPT-2 have one per head (unset: n_head)")
+    d_ff: int | None = option(None, "GPT, hf-*: the MLP's hidden width (unset: 4 x d_model)")
     bias: bool = option(False, "biases in the GPT's linear layers")
     width: int = option(32, "CNN / MLP: hidden width")
     num_classes: int = option(10, "CNN / MLP: output classes")
@@ -346,6 +351,10 @@ def resolve_presets(cfg: Config) -> None:
         for key, value in GPT_PRESET_SIZES[m.preset].items():
             if getattr(m, key) is None:
                 setattr(m, key, value)
+        if m.n_kv_head is None:
+            m.n_kv_head = m.n_head
+        if m.d_ff is None:
+            m.d_ff = 4 * m.d_model
 
 
 def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -372,10 +381,15 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             f"data.name = {d.name!r}: not usable with model.name = {m.name!r}; allowed: {', '.join(datasets)}"
         )
     if m.name in LANGUAGE_MODELS:
-        for key in ("n_layer", "n_head", "d_model", "seq_len", "vocab_size"):
+        for key in ("n_layer", "n_head", "d_model", "seq_len", "vocab_size", "n_kv_head", "d_ff"):
             _positive(f"model.{key}", getattr(m, key))
         if m.d_model % m.n_head:
             raise ConfigError(f"model.d_model = {m.d_model}: must be divisible by model.n_head = {m.n_head}")
+        if m.n_kv_head != m.n_head and m.name not in GROUPED_QUERY_MODELS:
+            raise ConfigError(f"model.n_kv_head = {m.n_kv_head}: model.name = {m.name!r} has one key/value head per "
+                              f"head (n_head = {m.n_head}); grouped-query attention: {', '.join(GROUPED_QUERY_MODELS)}")
+        if m.n_head % m.n_kv_head:
+            raise ConfigError(f"model.n_kv_head = {m.n_kv_head}: must divide model.n_head = {m.n_head}")
         if m.vocab_size < 256:
             raise ConfigError(f"model.vocab_size = {m.vocab_size}: must be >= 256 for byte-level data")
     if p.recompute != "none" and m.name not in LANGUAGE_MODELS:

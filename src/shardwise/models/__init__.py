@@ -18,9 +18,9 @@ __all__ = ["CNN", "GPT", "GPTConfig", "MLP", "build_model", "flops_per_sample", 
 def build_model(cfg: ModelConfig, image_pixels: int = 64) -> nn.Module:
     """The model a config names, on the CPU, initialised from the current torch seed."""
     if cfg.name == "gpt":
-        return GPT(GPTConfig(cfg.n_layer, cfg.n_head, cfg.d_model, cfg.seq_len, cfg.vocab_size, cfg.bias))
+        return GPT(GPTConfig(cfg.n_layer, cfg.n_head, cfg.d_model, cfg.seq_len, cfg.vocab_size, cfg.bias, cfg.d_ff))
     if cfg.name in HF_MODELS:
-        return build_causal_lm(cfg.name, cfg.n_layer, cfg.n_head, cfg.d_model, cfg.seq_len, cfg.vocab_size)
+        return build_causal_lm(cfg)
     if cfg.name == "cnn":
         return CNN(cfg.width, cfg.num_classes)
     return MLP(image_pixels, cfg.width, cfg.num_classes)

@@ -21,6 +21,7 @@ class GPTConfig:
     # Off by default: a bias whose exact gradient is zero (attention's key bias) makes parameter
     # comparisons between summation orders meaningless under Adam (see FACTS-torch-cpu.md).
     bias: bool = False
+    d_ff: int | None = None  # the MLP's hidden width; None: 4 x d_model, GPT-2's
 
 
 class LayerNorm(nn.LayerNorm):
@@ -52,8 +53,9 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.up = nn.Linear(cfg.d_model, 4 * cfg.d_model, bias=cfg.bias)
-        self.down = nn.Linear(4 * cfg.d_model, cfg.d_model, bias=cfg.bias)
+        hidden = cfg.d_ff or 4 * cfg.d_model
+        self.up = nn.Linear(cfg.d_model, hidden, bias=cfg.bias)
+        self.down = nn.Linear(hidden, cfg.d_model, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(F.gelu(self.up(x)))

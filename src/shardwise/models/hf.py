@@ -6,8 +6,8 @@ free together and that recomputation checkpoints: `decoder_layer_class` finds it
 `_no_split_modules` that every transformers model declares (the classes that must not be split
 across devices: its decoder layer, sometimes its embeddings too).
 
-For the config (`model.name = "hf-llama"` or `"hf-gpt2"`), `build_causal_lm` builds a Llama or a
-GPT-2 of the preset's sizes, randomly initialised from the torch seed, nothing downloaded; its
+For the config (`model.name = "hf-llama"`, `"hf-qwen2"` or `"hf-gpt2"`), `build_causal_lm` builds a
+Llama, a Qwen2 or a GPT-2 of the config's sizes, randomly initialised from the torch seed, nothing downloaded; its
 `CausalLM` wrapper takes token ids and returns logits, as the trainer calls every model.
 `transformers` is imported only here and only when such a model is built (`pip install
 'shardwise[hf]'`).
@@ -20,7 +20,7 @@ from collections import Counter
 import torch
 from torch import nn
 
-from shardwise.config import HF_MODELS
+from shardwise.config import HF_MODELS, ModelConfig
 
 
 def decoder_layer_class(model: nn.Module) -> str | None:
@@ -46,23 +46,26 @@ class CausalLM(nn.Module):
         return self.lm(input_ids=idx, use_cache=False).logits
 
 
-def build_causal_lm(name: str, n_layer: int, n_head: int, d_model: int, seq_len: int, vocab_size: int) -> CausalLM:
-    """A randomly initialised Llama (`hf-llama`) or GPT-2 (`hf-gpt2`) of these sizes, from the current
-    torch seed. Dropout is off, as in shardwise's GPT: ranks would draw different masks than one
-    device does."""
+def build_causal_lm(cfg: ModelConfig) -> CausalLM:
+    """A randomly initialised Llama (`hf-llama`), Qwen2 (`hf-qwen2`) or GPT-2 (`hf-gpt2`) of the
+    config's (resolved) sizes, from the current torch seed. Dropout is off, as in shardwise's GPT:
+    ranks would draw different masks than one device does."""
     try:
         import transformers
     except ImportError:
-        raise ImportError(f"model.name = {name!r} needs transformers: pip install 'shardwise[hf]'") from None
-    if name == "hf-llama":
-        config = transformers.LlamaConfig(
-            vocab_size=vocab_size, hidden_size=d_model, intermediate_size=4 * d_model, num_hidden_layers=n_layer,
-            num_attention_heads=n_head, num_key_value_heads=n_head, max_position_embeddings=seq_len,
-            bos_token_id=None, eos_token_id=None)
-    elif name == "hf-gpt2":
+        raise ImportError(f"model.name = {cfg.name!r} needs transformers: pip install 'shardwise[hf]'") from None
+    no_special_tokens = dict(bos_token_id=None, eos_token_id=None)
+    if cfg.name in ("hf-llama", "hf-qwen2"):
+        family = transformers.LlamaConfig if cfg.name == "hf-llama" else transformers.Qwen2Config
+        config = family(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
+            num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head,
+            max_position_embeddings=cfg.seq_len, **no_special_tokens)
+    elif cfg.name == "hf-gpt2":
         config = transformers.GPT2Config(
-            vocab_size=vocab_size, n_positions=seq_len, n_embd=d_model, n_layer=n_layer, n_head=n_head,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=None, eos_token_id=None)
+            vocab_size=cfg.vocab_size, n_positions=cfg.seq_len, n_embd=cfg.d_model, n_inner=cfg.d_ff,
+            n_layer=cfg.n_layer, n_head=cfg.n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+            **no_special_tokens)
     else:
-        raise ValueError(f"model.name = {name!r}: not a Hugging Face model; allowed: {', '.join(HF_MODELS)}")
+        raise ValueError(f"model.name = {cfg.name!r}: not a Hugging Face model; allowed: {', '.join(HF_MODELS)}")
     return CausalLM(transformers.AutoModelForCausalLM.from_config(config))

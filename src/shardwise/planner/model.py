@@ -148,7 +148,7 @@ def gpt_shape(cfg: ModelConfig) -> GPTConfig:
     """The sizes of the GPT a ModelConfig (presets resolved) names: hashable, for caching."""
     if cfg.name != "gpt":
         raise PlanError(f"model.name = {cfg.name!r}: the planner plans the GPT (model.name = 'gpt') only")
-    return GPTConfig(cfg.n_layer, cfg.n_head, cfg.d_model, cfg.seq_len, cfg.vocab_size, cfg.bias)
+    return GPTConfig(cfg.n_layer, cfg.n_head, cfg.d_model, cfg.seq_len, cfg.vocab_size, cfg.bias, cfg.d_ff)
 
 
 def _gpt(shape: GPTConfig, n_layer: int | None) -> GPT:
