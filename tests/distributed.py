@@ -1,17 +1,35 @@
-"""Run a function on N real ranks (spawned processes, Gloo over loopback) and collect results."""
+"""Run a function on N real ranks (spawned processes, Gloo over loopback) and collect results.
+
+Starting a rank costs about 4 s on 2 cores (an interpreter, torch, the process group), more than most
+tests spend training. So ranks are kept: `run_ranks` hands each call to a pool of live ranks of that
+world size, which run it and wait for the next call. A call leaves nothing the next one could see:
+after it every rank restores what a fresh process starts with (torch's random state, thread count,
+default dtype and grad mode, the environment, signal handlers, working directory), and a pool whose
+call failed, timed out or took the process group down is discarded, its ranks killed, so the next
+call starts fresh ones. Calls with their own `init` arguments (a short collective timeout, debug
+collectives) get ranks of their own, discarded after the call: they usually break the group on purpose.
+"""
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing as mp
 import os
+import pickle
+import signal
 import socket
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 import torch
+
+DEFAULT_TIMEOUT_S = 60  # the collective timeout of pooled ranks
+HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
 
 
 def _free_port() -> int:
@@ -20,41 +38,174 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, world_size: int, port: int, fn: Callable, args: tuple, result: Path,
-               init: dict[str, Any]) -> None:
+class FreshProcessState:
+    """What a rank had before its first call, put back after every call."""
+
+    def __init__(self) -> None:
+        self.environ = dict(os.environ)
+        self.cwd = os.getcwd()
+        self.seed = torch.initial_seed()
+        self.threads = torch.get_num_threads()
+        self.dtype = torch.get_default_dtype()
+        self.handlers = {sig: signal.getsignal(sig) for sig in HANDLED_SIGNALS}
+
+    def restore(self) -> None:
+        os.environ.clear()
+        os.environ.update(self.environ)
+        os.chdir(self.cwd)
+        torch.manual_seed(self.seed)
+        torch.set_num_threads(self.threads)
+        torch.set_default_dtype(self.dtype)
+        torch.set_grad_enabled(True)
+        for sig, handler in self.handlers.items():
+            signal.signal(sig, handler)
+
+
+def _rank_main(rank: int, world_size: int, port: int, conn: Connection, init: dict[str, Any]) -> None:
+    """A rank: join the group, then run each call `conn` brings until told to stop. A call's result
+    (or traceback) goes to the file the call names; `conn` only says when it is there."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    import torch.distributed as dist
+
     from shardwise.dist import init_distributed, shutdown_distributed
 
-    try:
-        ctx = init_distributed("gloo", threads_per_rank=1, **{"timeout_s": 60, **init})
-        value = fn(ctx, *args)
-        torch.save({"ok": value}, result)
-        shutdown_distributed()
-    except BaseException:
-        torch.save({"error": traceback.format_exc()}, result)
-        os._exit(1)  # skip teardown: a peer may be gone, and Gloo would hang in it
+    ctx = init_distributed("gloo", threads_per_rank=1, **{"timeout_s": DEFAULT_TIMEOUT_S, **init})
+    fresh = FreshProcessState()
+    while True:
+        try:
+            task = conn.recv_bytes()
+        except EOFError:  # the test process is gone
+            os._exit(0)
+        if task == b"stop":
+            shutdown_distributed()
+            conn.send_bytes(b"stopped")
+            return
+        fn, args, result = pickle.loads(task)
+        try:
+            value = fn(ctx, *args)
+            torch.save({"ok": value}, result)
+        except BaseException:
+            torch.save({"error": traceback.format_exc()}, result)
+            conn.send_bytes(b"failed")
+            os._exit(1)  # skip teardown: a peer may be waiting in a collective, and Gloo would hang in it
+        fresh.restore()
+        alive = dist.is_initialized()
+        conn.send_bytes(b"done" if alive else b"left")
+        if not alive:
+            os._exit(0)
+
+
+class RankPool:
+    """`world_size` live ranks, each running one call at a time."""
+
+    def __init__(self, world_size: int, init: dict[str, Any]) -> None:
+        spawn = mp.get_context("spawn")
+        port = _free_port()
+        self.world_size = world_size
+        self.conns: list[Connection] = []
+        self.procs = []
+        for rank in range(world_size):
+            ours, theirs = spawn.Pipe()
+            proc = spawn.Process(target=_rank_main, args=(rank, world_size, port, theirs, init))
+            proc.start()
+            theirs.close()
+            self.conns.append(ours)
+            self.procs.append(proc)
+
+    def run(self, fn: Callable, args: tuple, timeout: float) -> tuple[list[dict], bool]:
+        """Every rank's outcome ({"ok": value} or {"error": text}), and whether the pool can take
+        another call."""
+        with tempfile.TemporaryDirectory() as tmp:
+            results = [Path(tmp) / f"rank{r}.pt" for r in range(self.world_size)]
+            for conn, result in zip(self.conns, results, strict=True):
+                conn.send_bytes(pickle.dumps((fn, args, result)))
+            replies = self._replies(time.monotonic() + timeout)
+            outcomes = []
+            for rank, (reply, result) in enumerate(zip(replies, results, strict=True)):
+                if result.exists() and reply in (b"done", b"left", b"failed"):
+                    outcomes.append(torch.load(result, weights_only=False))
+                else:
+                    why = f"no result within {timeout:.0f} s" if reply is None else "the rank died"
+                    outcomes.append({"error": f"{why} (rank {rank}, running {fn.__name__})"})
+        return outcomes, all(reply == b"done" for reply in replies)
+
+    def _replies(self, deadline: float) -> list[bytes | None]:
+        """Each rank's reply, None for a rank that died or did not answer by `deadline`. Once one
+        rank has failed, the others get a few seconds more, not the whole timeout: they may be
+        waiting in a collective for it."""
+        replies: list[bytes | None] = [None] * self.world_size
+        pending = set(range(self.world_size))
+        while pending and time.monotonic() < deadline:
+            for rank in list(pending):
+                conn = self.conns[rank]
+                try:
+                    ready = conn.poll(0.05)
+                    reply = conn.recv_bytes() if ready else None
+                except (EOFError, OSError):
+                    pending.discard(rank)
+                    continue
+                if reply is not None:
+                    replies[rank] = reply
+                    pending.discard(rank)
+                    if reply == b"failed":
+                        deadline = min(deadline, time.monotonic() + 5)
+        return replies
+
+    def stop(self) -> None:
+        """Shut the group down and let the ranks exit; kill any that do not within a few seconds."""
+        for conn in self.conns:
+            try:
+                conn.send_bytes(b"stop")
+            except OSError:
+                pass
+        for proc in self.procs:
+            proc.join(10)
+        self.kill()
+
+    def kill(self) -> None:
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        for conn in self.conns:
+            conn.close()
+
+
+_pools: dict[int, RankPool] = {}
+
+
+def _pool(world_size: int) -> RankPool:
+    """The live pool of this world size; at most two are kept (2 and 4 ranks alternate in some files)."""
+    if world_size not in _pools:
+        while len(_pools) >= 2:
+            _pools.pop(next(iter(_pools))).stop()
+        _pools[world_size] = RankPool(world_size, {})
+    _pools[world_size] = _pools.pop(world_size)  # most recently used last
+    return _pools[world_size]
+
+
+@atexit.register
+def _stop_pools() -> None:
+    while _pools:
+        _pools.popitem()[1].stop()
 
 
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = 240, **init: Any) -> list[Any]:
     """fn(ctx, *args) on every rank; returns each rank's return value, or raises with a rank's
     traceback. `fn` must be importable (defined at module level). `init` goes to init_distributed
-    (timeout_s, the collective timeout, is 60 unless given)."""
-    spawn = mp.get_context("spawn")
-    port = _free_port()
-    with tempfile.TemporaryDirectory() as tmp:
-        results = [Path(tmp) / f"rank{r}.pt" for r in range(world_size)]
-        procs = [spawn.Process(target=_rank_main, args=(r, world_size, port, fn, args, results[r], init))
-                 for r in range(world_size)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        outcomes = [torch.load(path, weights_only=False) if path.exists() else {"error": "no result (killed?)"}
-                    for path in results]
+    (timeout_s, the collective timeout, is 60 unless given); with it, the ranks are not pooled."""
+    if init:
+        pool = RankPool(world_size, init)
+        try:
+            outcomes, _ = pool.run(fn, args, timeout)
+        finally:
+            pool.kill()
+    else:
+        pool = _pool(world_size)
+        outcomes, reusable = pool.run(fn, args, timeout)
+        if not reusable:
+            _pools.pop(world_size).kill()
     errors = [f"rank {r}:\n{o['error']}" for r, o in enumerate(outcomes) if "error" in o]
     if errors:
         raise AssertionError("\n".join(errors))
