@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import CONFIGS, assert_same_training, losses, read_records, train_in_process
+from conftest import CONFIGS, SGD, assert_same_training, losses, read_records, train_in_process
 from distributed import run_ranks
 
 from shardwise import collectives
@@ -145,15 +145,15 @@ def train_variants(ctx: DistContext, root: Path, runs: dict[str, tuple]) -> dict
 def ddp_runs(tmp_path_factory) -> tuple[Path, list[dict[str, int]]]:
     root = tmp_path_factory.mktemp("collectives")
     runs = {
-        "plain": (PARITY_STEPS,),
-        "ring": (PARITY_STEPS, "parallel.all_reduce=ring", "parallel.bucket_mb=0.1"),  # several buckets
-        "fp16": (PARITY_STEPS, "parallel.grad_compression=fp16"),
-        "bf16": (PARITY_STEPS, "parallel.grad_compression=bf16", "parallel.all_reduce=ring"),
+        "plain": (PARITY_STEPS, *SGD),
+        "ring": (PARITY_STEPS, *SGD, "parallel.all_reduce=ring", "parallel.bucket_mb=0.1"),  # several buckets
+        "fp16": (PARITY_STEPS, *SGD, "parallel.grad_compression=fp16"),
+        "bf16": (PARITY_STEPS, *SGD, "parallel.grad_compression=bf16", "parallel.all_reduce=ring"),
         "plain-200": (ACCURACY_STEPS,),
         "powersgd-200": (ACCURACY_STEPS, "parallel.grad_compression=powersgd", "parallel.bucket_mb=0.1"),
     }
     sent = run_ranks(train_variants, 2, root, runs)
-    train_in_process(ddp_cfg(root / "single", PARITY_STEPS, "parallel.strategy=single", "launch.nproc=1"))
+    train_in_process(ddp_cfg(root / "single", PARITY_STEPS, *SGD, "parallel.strategy=single", "launch.nproc=1"))
     return root, sent
 
 

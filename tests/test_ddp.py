@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import CONFIGS, assert_same_training, losses, train_in_process
+from conftest import CONFIGS, SGD, assert_same_training, losses, train_in_process
 from distributed import run_ranks
 from torch import nn
 
@@ -23,7 +23,7 @@ STEPS = 20
 
 def train_cfg(out: Path, strategy: str, nproc: int, *overrides: str):
     base = [f"run.out={out}", f"train.steps={STEPS}", "train.global_batch=8", "train.eval_every=0",
-            "train.lr=3e-3", f"parallel.strategy={strategy}", f"launch.nproc={nproc}"]
+            *SGD, f"parallel.strategy={strategy}", f"launch.nproc={nproc}"]
     return load_config(CONFIGS / "gpt-tiny.toml", base + list(overrides))
 
 

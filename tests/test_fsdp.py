@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONFIGS, assert_same_training, read_records, train_in_process
+from conftest import CONFIGS, SGD, assert_same_training, read_records, train_in_process
 from distributed import run_ranks
 
 from shardwise.config import load_config
@@ -35,7 +35,7 @@ def train_runs(ctx: DistContext, root: Path, runs: dict[str, tuple[str, ...]]) -
 
 
 # Clipping at 0.5 really clips here (the gradient norm of these steps is larger).
-VARIANTS = {"plain": ("train.micro_batch=4",), "accum2-clip": ("train.micro_batch=2", "train.grad_clip=0.5")}
+VARIANTS = {"plain": (*SGD, "train.micro_batch=4"), "accum2-clip": (*SGD, "train.micro_batch=2", "train.grad_clip=0.5")}
 
 
 @pytest.fixture(scope="module")
@@ -61,9 +61,9 @@ def test_clipping_was_active(two_rank_runs):
 
 
 def test_sharded_matches_single_on_4_ranks_with_padded_shards(tmp_path):
-    runs = {s: (s, "train.micro_batch=2", *ODD_GPT) for s in ("zero1", "zero2", "fsdp")}
+    runs = {s: (s, *SGD, "train.micro_batch=2", *ODD_GPT) for s in ("zero1", "zero2", "fsdp")}
     run_ranks(train_runs, 4, tmp_path, runs)
-    train_in_process(cfg_for(tmp_path / "single", "single", 1, "train.micro_batch=2", *ODD_GPT))
+    train_in_process(cfg_for(tmp_path / "single", "single", 1, *SGD, "train.micro_batch=2", *ODD_GPT))
     for strategy in runs:
         assert_same_training(tmp_path / strategy, tmp_path / "single", STEPS)
 

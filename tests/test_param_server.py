@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import CONFIGS, REPO, assert_same_training, losses, train_in_process
+from conftest import CONFIGS, REPO, SGD, assert_same_training, losses, train_in_process
 from faults.jobs import wait_for_step, worker_pids
 
 from shardwise.config import ConfigError, load_config
@@ -41,7 +41,7 @@ def server_stats(out: Path, index: int = 0) -> dict:
 @pytest.fixture(scope="module")
 def single_12(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ps") / "single"
-    overrides = [f"run.out={out}", "train.steps=12", "train.eval_every=0", "train.eval_batches=1"]
+    overrides = [f"run.out={out}", "train.steps=12", "train.eval_every=0", "train.eval_batches=1", *SGD]
     train_in_process(load_config(CONFIGS / "gpt-tiny.toml", overrides))
     return out
 
@@ -50,7 +50,8 @@ def single_12(tmp_path_factory) -> Path:
 def test_sync_param_server_matches_single_over_12_steps(tmp_path, single_12, servers):
     """2 workers on half the global batch each; with 2 servers each holds part of the parameters."""
     out = tmp_path / f"ps{servers}"
-    code, stderr = finish(train(out, 2 + servers, "--set", f"parallel.ps_servers={servers}"))
+    sgd = [arg for setting in SGD for arg in ("--set", setting)]
+    code, stderr = finish(train(out, 2 + servers, "--set", f"parallel.ps_servers={servers}", *sgd))
     assert code == 0, stderr
     assert_same_training(out, single_12, steps=12)
     stats = [server_stats(out, index) for index in range(servers)]

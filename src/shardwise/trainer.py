@@ -218,6 +218,7 @@ class Trainer:
         return {
             "event": "summary",
             "strategy": self.cfg.parallel.strategy,
+            "optimizer": self.cfg.train.optimizer,
             "world_size": self.ctx.world_size,
             "steps": records[-1]["step"],
             "resumed_at": records[0]["step"] - 1,

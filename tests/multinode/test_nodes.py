@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONFIGS, assert_same_training, losses, read_records, train_in_process
+from conftest import CONFIGS, SGD, assert_same_training, losses, read_records, train_in_process
 from nodes import TINY, cluster, start_on_nodes, train_many_on_nodes, wait_for_step
 from safetensors.torch import load_file
 
@@ -31,7 +31,8 @@ PARAM_BYTES = 4 * sum(p.numel() for p in build_model(load_config(CONFIGS / "gpt-
 # 0.48 MB each way) without using CPU, so the cut lands mid-run. Rates do not change the numbers.
 TIMEOUT_S = 5
 RATE = "50mbit"
-FLAGS = ("--strategy", "ddp", "--steps", str(STEPS), "--checkpoint-every", "4",
+# The job of the parity run `ddp` (below), with checkpoints and short timeouts.
+FLAGS = ("--strategy", "ddp", "--steps", str(STEPS), "--checkpoint-every", "4", *(a for s in SGD for a in ("--set", s)),
          "--set", f"launch.timeout_s={TIMEOUT_S}", "--set", "launch.shutdown_timeout_s=5")
 
 
@@ -44,7 +45,7 @@ def two_nodes() -> Cluster:
 @pytest.fixture(scope="module")
 def runs(two_nodes, tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("nodes")
-    steps = [*BATCH, f"train.steps={STEPS}", "launch.nnodes=2"]
+    steps = [*BATCH, *SGD, f"train.steps={STEPS}", "launch.nnodes=2"]
     train_many_on_nodes(two_nodes, [{"out": root / name, "overrides": [*steps, "launch.nproc=1",
                                                                        f"parallel.strategy={name}"]}
                                     for name in ("ddp", "fsdp")], nproc=1)
@@ -55,7 +56,7 @@ def runs(two_nodes, tmp_path_factory) -> Path:
         {"out": root / "pipeline", "overrides": [*steps, "launch.nproc=2", "parallel.strategy=pipeline",
                                                  "parallel.dp=2", "parallel.pp=2", "parallel.micro_batches=2"]},
     ], nproc=2)
-    train_in_process(load_config(CONFIGS / "gpt-tiny.toml", [*BATCH, f"train.steps={STEPS}",
+    train_in_process(load_config(CONFIGS / "gpt-tiny.toml", [*BATCH, *SGD, f"train.steps={STEPS}",
                                                              f"run.out={root / 'single'}"]))
     return root
 
