@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from conftest import REPO
 
@@ -17,6 +18,7 @@ from conftest import REPO
 ARGS = ["--steps", "10", "--seq-len", "16", "--per-play", "40", "--held-out", "16", "--lr", "5e-4"]
 
 
+@pytest.mark.slow
 def test_minilm_fine_tunes_under_fsdp_on_2_processes_as_under_single(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     result = subprocess.run(

@@ -220,6 +220,7 @@ def test_compositions_match_single_device_over_10_steps_on_4_ranks(four_rank_run
     assert_matches_single(four_rank_runs / run, singles / "single")
 
 
+@pytest.mark.slow
 def test_dp2_pp2_tp2_matches_single_device_on_8_ranks(tmp_path, singles):
     runs = {"dp2-pp2-tp2": ("pipeline", "parallel.dp=2", "parallel.tp=2", "train.micro_batch=4",
                             "parallel.micro_batches=2")}

@@ -76,6 +76,7 @@ def test_async_param_server_trains_within_its_staleness_bound(tmp_path):
     assert sum(applied.values()) == stats["updates"] and stats["updates"] + stats["dropped"] == 2 * steps
 
 
+@pytest.mark.slow
 def test_killing_an_async_worker_leaves_the_server_and_the_other_worker_training(tmp_path):
     out = tmp_path / "async-kill"
     steps = 60
@@ -94,6 +95,7 @@ def test_killing_an_async_worker_leaves_the_server_and_the_other_worker_training
     assert steps <= stats["updates"] + stats["dropped"] < 2 * steps
 
 
+@pytest.mark.slow
 def test_a_stalled_sync_worker_fails_the_step_naming_it(tmp_path):
     out = tmp_path / "stall"
     timeout = 5

@@ -1,16 +1,15 @@
 """Mixed precision: the fp16 loss scaler agrees across ranks, bf16 trains like fp32 with fp32
-master weights, sharded strategies gather in the compute dtype, and the CLI takes it all."""
+master weights, sharded strategies gather in the compute dtype, and every strategy trains in bf16
+with recomputation."""
 
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONFIGS, REPO, read_records
+from conftest import CONFIGS, read_records, train_in_process
 from distributed import run_ranks
 
 from shardwise.config import load_config
@@ -213,17 +212,27 @@ def test_fsdp_bf16_mixed_gathers_bf16_and_keeps_fp32_shards():
     assert all_bf16["moved_per_step"] < bf16["moved_per_step"] < fp32["moved_per_step"]
 
 
-@pytest.mark.parametrize("strategy", ["single", "ddp", "zero2", "fsdp", "ddp-native", "fsdp-native", "pipeline",
-                                      "tensor"])
-def test_cli_bf16_mixed_with_block_recomputation(tmp_path, strategy):
-    nproc = "1" if strategy == "single" else "2"
-    result = subprocess.run(
-        [sys.executable, "-m", "shardwise.cli", "train", str(CONFIGS / "gpt-tiny.toml"), "--strategy", strategy,
-         "--nproc", nproc, "--steps", "5", "--out", str(tmp_path), "--precision", "bf16-mixed", "--recompute", "blocks",
-         "--set", "train.eval_every=0"],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
-    )
-    assert result.returncode == 0, result.stderr
-    summary = read_records(tmp_path, "summary")[0]
+BF16_BLOCKS = ("parallel.precision=bf16-mixed", "parallel.recompute=blocks", "train.steps=5", "train.eval_every=0")
+MULTI_RANK = ("ddp", "zero2", "fsdp", "ddp-native", "fsdp-native", "pipeline", "tensor")
+
+
+def train_bf16_with_block_recomputation(ctx: DistContext, root: Path) -> None:
+    for strategy in MULTI_RANK:
+        cfg = load_config(CONFIGS / "gpt-tiny.toml", [*BF16_BLOCKS, f"parallel.strategy={strategy}",
+                                                      f"launch.nproc={ctx.world_size}", f"run.out={root / strategy}"])
+        Trainer(cfg, ctx).fit()
+
+
+@pytest.fixture(scope="module")
+def bf16_with_block_recomputation(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("bf16-blocks")
+    run_ranks(train_bf16_with_block_recomputation, 2, root)
+    train_in_process(load_config(CONFIGS / "gpt-tiny.toml", [*BF16_BLOCKS, f"run.out={root / 'single'}"]))
+    return root
+
+
+@pytest.mark.parametrize("strategy", ["single", *MULTI_RANK])
+def test_bf16_mixed_with_block_recomputation_trains_under_every_strategy(bf16_with_block_recomputation, strategy):
+    summary = read_records(bf16_with_block_recomputation / strategy, "summary")[0]
     assert (summary["precision"], summary["recompute"]) == ("bf16-mixed", "blocks")
     assert math.isfinite(summary["final_loss"]) and summary["final_loss"] < math.log(256)

@@ -19,6 +19,8 @@ from conftest import REPO, losses, read_records
 from jobs import STEPS, start_training, wait_for_step, worker_pids
 from safetensors.torch import load_file
 
+pytestmark = pytest.mark.slow  # real jobs killed and restarted: a minute in all
+
 
 def test_sigterm_saves_a_checkpoint_and_resume_finishes_the_run(tmp_path):
     job = start_training(tmp_path)

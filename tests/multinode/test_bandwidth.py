@@ -16,6 +16,7 @@ LIMITED = "10mbit"
 
 
 STRATEGIES = ("ddp", "zero1")
+pytestmark = pytest.mark.root  # network namespaces
 
 
 @pytest.fixture(scope="module")

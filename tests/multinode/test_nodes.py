@@ -24,6 +24,8 @@ from shardwise.bench.netns import Cluster
 from shardwise.config import load_config
 from shardwise.models import build_model
 
+pytestmark = pytest.mark.root  # network namespaces
+
 STEPS = 20
 BATCH = [text for text in TINY if text != "--set"]
 PARAM_BYTES = 4 * sum(p.numel() for p in build_model(load_config(CONFIGS / "gpt-tiny.toml").model).parameters())
