@@ -1,6 +1,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +29,24 @@ def read_records(run_dir: Path, event: str = "step") -> list[dict]:
 @pytest.fixture
 def tiny_config() -> Path:
     return CONFIGS / "gpt-tiny.toml"
+
+
+def shardwise(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """The `shardwise` command, run to completion."""
+    return subprocess.run(
+        [sys.executable, "-m", "shardwise.cli", *args], cwd=REPO, capture_output=True, text=True,
+        env={**os.environ, **(env or {})}, timeout=300,
+    )
+
+
+@pytest.fixture(scope="session")
+def cli_single_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """`shardwise train configs/gpt-tiny.toml --steps 30` under single: the run the CLI tests compare with."""
+    out = tmp_path_factory.mktemp("cli") / "single"
+    result = shardwise("train", str(CONFIGS / "gpt-tiny.toml"), "--strategy", "single", "--steps", "30",
+                       "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    return out, result
 
 
 def losses(run_dir: Path) -> list[float]:

@@ -151,23 +151,13 @@ def test_fsdp_frees_full_parameters_after_each_unit(tmp_path):
     assert r["after_backward"] == 0  # root included: nothing whole between steps
 
 
-def test_cli_fsdp_on_2_processes_matches_single(tmp_path):
-    import subprocess
-    import sys
+def test_cli_fsdp_on_2_processes_matches_single(tmp_path, cli_single_run):
+    from conftest import shardwise
 
-    from conftest import REPO
-
-    runs = {}
-    for strategy, nproc in (("single", "1"), ("fsdp", "2")):
-        out = tmp_path / strategy
-        result = subprocess.run(
-            [sys.executable, "-m", "shardwise.cli", "train", str(CONFIGS / "gpt-tiny.toml"), "--strategy", strategy,
-             "--nproc", nproc, "--steps", "30", "--out", str(out)],
-            cwd=REPO, capture_output=True, text=True, timeout=300,
-        )
-        assert result.returncode == 0, result.stderr
-        runs[strategy] = out
-    assert_same_training(runs["fsdp"], runs["single"], steps=30, weights=False)
+    result = shardwise("train", str(CONFIGS / "gpt-tiny.toml"), "--strategy", "fsdp", "--nproc", "2", "--steps", "30",
+                       "--out", str(tmp_path / "fsdp"))
+    assert result.returncode == 0, result.stderr
+    assert_same_training(tmp_path / "fsdp", cli_single_run[0], steps=30, weights=False)
 
 
 def train_cnn_sharded(ctx: DistContext, root: Path) -> None:

@@ -5,33 +5,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-import pytest
-from conftest import CONFIGS, REPO, assert_same_training, read_records, train_in_process
+from conftest import CONFIGS, REPO, assert_same_training, read_records, shardwise, train_in_process
 from safetensors.torch import load_file
 
 from shardwise.config import load_config
 
 
-def shardwise(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "shardwise.cli", *args], cwd=REPO, capture_output=True, text=True,
-        env={**os.environ, **(env or {})}, timeout=300,
-    )
-
-
-@pytest.fixture(scope="module")
-def single_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    out = tmp_path_factory.mktemp("cli") / "a"
-    result = shardwise("train", str(CONFIGS / "gpt-tiny.toml"), "--strategy", "single", "--steps", "30",
-                       "--out", str(out))
-    assert result.returncode == 0, result.stderr
-    return out, result
-
-
-def test_single_trains_30_steps_and_the_loss_falls(tmp_path, single_run):
-    out, result = single_run
+def test_single_trains_30_steps_and_the_loss_falls(tmp_path, cli_single_run):
+    out, result = cli_single_run
     steps = read_records(out)
     assert [r["step"] for r in steps] == list(range(1, 31))
     losses = [r["loss"] for r in steps]
@@ -66,16 +48,16 @@ def test_a_failing_worker_fails_the_command_with_its_error_shown(tmp_path, tiny_
     assert "worker rank 0 failed" in tail and "NotADirectoryError" in tail
 
 
-def test_ddp_on_2_processes_gives_the_single_device_losses(tmp_path, single_run):
+def test_ddp_on_2_processes_gives_the_single_device_losses(tmp_path, cli_single_run):
     out = tmp_path / "d"
     result = shardwise("train", str(CONFIGS / "gpt-tiny.toml"), "--strategy", "ddp", "--nproc", "2",
                        "--steps", "30", "--out", str(out))
     assert result.returncode == 0, result.stderr
     assert "ddp on 2 process(es)" in result.stdout
-    assert_same_training(out, single_run[0], steps=30, weights=False)
+    assert_same_training(out, cli_single_run[0], steps=30, weights=False)
 
 
-def test_the_worker_runs_under_an_external_torchrun(tmp_path, single_run):
+def test_the_worker_runs_under_an_external_torchrun(tmp_path, cli_single_run):
     out = tmp_path / "n"
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
@@ -85,4 +67,4 @@ def test_the_worker_runs_under_an_external_torchrun(tmp_path, single_run):
     )
     assert result.returncode == 0, result.stderr
     assert load_config(out / "config.toml").launch.nproc == 2  # the world torchrun made, recorded
-    assert_same_training(out, single_run[0], steps=30, weights=False)
+    assert_same_training(out, cli_single_run[0], steps=30, weights=False)
