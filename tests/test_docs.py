@@ -28,6 +28,7 @@ FOREIGN_FLAGS = {
     "--local-addr": "torchrun",  # what --node-addr derives
     "--rdzv-conf": "torchrun",
     "--rate": "scripts/netns-nodes.sh",
+    "--durations": "pytest",
 }
 
 
