@@ -14,11 +14,10 @@ from distributed import run_ranks
 from shardwise.cli import main
 from shardwise.config import Config, load_config
 from shardwise.dist import DistContext
-from shardwise.models import GPTConfig
 from shardwise.planner import PlanError, load_profile, make_plan
 from shardwise.planner.candidates import Candidate
 from shardwise.planner.memory import ZERO_STAGES, predict_memory, zero_textbook_bytes
-from shardwise.planner.model import TraceKey, _trace, gpt_shape, model_facts, saved_bytes
+from shardwise.planner.model import ModelShape, TraceKey, _trace, model_facts, model_shape, saved_bytes
 from shardwise.trainer import Trainer
 
 SIZES = {  # name -> (n_layer, n_head, d_model, seq_len, vocab_size)
@@ -29,8 +28,9 @@ SIZES = {  # name -> (n_layer, n_head, d_model, seq_len, vocab_size)
 }
 
 
-def shape_of(name: str) -> GPTConfig:
-    return GPTConfig(*SIZES[name])
+def shape_of(name: str) -> ModelShape:
+    n_layer, n_head, d, seq, vocab = SIZES[name]
+    return ModelShape("gpt", n_layer, n_head, n_head, d, 4 * d, seq, vocab)
 
 
 def gpt_params(n_layer: int, d: int, seq: int, vocab: int) -> int:
@@ -97,15 +97,16 @@ def config(global_batch: int = 16, preset: str = "tiny", **model: int) -> Config
 
 @pytest.mark.parametrize("autocast", [None, torch.bfloat16])
 def test_composed_saved_bytes_equal_a_full_depth_trace(autocast):
-    shape = gpt_shape(config(n_layer=5).model)
+    shape = model_shape(config(n_layer=5).model)
     key = TraceKey(shape, torch.float32, autocast)
     saved = saved_bytes(key)
     for policy in ("none", "blocks", "every:2", "every:3", "selective"):
-        assert saved.stage(0, 5, True, True, policy, 4) == _trace(key, 5, policy, True, True, 4), policy
-    # pipeline stages: a first, a middle and a last one
-    assert saved.stage(0, 2, True, False, "none", 3) == _trace(key, 2, "none", True, False, 3)
-    assert saved.stage(2, 4, False, False, "none", 3) == _trace(key, 2, "none", False, False, 3)
-    assert saved.stage(4, 5, False, True, "none", 3) == _trace(key, 1, "none", False, True, 3)
+        assert saved.stage(0, 5, True, True, policy, 4) == _trace(key, 5, policy, 4).total, policy
+    # pipeline stages of 5 blocks: a first (to the end of the blocks), a middle (the blocks) and a last one
+    marks = _trace(key, 5, "none", 3)
+    assert saved.stage(0, 5, True, False, "none", 3) == marks.after
+    assert saved.stage(0, 5, False, False, "none", 3) == marks.after - marks.before
+    assert saved.stage(0, 5, False, True, "none", 3) == marks.total - marks.before
 
 
 TINY_CASES = [Candidate(strategy, 2, 1, 1, precision, policy, 4)
@@ -176,7 +177,7 @@ def test_predicted_memory_equals_counted_for_gpt_small_on_2_ranks():
 def test_fsdp_predicted_gathered_peak_is_what_it_gathers():
     from shardwise.planner.memory import fsdp_gathered_numel
 
-    facts = model_facts(gpt_shape(config(preset="small").model))
+    facts = model_facts(model_shape(config(preset="small").model))
     # gpt small, measured on 2 ranks (fp32): the root, the block computing, the next one's gather buffer
     assert fsdp_gathered_numel(facts.units, 2, 1, True) * 4 == 14957568
 

@@ -11,7 +11,7 @@ from shardwise.config import PRECISIONS, Config, ConfigError
 from shardwise.planner.candidates import DEFAULT_PRECISIONS, POLICIES, Candidate, enumerate_candidates
 from shardwise.planner.devices import DeviceProfile
 from shardwise.planner.memory import DEFAULT_MARGIN, RankMemory, predict_memory
-from shardwise.planner.model import PlanError, gpt_shape, model_facts
+from shardwise.planner.model import PlanError, model_facts, model_shape
 from shardwise.planner.timing import StepTime, predict_step_time
 
 GiB = 2**30
@@ -55,7 +55,7 @@ class Plan:
 
     @property
     def params_total(self) -> int:
-        return model_facts(gpt_shape(self.cfg.model)).params_total
+        return model_facts(model_shape(self.cfg.model)).params_total
 
 
 def evaluate(candidate: Candidate, cfg: Config, device: DeviceProfile, world: int, limit: int,
@@ -85,7 +85,7 @@ def make_plan(cfg: Config, world: int, device: DeviceProfile, *, nodes: int = 1,
                         "evenly (--nproc N, or --nodes N --gpus-per-node G)")
     if not 0 <= margin < 1:
         raise PlanError(f"--margin {margin:g}: must be in [0, 1), the fraction added for the allocator")
-    gpt_shape(cfg.model)  # only the GPT can be planned: say so before anything else
+    model_shape(cfg.model)  # only language models can be planned: say so before anything else
     device = dataclasses.replace(device, gpus_per_node=world // nodes)
     limit = memory_limit(device, memory_gb)
     candidates, refused = enumerate_candidates(cfg, world, precisions, policies, micro_batches, nodes)

@@ -37,11 +37,18 @@ import math
 from dataclasses import asdict, dataclass
 
 from shardwise.config import Config
-from shardwise.models import GPTConfig
 from shardwise.planner.candidates import Candidate
 from shardwise.planner.devices import DeviceProfile
 from shardwise.planner.memory import dtype_bytes, trace_key
-from shardwise.planner.model import forward_ops, gpt_shape, model_facts, rank_facts, saved_bytes, stage_bounds
+from shardwise.planner.model import (
+    ModelShape,
+    forward_ops,
+    model_facts,
+    model_shape,
+    rank_facts,
+    saved_bytes,
+    stage_bounds,
+)
 from shardwise.precision import make_precision
 
 OPTIMIZER_ACCESSES = {"adamw": 8, "sgd": 5}
@@ -88,23 +95,24 @@ def _hidden(comm: float, compute: float, overlap: float) -> float:
 
 @dataclass(frozen=True)
 class _Flops:
-    """Training FLOPs per token: one block's, and the rest's (embeddings do no matmul; the head does)."""
+    """Training FLOPs per token: one block's, and the rest's (embeddings do no matmul; the final
+    norm and head do, tied or not)."""
 
     block: float
     outside: float
 
     @classmethod
-    def of(cls, shape: GPTConfig, tp: int = 1) -> _Flops:
+    def of(cls, shape: ModelShape, tp: int = 1) -> _Flops:
         facts = rank_facts(shape, tp)
         attention = 12 * shape.d_model * shape.seq_len / tp
-        return cls(6 * facts.block.numel + attention, 6 * (facts.root.numel - shape.seq_len * shape.d_model))
+        return cls(6 * facts.block.numel + attention, 6 * facts.head.numel)
 
 
 def _compute_dtype(precision: str) -> str:
     return {"fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16-true": "bf16"}[precision]
 
 
-def _recomputed(shape: GPTConfig, policy: str, start: int, stop: int) -> int:
+def _recomputed(shape: ModelShape, policy: str, start: int, stop: int) -> int:
     """Blocks in [start, stop) whose forward runs again in backward."""
     if policy in ("none", "selective"):
         return 0
@@ -114,7 +122,7 @@ def _recomputed(shape: GPTConfig, policy: str, start: int, stop: int) -> int:
 
 def predict_step_time(c: Candidate, cfg: Config, device: DeviceProfile, world: int) -> StepTime:
     """Seconds one optimizer step of `cfg.train.global_batch` samples takes under `c`."""
-    shape = gpt_shape(cfg.model)
+    shape = model_shape(cfg.model)
     if c.spec.mesh_dim == "pp":
         return _pipeline(c, cfg, shape, device)
     if c.spec.mesh_dim == "tp":
@@ -128,7 +136,7 @@ def _optimizer_s(numel: int, stored: int, cfg: Config, device: DeviceProfile) ->
     return OPTIMIZER_ACCESSES[cfg.train.optimizer] * numel * stored / device.memory_bandwidth
 
 
-def micro_step_s(c: Candidate, shape: GPTConfig, device: DeviceProfile, start: int, stop: int, first: bool,
+def micro_step_s(c: Candidate, shape: ModelShape, device: DeviceProfile, start: int, stop: int, first: bool,
                  last: bool, batch: float) -> float:
     """One forward and backward of `batch` samples through blocks [start, stop) (and the parts
     outside the blocks a first or last stage holds) on one rank of tensor-parallel degree c.tp."""
@@ -145,7 +153,7 @@ def micro_step_s(c: Candidate, shape: GPTConfig, device: DeviceProfile, start: i
     return seconds
 
 
-def _data_parallel(c: Candidate, cfg: Config, shape: GPTConfig, device: DeviceProfile, world: int) -> StepTime:
+def _data_parallel(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceProfile, world: int) -> StepTime:
     facts = model_facts(shape)
     precision = make_precision(c.precision, cfg.parallel.reduce_dtype)
     micro_steps = cfg.train.global_batch // (c.dp * c.micro_batch)
@@ -188,7 +196,7 @@ def _data_parallel(c: Candidate, cfg: Config, shape: GPTConfig, device: DevicePr
     return StepTime(compute, comm, exposed, 0.0, _optimizer_s(stepped, stored, cfg, device))
 
 
-def _hsdp(c: Candidate, cfg: Config, shape: GPTConfig, device: DeviceProfile, world: int) -> StepTime:
+def _hsdp(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceProfile, world: int) -> StepTime:
     """fsdp within a node (on the node's share of the global batch), then the gradient shards
     all-reduced across the nodes after backward, nothing left to hide behind."""
     replicas = c.dp // c.shard
@@ -209,7 +217,7 @@ def _mesh_dp_all_reduce(c: Candidate, numel: int, device: DeviceProfile) -> floa
     return all_reduce_s(numel * 4, c.dp, bandwidth, device.latency_s)
 
 
-def _tensor(c: Candidate, cfg: Config, shape: GPTConfig, device: DeviceProfile) -> StepTime:
+def _tensor(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceProfile) -> StepTime:
     facts = rank_facts(shape, c.tp)
     micro_steps = cfg.train.global_batch // (c.dp * c.micro_batch)
     tokens = c.micro_batch * shape.seq_len
@@ -217,12 +225,12 @@ def _tensor(c: Candidate, cfg: Config, shape: GPTConfig, device: DeviceProfile) 
     bandwidth = device.bandwidth(_spans_nodes(c.tp, 1, device.gpus_per_node))
     activations = all_reduce_s(tokens * shape.d_model * 4, c.tp, bandwidth, device.latency_s)
     tp_comm = micro_steps * 4 * shape.n_layer * activations
-    numel = facts.block.numel * shape.n_layer + facts.root.numel
+    numel = facts.params_total
     dp_comm = _mesh_dp_all_reduce(c, numel, device)
     return StepTime(compute, tp_comm + dp_comm, tp_comm + dp_comm, 0.0, _optimizer_s(numel, 4, cfg, device))
 
 
-def _pipeline(c: Candidate, cfg: Config, shape: GPTConfig, device: DeviceProfile) -> StepTime:
+def _pipeline(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceProfile) -> StepTime:
     facts = rank_facts(shape, c.tp)
     runs = c.micro_batches  # 1 where the model is split without pipelining
     per_run = c.micro_batch / runs
@@ -241,6 +249,6 @@ def _pipeline(c: Candidate, cfg: Config, shape: GPTConfig, device: DeviceProfile
         per_block = all_reduce_s(per_run * shape.seq_len * shape.d_model * 4, c.tp, tp_bandwidth, device.latency_s)
         tp_comm = pipeline_runs * runs * 4 * max(stop - start for start, stop in bounds) * per_block
     stage_numel = max((stop - start) * facts.block.numel for start, stop in bounds) + facts.root.numel
-    tied = all_reduce_s(shape.vocab_size * shape.d_model * 4, 2, bandwidth, device.latency_s)  # first + last stage
+    tied = all_reduce_s(facts.tied * 4, 2, bandwidth, device.latency_s) if facts.tied else 0.0  # first + last stage
     comm = sends + tp_comm + tied + _mesh_dp_all_reduce(c, stage_numel, device)
     return StepTime(compute, comm, comm, bubble, _optimizer_s(stage_numel, 4, cfg, device))
