@@ -380,6 +380,15 @@ def read_hf_config(path: str) -> tuple[str, dict[str, int]]:
     return name, sizes
 
 
+def hf_config_overrides(path: str | None) -> list[str]:
+    """`--set` overrides that make the model the one a transformers config.json describes: its
+    family, the file, and its sizes over any the config file set (`shardwise plan --hf-config`)."""
+    if path is None:
+        return []
+    name, sizes = read_hf_config(path)
+    return [f"model.name={name}", f"model.hf_config={json.dumps(path)}", *(f"model.{k}={v}" for k, v in sizes.items())]
+
+
 def resolve_presets(cfg: Config) -> None:
     m = cfg.model
     if m.hf_config is not None:

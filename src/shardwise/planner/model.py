@@ -347,9 +347,11 @@ def _one_sequence_per_row(shape: ModelShape) -> contextlib.AbstractContextManage
     return mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
 
 
-def _trace(key: TraceKey, n_layer: int, policy: str, batch: int, ops: OpCounter | None = None) -> Marks:
-    """Bytes saved for backward by one forward and loss of the model with `n_layer` blocks on fake
-    tensors, as an ActivationCounter sees them. `ops`, if given, counts the operators of the forward."""
+def _trace(key: TraceKey, n_layer: int, policy: str, batches: tuple[int, ...],
+           ops: OpCounter | None = None) -> list[Marks]:
+    """Bytes saved for backward by one forward and loss at each of `batches` of the model with
+    `n_layer` blocks on fake tensors, as an ActivationCounter sees them. `ops`, if given, counts
+    the operators of the forwards."""
     shape = key.shape
     with FakeTensorMode(), _one_sequence_per_row(shape):
         model = shape.build(n_layer)
@@ -359,16 +361,22 @@ def _trace(key: TraceKey, n_layer: int, policy: str, batch: int, ops: OpCounter 
             parallelize_for_planning(model, shape, key.tp)
         blocks = model_blocks(model)
         apply_recompute(model, policy, type(blocks[0]).__name__)
-        # As the data loader gives them: inputs and targets are two views of one window of tokens.
-        window = torch.zeros(batch, shape.seq_len + 1, dtype=torch.long)
-        tokens, targets = window[:, :-1], window[:, 1:]
-        autocast = torch.autocast("cpu", dtype=key.autocast, enabled=key.autocast is not None)
-        counter = ActivationCounter(model)
-        marks: list[int] = []
-        blocks[0].register_forward_pre_hook(lambda *_: marks.append(counter.live_bytes))
-        blocks[-1].register_forward_hook(lambda *_: marks.append(counter.live_bytes))
-        with counter, autocast, ops or contextlib.nullcontext():
-            loss_fn(model(tokens), targets)
+        return [_marks(model, blocks, key, batch, ops) for batch in batches]
+
+
+def _marks(model: nn.Module, blocks: list[nn.Module], key: TraceKey, batch: int, ops: OpCounter | None) -> Marks:
+    # As the data loader gives them: inputs and targets are two views of one window of tokens.
+    window = torch.zeros(batch, key.shape.seq_len + 1, dtype=torch.long)
+    tokens, targets = window[:, :-1], window[:, 1:]
+    autocast = torch.autocast("cpu", dtype=key.autocast, enabled=key.autocast is not None)
+    counter = ActivationCounter(model)
+    marks: list[int] = []
+    hooks = [blocks[0].register_forward_pre_hook(lambda *_: marks.append(counter.live_bytes)),
+             blocks[-1].register_forward_hook(lambda *_: marks.append(counter.live_bytes))]
+    with counter, autocast, ops or contextlib.nullcontext():
+        loss_fn(model(tokens), targets)
+    for hook in hooks:
+        hook.remove()
     return Marks(marks[0], marks[-1], counter.bytes)
 
 
@@ -376,7 +384,7 @@ def _affine(key: TraceKey, n_layer: int, policy: str) -> tuple[Affine, Affine, A
     """Marks as functions of the batch: (before the blocks, after them, in all)."""
     # Batches 2 and 3, not 1: at batch 1 the targets' flattened view needs no copy, so it shares the
     # inputs' storage, and a line through batch 1 would miss a per-sample copy larger batches make.
-    two, three = (_trace(key, n_layer, policy, batch) for batch in (2, 3))
+    two, three = _trace(key, n_layer, policy, (2, 3))
     return tuple(Affine(3 * a - 2 * b, b - a) for a, b in zip(dataclasses.astuple(two), dataclasses.astuple(three),
                                                                strict=True))
 
@@ -404,7 +412,8 @@ class SavedBytes:
 
     @functools.cached_property
     def per_stage(self) -> Affine:
-        """Saved once by a stage's blocks whatever their number (a Llama's rotary cos/sin)."""
+        """Saved once by a stage's blocks whatever their number, if any of them keeps what it saves
+        (a Llama's rotary cos/sin, which recomputed blocks compute again)."""
         before, after, _ = self._one
         return after - before - self.block
 
@@ -416,7 +425,7 @@ class SavedBytes:
 
     @property
     def outside(self) -> Affine:
-        """Outside the blocks on one stage holding them all."""
+        """Outside the blocks on one stage holding them all, not recomputed."""
         return self.embeddings + self.per_stage + self.head
 
     @functools.cached_property
@@ -427,20 +436,19 @@ class SavedBytes:
     @functools.cached_property
     def selective(self) -> Affine:
         """One block under `selective`."""
-        return _affine(self.key, 1, "selective")[2] - self.outside
+        return _affine(self.key, 1, "selective")[2] - self.embeddings - self.head
 
     def stage_affine(self, start: int, stop: int, first: bool, last: bool, policy: str) -> Affine:
         """Bytes saved by the stage holding blocks [start, stop), as a function of the micro-batch."""
         kind, every = parse_policy(policy)
         blocks = stop - start
-        total = (self.embeddings if first else NOTHING) + self.per_stage + (self.head if last else NOTHING)
-        if kind == "none":
-            return total + self.block * blocks
+        ends = (self.embeddings if first else NOTHING) + (self.head if last else NOTHING)
         if kind == "selective":
-            return total + self.selective * blocks
+            return ends + self.selective * blocks
         # blocks 0, K, 2K, ... are checkpointed (`every:1` is `blocks`)
-        checkpointed = len(range(-(-start // every) * every, stop, every))
-        return total + self.checkpointed * checkpointed + self.block * (blocks - checkpointed)
+        checkpointed = 0 if kind == "none" else len(range(-(-start // every) * every, stop, every))
+        kept = blocks - checkpointed
+        return ends + (self.per_stage if kept else NOTHING) + self.checkpointed * checkpointed + self.block * kept
 
     def stage(self, start: int, stop: int, first: bool, last: bool, policy: str, batch: float) -> int:
         """Bytes saved by the stage holding blocks [start, stop) for one micro-batch of `batch`."""
@@ -466,6 +474,6 @@ def forward_ops(shape: ModelShape) -> ForwardOps:
     """Traced on fake tensors at one and two blocks; the count depends on neither batch nor width."""
     key = TraceKey(shape, torch.float32)
     one, two = OpCounter(), OpCounter()
-    _trace(key, 1, "none", 2, one)
-    _trace(key, 2, "none", 2, two)
+    _trace(key, 1, "none", (2,), one)
+    _trace(key, 2, "none", (2,), two)
     return ForwardOps(two.ops - one.ops, 2 * one.ops - two.ops)
