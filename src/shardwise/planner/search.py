@@ -146,7 +146,7 @@ def make_plan(cfg: Config, world: int, device: DeviceProfile, *, nodes: int = 1,
     else:
         evaluated, pruned = _pruned_search(candidates, cfg, device, world, limit, margin, top, cost)
     fitting = sorted((e for e in evaluated if e.fits), key=Evaluated.rank_key)
-    over = sorted((e for e in evaluated if not e.fits), key=lambda e: e.over_by)
+    over = sorted((e for e in evaluated if not e.fits), key=lambda e: (e.over_by, e.rank_key()))
     recommended = fitting[0] if fitting else None
     plan = Plan(cfg, world, nodes, world // nodes, device, limit, margin, fitting + over, refused, recommended,
                 _reason(fitting, over, limit), candidates=len(candidates), pruned=pruned)
@@ -262,7 +262,7 @@ def _closest_over(kept: list[Evaluated], over_bound: list[tuple[int, float, Cand
     for lower, bound, c in sorted(over_bound, key=lambda item: item[0]):
         if bound >= faster:
             continue
-        if len(shown) >= CLOSEST and lower >= shown[CLOSEST - 1]:
+        if len(shown) >= CLOSEST and lower > shown[CLOSEST - 1]:
             break
         e = cost(c)
         e.twins = tuple(twins[c])
