@@ -86,6 +86,16 @@ def _considered(plan: Plan, top: int) -> str:
     return line
 
 
+def _refused(plan: Plan) -> list[str]:
+    """One line on the meshes the trainer refuses, if any (every reason is in the JSON)."""
+    if not plan.refused:
+        return []
+    strategies = ", ".join(dict.fromkeys(mesh.split()[0] for mesh in plan.refused))
+    first = next(iter(plan.refused.values()))
+    meshes = f"{len(plan.refused)} mesh" + ("es" if len(plan.refused) > 1 else "")
+    return [f"refused by the trainer: {meshes} of {strategies}; the first because {first}"]
+
+
 def format_plan(plan: Plan, top: int = 15) -> str:
     """The ranked candidates that fit (the first `top`), those over the limit but faster than the
     pick (closest first), and the pick."""
@@ -97,6 +107,7 @@ def format_plan(plan: Plan, top: int = 15) -> str:
         f"{plan.memory_limit / GiB:.2f} GiB per rank, margin {plan.margin:.0%}; global batch "
         f"{plan.cfg.train.global_batch}",
         _considered(plan, top),
+        *_refused(plan),
         "",
         f"{'#':>4}  {'strategy':<14} {'dp x pp x tp':<18} {'precision':<{width}} {'recompute':<9} {'mb':>4}  "
         f"{'GiB/rank':>9} {'step s':>9}  {'fits'}",
