@@ -239,8 +239,6 @@ def plan(args: argparse.Namespace) -> int:
     try:
         if args.config is None and args.hf_config is None:
             raise ConfigError("give a CONFIG file, --hf-config CONFIG.JSON, or both")
-        if args.top < 1:
-            raise ConfigError(f"--top {args.top}: must be >= 1")
         cfg = load_config(args.config, [*hf_config_overrides(args.hf_config), *args.set])
         if args.nodes is not None:
             nodes, world = args.nodes, args.nodes * args.gpus_per_node

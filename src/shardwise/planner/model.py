@@ -116,11 +116,6 @@ def model_blocks(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if type(m).__name__ == block]
 
 
-def block_class(shape: ModelShape) -> str:
-    """The class name recomputation and the sharded strategies take as the unit."""
-    return type(model_blocks(meta_model(shape, 1))[0]).__name__
-
-
 @dataclass(frozen=True)
 class Tensors:
     """Shapes and count of some parameters: enough for every sharding layout."""

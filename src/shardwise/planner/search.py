@@ -132,6 +132,8 @@ def make_plan(cfg: Config, world: int, device: DeviceProfile, *, nodes: int = 1,
                         "evenly (--nproc N, or --nodes N --gpus-per-node G)")
     if not 0 <= margin < 1:
         raise PlanError(f"--margin {margin:g}: must be in [0, 1), the fraction added for the allocator")
+    if top < 1:
+        raise PlanError(f"--top {top}: must be >= 1, the candidates that fit to find and show")
     model_shape(cfg.model)  # only language models can be planned: say so before anything else
     device = dataclasses.replace(device, gpus_per_node=world // nodes)
     limit = memory_limit(device, memory_gb)

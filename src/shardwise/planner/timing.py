@@ -2,10 +2,12 @@
 from what each collective moves over the link it crosses, and how much of the communication
 each strategy hides behind computation.
 
-- Computation: the GPT's 6 FLOPs per parameter per token plus attention (its own estimate), split
-  between the blocks and the rest so tensor and pipeline parallel divide the right part, plus one
-  more forward of every recomputed block (`blocks`, `every:K`; `selective` redoes only
-  elementwise work, counted as free). A micro-step's backward is two thirds of it.
+- Computation: 6 FLOPs per token per parameter that a matmul uses (every block's, whatever the
+  family: a Llama's SwiGLU and smaller k and v count as built; the head's, tied or not; not the
+  embeddings') plus attention's 12 x width x sequence per block, split between the blocks and the
+  rest so tensor and pipeline parallel divide the right part, plus one more forward of every
+  recomputed block (`blocks`, `every:K`; `selective` redoes only elementwise work, counted below).
+  A micro-step's backward is two thirds of it.
 - Communication, per rank, ring algorithms: all-reduce moves 2(n-1)/n of the buffer, all-gather
   and reduce-scatter (n-1)/n of the whole, point to point the buffer; each hop adds a latency. A
   group whose ranks span nodes runs at the inter-node bandwidth (the mesh is tp innermost, then
