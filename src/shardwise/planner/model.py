@@ -8,11 +8,12 @@ block found by class (models/hf.py finds a transformers model's), and the rest r
 - parameters: a block's (every block has the same), the embeddings outside the blocks (what a
   first pipeline stage holds) and every other parameter outside them (final norm and head: the
   last stage's; a tied head is the embedding's weight, on both);
-- saved bytes along depth: traces at 1 and 2 blocks, each marked where the blocks start and end,
-  give the embeddings' part (before the blocks), one block's, what a stage saves once whatever its
-  blocks (a Llama's rotary cos/sin, shared by every block of a stage) and the head's part (after
-  the blocks: final norm, head, loss); one of 2 blocks under `every:2` (block 0 checkpointed,
-  block 1 not) gives a checkpointed block's bytes;
+- saved bytes along depth: a trace at 2 blocks, marked before the first block and after each,
+  gives the embeddings' part (before the blocks), one block's (the second's), what a stage saves
+  once whatever its blocks (a Llama's rotary cos/sin, shared by every block of a stage: the
+  first block's bytes less the second's) and the head's part (after the blocks: final norm,
+  head, loss); one of 2 blocks under `every:2` (block 0 checkpointed, block 1 not) gives a
+  checkpointed block's bytes, one of 1 block a `selective` one's;
 - along the batch: every saved tensor is either per sample or fixed (the weight copies autocast
   makes, the position ids), so traces at two batch sizes give both parts.
 The counter's peak is the end of the forward: backward only releases what the forward saved
@@ -35,6 +36,7 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 from unittest import mock
 
 import torch
@@ -321,13 +323,17 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@dataclass(frozen=True)
-class Marks:
-    """Bytes saved by one forward and loss: before the first block, after the last, and in all."""
+Size = TypeVar("Size", int, Affine)
 
-    before: int
-    after: int
-    total: int
+
+@dataclass(frozen=True)
+class Marks(Generic[Size]):
+    """What one forward and loss saved for backward (bytes) or dispatched (operators), counted
+    before the first block, after each block, and in all."""
+
+    before: Size
+    ends: tuple[Size, ...]
+    total: Size
 
 
 def _one_sequence_per_row(shape: ModelShape) -> contextlib.AbstractContextManager:
@@ -343,10 +349,10 @@ def _one_sequence_per_row(shape: ModelShape) -> contextlib.AbstractContextManage
 
 
 def _trace(key: TraceKey, n_layer: int, policy: str, batches: tuple[int, ...],
-           ops: OpCounter | None = None) -> list[Marks]:
-    """Bytes saved for backward by one forward and loss at each of `batches` of the model with
-    `n_layer` blocks on fake tensors, as an ActivationCounter sees them. `ops`, if given, counts
-    the operators of the forwards."""
+           ops: bool = False) -> list[Marks[int]]:
+    """The bytes saved for backward (with `ops`, the operators dispatched) by one forward and loss
+    at each of `batches` of the model with `n_layer` blocks on fake tensors, as an
+    ActivationCounter sees them."""
     shape = key.shape
     with FakeTensorMode(), _one_sequence_per_row(shape):
         model = shape.build(n_layer)
@@ -359,29 +365,36 @@ def _trace(key: TraceKey, n_layer: int, policy: str, batches: tuple[int, ...],
         return [_marks(model, blocks, key, batch, ops) for batch in batches]
 
 
-def _marks(model: nn.Module, blocks: list[nn.Module], key: TraceKey, batch: int, ops: OpCounter | None) -> Marks:
+def _marks(model: nn.Module, blocks: list[nn.Module], key: TraceKey, batch: int, ops: bool) -> Marks[int]:
     # As the data loader gives them: inputs and targets are two views of one window of tokens.
     window = torch.zeros(batch, key.shape.seq_len + 1, dtype=torch.long)
     tokens, targets = window[:, :-1], window[:, 1:]
     autocast = torch.autocast("cpu", dtype=key.autocast, enabled=key.autocast is not None)
-    counter = ActivationCounter(model)
+    counter, dispatched = ActivationCounter(model), OpCounter()
     marks: list[int] = []
-    hooks = [blocks[0].register_forward_pre_hook(lambda *_: marks.append(counter.live_bytes)),
-             blocks[-1].register_forward_hook(lambda *_: marks.append(counter.live_bytes))]
-    with counter, autocast, ops or contextlib.nullcontext():
+
+    def mark(*_: object) -> None:
+        marks.append(dispatched.ops if ops else counter.live_bytes)
+
+    hooks = [blocks[0].register_forward_pre_hook(mark), *(block.register_forward_hook(mark) for block in blocks)]
+    with counter, autocast, dispatched if ops else contextlib.nullcontext():
         loss_fn(model(tokens), targets)
     for hook in hooks:
         hook.remove()
-    return Marks(marks[0], marks[-1], counter.bytes)
+    return Marks(marks[0], tuple(marks[1:]), dispatched.ops if ops else counter.bytes)
 
 
-def _affine(key: TraceKey, n_layer: int, policy: str) -> tuple[Affine, Affine, Affine]:
-    """Marks as functions of the batch: (before the blocks, after them, in all)."""
+def _line(two: int, three: int) -> Affine:
+    return Affine(3 * two - 2 * three, three - two)
+
+
+def _affine(key: TraceKey, n_layer: int, policy: str) -> Marks[Affine]:
+    """Marks as functions of the batch."""
     # Batches 2 and 3, not 1: at batch 1 the targets' flattened view needs no copy, so it shares the
     # inputs' storage, and a line through batch 1 would miss a per-sample copy larger batches make.
     two, three = _trace(key, n_layer, policy, (2, 3))
-    return tuple(Affine(3 * a - 2 * b, b - a) for a, b in zip(dataclasses.astuple(two), dataclasses.astuple(three),
-                                                               strict=True))
+    return Marks(_line(two.before, three.before), tuple(map(_line, two.ends, three.ends)),
+                 _line(two.total, three.total))
 
 
 class SavedBytes:
@@ -392,31 +405,29 @@ class SavedBytes:
         self.key = key
 
     @functools.cached_property
-    def _one(self) -> tuple[Affine, Affine, Affine]:
-        return _affine(self.key, 1, "none")
+    def _none(self) -> Marks[Affine]:
+        return _affine(self.key, 2, "none")
 
     @functools.cached_property
     def block(self) -> Affine:
-        """One block, not recomputed."""
-        return _affine(self.key, 2, "none")[1] - self._one[1]
+        """One block, not recomputed: the second's (the first also saves what blocks share)."""
+        return self._none.ends[1] - self._none.ends[0]
 
     @property
     def embeddings(self) -> Affine:
         """Before the blocks, on a first stage: the token (and position) ids."""
-        return self._one[0]
+        return self._none.before
 
     @functools.cached_property
     def per_stage(self) -> Affine:
         """Saved once by a stage's blocks whatever their number, if any of them keeps what it saves
         (a Llama's rotary cos/sin, which recomputed blocks compute again)."""
-        before, after, _ = self._one
-        return after - before - self.block
+        return self._none.ends[0] - self._none.before - self.block
 
     @functools.cached_property
     def head(self) -> Affine:
         """After the blocks, on a last stage: final norm, head and loss."""
-        _, after, total = self._one
-        return total - after
+        return self._none.total - self._none.ends[-1]
 
     @property
     def outside(self) -> Affine:
@@ -426,12 +437,12 @@ class SavedBytes:
     @functools.cached_property
     def checkpointed(self) -> Affine:
         """One block under `blocks` / `every:K`: its input."""
-        return _affine(self.key, 2, "every:2")[2] - self.outside - self.block
+        return _affine(self.key, 2, "every:2").total - self.outside - self.block
 
     @functools.cached_property
     def selective(self) -> Affine:
         """One block under `selective`."""
-        return _affine(self.key, 1, "selective")[2] - self.embeddings - self.head
+        return _affine(self.key, 1, "selective").total - self.embeddings - self.head
 
     def stage_affine(self, start: int, stop: int, first: bool, last: bool, policy: str) -> Affine:
         """Bytes saved by the stage holding blocks [start, stop), as a function of the micro-batch."""
@@ -452,7 +463,7 @@ class SavedBytes:
 
 @functools.cache
 def saved_bytes(key: TraceKey) -> SavedBytes:
-    """The saved-bytes parts of `key`'s model, traced on one- and two-block models as needed."""
+    """The saved-bytes parts of `key`'s model, traced on two-block models (one, selective) as needed."""
     return SavedBytes(key)
 
 
@@ -466,9 +477,7 @@ class ForwardOps:
 
 @functools.cache
 def forward_ops(shape: ModelShape) -> ForwardOps:
-    """Traced on fake tensors at one and two blocks; the count depends on neither batch nor width."""
-    key = TraceKey(shape, torch.float32)
-    one, two = OpCounter(), OpCounter()
-    _trace(key, 1, "none", (2,), one)
-    _trace(key, 2, "none", (2,), two)
-    return ForwardOps(two.ops - one.ops, 2 * one.ops - two.ops)
+    """Traced on fake tensors at two blocks; the count depends on neither batch nor width."""
+    (marks,) = _trace(TraceKey(shape, torch.float32), 2, "none", (2,), ops=True)
+    block = marks.ends[1] - marks.ends[0]
+    return ForwardOps(block, marks.total - 2 * block)
