@@ -198,7 +198,6 @@ FAMILY_SPLIT = [Candidate("tensor", 1, 1, 2, "fp32", "none", 4),
                 Candidate("model-parallel", 1, 2, 1, "fp32", "every:2", 4)]
 
 
-@pytest.mark.slow
 def test_predicted_memory_equals_counted_for_data_parallel_strategies_on_tiny_llama_qwen2_and_gpt2():
     llama = family_config("hf-llama")
     cases = [(candidate, llama) for candidate in FAMILY_DATA_PARALLEL]
@@ -218,7 +217,6 @@ def _accepted(candidate: Candidate, base: Config) -> bool:
 SPLIT_FAMILIES = ("hf-llama", "hf-gpt2")
 
 
-@pytest.mark.slow
 @pytest.mark.skipif(not all(_accepted(c, family_config(name)) for c in FAMILY_SPLIT for name in SPLIT_FAMILIES),
                     reason="tensor, pipeline and model-parallel do not take a Llama or a GPT-2 yet (issue 26's "
                            "per-family plans); runs as soon as they do")
