@@ -4,7 +4,6 @@ what real 2-rank runs count, a 70B plan in seconds, the JSON schema, and clear e
 from __future__ import annotations
 
 import json
-import time
 
 import pytest
 import torch
@@ -12,13 +11,13 @@ from conftest import CONFIGS
 from distributed import run_ranks
 
 from shardwise.cli import main
-from shardwise.config import Config, load_config
+from shardwise.config import Config, ConfigError, hf_config_overrides, load_config
 from shardwise.dist import DistContext
-from shardwise.models import GPTConfig
+from shardwise.models import build_model
 from shardwise.planner import PlanError, load_profile, make_plan
 from shardwise.planner.candidates import Candidate
 from shardwise.planner.memory import ZERO_STAGES, predict_memory, zero_textbook_bytes
-from shardwise.planner.model import TraceKey, _trace, gpt_shape, model_facts, saved_bytes
+from shardwise.planner.model import ModelShape, TraceKey, _trace, model_facts, model_shape, saved_bytes
 from shardwise.trainer import Trainer
 
 SIZES = {  # name -> (n_layer, n_head, d_model, seq_len, vocab_size)
@@ -29,8 +28,9 @@ SIZES = {  # name -> (n_layer, n_head, d_model, seq_len, vocab_size)
 }
 
 
-def shape_of(name: str) -> GPTConfig:
-    return GPTConfig(*SIZES[name])
+def shape_of(name: str) -> ModelShape:
+    n_layer, n_head, d, seq, vocab = SIZES[name]
+    return ModelShape("gpt", n_layer, n_head, n_head, d, 4 * d, seq, vocab)
 
 
 def gpt_params(n_layer: int, d: int, seq: int, vocab: int) -> int:
@@ -88,24 +88,27 @@ def test_our_mixed_precision_holds_fp32_master_params_and_grads_unlike_the_textb
             assert got.params + got.grads + got.optimizer == textbook + 4 * tensors
 
 
-def config(global_batch: int = 16, preset: str = "tiny", **model: int) -> Config:
+def config(global_batch: int = 16, preset: str = "tiny", **model: int | str) -> Config:
     sizes = [f"model.{key}={value}" for key, value in model.items()]
     return load_config(CONFIGS / "gpt-tiny.toml", [f"model.preset={preset}", *sizes,
                                                    f"train.global_batch={global_batch}", "train.micro_batch=1",
                                                    "run.out=unused"])
 
 
+@pytest.mark.parametrize("name", ["gpt", "hf-llama"])
 @pytest.mark.parametrize("autocast", [None, torch.bfloat16])
-def test_composed_saved_bytes_equal_a_full_depth_trace(autocast):
-    shape = gpt_shape(config(n_layer=5).model)
+def test_composed_saved_bytes_equal_a_full_depth_trace(autocast, name):
+    # A Llama's stage also saves its rotary cos/sin once, shared by its blocks: composed right too.
+    shape = model_shape(config(n_layer=5, name=name, **({"n_kv_head": 1} if name != "gpt" else {})).model)
     key = TraceKey(shape, torch.float32, autocast)
     saved = saved_bytes(key)
     for policy in ("none", "blocks", "every:2", "every:3", "selective"):
-        assert saved.stage(0, 5, True, True, policy, 4) == _trace(key, 5, policy, True, True, 4), policy
-    # pipeline stages: a first, a middle and a last one
-    assert saved.stage(0, 2, True, False, "none", 3) == _trace(key, 2, "none", True, False, 3)
-    assert saved.stage(2, 4, False, False, "none", 3) == _trace(key, 2, "none", False, False, 3)
-    assert saved.stage(4, 5, False, True, "none", 3) == _trace(key, 1, "none", False, True, 3)
+        assert saved.stage(0, 5, True, True, policy, 4) == _trace(key, 5, policy, (4,))[0].total, policy
+    # pipeline stages of 5 blocks: a first (to the end of the blocks), a middle (the blocks) and a last one
+    (marks,) = _trace(key, 5, "none", (3,))
+    assert saved.stage(0, 5, True, False, "none", 3) == marks.ends[-1]
+    assert saved.stage(0, 5, False, False, "none", 3) == marks.ends[-1] - marks.before
+    assert saved.stage(0, 5, False, True, "none", 3) == marks.total - marks.before
 
 
 TINY_CASES = [Candidate(strategy, 2, 1, 1, precision, policy, 4)
@@ -173,10 +176,64 @@ def test_predicted_memory_equals_counted_for_gpt_small_on_2_ranks():
     assert_predicted_equals_counted([(candidate, base) for candidate in SMALL_CASES])
 
 
+def family_config(name: str, global_batch: int = 8, **model: int) -> Config:
+    """A tiny model of the family `name`: Llama and Qwen2 with grouped-query attention (2 heads
+    sharing 1 key/value head), GPT-2 with its learned positions, Conv1D layers and tied head."""
+    sizes = {"n_kv_head": 1} if name != "hf-gpt2" else {}
+    return config(global_batch=global_batch, name=name, **{**sizes, **model})
+
+
+# Each data-parallel strategy twice, every precision and every policy among them, on tiny Llama.
+FAMILY_DATA_PARALLEL = [Candidate(strategy, 2, 1, 1, precision, policy, 4)
+                        for strategy, precision, policy in [
+                            ("ddp", "fp32", "none"), ("ddp", "bf16-mixed", "selective"),
+                            ("zero1", "fp16-mixed", "blocks"), ("zero1", "bf16-true", "every:2"),
+                            ("zero2", "bf16-mixed", "every:2"), ("zero2", "fp32", "selective"),
+                            ("fsdp", "bf16-mixed", "blocks"), ("fsdp", "fp16-mixed", "selective")]]
+# The model-splitting strategies, for when they take a Llama (they read the GPT's module names today).
+FAMILY_SPLIT = [Candidate("tensor", 1, 1, 2, "fp32", "none", 4),
+                Candidate("tensor", 1, 1, 2, "bf16-mixed", "blocks", 4),
+                Candidate("pipeline", 1, 2, 1, "fp32", "none", 4, 2, "1f1b"),
+                Candidate("pipeline", 1, 2, 1, "bf16-mixed", "selective", 4, 4, "gpipe"),
+                Candidate("model-parallel", 1, 2, 1, "fp32", "every:2", 4)]
+
+
+def test_predicted_memory_equals_counted_for_data_parallel_strategies_on_tiny_llama_qwen2_and_gpt2():
+    llama = family_config("hf-llama")
+    cases = [(candidate, llama) for candidate in FAMILY_DATA_PARALLEL]
+    cases += [(FAMILY_DATA_PARALLEL[6], family_config("hf-qwen2")), (FAMILY_DATA_PARALLEL[1], family_config("hf-gpt2"))]
+    ratios = assert_predicted_equals_counted(cases)
+    assert max(abs(r - 1) for r in ratios) < 1e-3  # in fact exact to the byte
+
+
+def _accepted(candidate: Candidate, base: Config) -> bool:
+    try:
+        candidate.config(base, 2)
+    except ConfigError:
+        return False
+    return True
+
+
+SPLIT_FAMILIES = ("hf-llama", "hf-gpt2")
+
+
+def split_config(name: str) -> Config:
+    """4 heads (Llama's sharing 2 key/value heads): 2 tensor-parallel ranks take whole heads of each."""
+    return family_config(name, n_head=4, **({"n_kv_head": 2} if name != "hf-gpt2" else {}))
+
+
+@pytest.mark.skipif(not all(_accepted(c, split_config(name)) for c in FAMILY_SPLIT for name in SPLIT_FAMILIES),
+                    reason="tensor, pipeline and model-parallel do not take a Llama or a GPT-2 yet (issue 26's "
+                           "per-family plans); runs as soon as they do")
+def test_predicted_memory_equals_counted_for_model_splitting_strategies_on_tiny_llama_and_gpt2():
+    cases = [(candidate, split_config(name)) for name in SPLIT_FAMILIES for candidate in FAMILY_SPLIT]
+    assert_predicted_equals_counted(cases)
+
+
 def test_fsdp_predicted_gathered_peak_is_what_it_gathers():
     from shardwise.planner.memory import fsdp_gathered_numel
 
-    facts = model_facts(gpt_shape(config(preset="small").model))
+    facts = model_facts(model_shape(config(preset="small").model))
     # gpt small, measured on 2 ranks (fp32): the root, the block computing, the next one's gather buffer
     assert fsdp_gathered_numel(facts.units, 2, 1, True) * 4 == 14957568
 
@@ -189,18 +246,6 @@ def test_the_recommended_candidate_fits_and_holds_no_more_than_predicted_when_ru
     assert any(not e.fits for e in plan.ranked)
     assert_predicted_equals_counted([(plan.recommended.candidate, base)])
     assert plan.recommended.memory.total <= limit_gb * 2**30
-
-
-def test_a_70b_gpt_plans_in_seconds_on_64_h100s():
-    cfg = load_config(CONFIGS / "gpt-70b.toml")
-    started = time.perf_counter()
-    plan = make_plan(cfg, 64, load_profile("h100-sxm"), nodes=8)
-    elapsed = time.perf_counter() - started
-    assert elapsed < 60, f"{elapsed:.1f} s"  # ~6 s of CPU; the shared test machine may halve its speed
-    assert plan.params_total == 64_722_845_696
-    assert plan.recommended is not None and plan.recommended.memory.total <= 79 * 2**30
-    assert plan.recommended.candidate.strategy == "fsdp"  # ddp's 16 bytes/param is 1 TB: only sharding fits
-    assert not any(e.fits for e in plan.ranked if e.candidate.strategy == "ddp")
 
 
 def test_plan_json_has_the_documented_schema(tmp_path):
@@ -248,9 +293,9 @@ def test_a_world_size_no_candidate_can_use_is_a_clear_error():
     assert "train.global_batch = 16" in str(error.value) and "parallel.tp = 3" in str(error.value)
 
 
-def test_only_the_gpt_can_be_planned():
+def test_only_language_models_can_be_planned():
     cfg = load_config(None, ["model.name=mlp", "data.name=digits"])
-    with pytest.raises(PlanError, match="model.name = 'mlp'"):
+    with pytest.raises(PlanError, match="model.name = 'mlp': the planner plans language models"):
         make_plan(cfg, 2, load_profile("cpu"))
 
 
@@ -333,3 +378,113 @@ def test_plot_draws_every_candidate_and_marks_the_pareto_front(tmp_path):
     for point in front:  # nothing is both faster and smaller than a point of the front
         assert not any(e.step.total < point.step.total and e.memory.total < point.memory.total for e in plan.ranked)
     assert front[0].step.total == min(e.step.total for e in plan.ranked)
+
+
+LLAMA_3 = {"llama-3-8b": 8_030_261_248, "llama-3-70b": 70_553_706_496}  # meta-llama's config.json, counted
+
+
+@pytest.mark.parametrize("name", list(LLAMA_3))
+def test_the_shipped_llama_3_configs_count_the_published_parameters(name):
+    facts = model_facts(model_shape(load_config(CONFIGS / f"{name}.toml").model))
+    published = {"llama-3-8b": 8.03e9, "llama-3-70b": 70.6e9}[name]  # the model cards' figures
+    assert facts.params_total == pytest.approx(published, rel=0.005)
+    assert facts.params_total == LLAMA_3[name]
+    assert facts.tied == 0 and facts.embeddings.numel == facts.head.numel - facts.shape.d_model  # untied, + norm
+
+
+@pytest.mark.parametrize("name", ["gpt", "hf-llama", "hf-qwen2", "hf-gpt2"])
+def test_meta_facts_count_what_the_built_model_holds_and_where_pipeline_stages_hold_it(name):
+    cfg = family_config(name, n_layer=3) if name != "gpt" else config(n_layer=3)
+    model = build_model(cfg.model)
+    facts = model_facts(model_shape(cfg.model))
+    assert facts.params_total == sum(p.numel() for p in model.parameters())
+    tied = name in ("gpt", "hf-gpt2")  # GPT-2's head is its token embedding; Llama's and Qwen2's are their own
+    assert facts.tied == (cfg.model.vocab_size * cfg.model.d_model if tied else 0)
+    first, last = facts.stage(True, False, 1), facts.stage(False, True, 2)
+    assert first[0] + last[0] == facts.params_total + facts.tied  # a tied weight on both ends
+
+
+def test_flops_follow_each_family():
+    """6 per matmul parameter per token (the head's, not the embeddings'; Llama's untied head
+    counts, GPT-2's tied one once) plus attention's 12 x width x sequence per block."""
+    from shardwise.planner.timing import _Flops
+
+    for name in ("llama-3-8b", "llama-3-70b"):
+        shape = model_shape(load_config(CONFIGS / f"{name}.toml").model)
+        flops = _Flops.of(shape)
+        embedding = shape.vocab_size * shape.d_model
+        matmul = LLAMA_3[name] - embedding  # blocks (SwiGLU's 3 matrices, the smaller k and v), head, final norm
+        assert flops.block * shape.n_layer + flops.outside == 6 * matmul + 12 * shape.n_layer * shape.d_model * \
+            shape.seq_len
+    shape = model_shape(family_config("hf-gpt2").model)
+    flops = _Flops.of(shape)
+    positions = shape.seq_len * shape.d_model
+    assert flops.block * shape.n_layer + flops.outside == 6 * (model_facts(shape).params_total - positions) + \
+        12 * shape.n_layer * shape.d_model * shape.seq_len
+
+
+@pytest.mark.parametrize("name", ["hf-llama", "hf-qwen2", "hf-gpt2"])
+def test_a_tensor_parallel_rank_of_a_family_holds_its_split_of_each_block_and_saves_less(name):
+    from shardwise.planner.model import rank_facts
+
+    cfg = family_config(name, n_head=4, **({"n_kv_head": 2} if name != "hf-gpt2" else {}))
+    shape = model_shape(cfg.model)
+    d, ff, kv = shape.d_model, shape.d_ff, shape.n_kv_head * shape.d_model // shape.n_head
+    whole, half = model_facts(shape).block, rank_facts(shape, 2).block
+    if name == "hf-gpt2":  # c_attn and c_fc split with their biases; the c_projs by input, biases whole; 2 LayerNorms
+        expected = (d * 3 * d + 3 * d) // 2 + d * d // 2 + d + (d * ff + ff) // 2 + ff * d // 2 + d + 4 * d
+    else:  # q, k, v, gate, up by output (Qwen2's q, k, v biases too); o, down by input; 2 RMSNorms whole
+        biases = (d + 2 * kv) // 2 if name == "hf-qwen2" else 0
+        expected = (d * d + 2 * d * kv + d * d + 3 * d * ff) // 2 + biases + 2 * d
+    assert half.numel == expected < whole.numel
+    split, full = (saved_bytes(TraceKey(shape, torch.float32, None, tp)).block for tp in (2, 1))
+    assert 0 < split.per_sample < full.per_sample
+
+
+def test_plan_reads_a_transformers_config_file_offline(tmp_path, capsys):
+    """--hf-config: the file's family, sizes and architecture (here a tied head and attention biases,
+    which Llama-3 has not): the plan counts the model transformers builds from it."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    values = dict(model_type="llama", hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=320, max_position_embeddings=32,
+                  tie_word_embeddings=True, attention_bias=True, torch_dtype="bfloat16")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(values))
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--hf-config", str(path), "--nproc", "2", "--device", "cpu", "--json", str(out),
+                 "--set", "train.global_batch=4", "--set", "train.micro_batch=1"]) == 0
+    plan = json.loads(out.read_text())
+    reference = AutoModelForCausalLM.from_config(LlamaConfig(**{k: v for k, v in values.items() if k != "torch_dtype"}))
+    assert plan["model"]["params_total"] == sum(p.numel() for p in reference.parameters())
+    assert plan["model"] | {"params_total": 0} == {"name": "hf-llama", "params_total": 0, "n_layer": 2, "n_head": 4,
+                                                   "n_kv_head": 2, "d_model": 64, "d_ff": 160, "seq_len": 32,
+                                                   "vocab_size": 320, "hf_config": str(path)}
+    assert "hf-llama:" in capsys.readouterr().out
+
+
+def test_a_published_llama_3_config_file_plans_the_shipped_config(tmp_path):
+    values = dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                  num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
+                  rope_theta=500000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, torch_dtype="bfloat16",
+                  architectures=["LlamaForCausalLM"])  # meta-llama/Meta-Llama-3-8B's config.json, its sizes
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(values))
+    from_file = load_config(CONFIGS / "llama-3-8b.toml", hf_config_overrides(str(path)))
+    assert model_facts(model_shape(from_file.model)).params_total == LLAMA_3["llama-3-8b"]
+
+
+def test_a_config_file_of_another_family_or_none_is_a_clear_error(tmp_path, capsys):
+    bert = tmp_path / "bert.json"
+    bert.write_text(json.dumps({"model_type": "bert", "hidden_size": 64}))
+    assert main(["plan", "--hf-config", str(bert), "--nproc", "2"]) == 2
+    assert "model_type 'bert' is not a family shardwise builds; allowed: llama, mistral, qwen2, gpt2" in \
+        capsys.readouterr().err
+    assert main(["plan", "--hf-config", str(tmp_path / "missing.json"), "--nproc", "2"]) == 2
+    assert "no such file" in capsys.readouterr().err
+    assert main(["plan", "--nproc", "2"]) == 2
+    assert "give a CONFIG file, --hf-config CONFIG.JSON, or both" in capsys.readouterr().err
+    llama = tmp_path / "llama.json"
+    llama.write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ConfigError, match="builds hf-llama, but model.name = 'gpt'; set model.name = 'hf-llama'"):
+        load_config(None, [f"model.hf_config={llama}"])

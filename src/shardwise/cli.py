@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from shardwise.bench import BENCHES
-from shardwise.config import PRECISIONS, Config, ConfigError, load_config
+from shardwise.config import PRECISIONS, Config, ConfigError, hf_config_overrides, load_config
 from shardwise.planner.candidates import DEFAULT_PRECISIONS, POLICIES
 from shardwise.recompute import parse_policy
 from shardwise.strategies.registry import NAMES, spec
@@ -174,11 +174,15 @@ def _add_plan_parser(commands: argparse._SubParsersAction) -> None:
     p = commands.add_parser(
         "plan", help="predict per-rank memory and step time of every strategy, ranked, with one recommended",
         description="Builds the model on the meta device, traces what it saves for backward on fake tensors, "
-        "and for every strategy, mesh, precision, recomputation and micro-batch the trainer accepts on this "
+        "and for the strategies, meshes, precisions, recomputations and micro-batches the trainer accepts on this "
         "world size predicts each rank's bytes (params, grads, optimizer, activations, buffers, margin) and the "
-        "step time (compute, communication, overlap); ranks those that fit and recommends one. Nothing is "
-        "allocated or run.")
-    p.add_argument("config", help="TOML config file (model and train sections are what matter)")
+        "step time (compute, communication, overlap); ranks those that fit and recommends one. Candidates that "
+        "cannot win are pruned before they are costed (--all costs every one). Nothing is allocated or run.")
+    p.add_argument("config", nargs="?", help="TOML config file (model and train sections are what matter); "
+                   "optional with --hf-config")
+    p.add_argument("--hf-config", metavar="CONFIG.JSON", help="plan the model a transformers config.json describes "
+                   "(model_type llama, mistral, qwen2 or gpt2; read offline): sets model.name, model.hf_config and "
+                   "the file's sizes, before --set")
     world = p.add_mutually_exclusive_group()
     world.add_argument("--nproc", type=int, help="ranks on one node (default: the config's launch.nproc x nnodes)")
     world.add_argument("--nodes", type=int, help="nodes, each with --gpus-per-node ranks")
@@ -202,7 +206,10 @@ def _add_plan_parser(commands: argparse._SubParsersAction) -> None:
                    "fit for a few steps on this machine's ranks, show predicted beside measured, and recommend "
                    "from the measurement")
     p.add_argument("--measure-steps", type=int, default=6, metavar="N", help="measured steps per candidate (default 6)")
-    p.add_argument("--top", type=int, default=15, help="candidates shown in the table (default 15)")
+    p.add_argument("--top", type=int, default=15, help="candidates shown in the table (default 15): the fastest "
+                   "that fit, which the search costs before it stops")
+    p.add_argument("--all", action="store_true", help="cost every candidate instead of pruning those that cannot "
+                   "win (slower; --plot implies it)")
     p.add_argument("--json", help="write every number to this file (schema in docs/planner.md)")
     p.add_argument("--plot", metavar="FILE.png", help="draw step time against memory per rank for every "
                    "candidate, the device's memory as a line, the Pareto front marked (needs matplotlib)")
@@ -230,7 +237,9 @@ def plan(args: argparse.Namespace) -> int:
     from shardwise.planner.report import format_measured
 
     try:
-        cfg = load_config(args.config, args.set)
+        if args.config is None and args.hf_config is None:
+            raise ConfigError("give a CONFIG file, --hf-config CONFIG.JSON, or both")
+        cfg = load_config(args.config, [*hf_config_overrides(args.hf_config), *args.set])
         if args.nodes is not None:
             nodes, world = args.nodes, args.nodes * args.gpus_per_node
         else:
@@ -240,12 +249,12 @@ def plan(args: argparse.Namespace) -> int:
         result = make_plan(
             cfg, world, load_profile(args.device or _default_device()), nodes=nodes, memory_gb=args.memory_gb,
             margin=args.margin, precisions=tuple(args.precision or DEFAULT_PRECISIONS),
-            policies=tuple(args.recompute or POLICIES), micro_batches=args.micro_batch, max_batch=args.max_batch)
+            policies=tuple(args.recompute or POLICIES), micro_batches=args.micro_batch, max_batch=args.max_batch,
+            top=max(args.top, args.measure or 0), exhaustive=args.all or bool(args.plot))
     except (PlanError, ValueError) as error:
         print(f"shardwise plan: {error}", file=sys.stderr)
         return 2
     print(format_plan(result, args.top))
-    document = plan_json(result)
     if args.plot:
         from shardwise.planner.plot import write_plot
 
@@ -263,9 +272,11 @@ def plan(args: argparse.Namespace) -> int:
             print(f"shardwise plan: {error}", file=sys.stderr)
             return 1
         print(format_measured(measured))
-        document["measured"] = measured
-        document["recommended_measured"] = measured[0]
     if args.json:
+        document = plan_json(result)
+        if args.measure:
+            document["measured"] = measured
+            document["recommended_measured"] = measured[0]
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(document, indent=1) + "\n")
     return 0 if result.recommended is not None else 1

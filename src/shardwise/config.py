@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import math
 import tomllib
 import types
@@ -30,6 +31,18 @@ ALL_REDUCES = ("backend", "ring")
 GRAD_COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 HF_MODELS = ("hf-llama", "hf-qwen2", "hf-gpt2")  # transformers models of the GPT presets' sizes (models/hf.py)
 GROUPED_QUERY_MODELS = ("hf-llama", "hf-qwen2")  # families whose key/value heads may be fewer than their heads
+# A transformers config.json's `model_type` -> the family that builds it (Mistral has Llama's modules).
+HF_MODEL_TYPES = {"llama": "hf-llama", "mistral": "hf-llama", "qwen2": "hf-qwen2", "gpt2": "hf-gpt2"}
+# Where each family's transformers config keeps the sizes a ModelConfig names.
+_LLAMA_SIZE_KEYS = dict(n_layer="num_hidden_layers", n_head="num_attention_heads", n_kv_head="num_key_value_heads",
+                        d_model="hidden_size", d_ff="intermediate_size", vocab_size="vocab_size",
+                        seq_len="max_position_embeddings")
+HF_SIZE_KEYS: dict[str, dict[str, str]] = {
+    "hf-llama": _LLAMA_SIZE_KEYS,
+    "hf-qwen2": _LLAMA_SIZE_KEYS,
+    "hf-gpt2": dict(n_layer="n_layer", n_head="n_head", d_model="n_embd", d_ff="n_inner", vocab_size="vocab_size",
+                    seq_len="n_positions"),
+}
 # Models of token sequences: sized by a GPT preset, trained on text.
 LANGUAGE_MODELS = ("gpt", *HF_MODELS)
 MODELS = (*LANGUAGE_MODELS, "cnn", "mlp")
@@ -71,6 +84,11 @@ class ModelConfig:
     n_kv_head: int | None = option(None, "hf-llama, hf-qwen2: key/value heads (grouped-query attention), dividing "
                                    "n_head; the GPT and GPT-2 have one per head (unset: n_head)")
     d_ff: int | None = option(None, "GPT, hf-*: the MLP's hidden width (unset: 4 x d_model)")
+    hf_config: str | None = option(None, "hf-*: a transformers config.json (a published model's) whose "
+                                   "architecture the model follows, read offline: its sizes fill those left unset "
+                                   "here, its other settings (tied embeddings, biases, RoPE) apply; its model_type "
+                                   "must be model.name's family (llama and mistral: hf-llama; qwen2; gpt2). "
+                                   "`shardwise plan --hf-config FILE` sets this, model.name and the file's sizes")
     bias: bool = option(False, "biases in the GPT's linear layers")
     width: int = option(32, "CNN / MLP: hidden width")
     num_classes: int = option(10, "CNN / MLP: output classes")
@@ -343,8 +361,44 @@ def load_config(
     return cfg
 
 
+def read_hf_config(path: str) -> tuple[str, dict[str, int]]:
+    """The family (model.name) a transformers config.json builds and the sizes it sets, by
+    ModelConfig key; ConfigError if the file is missing, not JSON or of another family."""
+    key = f"model.hf_config = {path!r}"
+    try:
+        values = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{key}: no such file; give the path of a transformers config.json") from None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{key}: not a JSON transformers config ({exc})") from None
+    model_type = values.get("model_type") if isinstance(values, dict) else None
+    if model_type not in HF_MODEL_TYPES:
+        raise ConfigError(f"{key}: model_type {model_type!r} is not a family shardwise builds; allowed: "
+                          f"{', '.join(HF_MODEL_TYPES)}")
+    name = HF_MODEL_TYPES[model_type]
+    sizes = {ours: values[theirs] for ours, theirs in HF_SIZE_KEYS[name].items() if values.get(theirs) is not None}
+    return name, sizes
+
+
+def hf_config_overrides(path: str | None) -> list[str]:
+    """`--set` overrides that make the model the one a transformers config.json describes: its
+    family, the file, and its sizes over any the config file set (`shardwise plan --hf-config`)."""
+    if path is None:
+        return []
+    name, sizes = read_hf_config(path)
+    return [f"model.name={name}", f"model.hf_config={json.dumps(path)}", *(f"model.{k}={v}" for k, v in sizes.items())]
+
+
 def resolve_presets(cfg: Config) -> None:
     m = cfg.model
+    if m.hf_config is not None:
+        family, sizes = read_hf_config(m.hf_config)
+        if m.name != family:
+            raise ConfigError(f"model.hf_config = {m.hf_config!r}: builds {family}, but model.name = {m.name!r}; "
+                              f"set model.name = {family!r}")
+        for key, value in sizes.items():
+            if getattr(m, key) is None:
+                setattr(m, key, value)
     if m.name in LANGUAGE_MODELS:
         if m.preset not in GPT_PRESET_SIZES:
             raise ConfigError(f"model.preset = {m.preset!r}: unknown; allowed: {', '.join(GPT_PRESETS)}")

@@ -7,7 +7,8 @@ free together and that recomputation checkpoints: `decoder_layer_class` finds it
 across devices: its decoder layer, sometimes its embeddings too).
 
 For the config (`model.name = "hf-llama"`, `"hf-qwen2"` or `"hf-gpt2"`), `build_causal_lm` builds a
-Llama, a Qwen2 or a GPT-2 of the config's sizes, randomly initialised from the torch seed, nothing downloaded; its
+Llama, a Qwen2 or a GPT-2 of the config's sizes (and, with `model.hf_config`, of a published model's
+architecture: tied embeddings, biases, RoPE), randomly initialised from the torch seed, nothing downloaded; its
 `CausalLM` wrapper takes token ids and returns logits, as the trainer calls every model.
 `transformers` is imported only here and only when such a model is built (`pip install
 'shardwise[hf]'`).
@@ -15,12 +16,14 @@ Llama, a Qwen2 or a GPT-2 of the config's sizes, randomly initialised from the t
 
 from __future__ import annotations
 
+import json
 from collections import Counter
+from pathlib import Path
 
 import torch
 from torch import nn
 
-from shardwise.config import HF_MODELS, ModelConfig
+from shardwise.config import HF_MODELS, HF_SIZE_KEYS, ModelConfig
 
 
 def decoder_layer_class(model: nn.Module) -> str | None:
@@ -48,24 +51,22 @@ class CausalLM(nn.Module):
 
 def build_causal_lm(cfg: ModelConfig) -> CausalLM:
     """A randomly initialised Llama (`hf-llama`), Qwen2 (`hf-qwen2`) or GPT-2 (`hf-gpt2`) of the
-    config's (resolved) sizes, from the current torch seed. Dropout is off, as in shardwise's GPT:
-    ranks would draw different masks than one device does."""
+    config's (resolved) sizes, from the current torch seed: the family's defaults, or with
+    `model.hf_config` that file's architecture. Dropout is off, as in shardwise's GPT: ranks would
+    draw different masks than one device does."""
     try:
         import transformers
     except ImportError:
         raise ImportError(f"model.name = {cfg.name!r} needs transformers: pip install 'shardwise[hf]'") from None
-    no_special_tokens = dict(bos_token_id=None, eos_token_id=None)
-    if cfg.name in ("hf-llama", "hf-qwen2"):
-        family = transformers.LlamaConfig if cfg.name == "hf-llama" else transformers.Qwen2Config
-        config = family(
-            vocab_size=cfg.vocab_size, hidden_size=cfg.d_model, intermediate_size=cfg.d_ff,
-            num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head,
-            max_position_embeddings=cfg.seq_len, **no_special_tokens)
-    elif cfg.name == "hf-gpt2":
-        config = transformers.GPT2Config(
-            vocab_size=cfg.vocab_size, n_positions=cfg.seq_len, n_embd=cfg.d_model, n_inner=cfg.d_ff,
-            n_layer=cfg.n_layer, n_head=cfg.n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-            **no_special_tokens)
-    else:
+    families = {"hf-llama": transformers.LlamaConfig, "hf-qwen2": transformers.Qwen2Config,
+                "hf-gpt2": transformers.GPT2Config}
+    if cfg.name not in families:
         raise ValueError(f"model.name = {cfg.name!r}: not a Hugging Face model; allowed: {', '.join(HF_MODELS)}")
+    values = json.loads(Path(cfg.hf_config).read_text()) if cfg.hf_config else {}
+    # The dtype the file was saved in is not the one training stores: the precision decides that.
+    values = {k: v for k, v in values.items() if k not in ("torch_dtype", "dtype", "model_type")}
+    sizes = {theirs: getattr(cfg, ours) for ours, theirs in HF_SIZE_KEYS[cfg.name].items()}
+    no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0) if cfg.name == "hf-gpt2" else \
+        dict(attention_dropout=0.0)
+    config = families[cfg.name](**{**values, **sizes, **no_dropout, "bos_token_id": None, "eos_token_id": None})
     return CausalLM(transformers.AutoModelForCausalLM.from_config(config))

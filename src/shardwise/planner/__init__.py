@@ -1,12 +1,14 @@
 """`shardwise plan`: predicted per-rank memory and step time of every way to train a config on a
 given world of devices, ranked, with one recommended.
 
-- model.py: the model on the meta device (parameters per unit) and its saved-for-backward bytes,
-  traced on fake tensors
+- model.py: the model a config names (the GPT, a transformers Llama, Qwen2 or GPT-2) on the meta
+  device (parameters per unit and per pipeline end) and its saved-for-backward bytes, traced on
+  fake tensors
 - memory.py: bytes per rank by category, as our strategies hold them; the textbook ZeRO accounting
 - timing.py: step time from FLOPs, collective volumes and bandwidths, and each strategy's overlap
 - devices.py: device profiles (presets with sources, or measured JSON)
-- candidates.py, search.py: what can run, evaluated, ranked, recommended; largest micro-batches
+- candidates.py, search.py: what can run; what could win, costed (the rest pruned), ranked,
+  recommended; largest micro-batches
 - report.py: the table and the JSON
 
 Predicting trains nothing, so nothing here imports the trainer; `--measure` (the top candidates

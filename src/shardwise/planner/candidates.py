@@ -4,7 +4,7 @@ same `config.validate` that runs before training starts."""
 
 from __future__ import annotations
 
-import dataclasses
+import copy
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
@@ -48,15 +48,17 @@ class Candidate:
     def config(self, base: Config, world: int, global_batch: int | None = None) -> Config:
         """`base` set up to train this candidate on `world` ranks (validated: ConfigError if not)."""
         mesh = self.spec.splits_model
-        parallel = dataclasses.replace(
-            base.parallel, strategy=self.strategy, precision=self.precision, recompute=self.recompute,
-            dp=self.dp if mesh else None, pp=self.pp if mesh else None, tp=self.tp if mesh else None)
+        # Shallow copies, not dataclasses.replace: the planner builds one per candidate, thousands.
+        parallel = copy.copy(base.parallel)
+        parallel.strategy, parallel.precision, parallel.recompute = self.strategy, self.precision, self.recompute
+        parallel.dp, parallel.pp, parallel.tp = (self.dp, self.pp, self.tp) if mesh else (None, None, None)
         if self.spec.pipelined:
             parallel.micro_batches, parallel.schedule = self.micro_batches, self.schedule
-        train = dataclasses.replace(base.train, micro_batch=self.micro_batch,
-                                    global_batch=global_batch or base.train.global_batch)
+        train = copy.copy(base.train)
+        train.micro_batch, train.global_batch = self.micro_batch, global_batch or base.train.global_batch
         # The other sections are shared with `base`, not copied: nothing changes them.
-        cfg = dataclasses.replace(base, parallel=parallel, train=train)
+        cfg = copy.copy(base)
+        cfg.parallel, cfg.train = parallel, train
         validate(cfg, world_size=world)
         return cfg
 

@@ -33,18 +33,16 @@ from dataclasses import asdict, dataclass
 import torch
 
 from shardwise.config import Config
-from shardwise.models import GPTConfig
 from shardwise.planner.candidates import Candidate
 from shardwise.planner.model import (
-    SavedBytes,
+    ModelShape,
     Tensors,
     TraceKey,
-    gpt_shape,
     model_facts,
+    model_shape,
     rank_facts,
     saved_bytes,
     stage_bounds,
-    stage_tensors,
 )
 from shardwise.precision import make_precision
 from shardwise.strategies.registry import SPECS
@@ -88,7 +86,7 @@ def optimizer_bytes(numel: int, tensors: int, stored: int, cfg: Config) -> int:
     return numel * stored if cfg.train.momentum else 0
 
 
-def trace_key(shape: GPTConfig, candidate: Candidate, tp: int = 1) -> TraceKey:
+def trace_key(shape: ModelShape, candidate: Candidate, tp: int = 1) -> TraceKey:
     """What the forward looks like under `candidate`: parameters as they are while computing
     (fsdp gathers mixed precision's in the compute dtype) and autocast when mixed."""
     precision = make_precision(candidate.precision)
@@ -97,20 +95,23 @@ def trace_key(shape: GPTConfig, candidate: Candidate, tp: int = 1) -> TraceKey:
     return TraceKey(shape, computing, precision.compute_dtype if precision.mixed else None, tp)
 
 
-def predict_memory(candidate: Candidate, cfg: Config, margin: float = DEFAULT_MARGIN) -> list[RankMemory]:
+def predict_memory(candidate: Candidate, cfg: Config, margin: float = DEFAULT_MARGIN,
+                   activations: bool = True) -> list[RankMemory]:
     """Each rank's bytes under `candidate` for the model and training setup of `cfg`: one entry
-    for data-parallel and tensor-parallel ranks (all alike), one per stage for a pipeline."""
-    shape = gpt_shape(cfg.model)
+    for data-parallel and tensor-parallel ranks (all alike), one per stage for a pipeline.
+    Without `activations`, a lower bound that traces nothing: every category but the
+    activations, which count 0."""
+    shape = model_shape(cfg.model)
     if candidate.spec.mesh_dim == "pp":
-        ranks = _pipeline(candidate, cfg, shape)
+        ranks = _pipeline(candidate, cfg, shape, activations)
     elif candidate.spec.mesh_dim == "tp":
-        ranks = [_tensor(candidate, cfg, shape)]
+        ranks = [_tensor(candidate, cfg, shape, activations)]
     else:
-        ranks = [_data_parallel(candidate, cfg, shape)]
+        ranks = [_data_parallel(candidate, cfg, shape, activations)]
     return [rank.with_margin(margin) for rank in ranks]
 
 
-def _data_parallel(c: Candidate, cfg: Config, shape: GPTConfig) -> RankMemory:
+def _data_parallel(c: Candidate, cfg: Config, shape: ModelShape, activations: bool) -> RankMemory:
     facts = model_facts(shape)
     world = c.shard or c.dp  # the ranks each parameter is split over: hsdp's is one node
     precision = make_precision(c.precision, cfg.parallel.reduce_dtype)
@@ -122,7 +123,8 @@ def _data_parallel(c: Candidate, cfg: Config, shape: GPTConfig) -> RankMemory:
     held_params = {0: full, 1: full + shard, 2: full + shard, 3: shard}[stage]
     held_grads = {0: full, 1: full + shard, 2: shard, 3: shard}[stage]
     optimizer = optimizer_bytes(full if stage == 0 else shard, count, stored, cfg)
-    saved = saved_bytes(trace_key(shape, c)).stage(0, shape.n_layer, True, True, c.recompute, c.micro_batch)
+    saved = saved_bytes(trace_key(shape, c)).stage(0, shape.n_layer, True, True, c.recompute, c.micro_batch) \
+        if activations else 0
     buffers = _sharded_buffers(c, cfg, facts.units, world, stored)
     if c.spec.across_nodes and c.dp > world:
         buffers += shard * stored  # the packed gradient shards all-reduced across nodes
@@ -164,53 +166,51 @@ def fsdp_gathered_numel(units: list[Tensors], world: int, prefetch: int, reshard
     return root.numel + computing + min(prefetch, len(blocks) - 1) * world * block.sharded_numel(world)
 
 
-def _pipeline(c: Candidate, cfg: Config, shape: GPTConfig) -> list[RankMemory]:
+def _pipeline(c: Candidate, cfg: Config, shape: ModelShape, activations: bool) -> list[RankMemory]:
     facts = rank_facts(shape, c.tp)
     bounds = stage_bounds(shape, c.pp)
-    saved = saved_bytes(trace_key(shape, c, c.tp))
+    saved = saved_bytes(trace_key(shape, c, c.tp)) if activations else None
     runs = c.micro_batches  # 1 where the model is split without pipelining
     per_run = c.micro_batch / runs
     activation = int(per_run * shape.seq_len * shape.d_model * 4)  # what crosses between stages
     ranks = []
     for stage, (start, stop) in enumerate(bounds):
         first, last = stage == 0, stage == c.pp - 1
-        tensors = stage_tensors(facts, first, last, stop - start)
+        numel, count = facts.stage(first, last, stop - start)
         in_flight = runs if c.schedule != "1f1b" else min(c.pp - stage, runs)
         # Sends are kept until the run ends (outputs forward, input gradients back); a receive is
         # posted one micro-batch ahead from each neighbour.
         sends = runs * ((not last) + (not first)) * activation
         receives = 2 * ((not first) + (not last)) * activation
-        ranks.append(_mesh_rank(c, cfg, tensors, in_flight * saved.stage(start, stop, first, last, c.recompute,
-                                                                          per_run), sends + receives))
+        saved_run = saved.stage(start, stop, first, last, c.recompute, per_run) if saved else 0
+        ranks.append(_mesh_rank(c, cfg, numel, count, in_flight * saved_run, sends + receives))
     return ranks
 
 
-def _tensor(c: Candidate, cfg: Config, shape: GPTConfig) -> RankMemory:
+def _tensor(c: Candidate, cfg: Config, shape: ModelShape, activations: bool) -> RankMemory:
     facts = rank_facts(shape, c.tp)
-    saved: SavedBytes = saved_bytes(trace_key(shape, c, c.tp))
-    tensors = Tensors(facts.block.shapes * shape.n_layer + facts.root.shapes)
+    saved = saved_bytes(trace_key(shape, c, c.tp)).stage(0, shape.n_layer, True, True, c.recompute, c.micro_batch) \
+        if activations else 0
     # An all-reduce's result is a copy of one activation (ReduceFromTensorParallel clones its input).
     activation = c.micro_batch * shape.seq_len * shape.d_model * 4
-    return _mesh_rank(c, cfg, tensors, saved.stage(0, shape.n_layer, True, True, c.recompute, c.micro_batch),
-                      activation)
+    return _mesh_rank(c, cfg, facts.params_total, facts.tensor_count, saved, activation)
 
 
-def _mesh_rank(c: Candidate, cfg: Config, tensors: Tensors, activations: int, buffers: int) -> RankMemory:
-    """A rank of the model-splitting strategies: the parameters and gradients it holds whole, in
-    the precision's storage dtype, plus, with data parallel beside, the packed copy of its
-    gradients the dp all-reduce sends."""
+def _mesh_rank(c: Candidate, cfg: Config, numel: int, count: int, activations: int, buffers: int) -> RankMemory:
+    """A rank of the model-splitting strategies: the `numel` elements (`count` tensors) it holds
+    whole and their gradients, in the precision's storage dtype, plus, with data parallel beside,
+    the packed copy of its gradients the dp all-reduce sends."""
     stored = dtype_bytes(make_precision(c.precision, cfg.parallel.reduce_dtype).param_dtype)
-    held = tensors.numel * stored
+    held = numel * stored
     packed = held if c.dp > 1 else 0
-    return RankMemory(held, held, optimizer_bytes(tensors.numel, tensors.count, stored, cfg), activations,
-                      buffers + packed)
+    return RankMemory(held, held, optimizer_bytes(numel, count, stored, cfg), activations, buffers + packed)
 
 
 ZERO_STAGES = {name: s.zero_stage for name, s in SPECS.items() if s.planned and s.zero_stage is not None
                and not s.across_nodes}  # ddp 0 ... fsdp 3
 
 
-def zero_textbook_bytes(shape: GPTConfig, stage: int, world: int) -> dict[str, int]:
+def zero_textbook_bytes(shape: ModelShape, stage: int, world: int) -> dict[str, int]:
     """Model-state bytes per rank by the ZeRO paper's accounting of mixed-precision Adam: 2 bytes
     of fp16 parameters, 2 of fp16 gradients, 12 of fp32 master weights, momentum and variance per
     parameter, each sharded across the `world` ranks from its stage on (1: the 12, 2: + the

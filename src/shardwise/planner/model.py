@@ -2,19 +2,28 @@
 model built on the `meta` device) and the bytes each part saves for backward (from one forward
 on fake tensors through the real model code, counted by the trainer's own ActivationCounter).
 
-Nothing here is a formula for a transformer: change the model and the numbers follow.
-
-Saved bytes are traced on shallow copies of the model and composed, because a forward through a
-70B model's 80 blocks takes seconds even on fake tensors, and the planner needs dozens of them:
-- along depth: every block of a GPT saves the same, so a stage of n blocks saves its outside part
-  (embeddings' inputs on the first stage; the final norm, head and loss on the last) plus n
-  blocks' worth; the traces at 1 and 2 blocks give both, and one of 2 blocks under `every:2`
-  (block 0 checkpointed, block 1 not) gives a checkpointed block's bytes;
+Nothing here is a formula for a transformer, nor a list of one model's module names: the model a
+config names is built (shardwise's GPT, or a transformers Llama, Qwen2 or GPT-2), its repeated
+block found by class (models/hf.py finds a transformers model's), and the rest read from it:
+- parameters: a block's (every block has the same), the embeddings outside the blocks (what a
+  first pipeline stage holds) and every other parameter outside them (final norm and head: the
+  last stage's; a tied head is the embedding's weight, on both);
+- saved bytes along depth: a trace at 2 blocks, marked before the first block and after each,
+  gives the embeddings' part (before the blocks), one block's (the second's), what a stage saves
+  once whatever its blocks (a Llama's rotary cos/sin, shared by every block of a stage: the
+  first block's bytes less the second's) and the head's part (after the blocks: final norm,
+  head, loss); one of 2 blocks under `every:2` (block 0 checkpointed, block 1 not) gives a
+  checkpointed block's bytes, one of 1 block a `selective` one's;
 - along the batch: every saved tensor is either per sample or fixed (the weight copies autocast
   makes, the position ids), so traces at two batch sizes give both parts.
 The counter's peak is the end of the forward: backward only releases what the forward saved
 (recomputation keeps its tensors out of the counter's sight, as it does in a real run).
 `tests/test_planner.py` holds the composition to a full-depth trace and to real runs.
+
+A tensor-parallel rank's block is the same block with its split layers replaced by layers of one
+rank's shapes (`tensor_parallel_block`): the GPT's as strategies/tensor.py splits it, a
+transformers family's by the column/row layout its config declares (GPT-2's, which declares
+none, is written below).
 
 The same fake forward also counts the operators it dispatches, for the time model's per-operator
 overhead.
@@ -27,20 +36,21 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass
+from typing import Generic, TypeVar
+from unittest import mock
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shardwise.config import ModelConfig
+from shardwise.config import DEFAULT_BLOCK, HF_MODELS, LANGUAGE_MODELS, ModelConfig
 from shardwise.memory import ActivationCounter
-from shardwise.models import GPT, GPTConfig, loss_fn
+from shardwise.models import build_model, loss_fn
+from shardwise.models.hf import decoder_layer_class
 from shardwise.recompute import apply_recompute, parse_policy
-from shardwise.strategies.pipeline import GPTStage, balanced_split, parameter_counts
+from shardwise.strategies.pipeline import balanced_split
 from shardwise.strategies.tensor import LocalHeadsAttention
-
-BLOCK = "Block"
 
 
 class PlanError(ValueError):
@@ -67,57 +77,45 @@ class Affine:
         return Affine(self.fixed * times, self.per_sample * times)
 
 
-class SavedBytes:
-    """What one part of the model saves for backward per micro-batch, by part and policy; each
-    part traced the first time it is asked for (`saved_bytes` keeps one of these per key)."""
+NOTHING = Affine(0, 0)
 
-    def __init__(self, key: TraceKey) -> None:
-        self.key = key
 
-    @functools.cached_property
-    def _whole_one(self) -> Affine:
-        return _affine(self.key, 1, "none", True, True)
+@dataclass(frozen=True)
+class ModelShape:
+    """The model a ModelConfig (presets resolved) names: hashable, for caching."""
 
-    @functools.cached_property
-    def block(self) -> Affine:
-        """One block, not recomputed."""
-        return _affine(self.key, 2, "none", True, True) - self._whole_one
+    name: str
+    n_layer: int
+    n_head: int
+    n_kv_head: int
+    d_model: int
+    d_ff: int
+    seq_len: int
+    vocab_size: int
+    bias: bool = False
+    hf_config: str | None = None  # a transformers config.json whose architecture an hf-* model follows
 
-    @functools.cached_property
-    def outside(self) -> Affine:
-        """Outside the blocks: token and position ids, final norm, head and loss."""
-        return self._whole_one - self.block
+    def config(self, n_layer: int | None = None) -> ModelConfig:
+        sizes = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return ModelConfig(**{**sizes, "n_layer": n_layer or self.n_layer})
 
-    @functools.cached_property
-    def first(self) -> Affine:
-        """Outside the blocks on a first stage: the token and position ids."""
-        return _affine(self.key, 1, "none", True, False) - self.block
+    def build(self, n_layer: int | None = None) -> nn.Module:
+        """The model, with `n_layer` blocks if given, on the current default device (or fake mode)."""
+        return build_model(self.config(n_layer))
 
-    @functools.cached_property
-    def checkpointed(self) -> Affine:
-        """One block under `blocks` / `every:K`: its input."""
-        return _affine(self.key, 2, "every:2", True, True) - self.outside - self.block
 
-    @functools.cached_property
-    def selective(self) -> Affine:
-        """One block under `selective`."""
-        return _affine(self.key, 1, "selective", True, True) - self.outside
+def model_shape(cfg: ModelConfig) -> ModelShape:
+    """The planner's key for the model `cfg` names; PlanError for a model it cannot plan."""
+    if cfg.name not in LANGUAGE_MODELS:
+        raise PlanError(f"model.name = {cfg.name!r}: the planner plans language models ({', '.join(LANGUAGE_MODELS)})")
+    return ModelShape(cfg.name, cfg.n_layer, cfg.n_head, cfg.n_kv_head, cfg.d_model, cfg.d_ff, cfg.seq_len,
+                      cfg.vocab_size, cfg.bias, cfg.hf_config)
 
-    def stage(self, start: int, stop: int, first: bool, last: bool, policy: str, batch: float) -> int:
-        """Bytes saved by the stage holding blocks [start, stop) for one micro-batch of `batch`."""
-        kind, every = parse_policy(policy)
-        if first and last:
-            total = self.outside
-        else:
-            total = (self.first if first else Affine(0, 0)) + (self.outside - self.first if last else Affine(0, 0))
-        for index in range(start, stop):
-            if kind == "none":
-                total += self.block
-            elif kind == "selective":
-                total += self.selective
-            else:  # blocks 0, K, 2K, ... are checkpointed (`every:1` is `blocks`)
-                total += self.checkpointed if index % every == 0 else self.block
-        return total.at(batch)
+
+def model_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks, in order: the GPT's `Block`s, a transformers model's declared layers."""
+    block = decoder_layer_class(model) or DEFAULT_BLOCK
+    return [m for m in model.modules() if type(m).__name__ == block]
 
 
 @dataclass(frozen=True)
@@ -126,7 +124,7 @@ class Tensors:
 
     shapes: tuple[tuple[int, ...], ...]
 
-    @property
+    @functools.cached_property
     def numel(self) -> int:
         return sum(math.prod(shape) for shape in self.shapes)
 
@@ -144,26 +142,21 @@ def _tensors(params: list[nn.Parameter]) -> Tensors:
     return Tensors(tuple(tuple(p.shape) for p in params))
 
 
-def gpt_shape(cfg: ModelConfig) -> GPTConfig:
-    """The sizes of the GPT a ModelConfig (presets resolved) names: hashable, for caching."""
-    if cfg.name != "gpt":
-        raise PlanError(f"model.name = {cfg.name!r}: the planner plans the GPT (model.name = 'gpt') only")
-    return GPTConfig(cfg.n_layer, cfg.n_head, cfg.d_model, cfg.seq_len, cfg.vocab_size, cfg.bias, cfg.d_ff)
-
-
-def _gpt(shape: GPTConfig, n_layer: int | None) -> GPT:
-    """The GPT of `shape`, with `n_layer` blocks if given, on the current default device."""
-    return GPT(dataclasses.replace(shape, n_layer=n_layer or shape.n_layer))
+def _distinct(params: list[nn.Parameter]) -> list[nn.Parameter]:
+    return list({id(p): p for p in params}.values())
 
 
 @dataclass(frozen=True)
 class ModelFacts:
-    """A GPT's parameters per unit (its blocks, then the root: embeddings, final norm, tied head),
-    counted on the meta device, each distinct parameter once."""
+    """A model's parameters per unit (its blocks, then the root: everything else), counted on the
+    meta device, each distinct parameter once; and the root split as pipeline stages hold it."""
 
-    shape: GPTConfig
+    shape: ModelShape
     block: Tensors  # one block's; every block has the same
-    root: Tensors
+    root: Tensors  # outside the blocks, each parameter once
+    embeddings: Tensors  # a first stage's part of the root
+    head: Tensors  # a last stage's: final norm, head (a tied head is the embedding's weight, here too)
+    tied: int  # elements of the parameters both ends hold (a tied head's)
 
     @property
     def n_layer(self) -> int:
@@ -173,7 +166,7 @@ class ModelFacts:
     def units(self) -> list[Tensors]:
         return [self.block] * self.n_layer + [self.root]
 
-    @property
+    @functools.cached_property
     def params_total(self) -> int:
         return self.block.numel * self.n_layer + self.root.numel
 
@@ -181,78 +174,129 @@ class ModelFacts:
     def tensor_count(self) -> int:
         return self.block.count * self.n_layer + self.root.count
 
-    def flops_per_sample(self) -> int:
-        """Training FLOPs per sequence: the GPT's own estimate (6 per parameter per token plus
-        attention), computed on a meta model of this size."""
-        return meta_gpt(self.shape).flops_per_token() * self.shape.seq_len
+    def stage(self, first: bool, last: bool, blocks: int) -> tuple[int, int]:
+        """(elements, tensors) a pipeline stage of `blocks` blocks holds: the embeddings on the
+        first stage, the final norm and head on the last, a tied weight on both."""
+        return _stage(self, first, last, blocks)
 
 
-def meta_gpt(shape: GPTConfig, n_layer: int | None = None) -> GPT:
-    """The GPT of `shape` (with `n_layer` blocks if given) on the meta device: shapes, no memory."""
+@functools.cache
+def _stage(facts: ModelFacts, first: bool, last: bool, blocks: int) -> tuple[int, int]:
+    if first and last:
+        ends = facts.root
+    else:
+        ends = Tensors((facts.embeddings.shapes if first else ()) + (facts.head.shapes if last else ()))
+    return ends.numel + blocks * facts.block.numel, ends.count + blocks * facts.block.count
+
+
+@functools.cache
+def meta_model(shape: ModelShape, n_layer: int | None = None) -> nn.Module:
+    """The model of `shape` (with `n_layer` blocks if given) on the meta device: shapes, no memory."""
     with torch.device("meta"):
-        return _gpt(shape, n_layer)
+        return shape.build(n_layer)
 
 
-def _split_facts(shape: GPTConfig, model: GPT) -> ModelFacts:
-    block = model.blocks[0]
-    in_block = {id(p) for p in block.parameters()}
-    root = [p for p in model.parameters() if id(p) not in in_block]
-    return ModelFacts(shape, _tensors(list(block.parameters())), _tensors(root))
+def _split_facts(shape: ModelShape, model: nn.Module) -> ModelFacts:
+    blocks = model_blocks(model)
+    in_blocks = {id(p) for p in blocks[0].parameters()}
+    embeddings: list[nn.Parameter] = []
+    head: list[nn.Parameter] = []
+    for module in model.modules():
+        own = [p for p in module.parameters(recurse=False) if id(p) not in in_blocks]
+        (embeddings if isinstance(module, nn.Embedding) else head).extend(own)
+    in_blocks |= {id(p) for block in blocks[1:] for p in block.parameters()}
+    root = [p for p in model.parameters() if id(p) not in in_blocks]
+    embeddings, head = _distinct(embeddings), _distinct(head)
+    tied = sum(p.numel() for p in embeddings if any(p is q for q in head))
+    return ModelFacts(shape, _tensors(list(blocks[0].parameters())), _tensors(root), _tensors(embeddings),
+                      _tensors(head), tied)
 
 
 @functools.cache
-def model_facts(shape: GPTConfig) -> ModelFacts:
+def model_facts(shape: ModelShape) -> ModelFacts:
     """Parameter shapes per unit, read from a one-block meta copy of the model."""
-    return _split_facts(shape, meta_gpt(shape, n_layer=1))
+    return _split_facts(shape, meta_model(shape, 1))
 
 
-def tensor_parallel_block(block: nn.Module, tp: int) -> None:
-    """Give `block` the shapes one of `tp` tensor-parallel ranks holds (strategies/tensor.py):
-    qkv and up column-parallel (qkv by heads), proj and down row-parallel with the bias whole.
-    Plain linears of those shapes: the communication saves nothing for backward."""
-    attn, mlp = block.attn, block.mlp
-    width, bias = attn.qkv.in_features, attn.qkv.bias is not None
-    block.attn = LocalHeadsAttention(nn.Linear(width, 3 * width // tp, bias=bias),
-                                     nn.Linear(width // tp, width, bias=bias), attn.n_head // tp)
-    mlp.up = nn.Linear(width, mlp.up.out_features // tp, bias=bias)
-    mlp.down = nn.Linear(mlp.down.in_features // tp, width, bias=bias)
+# GPT-2 declares no tensor-parallel layout (Llama and Qwen2 do, in their config's
+# `base_model_tp_plan`): the same column/row split, by module name within a block.
+GPT2_TENSOR_PLAN = {"attn.c_attn": "colwise", "attn.c_proj": "rowwise", "mlp.c_fc": "colwise",
+                    "mlp.c_proj": "rowwise"}
+
+
+def _tensor_plan(model: nn.Module) -> dict[str, str]:
+    """Module name within a block -> `colwise` (split by output) or `rowwise` (split by input)."""
+    for module in model.modules():
+        declared = getattr(getattr(module, "config", None), "base_model_tp_plan", None)
+        if declared:
+            return {pattern.split("*.", 1)[1]: style for pattern, style in declared.items() if "*." in pattern}
+    return GPT2_TENSOR_PLAN
+
+
+def _split_layer(layer: nn.Module, style: str, tp: int) -> nn.Module:
+    """A layer of one rank's shapes: column-parallel splits the output (and its bias), row-parallel
+    the input (the bias stays whole)."""
+    if isinstance(layer, nn.Linear):
+        out, inp = layer.out_features, layer.in_features
+        out, inp = (out // tp, inp) if style == "colwise" else (out, inp // tp)
+        return nn.Linear(inp, out, bias=layer.bias is not None)
+    from transformers.pytorch_utils import Conv1D  # GPT-2's transposed linear
+
+    out, inp = layer.nf, layer.nx
+    return Conv1D(out // tp, inp) if style == "colwise" else Conv1D(out, inp // tp)
+
+
+def tensor_parallel_block(block: nn.Module, tp: int, plan: dict[str, str] | None = None) -> None:
+    """Give `block` the shapes one of `tp` tensor-parallel ranks holds. The GPT's as
+    strategies/tensor.py splits it: qkv and up column-parallel (qkv by heads), proj and down
+    row-parallel with the bias whole. A transformers block's by `plan`; its attention infers its
+    head count from the split width (GPT-2's splits its fused q, k, v at `split_size`). Plain
+    layers of those shapes: the communication saves nothing for backward."""
+    if plan is None:
+        attn, mlp = block.attn, block.mlp
+        width, bias = attn.qkv.in_features, attn.qkv.bias is not None
+        block.attn = LocalHeadsAttention(nn.Linear(width, 3 * width // tp, bias=bias),
+                                         nn.Linear(width // tp, width, bias=bias), attn.n_head // tp)
+        mlp.up = nn.Linear(width, mlp.up.out_features // tp, bias=bias)
+        mlp.down = nn.Linear(mlp.down.in_features // tp, width, bias=bias)
+        return
+    for name, style in plan.items():
+        parent_name, _, leaf = name.rpartition(".")
+        parent = block.get_submodule(parent_name)
+        setattr(parent, leaf, _split_layer(getattr(parent, leaf), style, tp))
+        if hasattr(parent, "split_size"):
+            parent.split_size = parent.embed_dim // tp
+
+
+def parallelize_for_planning(model: nn.Module, shape: ModelShape, tp: int) -> None:
+    """Every block of `model` as one of `tp` tensor-parallel ranks holds it."""
+    plan = _tensor_plan(model) if shape.name in HF_MODELS else None
+    for block in model_blocks(model):
+        tensor_parallel_block(block, tp, plan)
 
 
 @functools.cache
-def rank_facts(shape: GPTConfig, tp: int) -> ModelFacts:
+def rank_facts(shape: ModelShape, tp: int) -> ModelFacts:
     """The parameters one tensor-parallel rank holds: blocks split `tp` ways, the rest whole."""
     if tp == 1:
         return model_facts(shape)
-    model = meta_gpt(shape, n_layer=1)
     with torch.device("meta"):
-        tensor_parallel_block(model.blocks[0], tp)
+        model = shape.build(1)
+        parallelize_for_planning(model, shape, tp)
     return _split_facts(shape, model)
 
 
 @functools.cache
-def stage_bounds(shape: GPTConfig, pp: int) -> tuple[tuple[int, int], ...]:
+def stage_bounds(shape: ModelShape, pp: int) -> tuple[tuple[int, int], ...]:
     """[start, stop) of each pipeline stage's blocks, balanced by parameter count as the pipeline
-    strategy cuts them (the same function, on a meta model)."""
-    model = meta_gpt(shape)
-    starts = [0, *balanced_split(parameter_counts(model, list(model.blocks)), pp)]
+    strategy cuts them (its function, on the counts: the first block counting the embeddings, the
+    last the final norm and head)."""
+    facts = model_facts(shape)
+    sizes = [facts.block.numel] * shape.n_layer
+    sizes[0] += facts.embeddings.numel
+    sizes[-1] += facts.head.numel
+    starts = [0, *balanced_split(sizes, pp)]
     return tuple(zip(starts, [*starts[1:], shape.n_layer], strict=True))
-
-
-def stage_tensors(facts: ModelFacts, first: bool, last: bool, blocks: int) -> Tensors:
-    """Parameters of a pipeline stage: its blocks, the embeddings on the first stage, the final
-    norm and the (tied) head on the last; the tied weight is on both."""
-    return Tensors(_stage_outside(facts.shape, first, last).shapes + facts.block.shapes * blocks)
-
-
-@functools.cache
-def _stage_outside(shape: GPTConfig, first: bool, last: bool) -> Tensors:
-    model = meta_gpt(shape, n_layer=1)
-    root_parts = ([model.tok_emb, model.pos_emb] if first else []) + ([model.ln_f, model.head] if last else [])
-    seen: dict[int, nn.Parameter] = {}
-    for module in root_parts:
-        for param in module.parameters():
-            seen.setdefault(id(param), param)
-    return _tensors(list(seen.values()))
 
 
 @dataclass(frozen=True)
@@ -260,7 +304,7 @@ class TraceKey:
     """What decides the bytes a forward saves: the model, the dtype parameters have while computing,
     autocast's dtype (None: off), and the tensor split."""
 
-    shape: GPTConfig
+    shape: ModelShape
     param_dtype: torch.dtype
     autocast: torch.dtype | None = None
     tp: int = 1
@@ -279,45 +323,147 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _trace(key: TraceKey, n_layer: int, policy: str, first: bool, last: bool, batch: int,
-           ops: OpCounter | None = None) -> int:
-    """Bytes saved for backward by one forward (and loss, on a last stage) of a stage of the model
-    with `n_layer` blocks, on fake tensors: the peak an ActivationCounter sees. `ops`, if given,
-    counts the operators of the forward."""
+Size = TypeVar("Size", int, Affine)
+
+
+@dataclass(frozen=True)
+class Marks(Generic[Size]):
+    """What one forward and loss saved for backward (bytes) or dispatched (operators), counted
+    before the first block, after each block, and in all."""
+
+    before: Size
+    ends: tuple[Size, ...]
+    total: Size
+
+
+def _one_sequence_per_row(shape: ModelShape) -> contextlib.AbstractContextManager:
+    """transformers looks at the position ids for several sequences packed into a row, which it
+    cannot do on fake tensors, and builds an explicit attention mask instead. A real run on
+    shardwise's batches (one window per row) finds none and uses SDPA's causal kernel; so does the
+    trace."""
+    if shape.name not in HF_MODELS:
+        return contextlib.nullcontext()
+    from transformers import masking_utils
+
+    return mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
+
+
+def _trace(key: TraceKey, n_layer: int, policy: str, batches: tuple[int, ...],
+           ops: bool = False) -> list[Marks[int]]:
+    """The bytes saved for backward (with `ops`, the operators dispatched) by one forward and loss
+    at each of `batches` of the model with `n_layer` blocks on fake tensors, as an
+    ActivationCounter sees them."""
     shape = key.shape
-    with FakeTensorMode():
-        model = _gpt(shape, n_layer)
+    with FakeTensorMode(), _one_sequence_per_row(shape):
+        model = shape.build(n_layer)
         for param in model.parameters():  # as the strategies do (Module.to cannot swap fake tensors)
             param.data = param.data.to(key.param_dtype)
         if key.tp > 1:
-            for block in model.blocks:
-                tensor_parallel_block(block, key.tp)
-        apply_recompute(model, policy, BLOCK)
-        stage = GPTStage(model, list(model.blocks), first=first, last=last)
-        # As the data loader gives them: inputs and targets are two views of one window of tokens.
-        window = torch.zeros(batch, shape.seq_len + 1, dtype=torch.long)
-        tokens, targets = window[:, :-1], window[:, 1:]
-        # What a later stage receives: the activations, as a leaf that needs its gradient.
-        inputs = tokens if first else torch.zeros(batch, shape.seq_len, shape.d_model, dtype=key.param_dtype,
-                                                  requires_grad=True)
-        autocast = torch.autocast("cpu", dtype=key.autocast, enabled=key.autocast is not None)
-        with ActivationCounter(stage) as counter, autocast, ops or contextlib.nullcontext():
-            out = stage(inputs)
-            if last:
-                loss_fn(out, targets)
-    return counter.bytes
+            parallelize_for_planning(model, shape, key.tp)
+        blocks = model_blocks(model)
+        apply_recompute(model, policy, type(blocks[0]).__name__)
+        return [_marks(model, blocks, key, batch, ops) for batch in batches]
 
 
-def _affine(key: TraceKey, n_layer: int, policy: str, first: bool, last: bool) -> Affine:
+def _marks(model: nn.Module, blocks: list[nn.Module], key: TraceKey, batch: int, ops: bool) -> Marks[int]:
+    # As the data loader gives them: inputs and targets are two views of one window of tokens.
+    window = torch.zeros(batch, key.shape.seq_len + 1, dtype=torch.long)
+    tokens, targets = window[:, :-1], window[:, 1:]
+    autocast = torch.autocast("cpu", dtype=key.autocast, enabled=key.autocast is not None)
+    counter, dispatched = ActivationCounter(model), OpCounter()
+    marks: list[int] = []
+
+    def mark(*_: object) -> None:
+        marks.append(dispatched.ops if ops else counter.live_bytes)
+
+    hooks = [blocks[0].register_forward_pre_hook(mark), *(block.register_forward_hook(mark) for block in blocks)]
+    with counter, autocast, dispatched if ops else contextlib.nullcontext():
+        loss_fn(model(tokens), targets)
+    for hook in hooks:
+        hook.remove()
+    return Marks(marks[0], tuple(marks[1:]), dispatched.ops if ops else counter.bytes)
+
+
+def _line(two: int, three: int) -> Affine:
+    return Affine(3 * two - 2 * three, three - two)
+
+
+def _affine(key: TraceKey, n_layer: int, policy: str) -> Marks[Affine]:
+    """Marks as functions of the batch."""
     # Batches 2 and 3, not 1: at batch 1 the targets' flattened view needs no copy, so it shares the
     # inputs' storage, and a line through batch 1 would miss a per-sample copy larger batches make.
-    two, three = (_trace(key, n_layer, policy, first, last, batch) for batch in (2, 3))
-    return Affine(3 * two - 2 * three, three - two)
+    two, three = _trace(key, n_layer, policy, (2, 3))
+    return Marks(_line(two.before, three.before), tuple(map(_line, two.ends, three.ends)),
+                 _line(two.total, three.total))
+
+
+class SavedBytes:
+    """What one part of the model saves for backward per micro-batch, by part and policy; each
+    part traced the first time it is asked for (`saved_bytes` keeps one of these per key)."""
+
+    def __init__(self, key: TraceKey) -> None:
+        self.key = key
+
+    @functools.cached_property
+    def _none(self) -> Marks[Affine]:
+        return _affine(self.key, 2, "none")
+
+    @functools.cached_property
+    def block(self) -> Affine:
+        """One block, not recomputed: the second's (the first also saves what blocks share)."""
+        return self._none.ends[1] - self._none.ends[0]
+
+    @property
+    def embeddings(self) -> Affine:
+        """Before the blocks, on a first stage: the token (and position) ids."""
+        return self._none.before
+
+    @functools.cached_property
+    def per_stage(self) -> Affine:
+        """Saved once by a stage's blocks whatever their number, if any of them keeps what it saves
+        (a Llama's rotary cos/sin, which recomputed blocks compute again)."""
+        return self._none.ends[0] - self._none.before - self.block
+
+    @functools.cached_property
+    def head(self) -> Affine:
+        """After the blocks, on a last stage: final norm, head and loss."""
+        return self._none.total - self._none.ends[-1]
+
+    @property
+    def outside(self) -> Affine:
+        """Outside the blocks on one stage holding them all, not recomputed."""
+        return self.embeddings + self.per_stage + self.head
+
+    @functools.cached_property
+    def checkpointed(self) -> Affine:
+        """One block under `blocks` / `every:K`: its input."""
+        return _affine(self.key, 2, "every:2").total - self.outside - self.block
+
+    @functools.cached_property
+    def selective(self) -> Affine:
+        """One block under `selective`."""
+        return _affine(self.key, 1, "selective").total - self.embeddings - self.head
+
+    def stage_affine(self, start: int, stop: int, first: bool, last: bool, policy: str) -> Affine:
+        """Bytes saved by the stage holding blocks [start, stop), as a function of the micro-batch."""
+        kind, every = parse_policy(policy)
+        blocks = stop - start
+        ends = (self.embeddings if first else NOTHING) + (self.head if last else NOTHING)
+        if kind == "selective":
+            return ends + self.selective * blocks
+        # blocks 0, K, 2K, ... are checkpointed (`every:1` is `blocks`)
+        checkpointed = 0 if kind == "none" else len(range(-(-start // every) * every, stop, every))
+        kept = blocks - checkpointed
+        return ends + (self.per_stage if kept else NOTHING) + self.checkpointed * checkpointed + self.block * kept
+
+    def stage(self, start: int, stop: int, first: bool, last: bool, policy: str, batch: float) -> int:
+        """Bytes saved by the stage holding blocks [start, stop) for one micro-batch of `batch`."""
+        return self.stage_affine(start, stop, first, last, policy).at(batch)
 
 
 @functools.cache
 def saved_bytes(key: TraceKey) -> SavedBytes:
-    """The saved-bytes parts of `key`'s model, traced on one- and two-block stages as needed."""
+    """The saved-bytes parts of `key`'s model, traced on two-block models (one, selective) as needed."""
     return SavedBytes(key)
 
 
@@ -330,10 +476,8 @@ class ForwardOps:
 
 
 @functools.cache
-def forward_ops(shape: GPTConfig) -> ForwardOps:
-    """Traced on fake tensors at one and two blocks; the count depends on neither batch nor width."""
-    key = TraceKey(shape, torch.float32)
-    one, two = OpCounter(), OpCounter()
-    _trace(key, 1, "none", True, True, 2, one)
-    _trace(key, 2, "none", True, True, 2, two)
-    return ForwardOps(two.ops - one.ops, 2 * one.ops - two.ops)
+def forward_ops(shape: ModelShape) -> ForwardOps:
+    """Traced on fake tensors at two blocks; the count depends on neither batch nor width."""
+    (marks,) = _trace(TraceKey(shape, torch.float32), 2, "none", (2,), ops=True)
+    block = marks.ends[1] - marks.ends[0]
+    return ForwardOps(block, marks.total - 2 * block)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from shardwise.planner.candidates import Candidate
-from shardwise.planner.search import Evaluated, GiB, Plan
+from shardwise.planner.search import CLOSEST, Evaluated, GiB, Plan
 
 
 def candidate_record(evaluated: Evaluated, rank: int | None) -> dict[str, Any]:
@@ -19,6 +19,7 @@ def candidate_record(evaluated: Evaluated, rank: int | None) -> dict[str, Any]:
         "memory": evaluated.memory.as_dict(),
         "step_time_s": evaluated.step.total,
         "step_time": evaluated.step.as_dict(),
+        "same_as": list(evaluated.twins),
     }
     if len(evaluated.memory_by_stage) > 1:
         record["memory_by_stage"] = [stage.as_dict() for stage in evaluated.memory_by_stage]
@@ -31,7 +32,8 @@ def plan_json(plan: Plan) -> dict[str, Any]:
     records = [candidate_record(e, i + 1 if e.fits else None) for i, e in enumerate(plan.ranked)]
     return {
         "model": {"name": m.name, "params_total": plan.params_total, "n_layer": m.n_layer, "n_head": m.n_head,
-                  "d_model": m.d_model, "seq_len": m.seq_len, "vocab_size": m.vocab_size},
+                  "n_kv_head": m.n_kv_head, "d_model": m.d_model, "d_ff": m.d_ff, "seq_len": m.seq_len,
+                  "vocab_size": m.vocab_size, "hf_config": m.hf_config},
         "world_size": plan.world_size,
         "nodes": plan.nodes,
         "gpus_per_node": plan.gpus_per_node,
@@ -39,6 +41,8 @@ def plan_json(plan: Plan) -> dict[str, Any]:
         "memory_limit_bytes": plan.memory_limit,
         "margin": plan.margin,
         "global_batch": plan.cfg.train.global_batch,
+        "considered": plan.candidates,
+        "pruned": plan.pruned,
         "candidates": records,
         "fitting": fitting,
         "refused": plan.refused,
@@ -54,43 +58,85 @@ def _mesh(e: Evaluated) -> str:
     return mesh + (f" M{c.micro_batches} {c.schedule}" if c.spec.pipelined else "")
 
 
+PRUNED = {  # why candidates were not costed, as the table says it
+    "dominated": "gpipe no better than the same under 1f1b",
+    "cannot_fit": "over the limit before their activations",
+    "slower": "slower than the {top} fastest that fit",
+}
+
+
+def _precisions(e: Evaluated) -> str:
+    """`bf16-mixed`, or twins predicted alike as one: `bf16/fp16-mixed`."""
+    names = e.precisions
+    suffixes = {name.partition("-")[2] for name in names}
+    if len(names) > 1 and len(suffixes) == 1 and "" not in suffixes:
+        return "/".join(name.partition("-")[0] for name in names) + "-" + suffixes.pop()
+    return "/".join(names)
+
+
+def _considered(plan: Plan, top: int) -> str:
+    costed = len(plan.ranked)
+    line = f"{plan.candidates} candidates: {costed} costed, {len(plan.fitting)} of them fit"
+    reasons = [f"{count} {PRUNED[why].format(top=top)}" for why, count in plan.pruned.items() if count]
+    if reasons:
+        line += "; not costed: " + ", ".join(reasons)
+    twins = plan.candidates - costed - sum(plan.pruned.values())
+    if twins:
+        line += f"; {twins} predicted alike with a costed one (one row names both)"
+    return line
+
+
+def _refused(plan: Plan) -> list[str]:
+    """One line on the meshes the trainer refuses, if any (every reason is in the JSON)."""
+    if not plan.refused:
+        return []
+    strategies = ", ".join(dict.fromkeys(mesh.split()[0] for mesh in plan.refused))
+    first = next(iter(plan.refused.values()))
+    meshes = f"{len(plan.refused)} mesh" + ("es" if len(plan.refused) > 1 else "")
+    return [f"refused by the trainer: {meshes} of {strategies}; the first because {first}"]
+
+
 def format_plan(plan: Plan, top: int = 15) -> str:
-    """The ranked candidates that fit (the first `top`), the closest that do not, and the pick."""
-    fitting = [e for e in plan.ranked if e.fits]
-    over = [e for e in plan.ranked if not e.fits]
+    """The ranked candidates that fit (the first `top`), those over the limit but faster than the
+    pick (closest first), and the pick."""
+    fitting = plan.fitting
+    width = max([10, *(len(_precisions(e)) for e in plan.ranked)])
     lines = [
         f"{plan.cfg.model.name}: {plan.params_total:,} parameters; {plan.world_size} ranks "
         f"({plan.nodes} node(s) x {plan.gpus_per_node}) of {plan.device.name}; "
         f"{plan.memory_limit / GiB:.2f} GiB per rank, margin {plan.margin:.0%}; global batch "
         f"{plan.cfg.train.global_batch}",
-        f"{len(plan.ranked)} candidates: {len(fitting)} fit, {len(over)} do not",
+        _considered(plan, top),
+        *_refused(plan),
         "",
-        f"{'#':>4}  {'strategy':<14} {'dp x pp x tp':<18} {'precision':<10} {'recompute':<9} {'mb':>4}  "
+        f"{'#':>4}  {'strategy':<14} {'dp x pp x tp':<18} {'precision':<{width}} {'recompute':<9} {'mb':>4}  "
         f"{'GiB/rank':>9} {'step s':>9}  {'fits'}",
     ]
 
     def row(rank: str, e: Evaluated) -> str:
         c = e.candidate
         fits = "yes" if e.fits else f"no, {e.over_by / GiB:.2f} GiB over"
-        return (f"{rank:>4}  {c.strategy:<14} {_mesh(e):<18} {c.precision:<10} {c.recompute:<9} {c.micro_batch:>4}  "
-                f"{e.memory.total / GiB:>9.3f} {e.step.total:>9.4g}  {fits}")
+        return (f"{rank:>4}  {c.strategy:<14} {_mesh(e):<18} {_precisions(e):<{width}} {c.recompute:<9} "
+                f"{c.micro_batch:>4}  {e.memory.total / GiB:>9.3f} {e.step.total:>9.4g}  {fits}")
 
     lines += [row(str(i + 1), e) for i, e in enumerate(fitting[:top])]
     if len(fitting) > top:
         lines.append(f"{'':>4}  ... {len(fitting) - top} more that fit (--top N, or --json)")
-    lines += [row("-", e) for e in over[:3]]
+    lines += [row("-", e) for e in plan.shown_over[:CLOSEST]]
     if plan.recommended is not None:
-        lines += ["", f"recommended: {plan.recommended.candidate.label}", f"  because: {plan.reason}"]
+        best = plan.recommended
+        twins = f" ({', '.join(best.twins)} predicted alike)" if best.twins else ""
+        lines += ["", f"recommended: {best.candidate.label}{twins}", f"  because: {plan.reason}"]
     else:
         lines += ["", f"no recommendation: {plan.reason}"]
     if plan.max_batch:
         lines += ["", "largest micro-batch that fits, per strategy (best precision and recompute):"]
-        best: dict[tuple, dict[str, Any]] = {}
+        best_batch: dict[tuple, dict[str, Any]] = {}
         for entry in plan.max_batch:
             key = (entry["strategy"], entry["dp"], entry["pp"], entry["tp"])
-            if key not in best or entry["max_micro_batch"] > best[key]["max_micro_batch"]:
-                best[key] = entry
-        for (strategy, dp, pp, tp), entry in sorted(best.items()):
+            if key not in best_batch or entry["max_micro_batch"] > best_batch[key]["max_micro_batch"]:
+                best_batch[key] = entry
+        for (strategy, dp, pp, tp), entry in sorted(best_batch.items()):
             lines.append(f"  {strategy:<14} {dp}x{pp}x{tp:<12} {entry['max_micro_batch']:>8}  "
                          f"({entry['precision']}, recompute {entry['recompute']})")
     return "\n".join(lines)

@@ -2,10 +2,12 @@
 from what each collective moves over the link it crosses, and how much of the communication
 each strategy hides behind computation.
 
-- Computation: the GPT's 6 FLOPs per parameter per token plus attention (its own estimate), split
-  between the blocks and the rest so tensor and pipeline parallel divide the right part, plus one
-  more forward of every recomputed block (`blocks`, `every:K`; `selective` redoes only
-  elementwise work, counted as free). A micro-step's backward is two thirds of it.
+- Computation: 6 FLOPs per token per parameter that a matmul uses (every block's, whatever the
+  family: a Llama's SwiGLU and smaller k and v count as built; the head's, tied or not; not the
+  embeddings') plus attention's 12 x width x sequence per block, split between the blocks and the
+  rest so tensor and pipeline parallel divide the right part, plus one more forward of every
+  recomputed block (`blocks`, `every:K`; `selective` redoes only elementwise work, counted below).
+  A micro-step's backward is two thirds of it.
 - Communication, per rank, ring algorithms: all-reduce moves 2(n-1)/n of the buffer, all-gather
   and reduce-scatter (n-1)/n of the whole, point to point the buffer; each hop adds a latency. A
   group whose ranks span nodes runs at the inter-node bandwidth (the mesh is tp innermost, then
@@ -33,16 +35,25 @@ each strategy hides behind computation.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import asdict, dataclass
 
 from shardwise.config import Config
-from shardwise.models import GPTConfig
 from shardwise.planner.candidates import Candidate
 from shardwise.planner.devices import DeviceProfile
 from shardwise.planner.memory import dtype_bytes, trace_key
-from shardwise.planner.model import forward_ops, gpt_shape, model_facts, rank_facts, saved_bytes, stage_bounds
+from shardwise.planner.model import (
+    ModelShape,
+    forward_ops,
+    model_facts,
+    model_shape,
+    rank_facts,
+    saved_bytes,
+    stage_bounds,
+)
 from shardwise.precision import make_precision
+from shardwise.recompute import parse_policy
 
 OPTIMIZER_ACCESSES = {"adamw": 8, "sgd": 5}
 
@@ -88,74 +99,104 @@ def _hidden(comm: float, compute: float, overlap: float) -> float:
 
 @dataclass(frozen=True)
 class _Flops:
-    """Training FLOPs per token: one block's, and the rest's (embeddings do no matmul; the head does)."""
+    """Training FLOPs per token: one block's, and the rest's (embeddings do no matmul; the final
+    norm and head do, tied or not)."""
 
     block: float
     outside: float
 
     @classmethod
-    def of(cls, shape: GPTConfig, tp: int = 1) -> _Flops:
+    def of(cls, shape: ModelShape, tp: int = 1) -> _Flops:
         facts = rank_facts(shape, tp)
         attention = 12 * shape.d_model * shape.seq_len / tp
-        return cls(6 * facts.block.numel + attention, 6 * (facts.root.numel - shape.seq_len * shape.d_model))
+        return cls(6 * facts.block.numel + attention, 6 * facts.head.numel)
 
 
-def _compute_dtype(precision: str) -> str:
+def compute_dtype(precision: str) -> str:
     return {"fp32": "fp32", "bf16-mixed": "bf16", "fp16-mixed": "fp16", "bf16-true": "bf16"}[precision]
 
 
-def _recomputed(shape: GPTConfig, policy: str, start: int, stop: int) -> int:
+def _recomputed(policy: str, start: int, stop: int) -> int:
     """Blocks in [start, stop) whose forward runs again in backward."""
-    if policy in ("none", "selective"):
+    kind, every = parse_policy(policy)
+    if kind in ("none", "selective"):
         return 0
-    every = 1 if policy == "blocks" else int(policy.split(":")[1])
-    return sum(1 for index in range(start, stop) if index % every == 0)
+    return len(range(-(-start // every) * every, stop, every))
 
 
-def predict_step_time(c: Candidate, cfg: Config, device: DeviceProfile, world: int) -> StepTime:
-    """Seconds one optimizer step of `cfg.train.global_batch` samples takes under `c`."""
-    shape = gpt_shape(cfg.model)
+def predict_step_time(c: Candidate, cfg: Config, device: DeviceProfile, world: int, traced: bool = True) -> StepTime:
+    """Seconds one optimizer step of `cfg.train.global_batch` samples takes under `c`. Without
+    `traced`, a lower bound that traces no activations: `selective`'s re-done elementwise work is
+    left out (the operators are still counted, once per model)."""
+    shape = model_shape(cfg.model)
     if c.spec.mesh_dim == "pp":
-        return _pipeline(c, cfg, shape, device)
+        return _pipeline(c, cfg, shape, device, traced)
     if c.spec.mesh_dim == "tp":
-        return _tensor(c, cfg, shape, device)
+        return _tensor(c, cfg, shape, device, traced)
     if c.spec.across_nodes:
-        return _hsdp(c, cfg, shape, device, world)
-    return _data_parallel(c, cfg, shape, device, world)
+        return _hsdp(c, cfg, shape, device, world, traced)
+    return _data_parallel(c, cfg, shape, device, world, traced)
 
 
 def _optimizer_s(numel: int, stored: int, cfg: Config, device: DeviceProfile) -> float:
     return OPTIMIZER_ACCESSES[cfg.train.optimizer] * numel * stored / device.memory_bandwidth
 
 
-def micro_step_s(c: Candidate, shape: GPTConfig, device: DeviceProfile, start: int, stop: int, first: bool,
-                 last: bool, batch: float) -> float:
+@functools.cache
+def _stage_work(shape: ModelShape, tp: int, policy: str, blocks: int, recomputed: int, first: bool,
+                last: bool) -> tuple[float, int]:
+    """(FLOPs per sample, operators) of one forward and backward through `blocks` blocks of which
+    `recomputed` run their forward again, and the parts outside the blocks a first or last stage
+    holds, on one rank of tensor-parallel degree `tp`."""
+    flops = _Flops.of(shape, tp)
+    per_token = (blocks + recomputed / 3) * flops.block + last * flops.outside
+    ops = forward_ops(shape)
+    return shape.seq_len * per_token, 3 * (blocks * ops.block + (first or last) * ops.outside)
+
+
+def micro_step_s(c: Candidate, shape: ModelShape, device: DeviceProfile, start: int, stop: int, first: bool,
+                 last: bool, batch: float, traced: bool = True) -> float:
     """One forward and backward of `batch` samples through blocks [start, stop) (and the parts
     outside the blocks a first or last stage holds) on one rank of tensor-parallel degree c.tp."""
-    flops = _Flops.of(shape, c.tp)
     blocks = stop - start
-    per_token = (blocks + _recomputed(shape, c.recompute, start, stop) / 3) * flops.block + last * flops.outside
-    seconds = batch * shape.seq_len * per_token / device.flops(_compute_dtype(c.precision))
-    ops = forward_ops(shape)
-    seconds += 3 * (blocks * ops.block + (first or last) * ops.outside) * device.op_overhead_s
-    if c.recompute == "selective":
+    flops, ops = _stage_work(shape, c.tp, c.recompute, blocks, _recomputed(c.recompute, start, stop), first, last)
+    seconds = batch * flops / device.flops(compute_dtype(c.precision)) + ops * device.op_overhead_s
+    if c.recompute == "selective" and traced:
         saved = saved_bytes(trace_key(shape, c, c.tp))
         dropped = saved.block.at(batch) - saved.selective.at(batch)
         seconds += 2 * blocks * dropped / device.memory_bandwidth
     return seconds
 
 
-def _data_parallel(c: Candidate, cfg: Config, shape: GPTConfig, device: DeviceProfile, world: int) -> StepTime:
+@functools.cache
+def _padded_numel(shape: ModelShape, world: int) -> int:
+    """Elements every rank's padded shards of every unit add up to (what a sharded collective moves)."""
+    return sum(world * unit.sharded_numel(world) for unit in model_facts(shape).units)
+
+
+@functools.cache
+def _distinct_stages(shape: ModelShape, pp: int, policy: str) -> tuple[tuple[int, int, bool, bool], ...]:
+    """One (start, stop, first, last) of each kind of stage the pipeline's cut makes: stages with as
+    many blocks, as many recomputed, and the same ends take the same time."""
+    kinds: dict[tuple, tuple[int, int, bool, bool]] = {}
+    for stage, (start, stop) in enumerate(stage_bounds(shape, pp)):
+        first, last = stage == 0, stage == pp - 1
+        kinds.setdefault((stop - start, _recomputed(policy, start, stop), first, last), (start, stop, first, last))
+    return tuple(kinds.values())
+
+
+def _data_parallel(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceProfile, world: int,
+                   traced: bool) -> StepTime:
     facts = model_facts(shape)
     precision = make_precision(c.precision, cfg.parallel.reduce_dtype)
     micro_steps = cfg.train.global_batch // (c.dp * c.micro_batch)
-    micro_step = micro_step_s(c, shape, device, 0, shape.n_layer, True, True, c.micro_batch)
+    micro_step = micro_step_s(c, shape, device, 0, shape.n_layer, True, True, c.micro_batch, traced)
     compute = micro_steps * micro_step
     backward = 2 / 3 * micro_step  # what the last micro-step's communication may hide behind
     inter_node = _spans_nodes(c.dp, 1, device.gpus_per_node)
     latency = device.latency_s
     stored = dtype_bytes(precision.param_dtype)
-    padded = sum(c.dp * unit.sharded_numel(c.dp) for unit in facts.units)
+    padded = _padded_numel(shape, c.dp)
     reduce_bytes = padded * dtype_bytes(precision.reduce_dtype)
     gather_bandwidth = device.bandwidth(inter_node, "all_gather")
     scatter_bandwidth = device.bandwidth(inter_node, "reduce_scatter")
@@ -188,16 +229,16 @@ def _data_parallel(c: Candidate, cfg: Config, shape: GPTConfig, device: DevicePr
     return StepTime(compute, comm, exposed, 0.0, _optimizer_s(stepped, stored, cfg, device))
 
 
-def _hsdp(c: Candidate, cfg: Config, shape: GPTConfig, device: DeviceProfile, world: int) -> StepTime:
+def _hsdp(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceProfile, world: int, traced: bool) -> StepTime:
     """fsdp within a node (on the node's share of the global batch), then the gradient shards
     all-reduced across the nodes after backward, nothing left to hide behind."""
     replicas = c.dp // c.shard
     node_batch = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train,
                                                                      global_batch=cfg.train.global_batch // replicas))
     within = _data_parallel(dataclasses.replace(c, strategy="fsdp", dp=c.shard, shard=None), node_batch, shape,
-                            device, c.shard)
+                            device, c.shard, traced)
     stored = dtype_bytes(make_precision(c.precision).param_dtype)
-    shards = sum(unit.sharded_numel(c.shard) for unit in model_facts(shape).units) * stored
+    shards = _padded_numel(shape, c.shard) // c.shard * stored
     across = all_reduce_s(shards, replicas, device.bandwidth(replicas > 1), device.latency_s)
     return dataclasses.replace(within, communication_s=within.communication_s + across,
                                exposed_communication_s=within.exposed_communication_s + across)
@@ -209,26 +250,26 @@ def _mesh_dp_all_reduce(c: Candidate, numel: int, device: DeviceProfile) -> floa
     return all_reduce_s(numel * 4, c.dp, bandwidth, device.latency_s)
 
 
-def _tensor(c: Candidate, cfg: Config, shape: GPTConfig, device: DeviceProfile) -> StepTime:
+def _tensor(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceProfile, traced: bool) -> StepTime:
     facts = rank_facts(shape, c.tp)
     micro_steps = cfg.train.global_batch // (c.dp * c.micro_batch)
     tokens = c.micro_batch * shape.seq_len
-    compute = micro_steps * micro_step_s(c, shape, device, 0, shape.n_layer, True, True, c.micro_batch)
+    compute = micro_steps * micro_step_s(c, shape, device, 0, shape.n_layer, True, True, c.micro_batch, traced)
     bandwidth = device.bandwidth(_spans_nodes(c.tp, 1, device.gpus_per_node))
     activations = all_reduce_s(tokens * shape.d_model * 4, c.tp, bandwidth, device.latency_s)
     tp_comm = micro_steps * 4 * shape.n_layer * activations
-    numel = facts.block.numel * shape.n_layer + facts.root.numel
+    numel = facts.params_total
     dp_comm = _mesh_dp_all_reduce(c, numel, device)
     return StepTime(compute, tp_comm + dp_comm, tp_comm + dp_comm, 0.0, _optimizer_s(numel, 4, cfg, device))
 
 
-def _pipeline(c: Candidate, cfg: Config, shape: GPTConfig, device: DeviceProfile) -> StepTime:
+def _pipeline(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceProfile, traced: bool) -> StepTime:
     facts = rank_facts(shape, c.tp)
     runs = c.micro_batches  # 1 where the model is split without pipelining
     per_run = c.micro_batch / runs
     bounds = stage_bounds(shape, c.pp)
-    slowest = max(micro_step_s(c, shape, device, start, stop, stage == 0, stage == c.pp - 1, per_run)
-                  for stage, (start, stop) in enumerate(bounds))  # one micro-batch, forward and backward
+    slowest = max(micro_step_s(c, shape, device, start, stop, first, last, per_run, traced)
+                  for start, stop, first, last in _distinct_stages(shape, c.pp, c.recompute))  # one micro-batch
     pipeline_runs = cfg.train.global_batch // (c.dp * c.micro_batch)
     compute = pipeline_runs * runs * slowest
     bubble = pipeline_runs * (c.pp - 1) * slowest
@@ -241,6 +282,6 @@ def _pipeline(c: Candidate, cfg: Config, shape: GPTConfig, device: DeviceProfile
         per_block = all_reduce_s(per_run * shape.seq_len * shape.d_model * 4, c.tp, tp_bandwidth, device.latency_s)
         tp_comm = pipeline_runs * runs * 4 * max(stop - start for start, stop in bounds) * per_block
     stage_numel = max((stop - start) * facts.block.numel for start, stop in bounds) + facts.root.numel
-    tied = all_reduce_s(shape.vocab_size * shape.d_model * 4, 2, bandwidth, device.latency_s)  # first + last stage
+    tied = all_reduce_s(facts.tied * 4, 2, bandwidth, device.latency_s) if facts.tied else 0.0  # first + last stage
     comm = sends + tp_comm + tied + _mesh_dp_all_reduce(c, stage_numel, device)
     return StepTime(compute, comm, comm, bubble, _optimizer_s(stage_numel, 4, cfg, device))
