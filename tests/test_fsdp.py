@@ -72,46 +72,63 @@ def test_sharded_matches_single_on_4_ranks_with_padded_shards(tmp_path):
 
 def memory_by_strategy(ctx: DistContext, root: Path) -> dict:
     out = {}
-    for strategy in ("zero1", "zero2", "fsdp"):
-        cfg = cfg_for(root / strategy, strategy, ctx.world_size, "train.micro_batch=2", "train.steps=2", *ODD_GPT)
-        out[strategy] = Trainer(cfg, ctx).fit()["memory"]
+    for precision in ("fp32", "bf16-mixed"):
+        for strategy in ("zero1", "zero2", "fsdp"):
+            cfg = cfg_for(root / strategy, strategy, ctx.world_size, "train.micro_batch=2", "train.steps=2",
+                          f"parallel.precision={precision}", *ODD_GPT)
+            out[strategy, precision] = Trainer(cfg, ctx).fit()["memory"]
     return out
 
 
 def expected_bytes(world: int) -> dict[str, int]:
+    """Elements (not bytes) of the model, of one rank's padded shards, ..., and the optimizer's bytes."""
     cfg = load_config(None, list(ODD_GPT))
     model = build_model(cfg.model)
     params = list(model.parameters())  # the tied head counted once
-    full = sum(p.numel() * 4 for p in params)
-    shard = sum(math.ceil(p.shape[0] / world) * p[0].numel() * 4 for p in params)
-    block = sum(p.numel() * 4 for p in model.blocks[0].parameters())
-    block_gather = world * sum(math.ceil(p.shape[0] / world) * p[0].numel() * 4 for p in model.blocks[0].parameters())
+    full = sum(p.numel() for p in params)
+    shard = sum(math.ceil(p.shape[0] / world) * p[0].numel() for p in params)
+    block = sum(p.numel() for p in model.blocks[0].parameters())
+    block_gather = world * sum(math.ceil(p.shape[0] / world) * p[0].numel() for p in model.blocks[0].parameters())
     root = full - block * len(model.blocks)
     root_params = [p for p in params if all(p is not q for q in model.blocks.parameters())]
-    root_gather = world * sum(math.ceil(p.shape[0] / world) * p[0].numel() * 4 for p in root_params)
-    # AdamW: two moments per shard, and a 4-byte step counter per parameter tensor
-    return {"full": full, "shard": shard, "optimizer": 2 * shard + 4 * len(params), "block": block, "root": root,
-            "block_gather": block_gather, "root_gather": root_gather}
+    root_gather = world * sum(math.ceil(p.shape[0] / world) * p[0].numel() for p in root_params)
+    # AdamW: two fp32 moments per shard element, and a 4-byte step counter per parameter tensor
+    return {"full": full, "shard": shard, "padded": world * shard, "optimizer": 8 * shard + 4 * len(params),
+            "block": block, "root": root, "block_gather": block_gather, "root_gather": root_gather}
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_per_rank_bytes_follow_the_zero_accounting(tmp_path, world):
     memory = run_ranks(memory_by_strategy, world, tmp_path)[0]
     e = expected_bytes(world)
-    assert e["shard"] * world - e["full"] < e["full"] * 0.05  # padding is small but present
-    z1, z2, z3 = memory["zero1"], memory["zero2"], memory["fsdp"]
-    for m in (z1, z2, z3):
-        assert m["optimizer"] == e["optimizer"]  # optimizer state ~1/N in every stage
-    assert z1["params"] == e["full"] + e["shard"] and z1["grads"] == e["full"] + e["shard"]
-    assert z2["params"] == e["full"] + e["shard"] and z2["grads"] == e["shard"]
-    assert z3["params"] == e["shard"] and z3["grads"] == e["shard"]
+    assert e["padded"] - e["full"] < e["full"] * 0.05  # padding is small (and present on 4 ranks)
+    for precision in ("fp32", "bf16-mixed"):
+        z1, z2, z3 = (memory[strategy, precision] for strategy in ("zero1", "zero2", "fsdp"))
+        for m in (z1, z2, z3):
+            assert m["optimizer"] == e["optimizer"]  # fp32 optimizer state ~1/N in every stage
+            assert m["host"] is None  # nothing offloaded
+        assert z3["params"] == z3["grads"] == 4 * e["shard"]  # fp32 master shards and their gradients
+        assert z2["grads"] == 4 * e["shard"]
+        if precision == "fp32":
+            # The whole parameters (padded), the shards views into them; zero1's whole gradients,
+            # which hold its shard gradients after the reduce-scatter.
+            assert z1["params"] == z2["params"] == 4 * e["padded"]
+            assert z1["grads"] == 4 * e["padded"]
+        else:
+            # The whole parameters and zero1's whole gradients in bf16, beside fp32 master shards;
+            # zero1's fp32 shard gradients fit in its bf16 gradient buffer.
+            assert z1["params"] == z2["params"] == 2 * e["padded"] + 4 * e["shard"]
+            assert z1["grads"] == 2 * e["padded"]
+    fp32 = {strategy: memory[strategy, "fp32"] for strategy in ("zero1", "zero2", "fsdp")}
     # Gathered at once: the root, the running block and one gather buffer: the prefetched block's
     # (prefetch = 1), or its own while it is copied out. Padding makes a gather buffer a little
     # larger than its block.
-    assert e["root"] + e["block"] <= z3["gathered_peak"] <= e["root"] + e["block"] + e["block_gather"]
+    assert 4 * (e["root"] + e["block"]) <= fp32["fsdp"]["gathered_peak"] <= 4 * (
+        e["root"] + e["block"] + e["block_gather"])
     # zero1/zero2 hold everything whole, plus two units' all-gather buffers after the step
-    for m in (z1, z2):
-        assert e["full"] < m["gathered_peak"] <= e["full"] + 2 * max(e["block_gather"], e["root_gather"])
+    for strategy in ("zero1", "zero2"):
+        assert 4 * e["padded"] < fp32[strategy]["gathered_peak"] <= 4 * (
+            e["padded"] + 2 * max(e["block_gather"], e["root_gather"]))
 
 
 def full_storage_between_units(ctx: DistContext) -> dict:
