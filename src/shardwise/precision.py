@@ -67,16 +67,18 @@ class LossScaler:
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale
 
-    def unscale_(self, grads: list[torch.Tensor]) -> bool:
+    def unscale_(self, grads: list[torch.Tensor], device: torch.device | None = None) -> bool:
         """Divide `grads` (this rank's, local tensors) by the scale in place; return whether any
-        gradient on any rank is not finite."""
-        device = grads[0].device if grads else torch.device("cpu")
-        found_inf = torch.zeros(1, device=device)
-        inv_scale = torch.full((1,), 1.0 / self.scale, device=device)
+        gradient on any rank is not finite. The ranks compare on `device` (the process group's;
+        default the gradients', which differs where they are offloaded to the host)."""
+        where = grads[0].device if grads else torch.device("cpu")
+        found_inf = torch.zeros(1, device=where)
+        inv_scale = torch.full((1,), 1.0 / self.scale, device=where)
         for dtype in {g.dtype for g in grads}:
             same = [g for g in grads if g.dtype == dtype]
             torch._amp_foreach_non_finite_check_and_unscale_(same, found_inf, inv_scale)
         if dist.is_initialized():  # the whole world: pipeline stages and tensor shards hold different gradients
+            found_inf = found_inf.to(device or where)
             dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
         return bool(found_inf.item())
 
