@@ -36,9 +36,11 @@ def timed_steps(step: StepFn, first: int, count: int) -> list[float]:
     return times
 
 
-def build_trainers(ctx: DistContext, strategies: list[str], steps: int, micro_batch: int) -> dict[str, Trainer]:
+def build_trainers(ctx: DistContext, strategies: list[str], steps: int, micro_batch: int,
+                   *overrides: str) -> dict[str, Trainer]:
     """One trainer per strategy, each built from the same seed on the same batches."""
-    return {name: Trainer(bench_config(name, ctx.world_size, micro_batch, steps * 2), ctx) for name in strategies}
+    return {name: Trainer(bench_config(name, ctx.world_size, micro_batch, steps * 2, *overrides), ctx)
+            for name in strategies}
 
 
 def alternate(steps_of: dict[str, StepFn], steps: int, rounds: int) -> dict[str, list[float]]:
