@@ -352,16 +352,19 @@ class ShardedDataParallel(HookedStrategy):
         """Average the unit's full gradients over ranks, packed in the reduce dtype, into this rank's
         shard gradients; the full gradients are spent (zero1) or freed (zero2, fsdp)."""
         packed = torch.zeros(self.world, unit.shard_numel, dtype=self.precision.reduce_dtype, device=self.ctx.device)
-        if unit.grads is not None:
+        if unit.grads is not None:  # zero1: its gradient buffer, padded as the shards are
             for region, offset in zip(self._regions(unit, unit.grads), unit.offsets, strict=True):
                 packed[:, offset : offset + region.shape[1]].copy_(region)
             unit.grads_spent = True
-        for param, rows, offset in zip(unit.params, unit.rows, unit.offsets, strict=True):
-            if param.grad is not None and unit.grads is None:
+        else:
+            for param, rows, offset in zip(unit.params, unit.rows, unit.offsets, strict=True):
+                if param.grad is None:  # no gradient on this rank: it contributes zeros
+                    continue
                 flat = param.grad.view(-1)
                 for rank, (start, n) in enumerate(self._rank_spans(param, rows)):
                     packed[rank, offset : offset + n].copy_(flat[start : start + n])
-            param.grad = None  # (no gradient on this rank: it contributes zeros)
+        for param in unit.params:
+            param.grad = None
         home = self._shard_grad_buffer(unit)
         same = home.dtype == packed.dtype and home.device == packed.device
         shard_grad = home if same else torch.empty(unit.shard_numel, dtype=packed.dtype, device=packed.device)
