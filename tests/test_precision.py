@@ -262,7 +262,7 @@ def test_zero1_and_zero2_in_bf16_mixed_train_as_fsdp_and_as_one_device_does(tmp_
 
 
 BF16_BLOCKS = ("parallel.precision=bf16-mixed", "parallel.recompute=blocks", "train.steps=5", "train.eval_every=0")
-MULTI_RANK = ("ddp", "zero2", "fsdp", "ddp-native", "fsdp-native", "pipeline", "tensor")
+MULTI_RANK = ("ddp", "zero1", "zero2", "fsdp", "ddp-native", "fsdp-native", "pipeline", "tensor")
 
 
 def train_bf16_with_block_recomputation(ctx: DistContext, root: Path) -> None:
