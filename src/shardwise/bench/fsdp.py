@@ -1,6 +1,7 @@
 """`shardwise bench fsdp`: our sharded data parallel (`zero1`, `zero2`, `fsdp`) in bf16-mixed
 against PyTorch's FSDP2 (`fsdp-native`) and, where installed, DeepSpeed's ZeRO stages 1, 2 and 3,
-with `ddp-native` beside them for scale, in one 2-rank world, all alternating (A B C ... A B C).
+with `ddp-native` beside them for scale, in one 2-rank world, all alternating step by step
+(A B C ... A B C ...).
 
 Reports each one's median step time; ours / DeepSpeed stage by stage, ours / FSDP2 and ours /
 DDP; model-state bytes per rank; and what ours' all-gathers (and reduce-scatters) move per step.
@@ -203,6 +204,7 @@ def run(ctx: DistContext, steps: int, rounds: int, micro_batch: int) -> dict[str
         "machine": f"{platform.machine()}, {ctx.backend}, torch {torch.__version__}",
         "load_average_1m": [load_before[0], load_after[0]],
         "steps_each": len(times["fsdp"]),
+        "rounds": rounds,
         "runs": entries,
         "ratio_vs_fsdp_native": median["fsdp"] / median["fsdp-native"],
         "ratio_vs_ddp_native": {name: median[name] / median["ddp-native"] for name in median if name != "ddp-native"},
@@ -273,4 +275,6 @@ def format_result(result: dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":
-    bench_main("fsdp", run, format_result)
+    # Eight variants: one step each per round (A B C ... A B C ...), so a round lasts seconds, not a
+    # minute, and the shared machine's load hits them all alike.
+    bench_main("fsdp", run, format_result, rounds=12)
