@@ -351,18 +351,22 @@ class ShardedDataParallel(HookedStrategy):
     def _start_reduce_scatter(self, unit: Unit) -> None:
         """Average the unit's full gradients over ranks, packed in the reduce dtype, into this rank's
         shard gradients; the full gradients are spent (zero1) or freed (zero2, fsdp)."""
-        packed = torch.zeros(self.world, unit.shard_numel, dtype=self.precision.reduce_dtype, device=self.ctx.device)
+        packed = torch.empty(self.world, unit.shard_numel, dtype=self.precision.reduce_dtype, device=self.ctx.device)
         if unit.grads is not None:  # zero1: its gradient buffer, padded as the shards are
             for region, offset in zip(self._regions(unit, unit.grads), unit.offsets, strict=True):
                 packed[:, offset : offset + region.shape[1]].copy_(region)
             unit.grads_spent = True
         else:
             for param, rows, offset in zip(unit.params, unit.rows, unit.offsets, strict=True):
-                if param.grad is None:  # no gradient on this rank: it contributes zeros
+                part = packed[:, offset : offset + rows * param[0].numel()]
+                if param.grad is not None and param.numel() == part.numel():  # no padding: one copy
+                    part.copy_(param.grad.view(self.world, -1))
                     continue
-                flat = param.grad.view(-1)
-                for rank, (start, n) in enumerate(self._rank_spans(param, rows)):
-                    packed[rank, offset : offset + n].copy_(flat[start : start + n])
+                part.zero_()  # padding, or no gradient on this rank: it contributes zeros
+                if param.grad is not None:
+                    flat = param.grad.view(-1)
+                    for rank, (start, n) in enumerate(self._rank_spans(param, rows)):
+                        packed[rank, offset : offset + n].copy_(flat[start : start + n])
         for param in unit.params:
             param.grad = None
         home = self._shard_grad_buffer(unit)
