@@ -94,7 +94,8 @@ def test_model_state_per_parameter_at_64_ranks_is_the_zero_papers_within_3_perce
     2 + 14/64 and 16/64 bytes per parameter; ours, for the tiny GPT as `shardwise plan` reports it."""
     out = tmp_path / "plan.json"
     assert main(["plan", str(CONFIGS / "gpt-tiny.toml"), "--nproc", "64", "--device", "a100", "--precision",
-                 "bf16-mixed", "--set", "train.global_batch=512", "--recompute", "none", "--json", str(out)]) == 0
+                 "bf16-mixed", "--set", "train.global_batch=512", "--recompute", "none", "--all", "--json",
+                 str(out)]) == 0  # --all: every strategy costed, none pruned as slower
     plan = json.loads(out.read_text())
     table = {"ddp": 16.0, "zero1": 4 + 12 / 64, "zero2": 2 + 14 / 64, "fsdp": 16 / 64}
     per_param = {c["strategy"]: (c["memory"]["params"] + c["memory"]["grads"] + c["memory"]["optimizer"])
