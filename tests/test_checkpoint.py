@@ -101,8 +101,9 @@ POWERSGD = ("parallel.grad_compression=powersgd", "parallel.powersgd_start_step=
 
 
 @pytest.mark.parametrize(("strategy", "precision"), [("ddp", FP32), ("fsdp", FP32), ("ddp", BF16), ("fsdp", FP16),
-                                                     ("ddp", POWERSGD)],
-                         ids=["ddp-fp32", "fsdp-fp32", "ddp-bf16-mixed", "fsdp-fp16-mixed", "ddp-powersgd"])
+                                                     ("zero1", BF16), ("ddp", POWERSGD)],
+                         ids=["ddp-fp32", "fsdp-fp32", "ddp-bf16-mixed", "fsdp-fp16-mixed", "zero1-bf16-mixed",
+                              "ddp-powersgd"])
 def test_resume_is_bit_identical_on_2_ranks(tmp_path, strategy, precision):
     assert_bit_identical(tmp_path, run_ranks(straight_and_resumed, 2, tmp_path, strategy, *precision))
     if precision == POWERSGD:
@@ -165,8 +166,8 @@ def assert_continues(run: Path, reference: list[float]) -> None:
 
 
 def test_a_checkpoint_reshards_across_strategies_on_2_ranks(tmp_path, reference):
-    run_ranks(reshard, 2, tmp_path, (("fsdp", "ddp"), ("zero2", "fsdp")))
-    for run in ("fsdp-to-ddp", "zero2-to-fsdp"):
+    run_ranks(reshard, 2, tmp_path, (("fsdp", "ddp"), ("zero2", "fsdp"), ("zero1", "zero2")))
+    for run in ("fsdp-to-ddp", "zero2-to-fsdp", "zero1-to-zero2"):
         assert_continues(tmp_path / run, reference)
 
 
@@ -276,8 +277,8 @@ def test_resuming_a_finished_run_says_so(tmp_path):
         in_process(lambda ctx: Trainer(cfg_for(tmp_path, "single", 1, "train.steps=30", "run.resume=true"), ctx).fit())
 
 
-def fsdp_state_at_the_checkpoint(ctx: DistContext, out: Path) -> dict[str, torch.Tensor]:
-    trainer = Trainer(cfg_for(out, "fsdp", ctx.world_size, *RESHARD), ctx)
+def state_at_the_checkpoint(ctx: DistContext, out: Path, strategy: str, *overrides: str) -> dict[str, torch.Tensor]:
+    trainer = Trainer(cfg_for(out, strategy, ctx.world_size, *RESHARD, *overrides), ctx)
     with pytest.raises(Crash):
         crash_at(trainer, SAVED_AT).fit()  # fails right after saving at step 20
     return trainer.strategy.full_state_dict()
@@ -302,11 +303,13 @@ def consolidated(run: Path) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-def test_consolidate_writes_a_plain_state_dict_of_an_fsdp_checkpoint(tmp_path):
-    expected = run_ranks(fsdp_state_at_the_checkpoint, 2, tmp_path)[0]
-    cfg_for(tmp_path, "fsdp", 2, *RESHARD).save(tmp_path / "config.toml")  # as `shardwise train` writes it
-    for name, tensor in consolidated(tmp_path).items():
-        assert torch.equal(tensor, expected[name]), name
+@pytest.mark.parametrize(("strategy", "precision"), [("fsdp", FP32), ("zero1", BF16)],
+                         ids=["fsdp-fp32", "zero1-bf16-mixed"])
+def test_consolidate_writes_a_plain_fp32_state_dict_of_a_sharded_checkpoint(tmp_path, strategy, precision):
+    expected = run_ranks(state_at_the_checkpoint, 2, tmp_path, strategy, *precision)[0]
+    cfg_for(tmp_path, strategy, 2, *RESHARD, *precision).save(tmp_path / "config.toml")  # as `train` writes it
+    for name, tensor in consolidated(tmp_path).items():  # the fp32 master weights, whatever zero1 computed in
+        assert tensor.dtype == torch.float32 and torch.equal(tensor, expected[name]), name
 
 
 def train_to_a_final_checkpoint(ctx: DistContext, root: Path, strategies: tuple[str, ...]) -> None:

@@ -124,6 +124,10 @@ def test_resolved_config_round_trips_through_toml(tmp_path):
         (("parallel.recompute=blocks", "model.name=cnn", "data.name=digits"), "'cnn' has no blocks to recompute"),
         (("parallel.reduce_dtype=fp16",), "parallel.reduce_dtype = 'fp16': unknown; allowed: fp32, bf16"),
         (("parallel.reduce_dtype=bf16", "parallel.strategy=ddp"), "only the sharded strategies"),
+        (("parallel.offload=params",), "parallel.offload = 'params': unknown; allowed: none, optimizer"),
+        (("parallel.offload=optimizer", "parallel.strategy=hsdp"),
+         "parallel.offload = 'optimizer': only zero1, zero2, fsdp offload their optimizer state to the host; "
+         "parallel.strategy is 'hsdp'"),
         (("parallel.loss_scale=0",), "parallel.loss_scale = 0.0: must be > 0"),
     ],
 )

@@ -13,8 +13,10 @@ from distributed import run_ranks
 
 from shardwise.config import load_config
 from shardwise.dist import DistContext
+from shardwise.memory import optimizer_state_tensors, storage_bytes, storage_key
 from shardwise.models import build_model
 from shardwise.strategies.base import make_strategy
+from shardwise.strategies.fsdp import HOST
 from shardwise.trainer import Trainer
 
 STEPS = 20
@@ -72,46 +74,63 @@ def test_sharded_matches_single_on_4_ranks_with_padded_shards(tmp_path):
 
 def memory_by_strategy(ctx: DistContext, root: Path) -> dict:
     out = {}
-    for strategy in ("zero1", "zero2", "fsdp"):
-        cfg = cfg_for(root / strategy, strategy, ctx.world_size, "train.micro_batch=2", "train.steps=2", *ODD_GPT)
-        out[strategy] = Trainer(cfg, ctx).fit()["memory"]
+    for precision in ("fp32", "bf16-mixed"):
+        for strategy in ("zero1", "zero2", "fsdp"):
+            cfg = cfg_for(root / strategy, strategy, ctx.world_size, "train.micro_batch=2", "train.steps=2",
+                          f"parallel.precision={precision}", *ODD_GPT)
+            out[strategy, precision] = Trainer(cfg, ctx).fit()["memory"]
     return out
 
 
 def expected_bytes(world: int) -> dict[str, int]:
+    """Elements (not bytes) of the model, of one rank's padded shards, ..., and the optimizer's bytes."""
     cfg = load_config(None, list(ODD_GPT))
     model = build_model(cfg.model)
     params = list(model.parameters())  # the tied head counted once
-    full = sum(p.numel() * 4 for p in params)
-    shard = sum(math.ceil(p.shape[0] / world) * p[0].numel() * 4 for p in params)
-    block = sum(p.numel() * 4 for p in model.blocks[0].parameters())
-    block_gather = world * sum(math.ceil(p.shape[0] / world) * p[0].numel() * 4 for p in model.blocks[0].parameters())
+    full = sum(p.numel() for p in params)
+    shard = sum(math.ceil(p.shape[0] / world) * p[0].numel() for p in params)
+    block = sum(p.numel() for p in model.blocks[0].parameters())
+    block_gather = world * sum(math.ceil(p.shape[0] / world) * p[0].numel() for p in model.blocks[0].parameters())
     root = full - block * len(model.blocks)
     root_params = [p for p in params if all(p is not q for q in model.blocks.parameters())]
-    root_gather = world * sum(math.ceil(p.shape[0] / world) * p[0].numel() * 4 for p in root_params)
-    # AdamW: two moments per shard, and a 4-byte step counter per parameter tensor
-    return {"full": full, "shard": shard, "optimizer": 2 * shard + 4 * len(params), "block": block, "root": root,
-            "block_gather": block_gather, "root_gather": root_gather}
+    root_gather = world * sum(math.ceil(p.shape[0] / world) * p[0].numel() for p in root_params)
+    # AdamW: two fp32 moments per shard element, and a 4-byte step counter per parameter tensor
+    return {"full": full, "shard": shard, "padded": world * shard, "optimizer": 8 * shard + 4 * len(params),
+            "block": block, "root": root, "block_gather": block_gather, "root_gather": root_gather}
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_per_rank_bytes_follow_the_zero_accounting(tmp_path, world):
     memory = run_ranks(memory_by_strategy, world, tmp_path)[0]
     e = expected_bytes(world)
-    assert e["shard"] * world - e["full"] < e["full"] * 0.05  # padding is small but present
-    z1, z2, z3 = memory["zero1"], memory["zero2"], memory["fsdp"]
-    for m in (z1, z2, z3):
-        assert m["optimizer"] == e["optimizer"]  # optimizer state ~1/N in every stage
-    assert z1["params"] == e["full"] + e["shard"] and z1["grads"] == e["full"] + e["shard"]
-    assert z2["params"] == e["full"] + e["shard"] and z2["grads"] == e["shard"]
-    assert z3["params"] == e["shard"] and z3["grads"] == e["shard"]
+    assert e["padded"] - e["full"] < e["full"] * 0.05  # padding is small (and present on 4 ranks)
+    for precision in ("fp32", "bf16-mixed"):
+        z1, z2, z3 = (memory[strategy, precision] for strategy in ("zero1", "zero2", "fsdp"))
+        for m in (z1, z2, z3):
+            assert m["optimizer"] == e["optimizer"]  # fp32 optimizer state ~1/N in every stage
+            assert m["host"] is None  # nothing offloaded
+        assert z3["params"] == z3["grads"] == 4 * e["shard"]  # fp32 master shards and their gradients
+        assert z2["grads"] == 4 * e["shard"]
+        if precision == "fp32":
+            # The whole parameters (padded), the shards views into them; zero1's whole gradients,
+            # which hold its shard gradients after the reduce-scatter.
+            assert z1["params"] == z2["params"] == 4 * e["padded"]
+            assert z1["grads"] == 4 * e["padded"]
+        else:
+            # The whole parameters and zero1's whole gradients in bf16, beside fp32 master shards;
+            # zero1's fp32 shard gradients fit in its bf16 gradient buffer.
+            assert z1["params"] == z2["params"] == 2 * e["padded"] + 4 * e["shard"]
+            assert z1["grads"] == 2 * e["padded"]
+    fp32 = {strategy: memory[strategy, "fp32"] for strategy in ("zero1", "zero2", "fsdp")}
     # Gathered at once: the root, the running block and one gather buffer: the prefetched block's
     # (prefetch = 1), or its own while it is copied out. Padding makes a gather buffer a little
     # larger than its block.
-    assert e["root"] + e["block"] <= z3["gathered_peak"] <= e["root"] + e["block"] + e["block_gather"]
+    assert 4 * (e["root"] + e["block"]) <= fp32["fsdp"]["gathered_peak"] <= 4 * (
+        e["root"] + e["block"] + e["block_gather"])
     # zero1/zero2 hold everything whole, plus two units' all-gather buffers after the step
-    for m in (z1, z2):
-        assert e["full"] < m["gathered_peak"] <= e["full"] + 2 * max(e["block_gather"], e["root_gather"])
+    for strategy in ("zero1", "zero2"):
+        assert 4 * e["padded"] < fp32[strategy]["gathered_peak"] <= 4 * (
+            e["padded"] + 2 * max(e["block_gather"], e["root_gather"]))
 
 
 def full_storage_between_units(ctx: DistContext) -> dict:
@@ -149,6 +168,90 @@ def test_fsdp_frees_full_parameters_after_each_unit(tmp_path):
         assert r["prefetched"][i] == [j == i + 1 for j in range(4)]
     assert r["after_forward"] == [0, 0, 0, 0]
     assert r["after_backward"] == 0  # root included: nothing whole between steps
+
+
+def layout_after_a_step(ctx: DistContext, root: Path) -> dict:
+    out = {}
+    for strategy in ("zero1", "zero2"):
+        for precision in ("fp32", "bf16-mixed"):
+            cfg = cfg_for(root / strategy, strategy, ctx.world_size, "train.micro_batch=4",
+                          f"parallel.precision={precision}", *ODD_GPT)
+            trainer = Trainer(cfg, ctx)
+            trainer.train_step(0)
+            units = trainer.strategy.units
+            full = {storage_key(unit.full.untyped_storage()) for unit in units}
+            grads = {storage_key(unit.grads.untyped_storage()) for unit in units if unit.grads is not None}
+            shards = dict(trainer.strategy.named_local_parameters())
+            own_rows = []  # this rank's rows of each whole parameter, and its master shard (padding dropped)
+            for name, param in trainer.model.named_parameters():
+                rows = math.ceil(param.shape[0] / ctx.world_size)
+                mine = param.detach()[ctx.rank * rows : (ctx.rank + 1) * rows]
+                own_rows.append(torch.equal(mine, shards[name][: mine.shape[0]].detach().to(mine.dtype)))
+            out[strategy, precision] = {
+                "params_in_full": all(storage_key(p.untyped_storage()) in full for p in trainer.model.parameters()),
+                "shards_in_full": {storage_key(s.untyped_storage()) in full for s in shards.values()},
+                "shard_grads_in_grads": {storage_key(g.untyped_storage()) in grads
+                                         for g in trainer.strategy.local_grads()},
+                "whole_is_master": all(own_rows),
+            }
+    return out
+
+
+def test_zero1_zero2_parameters_are_views_into_one_buffer_and_fp32_shards_views_into_it(tmp_path):
+    layout = run_ranks(layout_after_a_step, 2, tmp_path)
+    for rank in layout:
+        for (strategy, precision), got in rank.items():
+            assert got["params_in_full"] and got["whole_is_master"], (strategy, precision)
+            # fp32: the master shards are this rank's rows of the whole parameters; bf16: fp32 of their own
+            assert got["shards_in_full"] == {precision == "fp32"}, (strategy, precision)
+            # zero1's shard gradients live in its whole gradients' buffer, in both precisions
+            assert got["shard_grads_in_grads"] == {strategy == "zero1"}, (strategy, precision)
+
+
+def offloaded_or_not(ctx: DistContext, root: Path) -> dict:
+    out = {}
+    for strategy in ("zero1", "zero2", "fsdp"):
+        for precision in ("fp32", "bf16-mixed"):
+            for offload in ("none", "optimizer"):
+                cfg = cfg_for(root / strategy, strategy, ctx.world_size, "train.micro_batch=2", "train.grad_clip=0.5",
+                              f"parallel.precision={precision}", f"parallel.offload={offload}", *ODD_GPT)
+                trainer = Trainer(cfg, ctx)
+                losses = [trainer.run_step(step) for step in range(3)]
+                trainer.train_step(3)  # gradients alive, as the trainer counts them
+                strategy_ = trainer.strategy
+                offloaded = [*strategy_.local_parameters(), *strategy_.local_grads(),
+                             *optimizer_state_tensors(trainer.optimizer)]
+                full = [unit.full for unit in strategy_.units if unit.full is not None]
+                out[strategy, precision, offload] = {
+                    "losses": losses, "weights": strategy_.full_state_dict(), "memory": strategy_.memory(0).as_dict(),
+                    "master_device": strategy_.master_device, "devices": {t.device for t in offloaded},
+                    "host_bytes": storage_bytes(offloaded),
+                    "device_params": storage_bytes(full), "device_grads": storage_bytes(
+                        [unit.grads for unit in strategy_.units if unit.grads is not None]),
+                    "shards_in_full": any(storage_key(s.untyped_storage()) in {storage_key(f.untyped_storage())
+                                                                               for f in full}
+                                          for s in strategy_.local_parameters()),
+                }
+    return out
+
+
+def test_offload_keeps_master_shards_gradients_and_optimizer_state_on_the_host_and_steps_alike(tmp_path):
+    """On a CPU the host is the device: what can be checked is where each tensor is put and
+    counted, and that the step is the same computation (equal losses and weights, exactly)."""
+    result = run_ranks(offloaded_or_not, 2, tmp_path)[0]
+    for strategy in ("zero1", "zero2", "fsdp"):
+        for precision in ("fp32", "bf16-mixed"):
+            kept, offloaded = result[strategy, precision, "none"], result[strategy, precision, "optimizer"]
+            assert offloaded["losses"] == kept["losses"], (strategy, precision)
+            assert all(torch.equal(offloaded["weights"][k], kept["weights"][k]) for k in kept["weights"])
+            assert offloaded["master_device"] == HOST and offloaded["devices"] == {HOST}
+            assert not offloaded["shards_in_full"]  # a host buffer of their own, even where fp32 could share
+            memory = offloaded["memory"]
+            assert memory["host"] == offloaded["host_bytes"] > kept["memory"]["optimizer"] > 0
+            assert memory["optimizer"] == 0 and kept["memory"]["host"] is None
+            # the device keeps only zero1's and zero2's whole parameters and zero1's gradient buffer
+            assert (memory["params"], memory["grads"]) == (offloaded["device_params"], offloaded["device_grads"])
+            assert (memory["params"] > 0) == (strategy != "fsdp") and (memory["grads"] > 0) == (strategy == "zero1")
 
 
 def test_cli_fsdp_on_2_processes_matches_single(tmp_path, cli_single_run):

@@ -27,6 +27,7 @@ SCHEDULES = ("gpipe", "1f1b")
 PS_MODES = ("sync", "async")
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
 REDUCE_DTYPES = ("fp32", "bf16")
+OFFLOADS = ("none", "optimizer")
 ALL_REDUCES = ("backend", "ring")
 GRAD_COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 HF_MODELS = ("hf-llama", "hf-qwen2", "hf-gpt2")  # transformers models of the GPT presets' sizes (models/hf.py)
@@ -164,6 +165,8 @@ class ParallelConfig:
     prefetch: int = option(1, "`fsdp`: units whose all-gather is issued ahead")
     reduce_dtype: str = option("fp32", "sharded strategies: the dtype gradients are reduce-scattered in",
                                REDUCE_DTYPES)
+    offload: str = option("none", "`zero1`, `zero2`, `fsdp`: `optimizer` keeps the fp32 master shards, their "
+                          "gradients and the optimizer state in host memory and steps there (ZeRO-Offload)", OFFLOADS)
     dp: int | None = option(None, "`pipeline`, `model-parallel`, `tensor`: model replicas on the dp x pp x tp "
                             "device mesh, dp x pp x tp = world size. Left unset, the strategy's own dimension "
                             "(pp for the pipelines, tp for tensor) takes the ranks the others leave; the others "
@@ -517,6 +520,11 @@ def validate_parallel(p: ParallelConfig) -> None:
             f"parallel.reduce_dtype = {p.reduce_dtype!r}: only the sharded strategies ({', '.join(sharded)}) "
             f"reduce in another dtype; parallel.strategy is {p.strategy!r}"
         )
+    _choice("parallel.offload", p.offload, OFFLOADS)
+    offloading = [name for name, each in SPECS.items() if each.offloads]
+    if p.offload != "none" and p.strategy not in offloading:
+        raise ConfigError(f"parallel.offload = {p.offload!r}: only {', '.join(offloading)} offload their optimizer "
+                          f"state to the host; parallel.strategy is {p.strategy!r}")
     _validate_gradient_reduction(p)
     try:
         parse_policy(p.recompute)

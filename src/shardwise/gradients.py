@@ -32,13 +32,13 @@ def clip_grad_norm_(counted: Sequence[torch.Tensor], scaled: Sequence[torch.Tens
     """Scale `scaled` (this rank's gradients) so that the global norm is at most `max_norm`; the
     global norm is that of `counted` (the gradients this rank accounts for) summed over every
     group of `groups` in turn. Returns the norm before clipping."""
-    squares = squared_norm(counted, device)
+    squares = squared_norm(counted, device).to(device)  # summed where the gradients are (the host, offloaded)
     for group in groups:
         dist.all_reduce(squares, group=group)
     norm = squares.sqrt()
     coefficient = clip_coefficient(norm, max_norm)
     for grad in scaled:
-        grad.mul_(coefficient)
+        grad.mul_(coefficient.to(grad.device))
     return norm
 
 

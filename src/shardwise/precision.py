@@ -3,7 +3,8 @@ scaler that keeps small gradients from flushing to zero.
 
 - `fp32`: everything in float32.
 - `bf16-mixed`: matmuls under autocast in bfloat16; parameters (master weights) and optimizer
-  state stay float32. Sharded strategies gather parameters in bfloat16 and reduce gradients in
+  state stay float32. The sharded strategies keep (zero1, zero2) or gather (fsdp) the whole
+  parameters in bfloat16 beside float32 master shards, and reduce gradients in
   `parallel.reduce_dtype` (float32 by default).
 - `fp16-mixed`: the same in float16, plus a dynamic loss scaler (`LossScaler`).
 - `bf16-true`: parameters, gradients and optimizer state in bfloat16 too. Half the memory of
@@ -67,16 +68,18 @@ class LossScaler:
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return loss * self.scale
 
-    def unscale_(self, grads: list[torch.Tensor]) -> bool:
+    def unscale_(self, grads: list[torch.Tensor], device: torch.device | None = None) -> bool:
         """Divide `grads` (this rank's, local tensors) by the scale in place; return whether any
-        gradient on any rank is not finite."""
-        device = grads[0].device if grads else torch.device("cpu")
-        found_inf = torch.zeros(1, device=device)
-        inv_scale = torch.full((1,), 1.0 / self.scale, device=device)
+        gradient on any rank is not finite. The ranks compare on `device` (the process group's;
+        default the gradients', which differs where they are offloaded to the host)."""
+        where = grads[0].device if grads else torch.device("cpu")
+        found_inf = torch.zeros(1, device=where)
+        inv_scale = torch.full((1,), 1.0 / self.scale, device=where)
         for dtype in {g.dtype for g in grads}:
             same = [g for g in grads if g.dtype == dtype]
             torch._amp_foreach_non_finite_check_and_unscale_(same, found_inf, inv_scale)
         if dist.is_initialized():  # the whole world: pipeline stages and tensor shards hold different gradients
+            found_inf = found_inf.to(device or where)
             dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
         return bool(found_inf.item())
 

@@ -55,7 +55,7 @@ def optimizer_step(strategy: Strategy, optimizer: torch.optim.Optimizer, grad_cl
     Under fp16 the gradients are unscaled first, and if any rank found an inf or NaN every rank
     skips the step. The trainer and the Python API (api.py) both step through this."""
     if strategy.scaler:
-        found_inf = strategy.scaler.unscale_(strategy.local_grads())
+        found_inf = strategy.scaler.unscale_(strategy.local_grads(), strategy.ctx.device)
         strategy.scaler.update(found_inf)
         if found_inf:
             return False

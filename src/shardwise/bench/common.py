@@ -36,9 +36,11 @@ def timed_steps(step: StepFn, first: int, count: int) -> list[float]:
     return times
 
 
-def build_trainers(ctx: DistContext, strategies: list[str], steps: int, micro_batch: int) -> dict[str, Trainer]:
+def build_trainers(ctx: DistContext, strategies: list[str], steps: int, micro_batch: int,
+                   *overrides: str) -> dict[str, Trainer]:
     """One trainer per strategy, each built from the same seed on the same batches."""
-    return {name: Trainer(bench_config(name, ctx.world_size, micro_batch, steps * 2), ctx) for name in strategies}
+    return {name: Trainer(bench_config(name, ctx.world_size, micro_batch, steps * 2, *overrides), ctx)
+            for name in strategies}
 
 
 def alternate(steps_of: dict[str, StepFn], steps: int, rounds: int) -> dict[str, list[float]]:
@@ -61,12 +63,12 @@ def write_json(result: dict[str, Any], paths: list[str]) -> None:
 
 
 def bench_main(name: str, run: Callable[..., dict[str, Any] | None], format_result: Callable[[dict], str],
-               ranks: int = 2) -> None:
+               ranks: int = 2, rounds: int = 3) -> None:
     """A bench's entry point on every rank: parse, join the world of `ranks`, run, report on rank 0,
-    leave the process."""
+    leave the process. `rounds`: how many blocks the measured steps are split into by default."""
     parser = argparse.ArgumentParser(prog=f"python -m shardwise.bench.{name}")
     parser.add_argument("--steps", type=int, default=12, help="measured steps per strategy")
-    parser.add_argument("--rounds", type=int, default=3, help="blocks the steps are split into")
+    parser.add_argument("--rounds", type=int, default=rounds, help="blocks the steps are split into")
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--json", action="append", default=[], help="write the result here (repeatable)")
     args = parser.parse_args()

@@ -6,14 +6,21 @@ Ours (what `shardwise train` counts at the end of a step):
 | | params | grads | optimizer (AdamW) |
 | --- | --- | --- | --- |
 | single, ddp | Ψ·p | Ψ·p | 2Ψ·p + 4 per tensor |
-| zero1 | (Ψ + Ψ/N)·p | (Ψ + Ψ/N)·p | 2(Ψ/N)·p + 4 per tensor |
-| zero2 | (Ψ + Ψ/N)·p | (Ψ/N)·p | the same |
+| zero1 | N(Ψ/N)·w + (Ψ/N)·p* | max(N(Ψ/N)·w, (Ψ/N)·p) | 2(Ψ/N)·p + 4 per tensor |
+| zero2 | N(Ψ/N)·w + (Ψ/N)·p* | (Ψ/N)·p | the same |
 | fsdp | (Ψ/N)·p | (Ψ/N)·p | the same |
 
-with p the bytes of the stored dtype: 4 under fp32, bf16-mixed and fp16-mixed (the parameters *are*
-the fp32 master weights, their gradients fp32 too; only the computation is 16-bit), 2 under
-bf16-true; Ψ/N is each rank's dim-0 shards padded to equal rows, and "4 per tensor" AdamW's fp32
-`step`. zero1 and zero2 keep the full parameters beside the shards the optimizer steps on.
+with p the bytes of the stored (master) dtype: 4 under fp32, bf16-mixed and fp16-mixed, 2 under
+bf16-true; w those of the working dtype, which zero1 and zero2 keep the whole parameters (and
+zero1 the whole gradients) in: 2 under mixed precision, else p; Ψ/N each rank's dim-0 shards
+padded to equal rows, N(Ψ/N) the whole model so padded; "4 per tensor" AdamW's fp32 `step`.
+(*) The master shards are a buffer of their own only where w differs from p (mixed precision):
+otherwise they are views into the whole parameters. zero1's shard gradients live in its
+gradient buffer, hence the max.
+
+With `parallel.offload = "optimizer"` the master shards, their gradients ((Ψ/N)·p each) and the
+optimizer state are in host memory: `host`, outside the device's total; the device keeps
+zero1's and zero2's whole parameters and zero1's gradient buffer.
 
 The textbook (Rajbhandari et al. 2020, "ZeRO", section 3) assumes mixed-precision Adam with fp16
 parameters and gradients and an fp32 copy, momentum and variance: 2 + 2 + 12 bytes per parameter,
@@ -35,6 +42,7 @@ import torch
 from shardwise.config import Config
 from shardwise.planner.candidates import Candidate
 from shardwise.planner.model import (
+    ModelFacts,
     ModelShape,
     Tensors,
     TraceKey,
@@ -44,7 +52,7 @@ from shardwise.planner.model import (
     saved_bytes,
     stage_bounds,
 )
-from shardwise.precision import make_precision
+from shardwise.precision import Precision, make_precision
 from shardwise.strategies.registry import SPECS
 
 DEFAULT_MARGIN = 0.10  # allocator fragmentation and the optimizer step's temporaries
@@ -61,6 +69,7 @@ class RankMemory:
     activations: int
     buffers: int
     margin: int = 0
+    host: int = 0  # parallel.offload: bytes in host memory, not in `total` (the device's)
 
     @property
     def total(self) -> int:
@@ -88,10 +97,11 @@ def optimizer_bytes(numel: int, tensors: int, stored: int, cfg: Config) -> int:
 
 def trace_key(shape: ModelShape, candidate: Candidate, tp: int = 1) -> TraceKey:
     """What the forward looks like under `candidate`: parameters as they are while computing
-    (fsdp gathers mixed precision's in the compute dtype) and autocast when mixed."""
+    (the sharded strategies keep or gather mixed precision's in the compute dtype) and autocast
+    when mixed."""
     precision = make_precision(candidate.precision)
-    gathers = candidate.spec.zero_stage == 3
-    computing = precision.compute_dtype if gathers and precision.mixed else precision.param_dtype
+    sharded = (candidate.spec.zero_stage or 0) >= 1
+    computing = working_dtype(precision) if sharded else precision.param_dtype
     return TraceKey(shape, computing, precision.compute_dtype if precision.mixed else None, tp)
 
 
@@ -116,19 +126,49 @@ def _data_parallel(c: Candidate, cfg: Config, shape: ModelShape, activations: bo
     world = c.shard or c.dp  # the ranks each parameter is split over: hsdp's is one node
     precision = make_precision(c.precision, cfg.parallel.reduce_dtype)
     stored = dtype_bytes(precision.param_dtype)
-    full, count = facts.params_total, facts.tensor_count
     shard = sum(unit.sharded_numel(world) for unit in facts.units)
-    stage = c.spec.zero_stage  # hsdp holds what fsdp over its node does
-    # zero1 and zero2 keep the full parameters (and zero1 the full gradients) beside their shards'.
-    held_params = {0: full, 1: full + shard, 2: full + shard, 3: shard}[stage]
-    held_grads = {0: full, 1: full + shard, 2: shard, 3: shard}[stage]
-    optimizer = optimizer_bytes(full if stage == 0 else shard, count, stored, cfg)
+    state = model_state(c.spec.zero_stage, precision, facts, world, cfg)  # hsdp holds what fsdp over its node does
     saved = saved_bytes(trace_key(shape, c)).stage(0, shape.n_layer, True, True, c.recompute, c.micro_batch) \
         if activations else 0
     buffers = _sharded_buffers(c, cfg, facts.units, world, stored)
     if c.spec.across_nodes and c.dp > world:
         buffers += shard * stored  # the packed gradient shards all-reduced across nodes
-    return RankMemory(held_params * stored, held_grads * stored, optimizer, saved, buffers)
+    return RankMemory(state.params, state.grads, state.optimizer, saved, buffers, host=state.host)
+
+
+@dataclass
+class ModelState:
+    params: int
+    grads: int
+    optimizer: int
+    host: int = 0
+
+
+def model_state(stage: int, precision: Precision, facts: ModelFacts, world: int, cfg: Config) -> ModelState:
+    """Parameter, gradient and optimizer bytes of a data-parallel rank at ZeRO stage `stage` over
+    `world` ranks, at the end of a step (the module's table)."""
+    stored = dtype_bytes(precision.param_dtype)
+    full, count = facts.params_total, facts.tensor_count
+    if stage == 0:
+        return ModelState(full * stored, full * stored, optimizer_bytes(full, count, stored, cfg))
+    shard = sum(unit.sharded_numel(world) for unit in facts.units)
+    master = shard * stored  # the master shards; their gradients as many bytes
+    optimizer = optimizer_bytes(shard, count, stored, cfg)
+    whole = world * shard * dtype_bytes(working_dtype(precision))  # zero1, zero2: the whole parameters, padded
+    params = {1: whole, 2: whole, 3: 0}[stage]
+    grads = {1: max(whole, master), 2: 0, 3: 0}[stage]  # zero1's gradient buffer holds its shard gradients
+    if cfg.parallel.offload == "optimizer":
+        return ModelState(params, grads, 0, host=2 * master + optimizer)
+    if stage == 3 or precision.mixed:
+        params += master
+    if stage >= 2:
+        grads += master
+    return ModelState(params, grads, optimizer)
+
+
+def working_dtype(precision: Precision) -> torch.dtype:
+    """What zero1 and zero2 keep the whole parameters in and fsdp gathers them in."""
+    return precision.compute_dtype if precision.mixed else precision.param_dtype
 
 
 def _sharded_buffers(c: Candidate, cfg: Config, units: list[Tensors], world: int, stored: int) -> int:
@@ -141,13 +181,14 @@ def _sharded_buffers(c: Candidate, cfg: Config, units: list[Tensors], world: int
     # What one unit's all-gather and reduce-scatter move: every rank's padded shards.
     padded = [world * unit.sharded_numel(world) for unit in units]
     largest = sorted(padded, reverse=True)[:UNITS_IN_FLIGHT]
+    working = dtype_bytes(working_dtype(precision))
     kept_whole = 0
     if stage >= 2 and cfg.train.global_batch > c.dp * c.micro_batch:
-        kept_whole = sum(unit.numel for unit in units) * stored  # full gradients between micro-steps
+        kept_whole = sum(unit.numel for unit in units) * (working if stage == 2 else stored)  # between micro-steps
     if stage == 1:  # every unit's reduce-scatter at the end of backward; two gathers after the step
-        return max(sum(padded) * reduce, sum(largest) * stored)
+        return max(sum(padded) * reduce, sum(largest) * working)
     if stage == 2:
-        return sum(largest) * max(reduce, stored) + kept_whole
+        return sum(largest) * max(reduce, working) + kept_whole
     gathered = dtype_bytes(precision.compute_dtype if precision.mixed else precision.param_dtype)
     elements = fsdp_gathered_numel(units, world, cfg.parallel.prefetch, cfg.parallel.reshard_after_forward)
     return elements * gathered + sum(largest) * reduce + kept_whole

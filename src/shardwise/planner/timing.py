@@ -16,9 +16,10 @@ each strategy hides behind computation.
   profile includes the ranks' skew at a blocking collective.
 - Overlap (the device profile's `overlap` of the compute it may hide behind):
   `ddp` all-reduces buckets during the last backward; `zero1` reduce-scatters after backward and
-  all-gathers after the step, nothing hidden; `zero2` reduce-scatters during backward, all-gathers
-  after the step; `fsdp` all-gathers each unit during the previous one's forward and backward and
-  reduce-scatters during backward, only the first gather exposed; `hsdp` is `fsdp` over a node's
+  all-gathers after the step (16-bit under mixed precision, as fsdp's gathers), nothing hidden;
+  `zero2` reduce-scatters during backward, all-gathers after the step; `fsdp` all-gathers each
+  unit during the previous one's forward and backward and reduce-scatters during backward, only
+  the first gather exposed; `hsdp` is `fsdp` over a node's
   ranks plus an all-reduce of the gradient shards across nodes after backward, exposed; `pipeline` idles
   (P-1)/(M+P-1) of the schedule (the bubble) and sends activations on the critical path during
   fill and drain; `tensor` all-reduces activations 4 times per block on the critical path; the
@@ -42,7 +43,7 @@ from dataclasses import asdict, dataclass
 from shardwise.config import Config
 from shardwise.planner.candidates import Candidate
 from shardwise.planner.devices import DeviceProfile
-from shardwise.planner.memory import dtype_bytes, trace_key
+from shardwise.planner.memory import dtype_bytes, trace_key, working_dtype
 from shardwise.planner.model import (
     ModelShape,
     forward_ops,
@@ -198,6 +199,7 @@ def _data_parallel(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceP
     stored = dtype_bytes(precision.param_dtype)
     padded = _padded_numel(shape, c.dp)
     reduce_bytes = padded * dtype_bytes(precision.reduce_dtype)
+    gathered = dtype_bytes(working_dtype(precision))  # zero1/zero2's updated shards, fsdp's units: 16-bit if mixed
     gather_bandwidth = device.bandwidth(inter_node, "all_gather")
     scatter_bandwidth = device.bandwidth(inter_node, "reduce_scatter")
     # One collective per unit (per bucket for ddp); each pays its hops' latency.
@@ -212,12 +214,11 @@ def _data_parallel(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceP
         stepped = facts.params_total
     elif stage in (1, 2):
         reduce = all_gather_s(reduce_bytes, c.dp, scatter_bandwidth, latency) + per_unit
-        gather = all_gather_s(padded * stored, c.dp, gather_bandwidth, latency) + per_unit
+        gather = all_gather_s(padded * gathered, c.dp, gather_bandwidth, latency) + per_unit
         comm = reduce + gather
         exposed = gather + (reduce if stage == 1 else _hidden(reduce, backward, device.overlap))
         stepped = padded // c.dp
     else:  # fsdp: every micro-step gathers for forward and for backward; the last also reduce-scatters
-        gathered = dtype_bytes(precision.compute_dtype if precision.mixed else precision.param_dtype)
         gather = all_gather_s(padded * gathered, c.dp, gather_bandwidth, latency) + per_unit
         reduce = all_gather_s(reduce_bytes, c.dp, scatter_bandwidth, latency) + per_unit
         first_units = gather / max(1, len(facts.units)) * 2  # the root and the first block, before any compute

@@ -1,20 +1,34 @@
 """Sharded data parallel, ours: ZeRO stage 1 (`zero1`), 2 (`zero2`) and 3 (`fsdp`).
 
-Every rank holds 1/N of each parameter: its dim-0 chunk (torch.chunk semantics, zero-padded so
-every rank's chunk has the same number of rows). The optimizer is an ordinary torch.optim
-optimizer over these shards, so its state is sharded too. The stages differ in what else stays
-whole:
+Every rank owns 1/N of each parameter: its dim-0 chunk (torch.chunk semantics, zero-padded so
+every rank's chunk has the same number of rows). These shards are the master weights, in the
+precision's storage dtype (fp32, or bf16 under bf16-true); the optimizer is an ordinary
+torch.optim optimizer over them, so its state is sharded too. The rest is the stage's, in the
+*working* dtype: mixed precision's compute dtype, else the storage dtype.
 
-- zero1: full parameters and full gradients on every rank. At the end of backward the gradients
-  are reduce-scattered (averaged) into shard gradients; after the optimizer step the updated
-  shards are all-gathered back into the full parameters.
-- zero2: as zero1, but each unit's gradients are reduce-scattered as soon as its backward is
-  done and the full gradients freed: gradients cost 1/N (plus one unit in flight).
+- zero1: the whole parameters in the working dtype, in one flat buffer per unit (parameter
+  after parameter, each padded to N times its shard's rows; the model's parameters are views
+  into it), and the whole gradients in a second buffer laid out alike, which autograd
+  accumulates into. At the end of backward every unit's gradients are packed and
+  reduce-scattered (averaged) into this rank's shard gradients, which then live in that same
+  gradient buffer (what it held is spent once packed); after the optimizer step the updated
+  shards are all-gathered, in the working dtype, into the whole parameters.
+- zero2: as zero1 without the gradient buffer: each unit's gradients are reduce-scattered as
+  soon as its backward is done and freed, into shard gradients of their own.
 - fsdp: parameters are sharded too. A unit's full parameters exist only while it computes: one
   all-gather of its packed shards before its forward, freed after (unless
   `reshard_after_forward = false`), gathered again before its backward, freed after. The next
   unit's all-gather is issued while the current one computes (`prefetch` units ahead), forward
   and backward.
+
+Where the working dtype is the storage dtype (fp32, bf16-true) and nothing is offloaded,
+zero1's and zero2's shards are views into the whole parameters' buffer (this rank's rows of
+each parameter), not copies. Under mixed precision they are a buffer of their own, in fp32.
+
+`parallel.offload = "optimizer"` (ZeRO-Offload): the master shards, their gradients and the
+optimizer state live in host memory and the optimizer steps there; shard gradients are copied
+to the host after the reduce-scatter, and the updated shards go back to the device, cast to
+the working dtype, as the all-gather's input.
 
 Units are the modules whose class is `parallel.block` (the GPT's `Block`), plus the root:
 every parameter not in a unit (embeddings, final norm). The root is gathered for the whole of
@@ -40,10 +54,12 @@ from torch.distributed.tensor import DTensor, Placement, Shard
 from shardwise.config import ParallelConfig
 from shardwise.dist import DistContext, broadcast_from_rank0
 from shardwise.gradients import clip_grad_norm_
-from shardwise.memory import MemoryBreakdown, count_memory, storage_bytes
+from shardwise.memory import MemoryBreakdown, count_memory, optimizer_state_tensors, storage_bytes
 from shardwise.strategies.base import HookedStrategy, OptimizerFactory
 from shardwise.strategies.registry import spec
 from shardwise.strategies.sync_batchnorm import convert_sync_batchnorm
+
+HOST = torch.device("cpu")
 
 
 @dataclass
@@ -52,21 +68,23 @@ class Unit:
 
     params: list[nn.Parameter]
     rows: list[int]  # rows of each parameter's shard (its padded dim 0 / world size)
-    offsets: list[int]  # where each parameter's shard starts in the packed buffer
-    shard_buffer: torch.Tensor  # this rank's shards, packed
-    shards: list[nn.Parameter]  # views into shard_buffer, shaped [rows, *rest]
+    offsets: list[int]  # where each parameter's shard starts among this rank's packed shards
+    shard_numel: int  # elements of this rank's packed shards (and of each rank's part of a gather)
+    full_dtype: torch.dtype  # the working dtype: what the full parameters are gathered and computed in
+    shards: list[nn.Parameter]  # this rank's master shards, shaped [rows, *rest]
+    shard_buffer: torch.Tensor | None  # the shards packed, where they are a buffer of their own
+    full: torch.Tensor | None = None  # zero1, zero2: the whole parameters, padded, the parameters views into it
+    grads: torch.Tensor | None = None  # zero1: the whole gradients, laid out as `full`; then the shard gradients
+    grads_spent: bool = False  # zero1: `grads` holds shard gradients now, not gradients to accumulate into
     gathered: bool = True
     pending_gather: tuple[dist.Work, torch.Tensor] | None = None
     ready: set[int] = field(default_factory=set)
 
     @property
     def full_bytes(self) -> int:
+        if self.full is not None:
+            return self.full.nbytes
         return sum(p.numel() * p.element_size() for p in self.params)
-
-    @property
-    def full_dtype(self) -> torch.dtype:
-        """The dtype full parameters are gathered in: the shards' own, or mixed precision's compute dtype."""
-        return self.params[0].dtype if self.params else self.shard_buffer.dtype
 
 
 class ShardedDataParallel(HookedStrategy):
@@ -75,6 +93,8 @@ class ShardedDataParallel(HookedStrategy):
     def __init__(self, ctx: DistContext, cfg: ParallelConfig) -> None:
         super().__init__(ctx, cfg)
         self.stage = spec(cfg.strategy).zero_stage
+        self.offload = cfg.offload == "optimizer"
+        self.master_device = HOST if self.offload else ctx.device  # where master shards and optimizer state live
 
     def wrap(self, model: nn.Module) -> nn.Module:
         if self.cfg.sync_batchnorm:
@@ -94,8 +114,9 @@ class ShardedDataParallel(HookedStrategy):
             for param in unit.params:
                 param.register_post_accumulate_grad_hook(self._on_grad_ready)
         self._init_backward_state()
-        self._reductions: list[tuple[dist.Work, Unit, torch.Tensor]] = []
+        self._reductions: list[tuple[dist.Work, Unit, torch.Tensor, torch.Tensor]] = []
         self.bytes_moved = 0  # by all-gathers and reduce-scatters, input + output, for bus bandwidth
+        self.bytes_gathered = 0  # the all-gathers' part of it
         self.gathered_bytes = self.peak_gathered_bytes = sum(u.full_bytes for u in self.units)  # all whole
         if self.stage == 3:
             self._install_gather_hooks()
@@ -138,15 +159,49 @@ class ShardedDataParallel(HookedStrategy):
         rows = [math.ceil(p.shape[0] / self.world) for p in params]
         lengths = [r * p[0].numel() for r, p in zip(rows, params, strict=True)]
         offsets = [sum(lengths[:i]) for i in range(len(lengths))]
-        dtype = params[0].dtype if params else torch.float32
-        buffer = torch.zeros(sum(lengths), dtype=dtype, device=self.ctx.device)
-        shards = []
-        for param, r, offset, length in zip(params, rows, offsets, lengths, strict=True):
-            view = buffer[offset : offset + length].view(r, *param.shape[1:])
-            chunk = param.detach()[self.rank * r : (self.rank + 1) * r]
-            view[: chunk.shape[0]].copy_(chunk)
-            shards.append(nn.Parameter(view))
-        return Unit(params, rows, offsets, buffer, shards)
+        master = self.precision.param_dtype
+        working = self.precision.compute_dtype if self.precision.mixed else master
+        unit = Unit(params, rows, offsets, sum(lengths), working, shards=[], shard_buffer=None)
+        if self.stage == 3 or working != master or self.offload:
+            unit.shard_buffer = torch.zeros(unit.shard_numel, dtype=master, device=self.master_device)
+            for param, r, offset, length in zip(params, rows, offsets, lengths, strict=True):
+                view = unit.shard_buffer[offset : offset + length].view(r, *param.shape[1:])
+                chunk = param.detach()[self.rank * r : (self.rank + 1) * r]
+                view[: chunk.shape[0]].copy_(chunk)
+                unit.shards.append(nn.Parameter(view))
+        if self.stage < 3:
+            unit.full = self._flatten(params, rows, working)
+            if unit.shard_buffer is None:  # the master shards are this rank's rows of the whole parameters
+                unit.shards = [nn.Parameter(region[self.rank].view(r, *p.shape[1:]))
+                               for region, r, p in zip(self._regions(unit, unit.full), rows, params, strict=True)]
+        if self.stage == 1:
+            # Large enough to hold the shard gradients too, in the master dtype (only one rank needs more).
+            as_working = unit.shard_numel * master.itemsize // working.itemsize
+            unit.grads = torch.zeros(max(unit.full.numel(), as_working), dtype=working, device=self.ctx.device)
+        return unit
+
+    def _flatten(self, params: list[nn.Parameter], rows: list[int], dtype: torch.dtype) -> torch.Tensor:
+        """One buffer holding `params` in `dtype`, each padded to world x its shard's rows, and each
+        parameter made a view into it."""
+        padded = [self.world * r * p[0].numel() for r, p in zip(rows, params, strict=True)]
+        full = torch.zeros(sum(padded), dtype=dtype, device=self.ctx.device)
+        start = 0
+        for param, length in zip(params, padded, strict=True):
+            view = full[start : start + param.numel()].view_as(param)
+            view.copy_(param.detach())
+            param.data = view
+            start += length
+        return full
+
+    def _regions(self, unit: Unit, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's place in `buffer` (laid out as `Unit.full`) as [world, shard elements]:
+        row r is rank r's shard of it."""
+        regions, start = [], 0
+        for param, rows in zip(unit.params, unit.rows, strict=True):
+            length = rows * param[0].numel()
+            regions.append(buffer[start : start + self.world * length].view(self.world, length))
+            start += self.world * length
+        return regions
 
     @staticmethod
     def _real_rows(param: torch.Tensor, rows: int, rank: int) -> int:
@@ -162,14 +217,26 @@ class ShardedDataParallel(HookedStrategy):
     # --- gather / free --------------------------------------------------------------------
 
     def _start_gather(self, unit: Unit) -> None:
+        """Issue the all-gather of every rank's shards of the unit, in the working dtype."""
         if unit.gathered or unit.pending_gather is not None:
             return
-        send = unit.shard_buffer.to(unit.full_dtype)
+        send = self._packed_shards(unit, unit.full_dtype)
         out = torch.empty(self.world * send.numel(), dtype=send.dtype, device=send.device)
         work = dist.all_gather_single(out, send, group=self.group, async_op=True)
-        self.bytes_moved += (out.numel() + send.numel()) * out.element_size()
+        moved = (out.numel() + send.numel()) * out.element_size()
+        self.bytes_moved += moved
+        self.bytes_gathered += moved
         unit.pending_gather = (work, out)
         self._count_gathered(out.numel() * out.element_size())
+
+    def _packed_shards(self, unit: Unit, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's shards of the unit, packed, in `dtype`, on the device: what an all-gather sends."""
+        if unit.shard_buffer is not None:
+            return unit.shard_buffer.to(self.ctx.device, dtype)
+        packed = torch.empty(unit.shard_numel, dtype=dtype, device=self.ctx.device)
+        for region, offset in zip(self._regions(unit, unit.full), unit.offsets, strict=True):
+            packed[offset : offset + region.shape[1]].copy_(region[self.rank])
+        return packed
 
     def _finish_gather(self, unit: Unit) -> None:
         """Wait for the unit's all-gather and copy each rank's chunk into the full parameters."""
@@ -179,11 +246,15 @@ class ShardedDataParallel(HookedStrategy):
         work, out = unit.pending_gather
         work.wait()
         per_rank = out.view(self.world, -1)
-        for param, rows, offset in zip(unit.params, unit.rows, unit.offsets, strict=True):
-            storage = param.untyped_storage()
-            if storage.size() == 0:
-                storage.resize_(param.numel() * param.element_size())
-            self._copy_out(param.data, rows, offset, per_rank)
+        if unit.full is not None:  # zero1, zero2: one copy per parameter, padding included
+            for region, offset in zip(self._regions(unit, unit.full), unit.offsets, strict=True):
+                region.copy_(per_rank[:, offset : offset + region.shape[1]])
+        else:  # fsdp: refill each parameter's freed storage
+            for param, rows, offset in zip(unit.params, unit.rows, unit.offsets, strict=True):
+                storage = param.untyped_storage()
+                if storage.size() == 0:
+                    storage.resize_(param.numel() * param.element_size())
+                self._copy_out(param.data, rows, offset, per_rank)
         if self.stage == 3:
             unit.gathered = True
             self._count_gathered(unit.full_bytes)  # both the parameters and the gather buffer are alive here
@@ -262,39 +333,69 @@ class ShardedDataParallel(HookedStrategy):
         if self.stage == 3:
             self._free(unit)
 
+    def backward(self, loss: torch.Tensor) -> None:
+        if self.stage == 1:
+            self._attach_full_grads()
+        loss.backward()
+
+    def _attach_full_grads(self) -> None:
+        """zero1: point every parameter's `.grad` at its place in its unit's gradient buffer, zeroed
+        at the first backward of a step (when the buffer holds the last step's shard gradients)."""
+        for unit in self.units:
+            if unit.grads_spent or any(p.grad is None for p in unit.params):
+                unit.grads.zero_()
+                for param, region in zip(unit.params, self._regions(unit, unit.grads), strict=True):
+                    param.grad = region.view(-1)[: param.numel()].view_as(param)
+                unit.grads_spent = False
+
     def _start_reduce_scatter(self, unit: Unit) -> None:
-        """Average the unit's full gradients over ranks into this rank's shard gradients, and
-        (zero2, fsdp) free the full gradients."""
-        numel = unit.shard_buffer.numel()
-        packed = torch.zeros(self.world, numel, dtype=self.precision.reduce_dtype, device=unit.shard_buffer.device)
-        for param, rows, offset in zip(unit.params, unit.rows, unit.offsets, strict=True):
-            if param.grad is None:  # no gradient on this rank: it contributes zeros
-                continue
-            flat = param.grad.view(-1)
-            for rank, (start, n) in enumerate(self._rank_spans(param, rows)):
-                packed[rank, offset : offset + n].copy_(flat[start : start + n])
-            if self.stage >= 2:
-                param.grad = None
-        shard_grad = torch.empty(numel, dtype=packed.dtype, device=packed.device)
+        """Average the unit's full gradients over ranks, packed in the reduce dtype, into this rank's
+        shard gradients; the full gradients are spent (zero1) or freed (zero2, fsdp)."""
+        packed = torch.empty(self.world, unit.shard_numel, dtype=self.precision.reduce_dtype, device=self.ctx.device)
+        if unit.grads is not None:  # zero1: its gradient buffer, padded as the shards are
+            for region, offset in zip(self._regions(unit, unit.grads), unit.offsets, strict=True):
+                packed[:, offset : offset + region.shape[1]].copy_(region)
+            unit.grads_spent = True
+        else:
+            for param, rows, offset in zip(unit.params, unit.rows, unit.offsets, strict=True):
+                part = packed[:, offset : offset + rows * param[0].numel()]
+                if param.grad is not None and param.numel() == part.numel():  # no padding: one copy
+                    part.copy_(param.grad.view(self.world, -1))
+                    continue
+                part.zero_()  # padding, or no gradient on this rank: it contributes zeros
+                if param.grad is not None:
+                    flat = param.grad.view(-1)
+                    for rank, (start, n) in enumerate(self._rank_spans(param, rows)):
+                        packed[rank, offset : offset + n].copy_(flat[start : start + n])
+        for param in unit.params:
+            param.grad = None
+        home = self._shard_grad_buffer(unit)
+        same = home.dtype == packed.dtype and home.device == packed.device
+        shard_grad = home if same else torch.empty(unit.shard_numel, dtype=packed.dtype, device=packed.device)
         work = dist.reduce_scatter_single(shard_grad, packed.view(-1), op=dist.ReduceOp.AVG, group=self.group,
                                           async_op=True)
-        self.bytes_moved += (packed.numel() + numel) * packed.element_size()
-        self._reductions.append((work, unit, shard_grad))
+        self.bytes_moved += (packed.numel() + unit.shard_numel) * packed.element_size()
+        self._reductions.append((work, unit, shard_grad, home))
+
+    def _shard_grad_buffer(self, unit: Unit) -> torch.Tensor:
+        """Where this rank's shard gradients of the unit go, packed, in the master dtype: zero1's
+        spent gradient buffer (unless offloaded), else a buffer of their own beside the shards."""
+        master = self.precision.param_dtype
+        if unit.grads is not None and not self.offload:
+            return unit.grads[: unit.shard_numel * master.itemsize // unit.grads.element_size()].view(master)
+        return torch.empty(unit.shard_numel, dtype=master, device=self.master_device)
 
     def _finish_backward(self) -> None:
         if self._sync:
             for unit in self.units:
                 if unit is self.root or len(unit.ready) < len(unit.params) or self.stage == 1:
                     self._start_reduce_scatter(unit)  # root, units with unused params, or zero1
-            for work, unit, shard_grad in self._reductions:
+            for work, unit, shard_grad, home in self._reductions:
                 work.wait()
-                shard_grad = shard_grad.to(unit.shard_buffer.dtype)
+                if shard_grad is not home:
+                    home.copy_(shard_grad)
                 for shard, offset in zip(unit.shards, unit.offsets, strict=True):
-                    shard.grad = shard_grad[offset : offset + shard.numel()].view_as(shard)
-                if self.stage == 1:  # zero1 keeps its full gradients; what they held is in the shards now
-                    for param in unit.params:
-                        if param.grad is not None:
-                            param.grad.zero_()
+                    shard.grad = home[offset : offset + shard.numel()].view_as(shard)
             self._reductions.clear()
         if self.stage == 3:
             for unit in self.units:
@@ -335,29 +436,37 @@ class ShardedDataParallel(HookedStrategy):
         return clip_grad_norm_(grads, grads, max_norm, self.ctx.device, (self.group,))
 
     def memory(self, activations: int) -> MemoryBreakdown:
-        """Shards, plus whatever full parameters and full gradients are alive right now."""
+        """Master shards, whatever full parameters and full gradients are alive right now, and
+        zero1's gradient buffer. Offloaded, the master shards, their gradients and the optimizer
+        state are counted as `host`, not in the device's categories."""
         shards = self.local_parameters()
-        full = [p for unit in self.units for p in unit.params]
+        shard_grads = [s.grad for s in shards if s.grad is not None]
+        full = [p for unit in self.units for p in unit.params if p.untyped_storage().size() > 0]
+        full_grads = [p.grad for unit in self.units for p in unit.params if p.grad is not None]
+        full_grads += [unit.grads for unit in self.units if unit.grads is not None]
         breakdown = count_memory(shards, self.optim, activations, self.ctx.device)
-        breakdown.params = storage_bytes(shards + [p for p in full if p.untyped_storage().size() > 0])
-        breakdown.grads = storage_bytes([t.grad for t in shards + full if t.grad is not None])
+        if self.offload:
+            breakdown.host = storage_bytes([*shards, *shard_grads, *optimizer_state_tensors(self.optim)])
+            breakdown.params, breakdown.grads, breakdown.optimizer = storage_bytes(full), storage_bytes(full_grads), 0
+        else:
+            breakdown.params = storage_bytes(shards + full)
+            breakdown.grads = storage_bytes(shard_grads + full_grads)
         breakdown.gathered_peak = self.peak_gathered_bytes
         return breakdown
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Whole parameters gathered from the shards in the shards' dtype (the master weights,
-        whatever the compute dtype), and buffers."""
+        """Whole parameters gathered from the master shards, in their dtype whatever the compute
+        dtype, and buffers."""
         full: dict[int, torch.Tensor] = {}
         for unit in self.units:
-            out = torch.empty(self.world * unit.shard_buffer.numel(), dtype=unit.shard_buffer.dtype,
-                              device=unit.shard_buffer.device)
-            dist.all_gather_single(out, unit.shard_buffer, group=self.group)
+            send = self._packed_shards(unit, self.precision.param_dtype)
+            out = torch.empty(self.world * send.numel(), dtype=send.dtype, device=send.device)
+            dist.all_gather_single(out, send, group=self.group)
             for param, rows, offset in zip(unit.params, unit.rows, unit.offsets, strict=True):
                 full[id(param)] = torch.empty(param.shape, dtype=out.dtype, device=out.device)
                 self._copy_out(full[id(param)], rows, offset, out.view(self.world, -1))
         return {name: full.get(id(tensor), tensor).detach().cpu()
                 for name, tensor in self.module.state_dict(keep_vars=True).items()}
-
 
     def named_local_parameters(self) -> list[tuple[str, nn.Parameter]]:
         shard_of = {id(p): shard for unit in self.units for p, shard in zip(unit.params, unit.shards, strict=True)}

@@ -28,6 +28,7 @@ class StrategySpec:
     parameter_servers: bool = False  # the last parallel.ps_servers ranks serve; the others are its replicas
     own_launcher: bool = False  # started by our launcher (launch.launch_local), which can outlive a rank, not torchrun
     across_nodes: bool = False  # replicates across nodes what it shards within one (worth it only on several)
+    offloads: bool = False  # parallel.offload = "optimizer" keeps its master shards and optimizer state on the host
     checkpoints: bool = True  # saves and resumes checkpoints
     api: bool = True  # runs under the Python API (not only under `shardwise train`'s own launcher)
     native: bool = False  # PyTorch's own implementation behind our interface: the anchor of a bench
@@ -49,9 +50,9 @@ SPECS: dict[str, StrategySpec] = {spec.name: spec for spec in (
     StrategySpec("dp", "dp", "DataParallel", one_process=True),
     StrategySpec("ddp", "ddp", "DDP", planned=True),
     StrategySpec("ddp-native", "native", "NativeDDP", native=True),
-    StrategySpec("zero1", "fsdp", "ShardedDataParallel", zero_stage=1, planned=True),
-    StrategySpec("zero2", "fsdp", "ShardedDataParallel", zero_stage=2, planned=True),
-    StrategySpec("fsdp", "fsdp", "ShardedDataParallel", zero_stage=3, planned=True),
+    StrategySpec("zero1", "fsdp", "ShardedDataParallel", zero_stage=1, planned=True, offloads=True),
+    StrategySpec("zero2", "fsdp", "ShardedDataParallel", zero_stage=2, planned=True, offloads=True),
+    StrategySpec("fsdp", "fsdp", "ShardedDataParallel", zero_stage=3, planned=True, offloads=True),
     StrategySpec("fsdp-native", "native", "NativeFSDP", zero_stage=3, native=True),
     StrategySpec("hsdp", "hsdp", "HSDP", zero_stage=3, across_nodes=True, planned=True),
     StrategySpec("pipeline", "pipeline", "Pipeline", mesh_dim="pp", zero_stage=None, pipelined=True, planned=True),
