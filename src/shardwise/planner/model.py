@@ -50,7 +50,6 @@ from shardwise.models import build_model, loss_fn
 from shardwise.models.hf import decoder_layer_class
 from shardwise.recompute import apply_recompute, parse_policy
 from shardwise.strategies.pipeline import balanced_split
-from shardwise.strategies.tensor import LocalHeadsAttention
 
 
 class PlanError(ValueError):
@@ -75,6 +74,9 @@ class Affine:
 
     def __mul__(self, times: int) -> Affine:
         return Affine(self.fixed * times, self.per_sample * times)
+
+    def __truediv__(self, parts: int) -> Affine:
+        return Affine(self.fixed / parts, self.per_sample / parts)
 
 
 NOTHING = Affine(0, 0)
@@ -252,11 +254,11 @@ def tensor_parallel_block(block: nn.Module, tp: int, plan: dict[str, str] | None
     row-parallel with the bias whole. A transformers block's by `plan`; its attention infers its
     head count from the split width (GPT-2's splits its fused q, k, v at `split_size`). Plain
     layers of those shapes: the communication saves nothing for backward."""
-    if plan is None:
+    if plan is None:  # the GPT's attention counts its heads from qkv's output
         attn, mlp = block.attn, block.mlp
         width, bias = attn.qkv.in_features, attn.qkv.bias is not None
-        block.attn = LocalHeadsAttention(nn.Linear(width, 3 * width // tp, bias=bias),
-                                         nn.Linear(width // tp, width, bias=bias), attn.n_head // tp)
+        attn.qkv = nn.Linear(width, 3 * width // tp, bias=bias)
+        attn.proj = nn.Linear(width // tp, width, bias=bias)
         mlp.up = nn.Linear(width, mlp.up.out_features // tp, bias=bias)
         mlp.down = nn.Linear(mlp.down.in_features // tp, width, bias=bias)
         return
@@ -302,12 +304,13 @@ def stage_bounds(shape: ModelShape, pp: int) -> tuple[tuple[int, int], ...]:
 @dataclass(frozen=True)
 class TraceKey:
     """What decides the bytes a forward saves: the model, the dtype parameters have while computing,
-    autocast's dtype (None: off), and the tensor split."""
+    autocast's dtype (None: off), the tensor split, and whether sequence parallel splits the rest."""
 
     shape: ModelShape
     param_dtype: torch.dtype
     autocast: torch.dtype | None = None
     tp: int = 1
+    sequence_parallel: bool = False
 
 
 class OpCounter(TorchDispatchMode):
@@ -446,15 +449,39 @@ class SavedBytes:
 
     def stage_affine(self, start: int, stop: int, first: bool, last: bool, policy: str) -> Affine:
         """Bytes saved by the stage holding blocks [start, stop), as a function of the micro-batch."""
-        kind, every = parse_policy(policy)
-        blocks = stop - start
+        if self.key.sequence_parallel:
+            return self._sequence_parallel_stage(start, stop, first, last, policy)
         ends = (self.embeddings if first else NOTHING) + (self.head if last else NOTHING)
-        if kind == "selective":
-            return ends + self.selective * blocks
+        if parse_policy(policy)[0] == "selective":
+            return ends + self.selective * (stop - start)
+        once, own = self._in_blocks(start, stop, policy)
+        return ends + once + own
+
+    def _in_blocks(self, start: int, stop: int, policy: str) -> tuple[Affine, Affine]:
+        """What blocks [start, stop) save under `policy` (not `selective`): once per stage if any of
+        them keeps what it saves, and by the blocks themselves."""
+        kind, every = parse_policy(policy)
         # blocks 0, K, 2K, ... are checkpointed (`every:1` is `blocks`)
         checkpointed = 0 if kind == "none" else len(range(-(-start // every) * every, stop, every))
-        kept = blocks - checkpointed
-        return ends + (self.per_stage if kept else NOTHING) + self.checkpointed * checkpointed + self.block * kept
+        kept = stop - start - checkpointed
+        return (self.per_stage if kept else NOTHING), self.checkpointed * checkpointed + self.block * kept
+
+    def _sequence_parallel_stage(self, start: int, stop: int, first: bool, last: bool, policy: str) -> Affine:
+        """Under sequence parallel (strategies/tensor.py), which splits over the tp ranks everything a
+        block saves of its own and nothing else: 1/tp of what one device's blocks save, and what one
+        device saves outside them and once per stage (the sequence is whole there: a Llama's rotary
+        cos/sin). Except under `selective`, which keeps a block's input and its matmuls' outputs: of
+        those, sequence parallel splits only the input (a column layer's output is split by tp
+        already, a row layer's holds partial sums over the whole sequence until its reduce-scatter)."""
+        tp, blocks = self.key.tp, stop - start
+        if parse_policy(policy)[0] == "selective":
+            split = saved_bytes(dataclasses.replace(self.key, sequence_parallel=False))
+            ends = (split.embeddings if first else NOTHING) + (split.head if last else NOTHING)
+            return ends + (split.selective - split.checkpointed * (tp - 1) / tp) * blocks
+        one = saved_bytes(dataclasses.replace(self.key, tp=1, sequence_parallel=False))
+        ends = (one.embeddings if first else NOTHING) + (one.head if last else NOTHING)
+        once, own = one._in_blocks(start, stop, policy)
+        return ends + once + own / tp
 
     def stage(self, start: int, stop: int, first: bool, last: bool, policy: str, batch: float) -> int:
         """Bytes saved by the stage holding blocks [start, stop) for one micro-batch of `batch`."""

@@ -1,0 +1,109 @@
+"""Sequence parallel (`parallel.sequence_parallel`) on shardwise's GPT: the same training as one
+device under `tensor` and under pipeline x tensor, in fp32 and mixed precision with recomputation;
+the saved activations per rank fall by what the planner predicts; bad settings refused before
+launch. (The transformers families under it: tests/test_model_families.py.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from conftest import CONFIGS, assert_same_training, train_in_process
+from distributed import run_ranks
+
+from shardwise.config import ConfigError, load_config
+from shardwise.dist import DistContext
+from shardwise.planner.candidates import Candidate
+from shardwise.planner.memory import predict_memory
+from shardwise.trainer import Trainer
+
+STEPS = 10
+
+
+def cfg_for(out: Path, strategy: str, nproc: int, *overrides: str):
+    """gpt-tiny with 4 heads and 3 blocks on Shakespeare, a global batch of 8, SGD, clipping active."""
+    base = [f"run.out={out}", f"train.steps={STEPS}", "model.n_head=4", "model.n_layer=3", "train.global_batch=8",
+            "train.micro_batch=8", "train.eval_every=0", "train.optimizer=sgd", "train.lr=0.1", "train.grad_clip=0.5",
+            f"parallel.strategy={strategy}", f"launch.nproc={nproc}"]
+    return load_config(CONFIGS / "gpt-tiny.toml", base + list(overrides))
+
+
+def train_runs(ctx: DistContext, root: Path, runs: dict[str, tuple[str, ...]]) -> None:
+    for name, (strategy, *overrides) in runs.items():
+        Trainer(cfg_for(root / name, strategy, ctx.world_size, *overrides), ctx).fit()
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("single") / "single"
+    train_in_process(cfg_for(out, "single", 1))
+    return out
+
+
+TWO_RANK_RUNS = {
+    "tensor-sp": ("tensor", "parallel.sequence_parallel=true"),
+    "tensor-sp-recompute": ("tensor", "parallel.sequence_parallel=true", "parallel.recompute=blocks"),
+    "tensor-sp-accum2": ("tensor", "parallel.sequence_parallel=true", "train.micro_batch=4"),
+}
+
+
+def test_tensor_with_sequence_parallel_matches_single_device_on_2_ranks(tmp_path, single):
+    run_ranks(train_runs, 2, tmp_path, TWO_RANK_RUNS)
+    for name in TWO_RANK_RUNS:
+        assert_same_training(tmp_path / name, single, STEPS)
+
+
+def test_pipeline_of_tensor_parallel_stages_with_sequence_parallel_matches_single_device_on_4_ranks(tmp_path, single):
+    runs = {"pp2-tp2-sp": ("pipeline", "parallel.tp=2", "parallel.sequence_parallel=true",
+                           "parallel.micro_batches=2")}
+    run_ranks(train_runs, 4, tmp_path, runs)
+    assert_same_training(tmp_path / "pp2-tp2-sp", single, STEPS)
+
+
+# --- saved activations: measured against the planner ----------------------------------------------
+
+CASES = [Candidate("tensor", 1, 1, 2, "fp32", "none", 4), Candidate("tensor", 1, 1, 2, "bf16-mixed", "selective", 4),
+         Candidate("tensor", 1, 1, 2, "fp32", "blocks", 4)]
+
+
+def base_config(sequence_parallel: bool):
+    return load_config(CONFIGS / "gpt-tiny.toml", [
+        "model.n_layer=4", "model.n_head=4", "train.global_batch=4", "train.micro_batch=4", "train.steps=1",
+        "run.out=unused", "parallel.strategy=tensor", "launch.nproc=2",
+        f"parallel.sequence_parallel={str(sequence_parallel).lower()}"])
+
+
+def counted_activations(ctx: DistContext) -> dict[tuple[str, bool], int]:
+    """The bytes saved for backward this rank counts in one step of each case, with and without
+    sequence parallel."""
+    out = {}
+    for candidate in CASES:
+        for sequence_parallel in (False, True):
+            trainer = Trainer(candidate.config(base_config(sequence_parallel), ctx.world_size), ctx)
+            trainer.train_step(0)
+            out[candidate.label, sequence_parallel] = trainer.activation_bytes
+    return out
+
+
+def test_sequence_parallel_cuts_saved_activations_by_what_the_planner_predicts():
+    counted = run_ranks(counted_activations, 2)
+    for candidate in CASES:
+        predicted = {sp: predict_memory(candidate, base_config(sp))[0].activations for sp in (False, True)}
+        for rank in range(2):
+            got = {sp: counted[rank][candidate.label, sp] for sp in (False, True)}
+            assert got[True] < got[False], candidate.label
+            fall, predicted_fall = got[False] - got[True], predicted[False] - predicted[True]
+            assert fall == pytest.approx(predicted_fall, rel=0.10), (candidate.label, rank, fall, predicted_fall)
+            assert got[True] == pytest.approx(predicted[True], rel=0.10), (candidate.label, rank)
+
+
+# --- refused before launch ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("overrides, message", [
+    (("parallel.strategy=fsdp", "launch.nproc=2"), "only pipeline, model-parallel, tensor"),
+    (("parallel.strategy=pipeline", "launch.nproc=2"), "needs parallel.tp >= 2"),
+    (("parallel.strategy=tensor", "launch.nproc=2", "model.seq_len=63"), "must divide model.seq_len = 63"),
+])
+def test_sequence_parallel_is_refused_where_it_cannot_split_the_sequence(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(CONFIGS / "gpt-tiny.toml", ["parallel.sequence_parallel=true", *overrides])
