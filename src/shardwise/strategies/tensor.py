@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.config import Config, ConfigError
-from shardwise.models.plans import Column, ParallelPlan, PlanError, Region
+from shardwise.models.plans import ParallelPlan, PlanError, Region
 from shardwise.strategies.mesh import MeshStrategy, TensorShard, module_input, with_input
 
 Group = dist.ProcessGroup
@@ -292,51 +292,73 @@ def _check_heads(region: Region, module: nn.Module, family: str, size: int) -> N
                             f"({family} plan: {region.module}.{path}); each rank computes an equal share")
 
 
-def _split_dims(layer: nn.Module, column: Column | None, in_out: bool) -> int:
-    """The size of the weight dimension a layer is split along (per fused part for a column layer)."""
-    dim = (1 if in_out else 0) if column is not None else (0 if in_out else 1)
-    return layer.weight.shape[dim] // (column.parts if column is not None else 1)
+def _check_width(width: int, size: int, region: Region, name: str, what: str, family: str) -> None:
+    if width % size:
+        raise PlanError(f"tensor parallel over {size} ranks: must divide {region.module}.{name}'s {width} {what} "
+                        f"({family} plan)")
+
+
+def _put(module: nn.Module, name: str, layer: nn.Module) -> None:
+    parent, _, attr = name.rpartition(".")
+    setattr(module.get_submodule(parent), attr, layer)
+
+
+def split_region(module: nn.Module, region: Region, plan: ParallelPlan, group: Group,
+                 sequence_parallel: bool) -> dict[int, TensorShard]:
+    """Split one region of a block over `group`, in place: its column and row layers replaced by
+    this rank's shards, its input hooked, its per-rank sizes divided. Returns how each new
+    parameter is split, by id."""
+    size, in_out = dist.get_world_size(group), plan.weights_in_out
+    _check_heads(region, module, plan.family, size)
+    entry = TensorParallelRegion(module, group, sequence_parallel)
+    splits: dict[str, ColumnParallelLinear | RowParallelLinear] = {}
+    for column in region.columns:
+        layer = module.get_submodule(column.name)
+        _check_width(layer.weight.shape[1 if in_out else 0] // column.parts, size, region, column.name,
+                     "output features" + (f" per part (of {column.parts})" if column.parts > 1 else ""), plan.family)
+        splits[column.name] = ColumnParallelLinear(layer, column.parts, entry, in_out)
+    row = module.get_submodule(region.row)
+    _check_width(row.weight.shape[0 if in_out else 1], size, region, region.row, "input features", plan.family)
+    splits[region.row] = RowParallelLinear(row, group, sequence_parallel, in_out)
+    for name, split in splits.items():
+        _put(module, name, split)
+    for attribute in region.per_rank:
+        owner, _, leaf = attribute.rpartition(".")
+        target = _attribute(module, owner) if owner else module
+        setattr(target, leaf, getattr(target, leaf) // size)
+    return {id(param): split.shards[key] for split in splits.values()
+            for key, param in split.named_parameters(recurse=False)}
+
+
+def split_sequence_around(blocks: list[nn.Module], group: Group) -> None:
+    """Sequence parallel's ends: this rank's part of the sequence enters the first block, the whole
+    sequence is gathered from the last."""
+
+    def split(block: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return with_input(block, args, kwargs, SplitSequence.apply(module_input(block, args, kwargs), group))
+
+    def gather(block: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        return GatherSequence.apply(out, group)
+
+    blocks[0].register_forward_pre_hook(split, with_kwargs=True)
+    blocks[-1].register_forward_hook(gather)
 
 
 def parallelize_blocks(blocks: list[nn.Module], plan: ParallelPlan, group: Group,
                        sequence_parallel: bool) -> tuple[dict[int, TensorShard], list[nn.Parameter]]:
-    """Split the regions of each block of `blocks` (consecutive blocks of a model, or of one pipeline
-    stage) over `group` as `plan` lays them out, in place; under sequence parallel, split the
-    sequence before the first block and gather it after the last. Returns how each new parameter is
-    split (by id), and the blocks' parameters every rank holds whole whose gradients, under
-    sequence parallel, come from this rank's positions only."""
-    size = dist.get_world_size(group)
+    """Split every region of `blocks` (consecutive blocks of a model, or of one pipeline stage) over
+    `group` as `plan` lays them out, in place; under sequence parallel, split the sequence before
+    the first block and gather it after the last. Returns how each new parameter is split (by id),
+    and, under sequence parallel, the blocks' parameters every rank holds whole, whose gradients
+    come from this rank's positions only."""
     shards = {}
     for block in blocks:
         for region in plan.regions:
-            module = block.get_submodule(region.module)
-            _check_heads(region, module, plan.family, size)
-            entry = TensorParallelRegion(module, group, sequence_parallel)
-            layers = [(column, module.get_submodule(column.name)) for column in region.columns]
-            layers.append((None, module.get_submodule(region.row)))
-            for column, layer in layers:
-                name = column.name if column else region.row
-                width = _split_dims(layer, column, plan.weights_in_out)
-                if width % size:
-                    raise PlanError(f"tensor parallel over {size} ranks: must divide {region.module}.{name}'s {width} "
-                                    f"{'output' if column else 'input'} features ({plan.family} plan)")
-                split = ColumnParallelLinear(layer, column.parts, entry, plan.weights_in_out) if column else \
-                    RowParallelLinear(layer, group, sequence_parallel, plan.weights_in_out)
-                setattr(module.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2], split)
-                shards |= {id(getattr(split, key)): shard for key, shard in split.shards.items()
-                           if getattr(split, key) is not None}
-            for attribute in region.per_rank:
-                owner, _, leaf = attribute.rpartition(".")
-                target = _attribute(module, owner) if owner else module
-                setattr(target, leaf, getattr(target, leaf) // size)
-    if sequence_parallel:
-        blocks[0].register_forward_pre_hook(
-            lambda module, args, kwargs: with_input(module, args, kwargs,
-                                                    SplitSequence.apply(module_input(module, args, kwargs), group)),
-            with_kwargs=True)
-        blocks[-1].register_forward_hook(lambda module, args, out: GatherSequence.apply(out, group))
-    whole = [p for block in blocks for p in block.parameters() if id(p) not in shards]
-    return shards, whole if sequence_parallel else []
+            shards |= split_region(block.get_submodule(region.module), region, plan, group, sequence_parallel)
+    if not sequence_parallel:
+        return shards, []
+    split_sequence_around(blocks, group)
+    return shards, [p for block in blocks for p in block.parameters() if id(p) not in shards]
 
 
 class TensorParallel(MeshStrategy):
