@@ -327,7 +327,7 @@ def split_region(module: nn.Module, region: Region, plan: ParallelPlan, group: G
         target = _attribute(module, owner) if owner else module
         setattr(target, leaf, getattr(target, leaf) // size)
     return {id(param): split.shards[key] for split in splits.values()
-            for key, param in split.named_parameters(recurse=False)}
+            for key, param in split.named_parameters(recurse=False) if key in split.shards}
 
 
 def split_sequence_around(blocks: list[nn.Module], group: Group) -> None:
