@@ -187,6 +187,7 @@ def run(ctx: DistContext, steps: int, rounds: int, micro_batch: int) -> dict[str
         "threads_per_rank": torch.get_num_threads(),
         "machine": f"{platform.machine()}, {ctx.backend}, torch {torch.__version__}",
         "steps_each": len(times["gpipe-1"]),
+        "rounds": rounds,
         "ours": {schedule: entries for schedule, entries in ours.items() if schedule != "model-parallel"},
         "model_parallel": ours["model-parallel"]["1"],
         "native_at_m4": native,

@@ -136,6 +136,7 @@ def run(ctx: DistContext, steps: int, rounds: int, micro_batch: int) -> dict[str
         "machine": f"{platform.machine()}, {ctx.backend}, torch {torch.__version__}",
         "load_average_before_after": [load_before[0], os.getloadavg()[0]],
         "steps_each": len(times["gpt-tensor"]),
+        "rounds": rounds,
         **rows,
     }
 

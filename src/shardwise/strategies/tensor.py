@@ -22,10 +22,11 @@ Sequence parallel (`parallel.sequence_parallel`; Korthikanti et al. 2022, Megatr
 the regions, the residual stream and the norms are split along the sequence too, each rank
 holding seq/tp positions of them. A region's input is all-gathered along the sequence (its
 gradient reduce-scattered) and the row-parallel layer reduce-scatters its partial outputs instead
-of all-reducing them (its gradient all-gathered): the same bytes on the wire, as a ring all-reduce
-is a reduce-scatter and an all-gather. The column-parallel layers keep for backward only this
-rank's part of their input and all-gather it again there, once per region, so a block saves
-1/tp of everything it saves on one device. The stream is split before the first block and
+of all-reducing them (its gradient all-gathered): the same bytes on the wire as the all-reduces
+they replace, a ring all-reduce being a reduce-scatter and an all-gather. The column-parallel
+layers keep for backward only this rank's part of their input and all-gather it again there,
+once per region (one all-gather more per region, for the memory), so a block saves 1/tp of
+everything it saves on one device. The stream is split before the first block and
 gathered after the last (their gradients the converse), so embeddings, final norm, head and loss
 see the whole sequence. The block's parameters every rank holds whole (norms, the row layers'
 biases) then get gradients from this rank's positions only: the strategy sums them over the tp
