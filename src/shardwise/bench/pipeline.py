@@ -1,6 +1,7 @@
 """`shardwise bench pipeline`: our pipeline on P = 2 stages, GPipe and 1F1B at M = 1, 2, 4 and 8
 micro-batches, our `model-parallel`, and torch.distributed.pipelining's ScheduleGPipe and
-Schedule1F1B at M = 4 on the same stages, in one 2-rank world, alternating (A B C ... A B C).
+Schedule1F1B at M = 4 on the same stages, in one 2-rank world, alternating step by step (A B C ...
+A B C: 12 rounds of one step by default).
 
 Each step is one pipeline run over a per-replica batch of `--micro-batch` samples (gpt small,
 synthetic tokens). Reported per configuration:
@@ -229,4 +230,4 @@ def format_result(result: dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":
-    bench_main("pipeline", run, format_result)
+    bench_main("pipeline", run, format_result, rounds=12)

@@ -1,6 +1,7 @@
 """`shardwise bench tensor`: our `tensor` (tp = 2) against DTensor's `parallelize_module` with
 ColwiseParallel / RowwiseParallel, on shardwise's GPT and on a transformers Llama with
-grouped-query attention, in one 2-rank world, all four alternating (A B C D A B C D).
+grouped-query attention, in one 2-rank world, all four alternating step by step (A B C D A B C D:
+12 rounds of one step by default, so the shared machine's load drifts over all alike).
 
 Both sides split every layer the model family's parallel plan names (models/plans.py): DTensor's
 plan is made from ours, ColwiseParallel for its column-parallel layers and RowwiseParallel for its
@@ -158,4 +159,4 @@ def format_result(result: dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":
-    bench_main("tensor", run, format_result)
+    bench_main("tensor", run, format_result, rounds=12)
