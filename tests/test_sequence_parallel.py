@@ -62,39 +62,44 @@ def test_pipeline_of_tensor_parallel_stages_with_sequence_parallel_matches_singl
 
 # --- saved activations: measured against the planner ----------------------------------------------
 
-CASES = [Candidate("tensor", 1, 1, 2, "fp32", "none", 4), Candidate("tensor", 1, 1, 2, "bf16-mixed", "selective", 4),
-         Candidate("tensor", 1, 1, 2, "fp32", "blocks", 4)]
+LLAMA = ("model.name=hf-llama", "model.n_kv_head=2")  # grouped-query attention, rotary cos/sin saved per stage
+CASES = [(Candidate("tensor", 1, 1, 2, "fp32", "none", 4), ()),
+         (Candidate("tensor", 1, 1, 2, "bf16-mixed", "selective", 4), ()),
+         (Candidate("tensor", 1, 1, 2, "fp32", "blocks", 4), ()),
+         (Candidate("tensor", 1, 1, 2, "fp32", "none", 4), LLAMA),
+         (Candidate("tensor", 1, 1, 2, "bf16-mixed", "every:2", 4), LLAMA)]
 
 
-def base_config(sequence_parallel: bool):
+def base_config(sequence_parallel: bool, model: tuple[str, ...]):
     return load_config(CONFIGS / "gpt-tiny.toml", [
         "model.n_layer=4", "model.n_head=4", "train.global_batch=4", "train.micro_batch=4", "train.steps=1",
         "run.out=unused", "parallel.strategy=tensor", "launch.nproc=2",
-        f"parallel.sequence_parallel={str(sequence_parallel).lower()}"])
+        f"parallel.sequence_parallel={str(sequence_parallel).lower()}", *model])
 
 
-def counted_activations(ctx: DistContext) -> dict[tuple[str, bool], int]:
+def counted_activations(ctx: DistContext) -> dict[tuple[int, bool], int]:
     """The bytes saved for backward this rank counts in one step of each case, with and without
     sequence parallel."""
     out = {}
-    for candidate in CASES:
+    for case, (candidate, model) in enumerate(CASES):
         for sequence_parallel in (False, True):
-            trainer = Trainer(candidate.config(base_config(sequence_parallel), ctx.world_size), ctx)
+            trainer = Trainer(candidate.config(base_config(sequence_parallel, model), ctx.world_size), ctx)
             trainer.train_step(0)
-            out[candidate.label, sequence_parallel] = trainer.activation_bytes
+            out[case, sequence_parallel] = trainer.activation_bytes
     return out
 
 
 def test_sequence_parallel_cuts_saved_activations_by_what_the_planner_predicts():
     counted = run_ranks(counted_activations, 2)
-    for candidate in CASES:
-        predicted = {sp: predict_memory(candidate, base_config(sp))[0].activations for sp in (False, True)}
+    for case, (candidate, model) in enumerate(CASES):
+        label = f"{candidate.label} {' '.join(model)}"
+        predicted = {sp: predict_memory(candidate, base_config(sp, model))[0].activations for sp in (False, True)}
         for rank in range(2):
-            got = {sp: counted[rank][candidate.label, sp] for sp in (False, True)}
-            assert got[True] < got[False], candidate.label
+            got = {sp: counted[rank][case, sp] for sp in (False, True)}
+            assert got[True] < got[False], label
             fall, predicted_fall = got[False] - got[True], predicted[False] - predicted[True]
-            assert fall == pytest.approx(predicted_fall, rel=0.10), (candidate.label, rank, fall, predicted_fall)
-            assert got[True] == pytest.approx(predicted[True], rel=0.10), (candidate.label, rank)
+            assert fall == pytest.approx(predicted_fall, rel=0.10), (label, rank, fall, predicted_fall)
+            assert got[True] == pytest.approx(predicted[True], rel=0.10), (label, rank)
 
 
 # --- refused before launch ------------------------------------------------------------------------

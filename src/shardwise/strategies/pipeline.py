@@ -55,7 +55,7 @@ from shardwise.precision import LossScaler, Precision
 from shardwise.strategies.base import LossFn
 from shardwise.strategies.mesh import MeshStrategy, with_input
 from shardwise.strategies.registry import spec
-from shardwise.strategies.tensor import parallelize_blocks
+from shardwise.strategies.tensor import TensorParallelGroup, parallelize_blocks
 
 Group = dist.ProcessGroup
 
@@ -364,7 +364,7 @@ class Pipeline(MeshStrategy):
         self.stage = Stage(located, start, stop, first=self.pp_rank == 0, last=self.pp_rank == self.pp - 1)
         if self.tp > 1:
             self.tensor_shards, self.sequence_split = parallelize_blocks(
-                blocks[start:stop], located.plan, self.tp_group, self.cfg.sequence_parallel)
+                blocks[start:stop], located.plan, TensorParallelGroup(self.tp_group), self.cfg.sequence_parallel)
         self.record_local_state(model)
         self._tie_first_and_last(tied)
         self.module = PipelineModule(self.stage, self.pp_rank, self.pp, self.pp_group, self.activations, vocab_size)

@@ -56,81 +56,105 @@ from shardwise.config import Config, ConfigError
 from shardwise.models.plans import ParallelPlan, PlanError, Region
 from shardwise.strategies.mesh import MeshStrategy, TensorShard, module_input, with_input
 
-Group = dist.ProcessGroup
 Ctx = torch.autograd.function.FunctionCtx
+
+
+class TensorParallelGroup:
+    """The tp ranks a model replica's blocks are split over, and the collectives the split needs:
+    sums of partial results, and for sequence parallel, [batch, seq, width] activations split along
+    seq (each rank a consecutive part of it)."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+
+    def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` summed over the ranks, in place."""
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def gather_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        """The whole sequence from every rank's part of it."""
+        parts = x.new_empty((self.size * x.shape[0], *x.shape[1:]))  # Gloo takes the parts concatenated on dim 0
+        dist.all_gather_single(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts.chunk(self.size), dim=1)
+
+    def reduce_scatter_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the sequence of the sum of every rank's `x`."""
+        parts = torch.cat(x.chunk(self.size, dim=1))  # rank r's part r-th along dim 0
+        out = x.new_empty((x.shape[0], *parts.shape[1:]))
+        dist.reduce_scatter_single(out, parts, group=self.group)
+        return out
+
+    def sequence_part(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the sequence, a copy."""
+        return x.chunk(self.size, dim=1)[self.rank].contiguous()
+
+
+class ShapesOnly(TensorParallelGroup):
+    """Rank 0 of `size` tp ranks, alone: each collective returns what it would, in shape and dtype,
+    without the others' values. What the planner traces a rank's forward through, on fake tensors,
+    to count what it saves for backward (planner/model.py)."""
+
+    def __init__(self, size: int) -> None:
+        self.group, self.rank, self.size = None, 0, size
+
+    def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def gather_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x] * self.size, dim=1)
+
+    def reduce_scatter_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        return x.new_empty((x.shape[0], x.shape[1] // self.size, *x.shape[2:])).copy_(x.chunk(self.size, dim=1)[0])
 
 
 class CopyToTensorParallel(torch.autograd.Function):
     """Identity forward; all-reduce (sum) of the gradient backward."""
 
     @staticmethod
-    def forward(ctx: Ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
-        ctx.group = group
+    def forward(ctx: Ctx, x: torch.Tensor, tp: TensorParallelGroup) -> torch.Tensor:
+        ctx.tp = tp
         return x
 
     @staticmethod
     def backward(ctx: Ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.clone()  # autograd may hand the same gradient to other consumers
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+        return ctx.tp.all_reduce_(grad.clone()), None  # clone: autograd may hand the gradient to others too
 
 
 class ReduceFromTensorParallel(torch.autograd.Function):
     """All-reduce (sum) forward; identity backward."""
 
     @staticmethod
-    def forward(ctx: Ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
-        x = x.clone()  # an input must not be changed in place
-        dist.all_reduce(x, group=group)
-        return x
+    def forward(ctx: Ctx, x: torch.Tensor, tp: TensorParallelGroup) -> torch.Tensor:
+        return tp.all_reduce_(x.clone())  # an input must not be changed in place
 
     @staticmethod
     def backward(ctx: Ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad, None
 
 
-def copy_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
-    return CopyToTensorParallel.apply(x, group)
+def copy_to_tp(x: torch.Tensor, tp: TensorParallelGroup) -> torch.Tensor:
+    return CopyToTensorParallel.apply(x, tp)
 
 
-def reduce_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
-    return ReduceFromTensorParallel.apply(x, group)
+def reduce_from_tp(x: torch.Tensor, tp: TensorParallelGroup) -> torch.Tensor:
+    return ReduceFromTensorParallel.apply(x, tp)
 
 
-# --- sequence parallel: [batch, seq, width] activations split along seq over the tp ranks -------
-
-def gather_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """The whole sequence from every rank's consecutive part of it."""
-    size = dist.get_world_size(group)
-    parts = x.new_empty((size * x.shape[0], *x.shape[1:]))  # Gloo takes the parts concatenated along dim 0
-    dist.all_gather_single(parts, x.contiguous(), group=group)
-    return torch.cat(parts.chunk(size), dim=1)
-
-
-def reduce_scatter_sequence(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """This rank's part of the sequence of the sum of every rank's `x`."""
-    parts = torch.cat(x.chunk(dist.get_world_size(group), dim=1))  # rank r's part r-th along dim 0
-    out = x.new_empty((x.shape[0], *parts.shape[1:]))
-    dist.reduce_scatter_single(out, parts, group=group)
-    return out
-
-
-def sequence_part(x: torch.Tensor, group: Group) -> torch.Tensor:
-    """This rank's consecutive part of the sequence, a copy."""
-    return x.chunk(dist.get_world_size(group), dim=1)[dist.get_rank(group)].contiguous()
-
+# --- sequence parallel ----------------------------------------------------------------------------
 
 class SplitSequence(torch.autograd.Function):
     """This rank's part of the sequence forward; all-gather of the gradient backward."""
 
     @staticmethod
-    def forward(ctx: Ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
-        ctx.group = group
-        return sequence_part(x, group)
+    def forward(ctx: Ctx, x: torch.Tensor, tp: TensorParallelGroup) -> torch.Tensor:
+        ctx.tp = tp
+        return tp.sequence_part(x)
 
     @staticmethod
     def backward(ctx: Ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return gather_sequence(grad, ctx.group), None
+        return ctx.tp.gather_sequence(grad), None
 
 
 class GatherSequence(torch.autograd.Function):
@@ -138,13 +162,13 @@ class GatherSequence(torch.autograd.Function):
     rank has whole (what follows is replicated)."""
 
     @staticmethod
-    def forward(ctx: Ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
-        ctx.group = group
-        return gather_sequence(x, group)
+    def forward(ctx: Ctx, x: torch.Tensor, tp: TensorParallelGroup) -> torch.Tensor:
+        ctx.tp = tp
+        return tp.gather_sequence(x)
 
     @staticmethod
     def backward(ctx: Ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return sequence_part(grad, ctx.group), None
+        return ctx.tp.sequence_part(grad), None
 
 
 class EnterRegion(torch.autograd.Function):
@@ -155,12 +179,12 @@ class EnterRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Ctx, x: torch.Tensor, region: TensorParallelRegion) -> torch.Tensor:
         ctx.region = region
-        return gather_sequence(x, region.group)
+        return region.tp.gather_sequence(x)
 
     @staticmethod
     def backward(ctx: Ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         ctx.region.regathered = None
-        return reduce_scatter_sequence(grad, ctx.region.group), None
+        return ctx.region.tp.reduce_scatter_sequence(grad), None
 
 
 class LeaveRegion(torch.autograd.Function):
@@ -168,13 +192,13 @@ class LeaveRegion(torch.autograd.Function):
     sequence forward, all-gather of the gradient backward."""
 
     @staticmethod
-    def forward(ctx: Ctx, x: torch.Tensor, group: Group) -> torch.Tensor:
-        ctx.group = group
-        return reduce_scatter_sequence(x, group)
+    def forward(ctx: Ctx, x: torch.Tensor, tp: TensorParallelGroup) -> torch.Tensor:
+        ctx.tp = tp
+        return tp.reduce_scatter_sequence(x)
 
     @staticmethod
     def backward(ctx: Ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return gather_sequence(grad, ctx.group), None
+        return ctx.tp.gather_sequence(grad), None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, in_out: bool) -> torch.Tensor:
@@ -190,7 +214,7 @@ class ColumnOverSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Ctx, full: torch.Tensor, local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 layer: ColumnParallelLinear) -> torch.Tensor:
-        out = linear(full, weight, bias, layer.in_out)  # under autocast where the step runs under it
+        out = linear(full, weight, bias, layer.in_out)  # the input cast to the weight's dtype under autocast
         ctx.save_for_backward(local, weight)
         ctx.layer, ctx.dtype, ctx.full_dtype = layer, out.dtype, full.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
@@ -201,8 +225,8 @@ class ColumnOverSequence(torch.autograd.Function):
         local, weight = ctx.saved_tensors
         region = ctx.layer.region
         if region.regathered is None or region.regathered[0] is not local:
-            region.regathered = (local, gather_sequence(local, region.group))
-        # As autocast's matmul: in the forward's compute dtype, each gradient cast back to its tensor's.
+            region.regathered = (local, region.tp.gather_sequence(local))
+        # In the forward's compute dtype, each gradient cast back to its tensor's, as autocast's matmul.
         x, w = region.regathered[1].to(ctx.dtype).flatten(0, -2), weight.to(ctx.dtype)
         g = grad.to(ctx.dtype)
         flat = g.flatten(0, -2)
@@ -219,8 +243,8 @@ class TensorParallelRegion:
     `copy_to_tp`, or gathered along the sequence), and under sequence parallel the two forms of the
     input of the forward under way, for those layers, and the one gathered again in backward."""
 
-    def __init__(self, module: nn.Module, group: Group, sequence_parallel: bool) -> None:
-        self.group, self.sequence_parallel = group, sequence_parallel
+    def __init__(self, module: nn.Module, tp: TensorParallelGroup, sequence_parallel: bool) -> None:
+        self.tp, self.sequence_parallel = tp, sequence_parallel
         self.local: torch.Tensor | None = None  # this rank's part of the sequence ...
         self.full: torch.Tensor | None = None  # ... and all of it, while the region's forward runs
         self.regathered: tuple[torch.Tensor, torch.Tensor] | None = None  # (local, full) in backward
@@ -231,7 +255,7 @@ class TensorParallelRegion:
     def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         x = module_input(module, args, kwargs)
         if not self.sequence_parallel:
-            return with_input(module, args, kwargs, copy_to_tp(x, self.group))
+            return with_input(module, args, kwargs, copy_to_tp(x, self.tp))
         self.local, self.full = x, EnterRegion.apply(x, self)
         return with_input(module, args, kwargs, self.full)
 
@@ -246,7 +270,7 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, layer: nn.Module, parts: int, region: TensorParallelRegion, in_out: bool) -> None:
         super().__init__()
         self.region, self.in_out = region, in_out
-        rank, size = dist.get_rank(region.group), dist.get_world_size(region.group)
+        rank, size = region.tp.rank, region.tp.size
         self.shards = {"weight": TensorShard(1 if in_out else 0, parts), "bias": TensorShard(0, parts)}
         self.weight = nn.Parameter(self.shards["weight"].take(layer.weight.detach(), rank, size))
         bias = layer.bias
@@ -259,25 +283,30 @@ class ColumnParallelLinear(nn.Module):
             raise RuntimeError("sequence parallel: a column-parallel layer was called on something other than its "
                                "region's input; the plan's region must be the module whose input all its column "
                                "layers take")
-        return ColumnOverSequence.apply(x, self.region.local, self.weight, self.bias, self)
+        weight, bias = self.weight, self.bias
+        device = x.device.type
+        if torch.is_autocast_enabled(device):  # cast as autocast's matmul does, its weight copy kept for backward
+            dtype = torch.get_autocast_dtype(device)
+            weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
+        return ColumnOverSequence.apply(x, self.region.local, weight, bias, self)
 
 
 class RowParallelLinear(nn.Module):
-    """`layer` with its input features split over `group`: takes this rank's slice of the input,
+    """`layer` with its input features split over the tp ranks: takes this rank's slice of the input,
     returns the whole output summed over ranks (under sequence parallel, this rank's part of the
     sequence of it)."""
 
-    def __init__(self, layer: nn.Module, group: Group, sequence_parallel: bool, in_out: bool) -> None:
+    def __init__(self, layer: nn.Module, tp: TensorParallelGroup, sequence_parallel: bool, in_out: bool) -> None:
         super().__init__()
-        self.group, self.sequence_parallel, self.in_out = group, sequence_parallel, in_out
-        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        self.tp, self.sequence_parallel, self.in_out = tp, sequence_parallel, in_out
+        rank, size = tp.rank, tp.size
         self.shards = {"weight": TensorShard(0 if in_out else 1)}  # the bias is added after the sum: replicated
         self.weight = nn.Parameter(self.shards["weight"].take(layer.weight.detach(), rank, size))
         self.bias = None if layer.bias is None else nn.Parameter(layer.bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         partial = linear(x, self.weight, None, self.in_out)
-        y = LeaveRegion.apply(partial, self.group) if self.sequence_parallel else reduce_from_tp(partial, self.group)
+        y = LeaveRegion.apply(partial, self.tp) if self.sequence_parallel else reduce_from_tp(partial, self.tp)
         return y if self.bias is None else y + self.bias
 
 
@@ -304,14 +333,14 @@ def _put(module: nn.Module, name: str, layer: nn.Module) -> None:
     setattr(module.get_submodule(parent), attr, layer)
 
 
-def split_region(module: nn.Module, region: Region, plan: ParallelPlan, group: Group,
+def split_region(module: nn.Module, region: Region, plan: ParallelPlan, tp: TensorParallelGroup,
                  sequence_parallel: bool) -> dict[int, TensorShard]:
-    """Split one region of a block over `group`, in place: its column and row layers replaced by
+    """Split one region of a block over the tp ranks, in place: its column and row layers replaced by
     this rank's shards, its input hooked, its per-rank sizes divided. Returns how each new
     parameter is split, by id."""
-    size, in_out = dist.get_world_size(group), plan.weights_in_out
+    size, in_out = tp.size, plan.weights_in_out
     _check_heads(region, module, plan.family, size)
-    entry = TensorParallelRegion(module, group, sequence_parallel)
+    entry = TensorParallelRegion(module, tp, sequence_parallel)
     splits: dict[str, ColumnParallelLinear | RowParallelLinear] = {}
     for column in region.columns:
         layer = module.get_submodule(column.name)
@@ -320,7 +349,7 @@ def split_region(module: nn.Module, region: Region, plan: ParallelPlan, group: G
         splits[column.name] = ColumnParallelLinear(layer, column.parts, entry, in_out)
     row = module.get_submodule(region.row)
     _check_width(row.weight.shape[0 if in_out else 1], size, region, region.row, "input features", plan.family)
-    splits[region.row] = RowParallelLinear(row, group, sequence_parallel, in_out)
+    splits[region.row] = RowParallelLinear(row, tp, sequence_parallel, in_out)
     for name, split in splits.items():
         _put(module, name, split)
     for attribute in region.per_rank:
@@ -331,34 +360,34 @@ def split_region(module: nn.Module, region: Region, plan: ParallelPlan, group: G
             for key, param in split.named_parameters(recurse=False) if key in split.shards}
 
 
-def split_sequence_around(blocks: list[nn.Module], group: Group) -> None:
+def split_sequence_around(blocks: list[nn.Module], tp: TensorParallelGroup) -> None:
     """Sequence parallel's ends: this rank's part of the sequence enters the first block, the whole
     sequence is gathered from the last."""
 
     def split(block: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return with_input(block, args, kwargs, SplitSequence.apply(module_input(block, args, kwargs), group))
+        return with_input(block, args, kwargs, SplitSequence.apply(module_input(block, args, kwargs), tp))
 
     def gather(block: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
-        return GatherSequence.apply(out, group)
+        return GatherSequence.apply(out, tp)
 
     blocks[0].register_forward_pre_hook(split, with_kwargs=True)
     blocks[-1].register_forward_hook(gather)
 
 
-def parallelize_blocks(blocks: list[nn.Module], plan: ParallelPlan, group: Group,
+def parallelize_blocks(blocks: list[nn.Module], plan: ParallelPlan, tp: TensorParallelGroup,
                        sequence_parallel: bool) -> tuple[dict[int, TensorShard], list[nn.Parameter]]:
     """Split every region of `blocks` (consecutive blocks of a model, or of one pipeline stage) over
-    `group` as `plan` lays them out, in place; under sequence parallel, split the sequence before
+    the tp ranks as `plan` lays them out, in place; under sequence parallel, split the sequence before
     the first block and gather it after the last. Returns how each new parameter is split (by id),
     and, under sequence parallel, the blocks' parameters every rank holds whole, whose gradients
     come from this rank's positions only."""
     shards = {}
     for block in blocks:
         for region in plan.regions:
-            shards |= split_region(block.get_submodule(region.module), region, plan, group, sequence_parallel)
+            shards |= split_region(block.get_submodule(region.module), region, plan, tp, sequence_parallel)
     if not sequence_parallel:
         return shards, []
-    split_sequence_around(blocks, group)
+    split_sequence_around(blocks, tp)
     return shards, [p for block in blocks for p in block.parameters() if id(p) not in shards]
 
 
@@ -377,7 +406,8 @@ class TensorParallel(MeshStrategy):
         model = self.prepare(model)
         located = self.locate(model)
         self.record_layout(model, [{id(t) for t in model.state_dict(keep_vars=True).values()}])
-        self.tensor_shards, self.sequence_split = parallelize_blocks(located.blocks, located.plan, self.tp_group,
+        self.tensor_shards, self.sequence_split = parallelize_blocks(located.blocks, located.plan,
+                                                                     TensorParallelGroup(self.tp_group),
                                                                      self.cfg.sequence_parallel)
         self.record_local_state(model)
         self.module = model
