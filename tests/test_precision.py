@@ -17,7 +17,6 @@ from shardwise.config import load_config
 from shardwise.dist import DistContext, init_distributed
 from shardwise.memory import optimizer_state_tensors
 from shardwise.precision import LossScaler
-from shardwise.strategies.mesh import find_blocks
 from shardwise.trainer import Trainer
 
 
@@ -133,7 +132,8 @@ def split_model_in_bf16(ctx: DistContext, root: Path) -> dict[tuple[str, str], d
                 f"run.out={root / precision / strategy}"])
             trainer = Trainer(cfg, ctx)
             computed: set[torch.dtype] = set()
-            find_blocks(trainer.strategy.module, "Block")[0].mlp.up.register_forward_hook(
+            block = next(m for m in trainer.strategy.module.modules() if type(m).__name__ == "Block")
+            block.mlp.up.register_forward_hook(
                 lambda m, args, output, seen=computed: seen.add(output.dtype))
             trainer.fit()
             out[precision, strategy] = {

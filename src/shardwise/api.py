@@ -23,8 +23,10 @@ no communication: the strategy's `no_sync` is entered before their forward (torc
 forward whether backward communicates), and left before the K-th, which synchronises; `step` steps
 after it and returns False before.
 
-Strategies that split the model (`pipeline`, `model-parallel`, `tensor`) work on shardwise's GPT only:
-they cut its blocks and matrices. `tensor` trains through the same loop. A pipeline cannot run a
+Strategies that split the model (`pipeline`, `model-parallel`, `tensor`) work on a model whose family
+has a parallel plan (models/plans.py: shardwise's GPT, transformers' Llama, Mistral, Qwen2 and GPT-2,
+or one registered with `register_plan`): they cut its blocks and matrices as the plan says. `tensor`
+trains through the same loop. A pipeline cannot run a
 whole forward and then a backward (its stages interleave micro-batches), so under `pipeline` and
 `model-parallel` each step is `run.forward_backward(micro_batches, loss_fn)` then `run.step`; that
 works under every strategy.

@@ -173,7 +173,11 @@ class ParallelConfig:
                             "are 1")
     pp: int | None = option(None, "`pipeline`, `model-parallel`: pipeline stages per replica (as for dp)")
     tp: int | None = option(None, "`tensor`, and `pipeline` / `model-parallel` with tensor-parallel stages: "
-                            "tensor-parallel ranks per stage; divides model.n_head (as for dp)")
+                            "tensor-parallel ranks per stage; divides model.n_head, n_kv_head and d_ff (as for dp)")
+    sequence_parallel: bool = option(False, "`tensor`, and `pipeline` / `model-parallel` with tp > 1: split the "
+                                     "norms and the residual stream along the sequence over the tp ranks too "
+                                     "(Megatron's sequence parallelism), so each block saves 1/tp of its activations; "
+                                     "tp must divide model.seq_len")
     micro_batches: int = option(4, "`pipeline`: micro-batches per pipeline run (M); must divide "
                                 "`train.micro_batch`")
     schedule: str = option("1f1b", "`pipeline`: the schedule micro-batches run by", SCHEDULES)
@@ -526,6 +530,10 @@ def validate_parallel(p: ParallelConfig) -> None:
         raise ConfigError(f"parallel.offload = {p.offload!r}: only {', '.join(offloading)} offload their optimizer "
                           f"state to the host; parallel.strategy is {p.strategy!r}")
     _validate_gradient_reduction(p)
+    if p.sequence_parallel and not spec(p.strategy).splits_model:
+        splitting = ", ".join(name for name, each in SPECS.items() if each.splits_model)
+        raise ConfigError(f"parallel.sequence_parallel = true: splits the sequence over tensor-parallel ranks; only "
+                          f"{splitting} (with tp > 1) have them, not parallel.strategy = {p.strategy!r}")
     try:
         parse_policy(p.recompute)
     except ValueError as exc:

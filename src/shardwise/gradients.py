@@ -42,11 +42,12 @@ def clip_grad_norm_(counted: Sequence[torch.Tensor], scaled: Sequence[torch.Tens
     return norm
 
 
-def all_reduce_packed(grads: Sequence[torch.Tensor], group: dist.ProcessGroup) -> int:
-    """Average `grads` in place over `group` in one all-reduce of them all, packed into one buffer
-    (one collective's latency instead of one per tensor); returns the bytes it sent and received."""
+def all_reduce_packed(grads: Sequence[torch.Tensor], group: dist.ProcessGroup, average: bool = True) -> int:
+    """Average (or, without `average`, sum) `grads` in place over `group` in one all-reduce of them
+    all, packed into one buffer (one collective's latency instead of one per tensor); returns the
+    bytes it sent and received."""
     packed = torch.cat([grad.reshape(-1) for grad in grads])
-    dist.all_reduce(packed, op=dist.ReduceOp.AVG, group=group)
+    dist.all_reduce(packed, op=dist.ReduceOp.AVG if average else dist.ReduceOp.SUM, group=group)
     for grad, part in zip(grads, packed.split([grad.numel() for grad in grads]), strict=True):
         grad.copy_(part.view_as(grad))
     return 2 * packed.numel() * packed.element_size()

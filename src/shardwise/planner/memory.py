@@ -95,14 +95,15 @@ def optimizer_bytes(numel: int, tensors: int, stored: int, cfg: Config) -> int:
     return numel * stored if cfg.train.momentum else 0
 
 
-def trace_key(shape: ModelShape, candidate: Candidate, tp: int = 1) -> TraceKey:
+def trace_key(shape: ModelShape, candidate: Candidate, tp: int = 1, sequence_parallel: bool = False) -> TraceKey:
     """What the forward looks like under `candidate`: parameters as they are while computing
-    (the sharded strategies keep or gather mixed precision's in the compute dtype) and autocast
-    when mixed."""
+    (the sharded strategies keep or gather mixed precision's in the compute dtype), autocast
+    when mixed, and the tensor split (sequence parallel only where there is one)."""
     precision = make_precision(candidate.precision)
     sharded = (candidate.spec.zero_stage or 0) >= 1
     computing = working_dtype(precision) if sharded else precision.param_dtype
-    return TraceKey(shape, computing, precision.compute_dtype if precision.mixed else None, tp)
+    return TraceKey(shape, computing, precision.compute_dtype if precision.mixed else None, tp,
+                    sequence_parallel and tp > 1)
 
 
 def predict_memory(candidate: Candidate, cfg: Config, margin: float = DEFAULT_MARGIN,
@@ -210,7 +211,7 @@ def fsdp_gathered_numel(units: list[Tensors], world: int, prefetch: int, reshard
 def _pipeline(c: Candidate, cfg: Config, shape: ModelShape, activations: bool) -> list[RankMemory]:
     facts = rank_facts(shape, c.tp)
     bounds = stage_bounds(shape, c.pp)
-    saved = saved_bytes(trace_key(shape, c, c.tp)) if activations else None
+    saved = saved_bytes(trace_key(shape, c, c.tp, cfg.parallel.sequence_parallel)) if activations else None
     runs = c.micro_batches  # 1 where the model is split without pipelining
     per_run = c.micro_batch / runs
     activation = int(per_run * shape.seq_len * shape.d_model * 4)  # what crosses between stages
@@ -230,8 +231,8 @@ def _pipeline(c: Candidate, cfg: Config, shape: ModelShape, activations: bool) -
 
 def _tensor(c: Candidate, cfg: Config, shape: ModelShape, activations: bool) -> RankMemory:
     facts = rank_facts(shape, c.tp)
-    saved = saved_bytes(trace_key(shape, c, c.tp)).stage(0, shape.n_layer, True, True, c.recompute, c.micro_batch) \
-        if activations else 0
+    key = trace_key(shape, c, c.tp, cfg.parallel.sequence_parallel)
+    saved = saved_bytes(key).stage(0, shape.n_layer, True, True, c.recompute, c.micro_batch) if activations else 0
     # An all-reduce's result is a copy of one activation (ReduceFromTensorParallel clones its input).
     activation = c.micro_batch * shape.seq_len * shape.d_model * 4
     return _mesh_rank(c, cfg, facts.params_total, facts.tensor_count, saved, activation)

@@ -20,10 +20,10 @@ The counter's peak is the end of the forward: backward only releases what the fo
 (recomputation keeps its tensors out of the counter's sight, as it does in a real run).
 `tests/test_planner.py` holds the composition to a full-depth trace and to real runs.
 
-A tensor-parallel rank's block is the same block with its split layers replaced by layers of one
-rank's shapes (`tensor_parallel_block`): the GPT's as strategies/tensor.py splits it, a
-transformers family's by the column/row layout its config declares (GPT-2's, which declares
-none, is written below).
+A tensor-parallel rank's block is the block split by the strategy's own code
+(strategies/tensor.py, as the family's parallel plan in models/plans.py lays it out), on one rank
+whose collectives answer with the shapes they would (`ShapesOnly`): so what a rank saves is
+traced, sequence parallel's split residual stream and re-gathered column inputs included.
 
 The same fake forward also counts the operators it dispatches, for the time model's per-operator
 overhead.
@@ -48,9 +48,10 @@ from shardwise.config import DEFAULT_BLOCK, HF_MODELS, LANGUAGE_MODELS, ModelCon
 from shardwise.memory import ActivationCounter
 from shardwise.models import build_model, loss_fn
 from shardwise.models.hf import decoder_layer_class
+from shardwise.models.plans import locate
 from shardwise.recompute import apply_recompute, parse_policy
 from shardwise.strategies.pipeline import balanced_split
-from shardwise.strategies.tensor import LocalHeadsAttention
+from shardwise.strategies.tensor import ShapesOnly, parallelize_blocks
 
 
 class PlanError(ValueError):
@@ -218,61 +219,12 @@ def model_facts(shape: ModelShape) -> ModelFacts:
     return _split_facts(shape, meta_model(shape, 1))
 
 
-# GPT-2 declares no tensor-parallel layout (Llama and Qwen2 do, in their config's
-# `base_model_tp_plan`): the same column/row split, by module name within a block.
-GPT2_TENSOR_PLAN = {"attn.c_attn": "colwise", "attn.c_proj": "rowwise", "mlp.c_fc": "colwise",
-                    "mlp.c_proj": "rowwise"}
-
-
-def _tensor_plan(model: nn.Module) -> dict[str, str]:
-    """Module name within a block -> `colwise` (split by output) or `rowwise` (split by input)."""
-    for module in model.modules():
-        declared = getattr(getattr(module, "config", None), "base_model_tp_plan", None)
-        if declared:
-            return {pattern.split("*.", 1)[1]: style for pattern, style in declared.items() if "*." in pattern}
-    return GPT2_TENSOR_PLAN
-
-
-def _split_layer(layer: nn.Module, style: str, tp: int) -> nn.Module:
-    """A layer of one rank's shapes: column-parallel splits the output (and its bias), row-parallel
-    the input (the bias stays whole)."""
-    if isinstance(layer, nn.Linear):
-        out, inp = layer.out_features, layer.in_features
-        out, inp = (out // tp, inp) if style == "colwise" else (out, inp // tp)
-        return nn.Linear(inp, out, bias=layer.bias is not None)
-    from transformers.pytorch_utils import Conv1D  # GPT-2's transposed linear
-
-    out, inp = layer.nf, layer.nx
-    return Conv1D(out // tp, inp) if style == "colwise" else Conv1D(out, inp // tp)
-
-
-def tensor_parallel_block(block: nn.Module, tp: int, plan: dict[str, str] | None = None) -> None:
-    """Give `block` the shapes one of `tp` tensor-parallel ranks holds. The GPT's as
-    strategies/tensor.py splits it: qkv and up column-parallel (qkv by heads), proj and down
-    row-parallel with the bias whole. A transformers block's by `plan`; its attention infers its
-    head count from the split width (GPT-2's splits its fused q, k, v at `split_size`). Plain
-    layers of those shapes: the communication saves nothing for backward."""
-    if plan is None:
-        attn, mlp = block.attn, block.mlp
-        width, bias = attn.qkv.in_features, attn.qkv.bias is not None
-        block.attn = LocalHeadsAttention(nn.Linear(width, 3 * width // tp, bias=bias),
-                                         nn.Linear(width // tp, width, bias=bias), attn.n_head // tp)
-        mlp.up = nn.Linear(width, mlp.up.out_features // tp, bias=bias)
-        mlp.down = nn.Linear(mlp.down.in_features // tp, width, bias=bias)
-        return
-    for name, style in plan.items():
-        parent_name, _, leaf = name.rpartition(".")
-        parent = block.get_submodule(parent_name)
-        setattr(parent, leaf, _split_layer(getattr(parent, leaf), style, tp))
-        if hasattr(parent, "split_size"):
-            parent.split_size = parent.embed_dim // tp
-
-
-def parallelize_for_planning(model: nn.Module, shape: ModelShape, tp: int) -> None:
-    """Every block of `model` as one of `tp` tensor-parallel ranks holds it."""
-    plan = _tensor_plan(model) if shape.name in HF_MODELS else None
-    for block in model_blocks(model):
-        tensor_parallel_block(block, tp, plan)
+def parallelize_for_planning(model: nn.Module, tp: int, sequence_parallel: bool = False) -> None:
+    """Every block of `model` as rank 0 of `tp` tensor-parallel ranks holds and runs it: split by the
+    strategy's own code (strategies/tensor.py) as the model family's parallel plan lays it out, its
+    collectives answering with the shapes they would (`ShapesOnly`)."""
+    located = locate(model)
+    parallelize_blocks(located.blocks, located.plan, ShapesOnly(tp), sequence_parallel)
 
 
 @functools.cache
@@ -282,7 +234,7 @@ def rank_facts(shape: ModelShape, tp: int) -> ModelFacts:
         return model_facts(shape)
     with torch.device("meta"):
         model = shape.build(1)
-        parallelize_for_planning(model, shape, tp)
+        parallelize_for_planning(model, tp)
     return _split_facts(shape, model)
 
 
@@ -302,12 +254,13 @@ def stage_bounds(shape: ModelShape, pp: int) -> tuple[tuple[int, int], ...]:
 @dataclass(frozen=True)
 class TraceKey:
     """What decides the bytes a forward saves: the model, the dtype parameters have while computing,
-    autocast's dtype (None: off), and the tensor split."""
+    autocast's dtype (None: off), the tensor split, and whether sequence parallel splits the rest."""
 
     shape: ModelShape
     param_dtype: torch.dtype
     autocast: torch.dtype | None = None
     tp: int = 1
+    sequence_parallel: bool = False
 
 
 class OpCounter(TorchDispatchMode):
@@ -359,7 +312,7 @@ def _trace(key: TraceKey, n_layer: int, policy: str, batches: tuple[int, ...],
         for param in model.parameters():  # as the strategies do (Module.to cannot swap fake tensors)
             param.data = param.data.to(key.param_dtype)
         if key.tp > 1:
-            parallelize_for_planning(model, shape, key.tp)
+            parallelize_for_planning(model, key.tp, key.sequence_parallel)
         blocks = model_blocks(model)
         apply_recompute(model, policy, type(blocks[0]).__name__)
         return [_marks(model, blocks, key, batch, ops) for batch in batches]

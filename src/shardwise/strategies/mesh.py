@@ -1,15 +1,18 @@
 """What the strategies that split the model share (`pipeline`, `model-parallel`, `tensor`): a
-dp x pp x tp device mesh, one process group per dimension, and the three things a split model
-needs done across it.
+dp x pp x tp device mesh, one process group per dimension, the model family's parallel plan
+(models/plans.py), which says where the model splits, and what a split model needs done across
+the mesh.
 
 - Data: the ranks of one model replica (its pipeline stages and tensor shards) read the same share
   of the global batch; the dp dimension says which share.
 - Gradients: averaged over the replicas (the dp group) once, after the step's last micro-batch.
   One all-reduce of all this rank's gradients, packed, after backward (not overlapped with it, as
-  `ddp` does: a replica's backward is already split between stages and shards).
+  `ddp` does: a replica's backward is already split between stages and shards). Under sequence
+  parallel, first summed over the tp group: those of the blocks' parameters each tp rank holds
+  whole but computed on its part of the sequence.
 - Clipping: the global norm counts every parameter of the whole model once: a tensor shard on each
   of its tp ranks, a replicated parameter (layer norms, embeddings) on tp rank 0 only, a parameter
-  held by two stages (the GPT's tied embedding and head) on the first only; then the sum goes over
+  held by two stages (a tied embedding and head) on the first only; then the sum goes over
   the tp and pp groups. The norm is then the one a single device computes.
 - State: `full_state_dict` gathers tensor shards within each tp group and sends each stage's
   tensors to rank 0, which gets the plain model's complete state.
@@ -22,6 +25,8 @@ needs done across it.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -31,9 +36,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
-from shardwise.config import Config, ConfigError, ParallelConfig
+from shardwise.config import DEFAULT_BLOCK, Config, ConfigError, ParallelConfig
 from shardwise.dist import DistContext, init_mesh
 from shardwise.gradients import all_reduce_packed, clip_grad_norm_
+from shardwise.models.plans import NEEDS, Located, PlanError, locate, plan_for_name, plans
 from shardwise.strategies.base import DeferrableSync
 
 
@@ -73,12 +79,24 @@ class TensorShard:
                                   stride=full.stride())
 
 
-def find_blocks(model: nn.Module, block: str) -> list[nn.Module]:
-    """The model's repeated blocks (modules of class `block`), in order."""
-    blocks = [m for m in model.modules() if type(m).__name__ == block]
-    if not blocks:
-        raise ValueError(f"parallel.block = {block!r}: the model has no module of that class")
-    return blocks
+@functools.cache
+def _input_name(module_class: type) -> str:
+    """The name of the first parameter of the class's forward after self."""
+    return list(inspect.signature(module_class.forward).parameters)[1]
+
+
+def module_input(module: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
+    """What a forward pre-hook (`with_kwargs=True`) sees as the module's input: its first positional
+    argument, or its forward's first parameter passed by keyword (transformers' layers are called
+    with `hidden_states=`)."""
+    return args[0] if args else kwargs[_input_name(type(module))]
+
+
+def with_input(module: nn.Module, args: tuple, kwargs: dict, x: torch.Tensor) -> tuple[tuple, dict]:
+    """`args` and `kwargs` with the module's input (as `module_input` finds it) replaced by `x`."""
+    if args:
+        return (x, *args[1:]), kwargs
+    return args, {**kwargs, _input_name(type(module)): x}
 
 
 class MeshStrategy(DeferrableSync):
@@ -87,20 +105,34 @@ class MeshStrategy(DeferrableSync):
         """The dp x pp x tp mesh fits the world, and the model splits the way it asks."""
         m, p = cfg.model, cfg.parallel
         dp, pp, tp = p.mesh_shape(world)
-        if m.name != "gpt":
-            raise ConfigError(f"parallel.strategy = {p.strategy!r}: splits the GPT's blocks and matrices; "
-                              f"model.name = {m.name!r} is not supported")
+        plan = plan_for_name(m.name)
+        if plan is None:
+            covered = ", ".join(name for each in plans() for name in each.models)
+            raise ConfigError(f"parallel.strategy = {p.strategy!r}: splits a model as its family's parallel plan says; "
+                              f"model.name = {m.name!r} has none (plans exist for {covered}). A plan names {NEEDS} "
+                              "(docs/model-families.md)")
+        if p.block != DEFAULT_BLOCK and p.block not in plan.blocks:
+            raise ConfigError(f"parallel.block = {p.block!r}: {p.strategy} cuts and splits the {plan.family} plan's "
+                              f"blocks ({', '.join(plan.blocks)}); another unit would cut inside a block. Leave "
+                              "parallel.block unset")
         if dp * pp * tp != world:
             raise ConfigError(
                 f"parallel.dp x pp x tp = {dp} x {pp} x {tp} = {dp * pp * tp}: must equal the world size {world} "
                 f"(launch.nproc x launch.nnodes); e.g. --nproc {dp * pp * tp}"
             )
         cls.check_split(cfg, dp, pp, tp)
-        if m.n_head % tp:
-            raise ConfigError(
-                f"parallel.tp = {tp}: must divide model.n_head = {m.n_head}; each rank computes n_head / tp attention "
-                f"heads and the matching 1/tp of the MLP's hidden size 4 x d_model = {4 * m.d_model}"
-            )
+        for key in ("n_head", "n_kv_head", "d_ff"):
+            if getattr(m, key) % tp:
+                raise ConfigError(
+                    f"parallel.tp = {tp}: must divide model.{key} = {getattr(m, key)}; each tp rank computes an equal "
+                    "share of every block's attention heads, key/value heads and MLP hidden size"
+                )
+        if p.sequence_parallel and tp < 2:
+            raise ConfigError("parallel.sequence_parallel = true: splits the sequence over the tp ranks of each block; "
+                              f"needs parallel.tp >= 2 (it is {tp})")
+        if p.sequence_parallel and m.seq_len % tp:
+            raise ConfigError(f"parallel.sequence_parallel = true: parallel.tp = {tp} must divide model.seq_len = "
+                              f"{m.seq_len}; each tp rank holds an equal part of the sequence")
 
     @classmethod
     def check_split(cls, cfg: Config, dp: int, pp: int, tp: int) -> None:
@@ -116,6 +148,18 @@ class MeshStrategy(DeferrableSync):
         self.tp_mesh = self.mesh["tp"]  # what tensor shards are DTensors over, in checkpoints
         self.tensor_shards: dict[int, TensorShard] = {}  # id(parameter) -> how it is split over tp
         self.duplicates: set[int] = set()  # ids of parameters an earlier stage also holds (a tied head)
+        # Under sequence parallel: the blocks' parameters each tp rank holds whole but trains on its part
+        # of the sequence only (norms, row-parallel biases), whose gradients are summed over tp.
+        self.sequence_split: list[nn.Parameter] = []
+
+    def locate(self, model: nn.Module) -> Located:
+        """The model's parallel plan, found in it; its block class must be the unit `prepare` settled."""
+        located = locate(model)
+        if self.cfg.block not in located.plan.blocks:
+            raise PlanError(f"parallel.block = {self.cfg.block!r}: {self.cfg.strategy} cuts and splits the "
+                            f"{located.plan.family} plan's blocks ({', '.join(located.plan.blocks)}); another unit "
+                            "would cut inside a block. Leave parallel.block unset")
+        return located
 
     @property
     def data_rank(self) -> int:
@@ -128,10 +172,14 @@ class MeshStrategy(DeferrableSync):
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
         if self._sync:
-            self.average_over_replicas()
+            self.synchronize_gradients()
 
-    def average_over_replicas(self) -> None:
-        """Average every gradient over the dp group."""
+    def synchronize_gradients(self) -> None:
+        """After a step's last backward: sum over tp the gradients that sequence parallel left
+        partial, then average every gradient over the dp group."""
+        grads = [p.grad for p in self.sequence_split if p.grad is not None]
+        if grads:
+            all_reduce_packed(grads, self.tp_group, average=False)
         if self.dp > 1:
             all_reduce_packed(self.local_grads(), self.dp_group)
 
@@ -146,24 +194,22 @@ class MeshStrategy(DeferrableSync):
 
     # --- the plain model's layout, and this rank's part of it -----------------------------
 
-    def record_layout(self, model: nn.Module, stages: list[nn.Module]) -> None:
+    def record_layout(self, model: nn.Module, stage_holds: list[set[int]]) -> None:
         """Note, before the model is split, each state entry's full shape, stride and dtype (as a
-        meta tensor), which stage owns it (the first that holds it) and which names are aliases (a
-        tied weight's second name)."""
-        self._full = {name: t.detach().to("meta") for name, t in model.state_dict(keep_vars=True).items()}
+        meta tensor), which stage owns it (the first whose `stage_holds`, ids of state tensors,
+        has it) and which names are aliases (a tied weight's second name)."""
+        state = model.state_dict(keep_vars=True)
+        self._full = {name: t.detach().to("meta") for name, t in state.items()}
         first_name: dict[int, str] = {}
-        self._canonical = {name: first_name.setdefault(id(t), name)
-                           for name, t in model.state_dict(keep_vars=True).items()}
-        stage_ids = [{id(t) for t in stage.state_dict(keep_vars=True).values()} for stage in stages]
-        self._owner = {name: next(s for s, ids in enumerate(stage_ids) if id(t) in ids)
-                       for name, t in model.state_dict(keep_vars=True).items() if self._canonical[name] == name}
+        self._canonical = {name: first_name.setdefault(id(t), name) for name, t in state.items()}
+        self._owner = {name: next(s for s, ids in enumerate(stage_holds) if id(t) in ids)
+                       for name, t in state.items() if self._canonical[name] == name}
 
-    def record_local_state(self, model: nn.Module, stage: nn.Module) -> None:
-        """After splitting: the entries of the state this rank's `stage` holds (shards where tensor
-        parallel), by full name; a tied weight under its first name, on each stage that holds it."""
-        held = {id(t) for t in stage.state_dict(keep_vars=True).values()}
-        self._local = {name: t for name, t in model.state_dict(keep_vars=True).items()
-                       if self._canonical[name] == name and id(t) in held}
+    def record_local_state(self, model: nn.Module) -> None:
+        """After splitting (which keeps the names of what it keeps): the entries of the state this
+        rank holds (shards where tensor parallel) by full name; a tied weight under its first name,
+        on each stage that holds it."""
+        self._local = {self._canonical[name]: t for name, t in model.state_dict(keep_vars=True).items()}
 
     # --- checkpoints: the state by the plain model's names ------------------------------
 

@@ -1,13 +1,15 @@
 """Pipeline parallel, ours (`pipeline`), and its one-micro-batch case, the naive layer-wise split
 (`model-parallel`).
 
-The GPT's blocks are cut into P contiguous stages, one per rank of a pp group (balanced by
-parameter count, or at `parallel.split_points`): the first stage also holds the embeddings, the
-last the final norm, the head and the loss. A stage's parameters live only on its rank. The one
-exception is the GPT's tied weight, the token embedding that is also the head: the first and
-the last stage each hold it, and after backward their two gradients are summed between them, so
-both copies take the same step, as the one tensor does on one device. Being equal, the two
-copies are one entry of a checkpoint, `tok_emb.weight`: written once, loaded into both.
+The model's blocks, as its family's parallel plan names them (models/plans.py), are cut into P
+contiguous stages, one per rank of a pp group (balanced by parameter count, or at
+`parallel.split_points`): the first stage also holds the embeddings, the last the final norm, the
+head and the loss, as the plan says. A stage is the model itself with the other stages' modules
+removed (`Stage`), running the model's own forward. A stage's parameters live only on its rank.
+The one exception is a head tied to the token embedding (the GPT's, GPT-2's): the first and the
+last stage each hold it, and after backward their two gradients are summed between them, so both
+copies take the same step, as the one tensor does on one device. Being equal, the two copies are
+one entry of a checkpoint, under the embedding's name: written once, loaded into both.
 
 Each train.micro_batch of samples is split into M = parallel.micro_batches micro-batches, which
 flow through the stages: activations forward, their gradients backward, each sent point to point
@@ -48,11 +50,12 @@ from torch import nn
 
 from shardwise.config import Config, ConfigError, ParallelConfig
 from shardwise.dist import DistContext
+from shardwise.models.plans import Located
 from shardwise.precision import LossScaler, Precision
 from shardwise.strategies.base import LossFn
-from shardwise.strategies.mesh import MeshStrategy, find_blocks
+from shardwise.strategies.mesh import MeshStrategy, with_input
 from shardwise.strategies.registry import spec
-from shardwise.strategies.tensor import parallelize_blocks
+from shardwise.strategies.tensor import TensorParallelGroup, parallelize_blocks
 
 Group = dist.ProcessGroup
 
@@ -76,38 +79,92 @@ def balanced_split(sizes: list[int], stages: int) -> list[int]:
     return list(best(0, stages)[1])
 
 
-def parameter_counts(model: nn.Module, blocks: list[nn.Module]) -> list[int]:
-    """Parameters per block, the first counting the embeddings and the last the final norm and head
-    (the tied head again: the last stage holds a copy)."""
-    counts = [sum(p.numel() for p in block.parameters()) for block in blocks]
-    counts[0] += sum(p.numel() for m in (model.tok_emb, model.pos_emb) for p in m.parameters())
-    counts[-1] += sum(p.numel() for m in (model.ln_f, model.head) for p in m.parameters())
+def block_costs(located: Located) -> list[int]:
+    """Parameters per block, the first counting the first stage's embeddings and the last the last
+    stage's final norm and head (a head tied to the embedding again: the last stage holds a copy)."""
+    counts = [sum(p.numel() for p in block.parameters()) for block in located.blocks]
+    counts[0] += sum(p.numel() for m in located.first.values() for p in m.parameters())
+    counts[-1] += sum(p.numel() for m in located.last.values() for p in m.parameters())
     return counts
 
 
-class GPTStage(nn.Module):
-    """Some consecutive blocks of a GPT, with the embeddings if it is the first stage and the final
-    norm and head if it is the last: the GPT's own modules, run in the GPT's forward order."""
+def stage_holds(located: Located, bounds: list[tuple[int, int]]) -> list[set[int]]:
+    """Ids of the state tensors each stage of blocks [start, stop) holds: its blocks', the first
+    stage's embeddings, the last stage's final norm and head, and on every stage whatever else lies
+    outside the blocks."""
 
-    def __init__(self, gpt: nn.Module, blocks: list[nn.Module], first: bool, last: bool) -> None:
+    def ids(modules: Iterable[nn.Module]) -> set[int]:
+        return {id(t) for m in modules for t in m.state_dict(keep_vars=True).values()}
+
+    first, last = ids(located.first.values()), ids(located.last.values())
+    everywhere = ids([located.model]) - ids(located.blocks) - first - last
+    return [ids(located.blocks[start:stop]) | everywhere | (first if s == 0 else set())
+            | (last if s == len(bounds) - 1 else set()) for s, (start, stop) in enumerate(bounds)]
+
+
+class KeptLayers(nn.ModuleList):
+    """Some entries of a model's ModuleList of blocks under their own indices (`layers.5`), so that a
+    stage's state dict names them as the whole model's does; iterated, sliced and indexed by
+    position, as a model's forward uses its list."""
+
+    def __init__(self, blocks: dict[int, nn.Module]) -> None:
         super().__init__()
-        self.first, self.last = first, last
-        self.blocks = nn.ModuleList(blocks)
-        if first:
-            self.tok_emb, self.pos_emb = gpt.tok_emb, gpt.pos_emb
-        if last:
-            self.ln_f, self.head = gpt.ln_f, gpt.head
+        for index, block in blocks.items():
+            self.add_module(str(index), block)
+
+    def __getitem__(self, idx: int | slice) -> nn.Module:
+        kept = list(self._modules.values())
+        return nn.ModuleList(kept[idx]) if isinstance(idx, slice) else kept[idx]
+
+
+class EmptyEmbedding(nn.Module):
+    """Stands in, on a later stage, for an embedding only the first stage holds: zeros of its width
+    and dtype, so the model's code before its first block runs as it is, on shapes alone; the
+    stage's first block then takes the activations received in their place."""
+
+    def __init__(self, embedding: nn.Embedding) -> None:
+        super().__init__()
+        self.width, self.dtype = embedding.embedding_dim, embedding.weight.dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(*ids.shape, self.width, dtype=self.dtype, device=ids.device)
+
+
+class Stage(nn.Module):
+    """One pipeline stage: the model itself, with the other stages' modules removed. It keeps its
+    blocks [start, stop) under their own names, the first stage's embeddings if it is the first and
+    the last stage's final norm and head if it is the last; the others' are replaced by stand-ins
+    without parameters (`EmptyEmbedding`, identities). The model's own forward runs: the first
+    stage's from token ids, a later stage's from activations, which enter at its first block in
+    place of what the stand-ins made; to logits on the last stage, to activations on the others."""
+
+    def __init__(self, located: Located, start: int, stop: int, first: bool, last: bool) -> None:
+        super().__init__()
+        self.model, self.first, self.last = located.model, first, last
+        self._entering: torch.Tensor | None = None  # a later stage's activations, during its forward
+        blocks = located.blocks
+        located.replace(located.layers, KeptLayers({i: blocks[i] for i in range(start, stop)}))
+        if not first:
+            for name, embedding in located.first.items():
+                located.replace(name, EmptyEmbedding(embedding))
+            blocks[start].register_forward_pre_hook(self._enter, with_kwargs=True)
+        if not last:
+            for name in located.last:
+                located.replace(name, nn.Identity())
+
+    def _enter(self, block: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return with_input(block, args, kwargs, self._entering)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """First stage: token ids -> activations; last: activations -> logits; others: activations."""
-        if self.first:
-            positions = torch.arange(x.shape[1], device=x.device)
-            x = self.tok_emb(x) + self.pos_emb(positions)
-        for block in self.blocks:
-            x = block(x)
-        if self.last:
-            x = self.head(self.ln_f(x))
-        return x
+        """First stage: token ids -> activations; last: activations -> logits; others: activations.
+        A model returning an output object (transformers') gives its `logits`."""
+        if not self.first:  # the embeddings' stand-ins need the token ids' shape only
+            self._entering, x = x, torch.zeros(x.shape[:-1], dtype=torch.long, device=x.device)
+        try:
+            out = self.model(x)
+        finally:
+            self._entering = None
+        return out if isinstance(out, torch.Tensor) else out.logits
 
 
 @dataclass(frozen=True)
@@ -139,7 +196,7 @@ class StageRun:
     each computed: (forward|backward, i, start, end), perf_counter seconds; the rest of the run
     the stage waited."""
 
-    def __init__(self, stage: GPTStage, index: int, count: int, group: Group, activations: Activations,
+    def __init__(self, stage: Stage, index: int, count: int, group: Group, activations: Activations,
                  inputs: list[torch.Tensor], targets: list[torch.Tensor], loss_fn: LossFn, divisor: int,
                  precision: Precision, scaler: LossScaler | None) -> None:
         self.stage, self.index, self.count, self.group = stage, index, count, group
@@ -231,7 +288,7 @@ class PipelineModule(nn.Module):
     pipeline, whose logits the last stage broadcasts to the others so every rank can compute the
     loss like any model's. Training runs the schedule instead (Strategy.forward_backward)."""
 
-    def __init__(self, stage: GPTStage, index: int, count: int, group: Group, activations: Activations,
+    def __init__(self, stage: Stage, index: int, count: int, group: Group, activations: Activations,
                  vocab_size: int) -> None:
         super().__init__()
         self.stage = stage
@@ -292,28 +349,30 @@ class Pipeline(MeshStrategy):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         model = self.prepare(model)
-        blocks = find_blocks(model, self.cfg.block)
-        starts = [0, *(self.cfg.split_points or balanced_split(parameter_counts(model, blocks), self.pp))]
+        located = self.locate(model)
+        blocks = located.blocks
+        starts = [0, *(self.cfg.split_points or balanced_split(block_costs(located), self.pp))]
         self.stage_blocks = list(zip(starts, [*starts[1:], len(blocks)], strict=True))  # [start, stop) per stage
-        stages = [GPTStage(model, blocks[start:stop], first=s == 0, last=s == self.pp - 1)
-                  for s, (start, stop) in enumerate(self.stage_blocks)]
-        self.record_layout(model, stages)
-        self.stage = stages[self.pp_rank]
+        self.record_layout(model, stage_holds(located, self.stage_blocks))
+        first_params = {id(p) for m in located.first.values() for p in m.parameters()}
+        tied = [p for m in located.last.values() for p in m.parameters() if id(p) in first_params]
+        embedding = next(iter(located.first.values()))
+        self.activations = Activations(embedding.embedding_dim, embedding.weight.dtype, self.ctx.device)
+        vocab_size = located.head.weight.shape[0]
+        start, stop = self.stage_blocks[self.pp_rank]
+        # From here the other stages' modules are out of the model: their parameters are freed.
+        self.stage = Stage(located, start, stop, first=self.pp_rank == 0, last=self.pp_rank == self.pp - 1)
         if self.tp > 1:
-            self.tensor_shards = parallelize_blocks(list(self.stage.blocks), self.tp_group)
-        self.record_local_state(model, self.stage)
-        self._tie_first_and_last(stages)
-        self.activations = Activations(model.tok_emb.embedding_dim, model.tok_emb.weight.dtype, self.ctx.device)
-        # From here only this rank's stage is referenced: the other stages' parameters are freed.
-        self.module = PipelineModule(self.stage, self.pp_rank, self.pp, self.pp_group, self.activations,
-                                     model.head.out_features)
+            self.tensor_shards, self.sequence_split = parallelize_blocks(
+                blocks[start:stop], located.plan, TensorParallelGroup(self.tp_group), self.cfg.sequence_parallel)
+        self.record_local_state(model)
+        self._tie_first_and_last(tied)
+        self.module = PipelineModule(self.stage, self.pp_rank, self.pp, self.pp_group, self.activations, vocab_size)
         return self.module
 
-    def _tie_first_and_last(self, stages: list[GPTStage]) -> None:
-        """Parameters the first and the last stage both hold (the GPT's tied embedding and head),
-        and a process group per replica and tp rank to sum their gradients between the two."""
-        first = {id(p) for p in stages[0].parameters()}
-        shared = [p for p in stages[-1].parameters() if id(p) in first]
+    def _tie_first_and_last(self, shared: list[nn.Parameter]) -> None:
+        """For parameters the first and the last stage both hold (an embedding tied to the head), a
+        process group per replica and tp rank to sum their gradients between the two."""
         if not shared:
             return
         # new_group is collective over the world: every rank makes every pair, in the same order.
@@ -348,7 +407,7 @@ class Pipeline(MeshStrategy):
             params, group = self._tied
             for param in params:
                 dist.all_reduce(param.grad, group=group)
-        self.average_over_replicas()
+        self.synchronize_gradients()
         self.window = (started, time.perf_counter())
         return loss_sum
 

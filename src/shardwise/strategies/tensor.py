@@ -1,33 +1,51 @@
-"""Tensor parallel, ours (`tensor`): every weight matrix of the GPT's blocks is split across the
-tp ranks of one model replica (Megatron-LM's scheme), so each rank holds and computes 1/tp of
-every block.
+"""Tensor parallel, ours (`tensor`): every block of the model split over the tp ranks of one model
+replica (Megatron-LM's scheme), laid out by the model family's plan (models/plans.py), so each
+rank holds and computes 1/tp of every block.
 
-- Column-parallel linear: the weight's output rows are split; each rank computes its slice of the
-  output from the whole input. The input enters through `copy_to_tp` (identity forward,
-  all-reduce backward): every rank's slice used the whole input, so the input's gradient is the
-  sum of theirs.
-- Row-parallel linear: the weight's input columns are split; each rank multiplies its slice of
-  the input, and `reduce_from_tp` (all-reduce forward, identity backward) sums the partial
-  outputs. A bias is added once, after the sum.
-- Attention: qkv is column-parallel *by heads* (rank r holds the q, k and v rows of heads
-  r*H/tp .. (r+1)*H/tp - 1), so attention runs on the local heads without talking; proj is
-  row-parallel. MLP: up column-parallel, GELU on the local slice, down row-parallel.
-
+The plan names each block's tensor-parallel regions (attention, the MLP): a module whose input
+enters column-parallel layers and whose output leaves a row-parallel layer.
+- Column-parallel layer: the weight's output features split; each rank computes its slice of the
+  output from the whole input. A layer computing q, k and v at once has each of the three split
+  on its own, so a rank holds the same heads of each; Llama's separate q, k and v are split by
+  heads and by key/value heads alike, so the query heads of a rank find their key/value heads on it.
+- Row-parallel layer: the weight's input features split; each rank multiplies its slice of the
+  input and `reduce_from_tp` (all-reduce forward, identity backward) sums the partial outputs.
+  Its bias is added once, after the sum.
+- A region's input enters through `copy_to_tp` (identity forward, all-reduce backward): every
+  rank's column layers used the whole input, so its gradient is the sum of theirs.
+- Attention runs on this rank's heads without talking: it counts them from its layers' outputs
+  (the plan divides by tp whatever sizes a family's attention keeps instead, GPT-2's).
 So a block's forward has two all-reduces (after attention, after the MLP), and so does its
-backward (at the two `copy_to_tp`), each of one activation's size.
+backward (at the two region inputs), each of one activation's size.
 
-Embeddings, layer norms, the head and the loss are *replicated*, not vocabulary-parallel: every
-tp rank computes them on the same activations (the all-reduces leave the residual stream equal
-on every rank), so their gradients come out equal on every rank without communication. With the
-byte-level vocabulary of 256, splitting them would save little and add two collectives.
+Sequence parallel (`parallel.sequence_parallel`; Korthikanti et al. 2022, Megatron-LM's): between
+the regions, the residual stream and the norms are split along the sequence too, each rank
+holding seq/tp positions of them. A region's input is all-gathered along the sequence (its
+gradient reduce-scattered) and the row-parallel layer reduce-scatters its partial outputs instead
+of all-reducing them (its gradient all-gathered): the same bytes on the wire as the all-reduces
+they replace, a ring all-reduce being a reduce-scatter and an all-gather. The column-parallel
+layers keep for backward only this rank's part of their input and all-gather it again there,
+once per region (one all-gather more per region, for the memory), so a block saves 1/tp of
+everything it saves on one device. The stream is split before the first block and
+gathered after the last (their gradients the converse), so embeddings, final norm, head and loss
+see the whole sequence. The block's parameters every rank holds whole (norms, the row layers'
+biases) then get gradients from this rank's positions only: the strategy sums them over the tp
+ranks after backward (`MeshStrategy.synchronize_gradients`).
 
-Applied from outside: `parallelize_blocks` swaps the blocks' linear layers and attention for
-these, keeping parameter names, so the state dict reads like the plain model's (shards instead
-of whole tensors; `full_state_dict` joins them). In checkpoints each shard is a DTensor of the
-whole parameter, `Shard(dim)` over the tp ranks (`TensorShard.as_dtensor`).
+Embeddings, norms outside the blocks, the head and the loss are *replicated*, not
+vocabulary-parallel: every tp rank computes them on the same activations, so their gradients come
+out equal on every rank without communication. With the byte-level vocabulary of 256, splitting
+them would save little and add two collectives.
+
+Applied from outside: `parallelize_blocks` swaps the regions' layers for these, keeping parameter
+names, so the state dict reads like the plain model's (shards instead of whole tensors;
+`full_state_dict` joins them). In checkpoints each shard is a DTensor of the whole parameter,
+`Shard(dim)` over the tp ranks (`TensorShard.as_dtensor`).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.distributed as dist
@@ -35,115 +53,342 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.config import Config, ConfigError
-from shardwise.strategies.mesh import MeshStrategy, TensorShard, find_blocks
+from shardwise.models.plans import ParallelPlan, PlanError, Region
+from shardwise.strategies.mesh import MeshStrategy, TensorShard, module_input, with_input
 
-Group = dist.ProcessGroup
+Ctx = torch.autograd.function.FunctionCtx
+
+
+class TensorParallelGroup:
+    """The tp ranks a model replica's blocks are split over, and the collectives the split needs:
+    sums of partial results, and for sequence parallel, [batch, seq, width] activations split along
+    seq (each rank a consecutive part of it)."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+
+    def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` summed over the ranks, in place."""
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def gather_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        """The whole sequence from every rank's part of it."""
+        parts = x.new_empty((self.size * x.shape[0], *x.shape[1:]))  # Gloo takes the parts concatenated on dim 0
+        dist.all_gather_single(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts.chunk(self.size), dim=1)
+
+    def reduce_scatter_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the sequence of the sum of every rank's `x`."""
+        parts = torch.cat(x.chunk(self.size, dim=1))  # rank r's part r-th along dim 0
+        out = x.new_empty((x.shape[0], *parts.shape[1:]))
+        dist.reduce_scatter_single(out, parts, group=self.group)
+        return out
+
+    def sequence_part(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the sequence, a copy."""
+        return x.chunk(self.size, dim=1)[self.rank].contiguous()
+
+
+class ShapesOnly(TensorParallelGroup):
+    """Rank 0 of `size` tp ranks, alone: each collective returns what it would, in shape and dtype,
+    without the others' values. What the planner traces a rank's forward through, on fake tensors,
+    to count what it saves for backward (planner/model.py)."""
+
+    def __init__(self, size: int) -> None:
+        self.group, self.rank, self.size = None, 0, size
+
+    def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def gather_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x] * self.size, dim=1)
+
+    def reduce_scatter_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        return x.new_empty((x.shape[0], x.shape[1] // self.size, *x.shape[2:])).copy_(x.chunk(self.size, dim=1)[0])
 
 
 class CopyToTensorParallel(torch.autograd.Function):
     """Identity forward; all-reduce (sum) of the gradient backward."""
 
     @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, group: Group) -> torch.Tensor:
-        ctx.group = group
+    def forward(ctx: Ctx, x: torch.Tensor, tp: TensorParallelGroup) -> torch.Tensor:
+        ctx.tp = tp
         return x
 
     @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.clone()  # autograd may hand the same gradient to other consumers
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+    def backward(ctx: Ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.tp.all_reduce_(grad.clone()), None  # clone: autograd may hand the gradient to others too
 
 
 class ReduceFromTensorParallel(torch.autograd.Function):
     """All-reduce (sum) forward; identity backward."""
 
     @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, group: Group) -> torch.Tensor:
-        x = x.clone()  # an input must not be changed in place
-        dist.all_reduce(x, group=group)
-        return x
+    def forward(ctx: Ctx, x: torch.Tensor, tp: TensorParallelGroup) -> torch.Tensor:
+        return tp.all_reduce_(x.clone())  # an input must not be changed in place
 
     @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    def backward(ctx: Ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         return grad, None
 
 
-def copy_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
-    return CopyToTensorParallel.apply(x, group)
+def copy_to_tp(x: torch.Tensor, tp: TensorParallelGroup) -> torch.Tensor:
+    return CopyToTensorParallel.apply(x, tp)
 
 
-def reduce_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
-    return ReduceFromTensorParallel.apply(x, group)
+def reduce_from_tp(x: torch.Tensor, tp: TensorParallelGroup) -> torch.Tensor:
+    return ReduceFromTensorParallel.apply(x, tp)
+
+
+# --- sequence parallel ----------------------------------------------------------------------------
+
+class SplitSequence(torch.autograd.Function):
+    """This rank's part of the sequence forward; all-gather of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx: Ctx, x: torch.Tensor, tp: TensorParallelGroup) -> torch.Tensor:
+        ctx.tp = tp
+        return tp.sequence_part(x)
+
+    @staticmethod
+    def backward(ctx: Ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.tp.gather_sequence(grad), None
+
+
+class GatherSequence(torch.autograd.Function):
+    """All-gather of the sequence forward; backward, this rank's part of the gradient, which every
+    rank has whole (what follows is replicated)."""
+
+    @staticmethod
+    def forward(ctx: Ctx, x: torch.Tensor, tp: TensorParallelGroup) -> torch.Tensor:
+        ctx.tp = tp
+        return tp.gather_sequence(x)
+
+    @staticmethod
+    def backward(ctx: Ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.tp.sequence_part(grad), None
+
+
+class EnterRegion(torch.autograd.Function):
+    """A region's input under sequence parallel: all-gather of the sequence forward; backward,
+    reduce-scatter of the gradient (each rank's column layers give part of it), after which the
+    region's input gathered again for its column layers' backward is dropped."""
+
+    @staticmethod
+    def forward(ctx: Ctx, x: torch.Tensor, region: TensorParallelRegion) -> torch.Tensor:
+        ctx.region = region
+        return region.tp.gather_sequence(x)
+
+    @staticmethod
+    def backward(ctx: Ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.region.regathered = None
+        return ctx.region.tp.reduce_scatter_sequence(grad), None
+
+
+class LeaveRegion(torch.autograd.Function):
+    """A row-parallel layer's partial outputs under sequence parallel: reduce-scatter along the
+    sequence forward, all-gather of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx: Ctx, x: torch.Tensor, tp: TensorParallelGroup) -> torch.Tensor:
+        ctx.tp = tp
+        return tp.reduce_scatter_sequence(x)
+
+    @staticmethod
+    def backward(ctx: Ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.tp.gather_sequence(grad), None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, in_out: bool) -> torch.Tensor:
+    """x W^T + b for an nn.Linear's [out, in] weight, x W + b for a Conv1D's [in, out] one."""
+    return F.linear(x, weight.t() if in_out else weight, bias)
+
+
+class ColumnOverSequence(torch.autograd.Function):
+    """A column-parallel layer over its region's gathered input that saves, for the weight's
+    gradient, only this rank's part of that input, gathering it again in backward (once per
+    region: the region keeps it for its other column layers)."""
+
+    @staticmethod
+    def forward(ctx: Ctx, full: torch.Tensor, local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                layer: ColumnParallelLinear) -> torch.Tensor:
+        out = linear(full, weight, bias, layer.in_out)  # the input cast to the weight's dtype under autocast
+        ctx.save_for_backward(local, weight)
+        ctx.layer, ctx.dtype, ctx.full_dtype = layer, out.dtype, full.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx: Ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        local, weight = ctx.saved_tensors
+        region = ctx.layer.region
+        if region.regathered is None or region.regathered[0] is not local:
+            region.regathered = (local, region.tp.gather_sequence(local))
+        # In the forward's compute dtype, each gradient cast back to its tensor's, as autocast's matmul.
+        x, w = region.regathered[1].to(ctx.dtype).flatten(0, -2), weight.to(ctx.dtype)
+        g = grad.to(ctx.dtype)
+        flat = g.flatten(0, -2)
+        if ctx.layer.in_out:
+            grad_x, grad_w = g @ w.t(), x.t() @ flat
+        else:
+            grad_x, grad_w = g @ w, flat.t() @ x
+        grad_b = None if ctx.bias_dtype is None else flat.sum(0).to(ctx.bias_dtype)
+        return grad_x.to(ctx.full_dtype), None, grad_w.to(weight.dtype), grad_b, None
+
+
+class TensorParallelRegion:
+    """A region's input side: a hook that hands its module the input its column layers take (through
+    `copy_to_tp`, or gathered along the sequence), and under sequence parallel the two forms of the
+    input of the forward under way, for those layers, and the one gathered again in backward."""
+
+    def __init__(self, module: nn.Module, tp: TensorParallelGroup, sequence_parallel: bool) -> None:
+        self.tp, self.sequence_parallel = tp, sequence_parallel
+        self.local: torch.Tensor | None = None  # this rank's part of the sequence ...
+        self.full: torch.Tensor | None = None  # ... and all of it, while the region's forward runs
+        self.regathered: tuple[torch.Tensor, torch.Tensor] | None = None  # (local, full) in backward
+        module.register_forward_pre_hook(self._enter, with_kwargs=True)
+        if sequence_parallel:
+            module.register_forward_hook(self._leave)
+
+    def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        x = module_input(module, args, kwargs)
+        if not self.sequence_parallel:
+            return with_input(module, args, kwargs, copy_to_tp(x, self.tp))
+        self.local, self.full = x, EnterRegion.apply(x, self)
+        return with_input(module, args, kwargs, self.full)
+
+    def _leave(self, module: nn.Module, args: tuple, output: object) -> None:
+        self.local = self.full = None  # the gathered input is not kept past the forward
 
 
 class ColumnParallelLinear(nn.Module):
-    """`linear` with its output features split over `group`: this rank's slice of the output."""
+    """`layer` (nn.Linear, or Conv1D with `in_out`) with its output features split over the tp
+    ranks: this rank's slice of the output."""
 
-    def __init__(self, linear: nn.Linear, group: Group, parts: int = 1) -> None:
+    def __init__(self, layer: nn.Module, parts: int, region: TensorParallelRegion, in_out: bool) -> None:
         super().__init__()
-        self.group = group
-        rank, size = dist.get_rank(group), dist.get_world_size(group)
-        self.shards = {"weight": TensorShard(0, parts), "bias": TensorShard(0, parts)}
-        self.weight = nn.Parameter(self.shards["weight"].take(linear.weight.detach(), rank, size))
-        bias = linear.bias
+        self.region, self.in_out = region, in_out
+        rank, size = region.tp.rank, region.tp.size
+        self.shards = {"weight": TensorShard(1 if in_out else 0, parts), "bias": TensorShard(0, parts)}
+        self.weight = nn.Parameter(self.shards["weight"].take(layer.weight.detach(), rank, size))
+        bias = layer.bias
         self.bias = None if bias is None else nn.Parameter(self.shards["bias"].take(bias.detach(), rank, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(copy_to_tp(x, self.group), self.weight, self.bias)
+        if not self.region.sequence_parallel:
+            return linear(x, self.weight, self.bias, self.in_out)
+        if x is not self.region.full:
+            raise RuntimeError("sequence parallel: a column-parallel layer was called on something other than its "
+                               "region's input; the plan's region must be the module whose input all its column "
+                               "layers take")
+        weight, bias = self.weight, self.bias
+        device = x.device.type
+        if torch.is_autocast_enabled(device):  # cast as autocast's matmul does, its weight copy kept for backward
+            dtype = torch.get_autocast_dtype(device)
+            weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
+        return ColumnOverSequence.apply(x, self.region.local, weight, bias, self)
 
 
 class RowParallelLinear(nn.Module):
-    """`linear` with its input features split over `group`: takes this rank's slice of the input,
-    returns the whole output (summed over ranks)."""
+    """`layer` with its input features split over the tp ranks: takes this rank's slice of the input,
+    returns the whole output summed over ranks (under sequence parallel, this rank's part of the
+    sequence of it)."""
 
-    def __init__(self, linear: nn.Linear, group: Group) -> None:
+    def __init__(self, layer: nn.Module, tp: TensorParallelGroup, sequence_parallel: bool, in_out: bool) -> None:
         super().__init__()
-        self.group = group
-        rank, size = dist.get_rank(group), dist.get_world_size(group)
-        self.shards = {"weight": TensorShard(1)}  # the bias is added after the sum: replicated
-        self.weight = nn.Parameter(self.shards["weight"].take(linear.weight.detach(), rank, size))
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
+        self.tp, self.sequence_parallel, self.in_out = tp, sequence_parallel, in_out
+        rank, size = tp.rank, tp.size
+        self.shards = {"weight": TensorShard(0 if in_out else 1)}  # the bias is added after the sum: replicated
+        self.weight = nn.Parameter(self.shards["weight"].take(layer.weight.detach(), rank, size))
+        self.bias = None if layer.bias is None else nn.Parameter(layer.bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_tp(F.linear(x, self.weight), self.group)
+        partial = linear(x, self.weight, None, self.in_out)
+        y = LeaveRegion.apply(partial, self.tp) if self.sequence_parallel else reduce_from_tp(partial, self.tp)
         return y if self.bias is None else y + self.bias
 
 
-class LocalHeadsAttention(nn.Module):
-    """Causal self-attention over `heads` heads, whose q, k and v are the three thirds of `qkv`'s
-    output: this rank's heads, when qkv is column-parallel by heads. The GPT's attention, with the
-    head count a rank computes instead of the model's."""
-
-    def __init__(self, qkv: nn.Module, proj: nn.Module, heads: int) -> None:
-        super().__init__()
-        self.qkv = qkv
-        self.proj = proj
-        self.heads = heads
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, _ = x.shape
-        q, k, v = self.qkv(x).chunk(3, dim=2)
-        q, k, v = (t.view(batch, seq, self.heads, -1).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(batch, seq, -1))
+def _attribute(obj: object, path: str) -> object:
+    return functools.reduce(getattr, path.split("."), obj)
 
 
-def parallelize_blocks(blocks: list[nn.Module], group: Group) -> dict[int, TensorShard]:
-    """Split each GPT block's attention (by heads) and MLP over `group`, in place; return how each
-    new parameter is split, by id."""
-    size = dist.get_world_size(group)
+def _check_heads(region: Region, module: nn.Module, family: str, size: int) -> None:
+    for kind, path in (("heads", region.heads), ("key/value heads", region.kv_heads or region.heads)):
+        count = None if path is None else _attribute(module, path)
+        if count is not None and count % size:
+            raise PlanError(f"tensor parallel over {size} ranks: must divide the attention's {count} {kind} "
+                            f"({family} plan: {region.module}.{path}); each rank computes an equal share")
+
+
+def _check_width(width: int, size: int, region: Region, name: str, what: str, family: str) -> None:
+    if width % size:
+        raise PlanError(f"tensor parallel over {size} ranks: must divide {region.module}.{name}'s {width} {what} "
+                        f"({family} plan)")
+
+
+def _put(module: nn.Module, name: str, layer: nn.Module) -> None:
+    parent, _, attr = name.rpartition(".")
+    setattr(module.get_submodule(parent), attr, layer)
+
+
+def split_region(module: nn.Module, region: Region, plan: ParallelPlan, tp: TensorParallelGroup,
+                 sequence_parallel: bool) -> dict[int, TensorShard]:
+    """Split one region of a block over the tp ranks, in place: its column and row layers replaced by
+    this rank's shards, its input hooked, its per-rank sizes divided. Returns how each new
+    parameter is split, by id."""
+    size, in_out = tp.size, plan.weights_in_out
+    _check_heads(region, module, plan.family, size)
+    entry = TensorParallelRegion(module, tp, sequence_parallel)
+    splits: dict[str, ColumnParallelLinear | RowParallelLinear] = {}
+    for column in region.columns:
+        layer = module.get_submodule(column.name)
+        _check_width(layer.weight.shape[1 if in_out else 0] // column.parts, size, region, column.name,
+                     "output features" + (f" per part (of {column.parts})" if column.parts > 1 else ""), plan.family)
+        splits[column.name] = ColumnParallelLinear(layer, column.parts, entry, in_out)
+    row = module.get_submodule(region.row)
+    _check_width(row.weight.shape[0 if in_out else 1], size, region, region.row, "input features", plan.family)
+    splits[region.row] = RowParallelLinear(row, tp, sequence_parallel, in_out)
+    for name, split in splits.items():
+        _put(module, name, split)
+    for attribute in region.per_rank:
+        owner, _, leaf = attribute.rpartition(".")
+        target = _attribute(module, owner) if owner else module
+        setattr(target, leaf, getattr(target, leaf) // size)
+    return {id(param): split.shards[key] for split in splits.values()
+            for key, param in split.named_parameters(recurse=False) if key in split.shards}
+
+
+def split_sequence_around(blocks: list[nn.Module], tp: TensorParallelGroup) -> None:
+    """Sequence parallel's ends: this rank's part of the sequence enters the first block, the whole
+    sequence is gathered from the last."""
+
+    def split(block: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return with_input(block, args, kwargs, SplitSequence.apply(module_input(block, args, kwargs), tp))
+
+    def gather(block: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        return GatherSequence.apply(out, tp)
+
+    blocks[0].register_forward_pre_hook(split, with_kwargs=True)
+    blocks[-1].register_forward_hook(gather)
+
+
+def parallelize_blocks(blocks: list[nn.Module], plan: ParallelPlan, tp: TensorParallelGroup,
+                       sequence_parallel: bool) -> tuple[dict[int, TensorShard], list[nn.Parameter]]:
+    """Split every region of `blocks` (consecutive blocks of a model, or of one pipeline stage) over
+    the tp ranks as `plan` lays them out, in place; under sequence parallel, split the sequence before
+    the first block and gather it after the last. Returns how each new parameter is split (by id),
+    and, under sequence parallel, the blocks' parameters every rank holds whole, whose gradients
+    come from this rank's positions only."""
     shards = {}
     for block in blocks:
-        attn, mlp = block.attn, block.mlp
-        block.attn = LocalHeadsAttention(ColumnParallelLinear(attn.qkv, group, parts=3),
-                                         RowParallelLinear(attn.proj, group), attn.n_head // size)
-        mlp.up = ColumnParallelLinear(mlp.up, group)
-        mlp.down = RowParallelLinear(mlp.down, group)
-        for linear in (block.attn.qkv, block.attn.proj, mlp.up, mlp.down):
-            shards |= {id(getattr(linear, name)): shard for name, shard in linear.shards.items()
-                       if getattr(linear, name) is not None}
-    return shards
+        for region in plan.regions:
+            shards |= split_region(block.get_submodule(region.module), region, plan, tp, sequence_parallel)
+    if not sequence_parallel:
+        return shards, []
+    split_sequence_around(blocks, tp)
+    return shards, [p for block in blocks for p in block.parameters() if id(p) not in shards]
 
 
 class TensorParallel(MeshStrategy):
@@ -159,8 +404,11 @@ class TensorParallel(MeshStrategy):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         model = self.prepare(model)
-        self.record_layout(model, [model])
-        self.tensor_shards = parallelize_blocks(find_blocks(model, self.cfg.block), self.tp_group)
-        self.record_local_state(model, model)
+        located = self.locate(model)
+        self.record_layout(model, [{id(t) for t in model.state_dict(keep_vars=True).values()}])
+        self.tensor_shards, self.sequence_split = parallelize_blocks(located.blocks, located.plan,
+                                                                     TensorParallelGroup(self.tp_group),
+                                                                     self.cfg.sequence_parallel)
+        self.record_local_state(model)
         self.module = model
         return model

@@ -1,0 +1,215 @@
+"""Parallel plans: how the strategies that split a model (`tensor`, `pipeline`, `model-parallel`, and
+their dp x pp x tp mesh) cut each model family, declared by module names. The strategies read
+the plan and never a model's names; the model itself stays as its authors wrote it.
+
+A plan declares:
+- `blocks`: the class names of the repeated block. Its instances are the entries of one
+  `nn.ModuleList`, in order; a pipeline cuts between them (a stage holds consecutive blocks).
+- `regions`: the tensor-parallel layout of a block. A region is a module of the block (attention,
+  the MLP) whose input enters column-parallel layers (their output features split over the tp
+  ranks) and whose output leaves one row-parallel layer (its input features split, the partial
+  outputs summed). An attention region names where its module keeps its head count (and, for
+  grouped-query attention, its key/value heads), so that tp can be checked to divide them; the
+  module must count the heads it computes from its layers' outputs (all three families here do)
+  or name the attributes that hold per-rank sizes in `per_rank`. Everything of a block outside
+  the regions' layers (norms, the row-parallel layers' biases) is replicated.
+- `first_stage`, `last_stage`: the modules outside the blocks that only the first pipeline stage
+  holds (the embeddings) and only the last (the final norm and the head, last of all). Anything
+  else outside the blocks (a rotary embedding, dropout) runs on every stage and must hold no
+  parameters. Under `tensor` these are replicated.
+- `weights_in_out`: the layers store their weight [in, out] (transformers' `Conv1D`, GPT-2's),
+  transposed from `nn.Linear`'s [out, in].
+
+Names are matched on their last components: `embed_tokens` finds `model.embed_tokens` in a
+LlamaForCausalLM and `lm.model.embed_tokens` in shardwise's wrapper of one. A region's names are
+relative to the block. `docs/model-families.md` walks through writing a plan; `register_plan`
+adds one for your own family.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Column:
+    """A column-parallel layer; `parts` > 1 for one that computes several projections at once
+    (q, k and v: 3), each split on its own so that a rank holds the same heads of each."""
+
+    name: str
+    parts: int = 1
+
+
+@dataclass(frozen=True)
+class Region:
+    module: str  # the block's module whose input enters `column` and whose output leaves `row`
+    column: tuple[str | Column, ...]
+    row: str
+    heads: str | None = None  # attention: the attribute (path) holding the module's head count
+    kv_heads: str | None = None  # grouped-query attention: its key/value heads (unset: `heads`)
+    per_rank: tuple[str, ...] = ()  # attributes the module's forward reads as sizes of what it computes: divided by tp
+
+    @property
+    def columns(self) -> tuple[Column, ...]:
+        return tuple(c if isinstance(c, Column) else Column(c) for c in self.column)
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    family: str
+    models: tuple[str, ...]  # the config's `model.name`s it splits
+    blocks: tuple[str, ...]
+    regions: tuple[Region, ...]
+    first_stage: tuple[str, ...]
+    last_stage: tuple[str, ...]
+    weights_in_out: bool = False
+
+
+GPT = ParallelPlan(
+    family="gpt",
+    models=("gpt",),
+    blocks=("Block",),
+    regions=(
+        Region("attn", column=(Column("qkv", parts=3),), row="proj", heads="n_head"),
+        Region("mlp", column=("up",), row="down"),
+    ),
+    first_stage=("tok_emb", "pos_emb"),
+    last_stage=("ln_f", "head"),
+)
+
+# Llama, and the families that kept its module names: Mistral, Qwen2 (whose q, k and v have biases,
+# split with their rows).
+LLAMA = ParallelPlan(
+    family="llama",
+    models=("hf-llama", "hf-qwen2"),
+    blocks=("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer"),
+    regions=(
+        Region("self_attn", column=("q_proj", "k_proj", "v_proj"), row="o_proj",
+               heads="config.num_attention_heads", kv_heads="config.num_key_value_heads"),
+        Region("mlp", column=("gate_proj", "up_proj"), row="down_proj"),
+    ),
+    first_stage=("embed_tokens",),
+    last_stage=("norm", "lm_head"),
+)
+
+# GPT-2's attention splits its fused qkv by `split_size`, which must then be this rank's width.
+GPT2 = ParallelPlan(
+    family="gpt2",
+    models=("hf-gpt2",),
+    blocks=("GPT2Block",),
+    regions=(
+        Region("attn", column=(Column("c_attn", parts=3),), row="c_proj", heads="num_heads",
+               per_rank=("num_heads", "embed_dim", "split_size")),
+        Region("mlp", column=("c_fc",), row="c_proj"),
+    ),
+    first_stage=("wte", "wpe"),
+    last_stage=("ln_f", "lm_head"),
+    weights_in_out=True,
+)
+
+_PLANS: list[ParallelPlan] = [GPT, LLAMA, GPT2]
+
+NEEDS = ("the class of its repeated block; per block, its tensor-parallel regions (a module whose input enters "
+         "column-parallel layers and whose output leaves a row-parallel one, and for attention where its head "
+         "counts live); the modules outside the blocks that only the first pipeline stage holds (embeddings) and "
+         "only the last (final norm, head)")
+
+
+class PlanError(ValueError):
+    """A model has no plan, or does not fit its plan; the message says what is missing."""
+
+
+def register_plan(plan: ParallelPlan) -> None:
+    """Make `plan` the one for models holding its blocks, ahead of any plan registered before."""
+    _PLANS.insert(0, plan)
+
+
+def plans() -> tuple[ParallelPlan, ...]:
+    """Every plan, the first found for a model first."""
+    return tuple(_PLANS)
+
+
+def plan_for_name(model_name: str) -> ParallelPlan | None:
+    """The plan for the config's `model.name`, or None."""
+    return next((plan for plan in _PLANS if model_name in plan.models), None)
+
+
+def plan_for(model: nn.Module) -> ParallelPlan:
+    """The plan whose block class the model holds; PlanError naming what a plan needs if none."""
+    classes = {type(m).__name__ for m in model.modules()}
+    for plan in _PLANS:
+        if classes & set(plan.blocks):
+            return plan
+    known = "; ".join(f"{plan.family} ({', '.join(plan.blocks)})" for plan in _PLANS)
+    raise PlanError(f"no parallel plan for {type(model).__name__}: none of its modules is a block of a known plan "
+                    f"({known}). A plan names {NEEDS}; write one (docs/model-families.md) and register it with "
+                    "shardwise.models.plans.register_plan")
+
+
+def _matches(name: str, pattern: str) -> bool:
+    """Whether dotted `name` ends with the components of `pattern`."""
+    parts, wanted = name.split("."), pattern.split(".")
+    return parts[-len(wanted):] == wanted
+
+
+@dataclass
+class Located:
+    """A plan found in one model: its blocks in order, the ModuleList holding them, and the modules
+    the first and the last pipeline stage own outside them, by name."""
+
+    plan: ParallelPlan
+    model: nn.Module
+    blocks: list[nn.Module]
+    layers: str  # the ModuleList's name in the model
+    first: dict[str, nn.Module]
+    last: dict[str, nn.Module]
+
+    def replace(self, name: str, module: nn.Module) -> None:
+        """Put `module` in the model where the module called `name` is."""
+        parent, _, attr = name.rpartition(".")
+        setattr(self.model.get_submodule(parent), attr, module)
+
+    @functools.cached_property
+    def head(self) -> nn.Module:
+        """The last of the last stage's modules: the head, whose outputs are the logits."""
+        return self.last[next(reversed(self.last))]
+
+
+def locate(model: nn.Module, plan: ParallelPlan | None = None) -> Located:
+    """Find `plan` (default: `plan_for(model)`) in `model`; PlanError where the model does not fit it."""
+    plan = plan or plan_for(model)
+    named = dict(model.named_modules())
+    block_names = [name for name, m in named.items() if type(m).__name__ in plan.blocks]
+    if not block_names:
+        raise PlanError(f"plan {plan.family}: the model has no module of class {' or '.join(plan.blocks)}")
+    layers = block_names[0].rpartition(".")[0]
+    if not isinstance(named[layers], nn.ModuleList) or [f"{layers}.{i}" for i in range(len(named[layers]))] \
+            != block_names:
+        raise PlanError(f"plan {plan.family}: the blocks ({', '.join(block_names[:3])}, ...) must be every entry of "
+                        "one nn.ModuleList, in order: a pipeline cuts between its entries")
+    outside = {name: m for name, m in named.items()
+               if name and name != layers and not name.startswith(f"{layers}.")}
+
+    def find(pattern: str) -> str:
+        found = [name for name in outside if _matches(name, pattern)]
+        if len(found) != 1:
+            what = "no module" if not found else f"{len(found)} modules ({', '.join(found)})"
+            raise PlanError(f"plan {plan.family}: {pattern!r} matches {what} outside the blocks; expected one")
+        return found[0]
+
+    first = {name: outside[name] for name in map(find, plan.first_stage)}
+    last = {name: outside[name] for name in map(find, plan.last_stage)}
+    for name in first:
+        if not isinstance(outside[name], nn.Embedding):
+            raise PlanError(f"plan {plan.family}: first_stage module {name!r} is a {type(outside[name]).__name__}; "
+                            "the first stage's modules are embeddings (nn.Embedding), which a later stage replaces by "
+                            "zeros of their width")
+    owned = {id(p) for name in (*first, *last) for p in outside[name].parameters()}
+    for name, param in model.named_parameters():
+        if not name.startswith(f"{layers}.") and id(param) not in owned:
+            raise PlanError(f"plan {plan.family}: parameter {name!r} is outside the blocks and in neither first_stage "
+                            "nor last_stage; every stage would hold it and none would train it as one device does")
+    return Located(plan, model, [named[name] for name in block_names], layers, first, last)
