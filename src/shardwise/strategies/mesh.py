@@ -161,6 +161,13 @@ class MeshStrategy(DeferrableSync):
                             "would cut inside a block. Leave parallel.block unset")
         return located
 
+    def prepare_whole_model(self, model: nn.Module) -> nn.Module:
+        """`prepare`, materialising a meta-built model whole on every rank before it is split: for
+        now each rank initialises every block (as `single` does, value for value) and keeps its
+        stage or its shards of them after. Materialising only what this rank keeps (its stage's
+        blocks, its shards, through `self.materialiser`'s groups) replaces this in one place."""
+        return self.prepare(model)
+
     @property
     def data_rank(self) -> int:
         return self.dp_rank

@@ -348,7 +348,7 @@ class Pipeline(MeshStrategy):
         self._tied: tuple[list[nn.Parameter], Group] | None = None  # see _tie_first_and_last
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        model = self.prepare(model)
+        model = self.prepare_whole_model(model)
         located = self.locate(model)
         blocks = located.blocks
         starts = [0, *(self.cfg.split_points or balanced_split(block_costs(located), self.pp))]

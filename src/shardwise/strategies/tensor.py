@@ -403,7 +403,7 @@ class TensorParallel(MeshStrategy):
             raise ConfigError(f"parallel.tp = {tp}: tensor parallel needs at least 2 ranks per model")
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        model = self.prepare(model)
+        model = self.prepare_whole_model(model)
         located = self.locate(model)
         self.record_layout(model, [{id(t) for t in model.state_dict(keep_vars=True).values()}])
         self.tensor_shards, self.sequence_split = parallelize_blocks(located.blocks, located.plan,
