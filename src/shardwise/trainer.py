@@ -19,7 +19,13 @@ from shardwise.config import LANGUAGE_MODELS, Config, TrainConfig
 from shardwise.data import Dataset, GlobalBatchSampler, make_datasets
 from shardwise.dist import DistContext, seed_everything
 from shardwise.materialise import allocate, init_context
-from shardwise.memory import ActivationCounter, MemoryBreakdown, reset_peak_resident, resident_bytes
+from shardwise.memory import (
+    ActivationCounter,
+    MemoryBreakdown,
+    reset_peak_resident,
+    resident_bytes,
+    return_free_memory,
+)
 from shardwise.metrics import MetricsWriter, Progress, device_peak_flops, mfu
 from shardwise.models import build_model, flops_per_sample, loss_fn
 from shardwise.strategies.base import OptimizerFactory, Strategy, make_strategy
@@ -74,6 +80,7 @@ class Trainer:
         self.out = Path(cfg.run.out)
         seed_everything(cfg.train.seed)
         self.train_set, self.val_set = make_datasets(cfg)
+        return_free_memory()  # memory freed earlier in this process is not the model's to reuse unseen
         reset_peak_resident()
         self.baseline_rss = resident_bytes()[0]  # the runtime's, before the model exists
         # Built on the meta device: the strategy materialises what this rank keeps (materialise.py).

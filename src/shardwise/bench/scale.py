@@ -15,7 +15,7 @@ buffers per rank, plus the runtime's own resident set, measured by the jobs) and
 it expects to fit; real jobs then go up one width step at a time while they fit, or down until
 one does. Every job is reported, fitting or not.
 
-    python -m shardwise.bench.scale [--budget-gib 16] [--steps 2] [--json FILE]
+    shardwise bench scale [--budget-gib 16] [--steps 2]   (or python -m shardwise.bench.scale ... [--json FILE])
 """
 
 from __future__ import annotations
