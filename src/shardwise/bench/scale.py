@@ -35,7 +35,7 @@ from shardwise.bench.common import write_json
 from shardwise.config import Config, load_config
 from shardwise.planner.candidates import Candidate
 from shardwise.planner.memory import predict_memory, predict_setup_bytes
-from shardwise.planner.model import gpt_shape, model_facts
+from shardwise.planner.model import model_facts, model_shape
 from shardwise.strategies.registry import spec
 
 STRATEGIES = ("single", "ddp", "zero2", "fsdp", "fsdp-native")
@@ -60,7 +60,7 @@ def ranks_of(strategy: str) -> int:
 
 
 def parameters(width: int) -> int:
-    facts = model_facts(gpt_shape(scale_config("single", "sgd", width, 1, 1).model))
+    facts = model_facts(model_shape(scale_config("single", "sgd", width, 1, 1).model))
     return facts.params_total
 
 
