@@ -195,6 +195,31 @@ def test_fsdp_setup_holds_its_shards_and_one_unit_as_the_planner_predicts(world)
         assert r["rss"] < 0.8 * r["full"]  # the whole model never existed on any rank
 
 
+# --- pipeline and tensor: a stage's blocks, a rank's shards -----------------------------------
+
+def mesh_setup(ctx: DistContext, strategy_name: str) -> dict[str, int]:
+    step0(config("gpt", strategy_name, ctx.world_size), ctx)  # the runtime's baseline, as fsdp_setup's
+    cfg = config("gpt", strategy_name, ctx.world_size, *SETUP_GPT)
+    model = meta_model(cfg)
+    block = sum(p.numel() * 4 for p in model.blocks[0].parameters())
+    strategy = make_strategy(cfg.parallel, ctx, SEED)
+    return_free_memory()
+    reset_peak_resident()
+    baseline = resident_bytes()[0]
+    strategy.wrap(model)
+    return {"rss": resident_bytes()[1] - baseline, "counted": strategy.setup_peak_bytes, "block": block,
+            "held": sum(p.numel() * 4 for p in strategy.local_parameters()),
+            "full": sum(p.numel() * 4 for p in meta_model(cfg).parameters())}
+
+
+@pytest.mark.parametrize("strategy", ["pipeline", "tensor"])
+def test_a_stage_or_a_tensor_shard_materialises_its_part_and_one_block(strategy):
+    for r in run_ranks(mesh_setup, 2, strategy):
+        bound = 1.1 * (r["held"] + r["block"])
+        assert r["held"] <= r["counted"] <= bound and r["rss"] <= bound, r
+        assert r["rss"] < 0.8 * r["full"]  # the whole model never existed on any rank
+
+
 # --- pretrained weights ---------------------------------------------------------------------
 
 def tiny_llama_config():

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
@@ -211,19 +211,35 @@ class Materialiser:
         return values
 
     def materialise(self, group: Group, device: torch.device, dtype: torch.dtype | None,
-                    initialise: bool = True) -> None:
-        """Put the group's tensors into the model for good: real, on `device`, floating ones in
-        `dtype` (None: as built), initialised (or, with `initialise=False`, left empty for a load
-        to fill)."""
+                    initialise: bool = True, names: Collection[str] | None = None) -> None:
+        """Put the group's tensors (or those of them in `names`) into the model for good: real, on
+        `device`, floating ones in `dtype` (None: as built), initialised (or, with
+        `initialise=False`, left empty for a load to fill). The group is initialised whole either
+        way (a module's init may draw for several tensors from one generator); those not in
+        `names` are freed."""
         if initialise:
             values = self.initial_values(group, device)
         else:
             values = {name: torch.empty_like(self.meta[name], device=device) for name in group.names}
         for name in group.names:
             value = values.pop(name)  # the built dtype's copy is freed as soon as it is cast
+            if names is not None and name not in names:
+                continue
             if dtype is not None and value.is_floating_point():
                 value = value.to(dtype)
             self._install(name, value)
+
+    def release(self, group: Group, holder: nn.Module) -> None:
+        """After a strategy replaced some of the group's modules by what it keeps of them (tensor
+        parallel's shards of a layer): the group's tensors `holder` no longer holds go back to the
+        meta device, so that the replaced modules, which this materialiser still reaches, keep no
+        memory."""
+        held = {id(tensor) for _, tensor in named_tensors(holder)}
+        for name in group.names:
+            if id(self.slots[name][0].get()) not in held:
+                for slot in self.slots[name]:
+                    meta = torch.empty_like(self.meta[name], device="meta")
+                    slot.set(meta if slot.buffer else nn.Parameter(meta, requires_grad=False))
 
     def materialise_all(self, device: torch.device, dtype: torch.dtype | None, initialise: bool = True) -> None:
         for group in self.groups:

@@ -214,8 +214,8 @@ def predict_setup_bytes(candidate: Candidate, cfg: Config) -> int:
     unit whole at a time, in order, keep its shards and free it: at the peak, the shards made so
     far and one whole unit. zero1 and zero2 make the whole model, then lay each unit out as they
     keep it (whole parameters in the working dtype, master shards, zero1's gradient buffer): the
-    larger of the two, and one unit's layout beside. Every other strategy (the model-splitting
-    ones too, for now) makes the whole model on every rank."""
+    larger of the two, and one unit's layout beside. Every other strategy: the whole model, which
+    for the model-splitting ones (a stage, or shards and one block) is an upper bound only."""
     facts = model_facts(model_shape(cfg.model))
     precision = make_precision(candidate.precision, cfg.parallel.reduce_dtype)
     stored = dtype_bytes(precision.param_dtype)
