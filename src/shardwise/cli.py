@@ -135,7 +135,9 @@ def bench(args: argparse.Namespace) -> int:
                           f"{args.name} runs on {ranks}")
     if args.budget_gib is not None and args.name != "scale":
         raise ConfigError(f"--budget-gib {args.budget_gib}: only `bench scale` takes a memory budget")
-    entry = [module, "--steps", str(args.steps), "--json", f"bench/results/{args.name}.json"]
+    entry = [module, "--json", f"bench/results/{args.name}.json"]
+    if args.steps is not None or args.name != "scale":  # scale's jobs train its own default, 2 steps
+        entry += ["--steps", str(12 if args.steps is None else args.steps)]
     if args.budget_gib is not None:
         entry += ["--budget-gib", str(args.budget_gib)]
     if args.json:
@@ -310,7 +312,8 @@ def main(argv: list[str] | None = None) -> int:
                             "zero2, fsdp and fsdp-native train within a memory budget, as whole jobs. Writes "
                             "bench/results/NAME.json (and --json FILE).")
     p.add_argument("name", choices=list(BENCHES), help="which benchmark")
-    p.add_argument("--steps", type=int, default=12, help="measured steps per variant (checkpoint: rounds)")
+    p.add_argument("--steps", type=int, help="measured steps per variant, default 12 (checkpoint: rounds; scale: "
+                   "steps each job trains, default 2)")
     p.add_argument("--json", "--out", dest="json", help="also write the result to this file (for hardware: "
                    "the device profile `shardwise plan --device FILE` reads)")
     p.add_argument("--nproc", type=int, help="hardware: ranks to measure the collectives over (default 2)")
