@@ -1,6 +1,7 @@
 """Models built on the meta device: every strategy materialises what its rank keeps, with the very
 values `single` starts from (bit for bit, on 2 and 4 ranks, for the GPT, the transformers families
-and the CNN/MLP); fsdp's setup holds its shards and one unit; pretrained weights load into each
+and the CNN/MLP); fsdp's setup holds its shards and one unit, a pipeline stage its own part, a
+tensor rank its shards and one block, as the planner predicts; pretrained weights load into each
 rank's part; bad models and bad weights are refused by name."""
 
 from __future__ import annotations
@@ -213,11 +214,17 @@ def mesh_setup(ctx: DistContext, strategy_name: str) -> dict[str, int]:
 
 
 @pytest.mark.parametrize("strategy", ["pipeline", "tensor"])
-def test_a_stage_or_a_tensor_shard_materialises_its_part_and_one_block(strategy):
-    for r in run_ranks(mesh_setup, 2, strategy):
+def test_a_stage_or_a_tensor_shard_materialises_its_part_and_one_block_as_the_planner_predicts(strategy):
+    pp, tp = (2, 1) if strategy == "pipeline" else (1, 2)
+    predicted = predict_setup_bytes(Candidate(strategy, 1, pp, tp, "fp32", "none", 2),
+                                    config("gpt", strategy, 2, *SETUP_GPT))
+    ranks = run_ranks(mesh_setup, 2, strategy)
+    for r in ranks:
         bound = 1.1 * (r["held"] + r["block"])
         assert r["held"] <= r["counted"] <= bound and r["rss"] <= bound, r
         assert r["rss"] < 0.8 * r["full"]  # the whole model never existed on any rank
+    most = max(r["counted"] for r in ranks)  # the planner predicts the worst rank
+    assert abs(predicted - most) <= 0.1 * most, (predicted, ranks)
 
 
 # --- pretrained weights ---------------------------------------------------------------------

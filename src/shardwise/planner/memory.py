@@ -214,11 +214,19 @@ def predict_setup_bytes(candidate: Candidate, cfg: Config) -> int:
     unit whole at a time, in order, keep its shards and free it: at the peak, the shards made so
     far and one whole unit. zero1 and zero2 make the whole model, then lay each unit out as they
     keep it (whole parameters in the working dtype, master shards, zero1's gradient buffer): the
-    larger of the two, and one unit's layout beside. Every other strategy: the whole model, which
-    for the model-splitting ones (a stage, or shards and one block) is an upper bound only."""
-    facts = model_facts(model_shape(cfg.model))
+    larger of the two, and one unit's layout beside. pipeline, model-parallel and tensor make
+    their stage's blocks one at a time, each whole until its tp split: at the peak, the stage
+    they keep and one whole block beside its shard. Every other strategy makes the whole model."""
+    shape = model_shape(cfg.model)
+    facts = model_facts(shape)
     precision = make_precision(candidate.precision, cfg.parallel.reduce_dtype)
     stored = dtype_bytes(precision.param_dtype)
+    if candidate.spec.splits_model:
+        held = rank_facts(shape, candidate.tp)
+        passing = facts.block.numel - held.block.numel  # the whole block being split, beyond its shard
+        stages = stage_bounds(shape, candidate.pp)
+        return max(held.stage(s == 0, s == len(stages) - 1, stop - start)[0] + passing
+                   for s, (start, stop) in enumerate(stages)) * stored
     world = candidate.shard or candidate.dp
     stage = candidate.spec.zero_stage
     if not stage:
