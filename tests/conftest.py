@@ -49,6 +49,21 @@ def cli_single_run(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]
     return out, result
 
 
+# CLI runs held to single's losses: 20 steps. gpt-tiny's loss jumps at step 20 (a hard batch), and
+# AdamW carries each order of summation's rounding through the jump to about 1e-5 by step 30.
+COMPARED_STEPS = 20
+
+
+@pytest.fixture(scope="session")
+def cli_single_compared(tmp_path_factory) -> Path:
+    """`shardwise train configs/gpt-tiny.toml --steps 20` under single: what the CLI comparisons hold runs to."""
+    out = tmp_path_factory.mktemp("cli") / "single-compared"
+    result = shardwise("train", str(CONFIGS / "gpt-tiny.toml"), "--strategy", "single", "--steps",
+                       str(COMPARED_STEPS), "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    return out
+
+
 def losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in read_records(run_dir)]
 

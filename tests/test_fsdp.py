@@ -254,13 +254,13 @@ def test_offload_keeps_master_shards_gradients_and_optimizer_state_on_the_host_a
             assert (memory["params"] > 0) == (strategy != "fsdp") and (memory["grads"] > 0) == (strategy == "zero1")
 
 
-def test_cli_fsdp_on_2_processes_matches_single(tmp_path, cli_single_run):
-    from conftest import shardwise
+def test_cli_fsdp_on_2_processes_matches_single(tmp_path, cli_single_compared):
+    from conftest import COMPARED_STEPS, shardwise
 
-    result = shardwise("train", str(CONFIGS / "gpt-tiny.toml"), "--strategy", "fsdp", "--nproc", "2", "--steps", "30",
-                       "--out", str(tmp_path / "fsdp"))
+    result = shardwise("train", str(CONFIGS / "gpt-tiny.toml"), "--strategy", "fsdp", "--nproc", "2", "--steps",
+                       str(COMPARED_STEPS), "--out", str(tmp_path / "fsdp"))
     assert result.returncode == 0, result.stderr
-    assert_same_training(tmp_path / "fsdp", cli_single_run[0], steps=30, weights=False)
+    assert_same_training(tmp_path / "fsdp", cli_single_compared, steps=COMPARED_STEPS, weights=False)
 
 
 def train_cnn_sharded(ctx: DistContext, root: Path) -> None:

@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from conftest import CONFIGS, REPO, assert_same_training, read_records, shardwise, train_in_process
+from conftest import COMPARED_STEPS, CONFIGS, REPO, assert_same_training, read_records, shardwise, train_in_process
 from safetensors.torch import load_file
 
 from shardwise.config import load_config
@@ -48,23 +48,23 @@ def test_a_failing_worker_fails_the_command_with_its_error_shown(tmp_path, tiny_
     assert "worker rank 0 failed" in tail and "NotADirectoryError" in tail
 
 
-def test_ddp_on_2_processes_gives_the_single_device_losses(tmp_path, cli_single_run):
+def test_ddp_on_2_processes_gives_the_single_device_losses(tmp_path, cli_single_compared):
     out = tmp_path / "d"
     result = shardwise("train", str(CONFIGS / "gpt-tiny.toml"), "--strategy", "ddp", "--nproc", "2",
-                       "--steps", "30", "--out", str(out))
+                       "--steps", str(COMPARED_STEPS), "--out", str(out))
     assert result.returncode == 0, result.stderr
     assert "ddp on 2 process(es)" in result.stdout
-    assert_same_training(out, cli_single_run[0], steps=30, weights=False)
+    assert_same_training(out, cli_single_compared, steps=COMPARED_STEPS, weights=False)
 
 
-def test_the_worker_runs_under_an_external_torchrun(tmp_path, cli_single_run):
+def test_the_worker_runs_under_an_external_torchrun(tmp_path, cli_single_compared):
     out = tmp_path / "n"
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
          "-m", "shardwise.worker", str(CONFIGS / "gpt-tiny.toml"), "--set", "parallel.strategy=ddp-native",
-         "--set", "train.steps=30", "--set", f"run.out={out}"],
+         "--set", f"train.steps={COMPARED_STEPS}", "--set", f"run.out={out}"],
         cwd=REPO, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300,
     )
     assert result.returncode == 0, result.stderr
     assert load_config(out / "config.toml").launch.nproc == 2  # the world torchrun made, recorded
-    assert_same_training(out, cli_single_run[0], steps=30, weights=False)
+    assert_same_training(out, cli_single_compared, steps=COMPARED_STEPS, weights=False)

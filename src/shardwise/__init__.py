@@ -2,5 +2,6 @@
 the Python API (api.py): `run = shardwise.setup(strategy=...)`."""
 
 from shardwise.api import Run, setup
+from shardwise.materialise import init_context
 
-__all__ = ["Run", "setup"]
+__all__ = ["Run", "init_context", "setup"]

@@ -49,9 +49,11 @@ from shardwise.checkpoint import load_checkpoint, save_checkpoint
 from shardwise.config import Config, ConfigError, apply_section, validate_parallel
 from shardwise.data import Dataset, GlobalBatchSampler
 from shardwise.dist import DistContext, init_distributed, seed_everything, shutdown_distributed
+from shardwise.materialise import build_on_meta
 from shardwise.strategies.base import LossFn, OptimizerFactory, make_strategy
 from shardwise.strategies.registry import spec
 from shardwise.trainer import optimizer_step
+from shardwise.weights import load_weights, tied_names
 
 # What `run.loader` reads: shardwise's own datasets (`batch(indices)`) or any map-style dataset
 # (`dataset[i]`, collated as torch's DataLoader does).
@@ -103,7 +105,7 @@ class Run:
         self.cfg = cfg
         self.ctx = ctx
         self.grad_accum = grad_accum
-        self.strategy = make_strategy(cfg.parallel, ctx)
+        self.strategy = make_strategy(cfg.parallel, ctx, cfg.train.seed)
         self.scaler = self.strategy.scaler
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -129,16 +131,30 @@ class Run:
     def device(self) -> torch.device:
         return self.ctx.device
 
-    def prepare(self, model: nn.Module, make_optimizer: OptimizerFactory) -> tuple[nn.Module, torch.optim.Optimizer]:
+    def prepare(self, model: nn.Module | Callable[[], nn.Module], make_optimizer: OptimizerFactory,
+                weights: str | Path | None = None) -> tuple[nn.Module, torch.optim.Optimizer]:
         """Wrap `model` with the strategy (replicate, shard or split it; recompute blocks; move it to
         this rank's device and the precision's storage dtype) and build its optimizer over the
         parameters this rank holds: `make_optimizer(params)`. Returns (model to call, optimizer).
         Under mixed precision the returned model's forward runs under autocast; compute the loss
-        in fp32 (`logits.float()`)."""
+        in fp32 (`logits.float()`).
+
+        `model` is a model, or a function of no arguments that builds one. A model built under
+        `shardwise.init_context()` (and every model a function builds, which runs under it) is on
+        the meta device: the strategy materialises only what this rank keeps, each tensor with the
+        values `single` gives it, from `setup`'s seed (materialise.py).
+
+        `weights`: pretrained weights to start from, a `.safetensors` file or a directory of them
+        (what `from_pretrained` reads), each rank reading only the part it holds (weights.py)."""
         if self.model is not None:
             raise RuntimeError("run.prepare: this run has a model already; call shardwise.setup again for another")
+        if not isinstance(model, nn.Module):
+            model = build_on_meta(model, "run.prepare")
+        ties = tied_names(model)
         wrapped = self.strategy.wrap(model)
         self.optimizer = self.strategy.optimizer(make_optimizer)
+        if weights is not None:
+            load_weights(self.strategy, weights, ties)
         if self.strategy.precision.mixed:
             wrapped.forward = self._in_autocast(wrapped.forward)
         self.model = wrapped

@@ -20,6 +20,7 @@ Nothing in a checkpoint is unpickled except through an allow-list (DCP's metadat
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -36,6 +37,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.utils import _create_file_view
+from torch.futures import Future
 
 if TYPE_CHECKING:
     from shardwise.config import Config
@@ -250,7 +254,44 @@ def newest_good_checkpoint(run_dir: Path) -> Path | None:
 
 class SafeReader(FileSystemReader):
     """DCP's file reader, unpickling its metadata through an allow-list instead of plain pickle,
-    so a crafted `.metadata` cannot run code."""
+    so a crafted `.metadata` cannot run code; and reading tensors memory-mapped, so a rank reads
+    only the part of a stored tensor it asks for (its shard of a tensor a replicating strategy
+    saved whole), never the whole of it."""
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        mapped = [item for item in plan.items if item.type == LoadItemType.TENSOR
+                  and not self.storage_data[item.storage_index].transform_descriptors]
+        rest = [item for item in plan.items if item not in mapped]
+        if rest:
+            super().read_data(dataclasses.replace(plan, items=rest), planner).wait()
+        per_file: dict[str, list[ReadItem]] = {}
+        for item in mapped:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for relative_path, items in per_file.items():
+            path = Path(self.path) / relative_path
+            storage = torch.UntypedStorage.from_file(str(path), False, path.stat().st_size)  # private mapping
+            with open(path, "rb") as stream:
+                for item in items:
+                    stored = self._mapped_tensor(stream, storage, self.storage_data[item.storage_index])
+                    for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
+                        stored = stored.narrow(dim, start, length)
+                    target = planner.resolve_tensor(item).detach()
+                    target.copy_(stored)  # reads the pages of these rows only
+                    planner.commit_tensor(item, target)
+        done: Future[None] = Future()
+        done.set_result(None)
+        return done
+
+    @staticmethod
+    def _mapped_tensor(stream: Any, storage: torch.UntypedStorage, stored: Any) -> torch.Tensor:
+        """The tensor DCP saved at `stored`'s place in the file (one torch.save archive), as a view
+        of the file's mapping: its layout read from the archive without its data (a meta load,
+        which notes where the data lies), the data left in the file until touched."""
+        layout = torch.load(_create_file_view(stream, stored.offset, stored.length), map_location="meta",
+                            weights_only=True)
+        start = stored.offset + layout.untyped_storage()._checkpoint_offset
+        data = storage[start : start + layout.untyped_storage().nbytes()]
+        return torch.empty(0, dtype=layout.dtype).set_(data, layout.storage_offset(), layout.shape, layout.stride())
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as file:
@@ -368,12 +409,15 @@ def consolidate(run_dir: Path, out: Path) -> Path:
     from safetensors.torch import save_file
 
     from shardwise.config import load_config
+    from shardwise.materialise import allocate, init_context
     from shardwise.models import build_model
 
     path = newest_good_checkpoint(run_dir)
     if path is None:
         raise CheckpointError(f"{checkpoint_dir(run_dir)}: no checkpoint to consolidate")
-    model = build_model(load_config(Path(run_dir) / "config.toml").model)
+    with init_context():
+        model = build_model(load_config(Path(run_dir) / "config.toml").model)
+    allocate(model, "cpu")  # the load fills it
     state = {"model": {name: p.detach() for name, p in model.named_parameters()} | dict(model.named_buffers())}
     check_fits(path, state)
     dcp.load(state, storage_reader=safe_reader(path), no_dist=True)

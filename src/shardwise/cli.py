@@ -133,7 +133,13 @@ def bench(args: argparse.Namespace) -> int:
     if args.nproc is not None and args.name != "hardware":
         raise ConfigError(f"--nproc {args.nproc}: only `bench hardware` takes a world size; "
                           f"{args.name} runs on {ranks}")
-    entry = [module, "--steps", str(args.steps), "--json", f"bench/results/{args.name}.json"]
+    if args.budget_gib is not None and args.name != "scale":
+        raise ConfigError(f"--budget-gib {args.budget_gib}: only `bench scale` takes a memory budget")
+    entry = [module, "--json", f"bench/results/{args.name}.json"]
+    if args.steps is not None or args.name != "scale":  # scale's jobs train its own default, 2 steps
+        entry += ["--steps", str(12 if args.steps is None else args.steps)]
+    if args.budget_gib is not None:
+        entry += ["--budget-gib", str(args.budget_gib)]
     if args.json:
         entry += ["--json", args.json]
     if ranks == 0:  # a driver that launches its own jobs
@@ -302,13 +308,16 @@ def main(argv: list[str] | None = None) -> int:
                             "with a slowed link between the ranks run over network namespaces, as root); ps: the "
                             "parameter server (sync, async), dp and ddp, whole jobs on the same model and workers; "
                             "multinode: ddp, fsdp and hsdp over 2 nodes (network namespaces; needs root) at 3 link "
-                            "rates, communication share measured and predicted. Writes bench/results/NAME.json (and "
-                            "--json FILE).")
+                            "rates, communication share measured and predicted; scale: the largest GPT single, ddp, "
+                            "zero2, fsdp and fsdp-native train within a memory budget, as whole jobs. Writes "
+                            "bench/results/NAME.json (and --json FILE).")
     p.add_argument("name", choices=list(BENCHES), help="which benchmark")
-    p.add_argument("--steps", type=int, default=12, help="measured steps per variant (checkpoint: rounds)")
+    p.add_argument("--steps", type=int, help="measured steps per variant, default 12 (checkpoint: rounds; scale: "
+                   "steps each job trains, default 2)")
     p.add_argument("--json", "--out", dest="json", help="also write the result to this file (for hardware: "
                    "the device profile `shardwise plan --device FILE` reads)")
     p.add_argument("--nproc", type=int, help="hardware: ranks to measure the collectives over (default 2)")
+    p.add_argument("--budget-gib", type=float, help="scale: the memory of all of a job's ranks together (default 16)")
     p = commands.add_parser("consolidate", help="write a run's newest checkpoint as one plain safetensors file",
                             description="Reads the newest good checkpoint of RUN_DIR, whatever strategy and world "
                             "size saved it, in one process, and writes its full model state dict.")

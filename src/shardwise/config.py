@@ -91,6 +91,10 @@ class ModelConfig:
                                    "must be model.name's family (llama and mistral: hf-llama; qwen2; gpt2). "
                                    "`shardwise plan --hf-config FILE` sets this, model.name and the file's sizes")
     bias: bool = option(False, "biases in the GPT's linear layers")
+    weights: str | None = option(None, "start from these weights instead of initialising: a .safetensors file, or a "
+                                 "directory of them (what from_pretrained reads), matched to the model by name "
+                                 "(`lm.` and the like found by itself), each rank reading only its part "
+                                 "(docs/huggingface.md); unset: initialised from train.seed")
     width: int = option(32, "CNN / MLP: hidden width")
     num_classes: int = option(10, "CNN / MLP: output classes")
 
@@ -498,6 +502,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if not strategy.checkpoints and (launch.max_restarts or t.checkpoint_every or cfg.run.resume):
         raise ConfigError(f"{p.strategy} keeps no checkpoints: set launch.max_restarts = 0, "
                           "train.checkpoint_every = 0 and run.resume = false")
+    if m.weights is not None:
+        _validate_weights(m.weights, p.strategy)
     _validate_mesh(cfg, world)
     dp = p.mesh_shape(world)[0]
     per_step = dp * t.micro_batch
@@ -510,6 +516,16 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             f"train.global_batch = {t.global_batch}: must be divisible by {replicas} x "
             f"train.micro_batch {t.micro_batch} = {per_step} (the rest is gradient accumulation)"
         )
+
+
+def _validate_weights(weights: str, strategy: str) -> None:
+    path = Path(weights)
+    if not (path.is_file() and path.suffix == ".safetensors" or path.is_dir() and any(path.glob("*.safetensors"))):
+        raise ConfigError(f"model.weights = {weights!r}: expected a .safetensors file, or a directory holding them "
+                          "(as from_pretrained reads); not found")
+    if not spec(strategy).checkpoints:  # the state a checkpoint loads into is what weights load into
+        raise ConfigError(f"model.weights = {weights!r}: {strategy} keeps the parameters on its servers, which "
+                          "start from initial values; use another strategy to start from weights")
 
 
 def validate_parallel(p: ParallelConfig) -> None:

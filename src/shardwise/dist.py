@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from shardwise.memory import map_large_blocks
+
 FLIGHT_RECORDER_ENTRIES = 64  # collectives the flight recorder keeps per process
 
 
@@ -96,6 +98,7 @@ def configure_process(threads_per_rank: int, debug_collectives: bool) -> None:
         dist.set_debug_level_from_env()
     # Ranks sharing a CPU must not each start one thread per core, or they fight for cores.
     torch.set_num_threads(threads_per_rank)
+    map_large_blocks()  # freed parameters, units and buffers go back to the OS: the resident set is what a rank holds
 
 
 def rank_device(backend: str, local_rank: int) -> torch.device:

@@ -8,12 +8,14 @@ known by its identity, not its address, so the same counting works on meta and f
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import resource
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -67,6 +69,60 @@ def peak_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def resident_bytes() -> tuple[int, int]:
+    """This process's resident set now and its peak since it started or `reset_peak_resident`
+    (Linux: VmRSS and VmHWM); (0, 0) where /proc does not say."""
+    try:
+        fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines())
+    except OSError:
+        return 0, 0
+    return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
+
+
+def reset_peak_resident() -> None:
+    """Count the peak resident set afresh from now (Linux clear_refs 5), so a peak read later
+    belongs to what ran in between; without it, the peak stays the process's."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass
+
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+OWN_MAPPING_BYTES = 4 << 20  # blocks this large and larger get their own mapping (see map_large_blocks)
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None)
+
+
+def _malloc_trim() -> Callable[[int], int] | None:
+    return getattr(_libc(), "malloc_trim", None)
+
+
+def map_large_blocks(min_bytes: int = OWN_MAPPING_BYTES) -> None:
+    """Have glibc give every block of `min_bytes` or more its own memory mapping, which freeing it
+    returns to the OS at once (elsewhere: nothing). By default glibc raises that threshold to the
+    size of each large block it frees, up to 32 MiB, and serves blocks below it from heaps that
+    keep freed memory resident: a rank that gathers and frees units, or sends buffers through
+    Gloo's threads, would hold the memory of many freed ones. Smaller blocks (most activations)
+    keep the heap's fast reuse."""
+    mallopt = getattr(_libc(), "mallopt", None)
+    if mallopt is not None:
+        mallopt(M_MMAP_THRESHOLD, min_bytes)
+
+
+def return_free_memory() -> None:
+    """Hand the memory the C allocator holds free back to the OS (glibc's malloc_trim; elsewhere
+    nothing). Once glibc has freed a block of some megabytes it serves blocks up to that size from
+    its heap, where freed ones stay resident: a loop that makes and frees a whole unit at a time
+    would otherwise grow the resident set by a unit each turn."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 _active_counters: list[ActivationCounter] = []

@@ -18,10 +18,18 @@ from shardwise.checkpoint import CheckpointError, load_checkpoint, save_checkpoi
 from shardwise.config import LANGUAGE_MODELS, Config, TrainConfig
 from shardwise.data import Dataset, GlobalBatchSampler, make_datasets
 from shardwise.dist import DistContext, seed_everything
-from shardwise.memory import ActivationCounter, MemoryBreakdown
+from shardwise.materialise import allocate, init_context
+from shardwise.memory import (
+    ActivationCounter,
+    MemoryBreakdown,
+    reset_peak_resident,
+    resident_bytes,
+    return_free_memory,
+)
 from shardwise.metrics import MetricsWriter, Progress, device_peak_flops, mfu
 from shardwise.models import build_model, flops_per_sample, loss_fn
 from shardwise.strategies.base import OptimizerFactory, Strategy, make_strategy
+from shardwise.weights import load_weights, tied_names
 
 
 def optimizer_factory(cfg: TrainConfig) -> OptimizerFactory:
@@ -72,11 +80,18 @@ class Trainer:
         self.out = Path(cfg.run.out)
         seed_everything(cfg.train.seed)
         self.train_set, self.val_set = make_datasets(cfg)
-        model = build_model(cfg.model)
+        return_free_memory()  # memory freed earlier in this process is not the model's to reuse unseen
+        reset_peak_resident()
+        self.baseline_rss = resident_bytes()[0]  # the runtime's, before the model exists
+        # Built on the meta device: the strategy materialises what this rank keeps (materialise.py).
+        with init_context():
+            model = build_model(cfg.model)
         self.flops_per_sample = flops_per_sample(model)
         self.seq_len = cfg.model.seq_len if cfg.model.name in LANGUAGE_MODELS else None
-        self.strategy: Strategy = make_strategy(cfg.parallel, ctx)
+        self.ties = tied_names(model)  # a weights file may name a tied weight by any of its names
+        self.strategy: Strategy = make_strategy(cfg.parallel, ctx, cfg.train.seed)
         self.model = self.strategy.wrap(model)
+        self.setup_rss = resident_bytes()[1] - self.baseline_rss  # wrap's peak above the runtime's
         self.optimizer = self.strategy.optimizer(optimizer_factory(cfg.train))
         self.scaler = self.strategy.scaler
         self.skipped_steps = 0
@@ -172,6 +187,8 @@ class Trainer:
         return the summary."""
         t = self.cfg.train
         first = load_checkpoint(self) if self.cfg.run.resume else 0
+        if first == 0 and self.cfg.model.weights:
+            load_weights(self.strategy, self.cfg.model.weights, self.ties)
         if first >= t.steps:
             raise CheckpointError(f"{self.out}: its checkpoint is at step {first} of train.steps = {t.steps}; "
                                   "nothing left to resume (raise train.steps to train further)")
@@ -232,6 +249,11 @@ class Trainer:
             "precision": self.cfg.parallel.precision,
             "recompute": self.cfg.parallel.recompute,
             "skipped_steps": self.skipped_steps,
+            # Each rank's peak resident set over the run, and above the runtime's while the model
+            # was made (and the strategy's own count of it, where it counts one).
+            "peak_rss_by_rank": self.ctx.all_gather_object(resident_bytes()[1]),
+            "setup_by_rank": self.ctx.all_gather_object({"rss_above_baseline": self.setup_rss,
+                                                         "counted": self.strategy.setup_peak_bytes}),
             **({"stage_timeline": timeline} if timeline is not None else {}),
         }
 
@@ -241,7 +263,9 @@ class Trainer:
 
         state = self.strategy.full_state_dict()
         if self.ctx.is_main:
-            plain = build_model(self.cfg.model)
+            with init_context():
+                plain = build_model(self.cfg.model)
+            allocate(plain, "cpu")
             plain.load_state_dict(state)
             # save_model, unlike save_file, stores a tied weight once and restores the tie on load.
             save_model(plain, str(self.out / "model.safetensors"))

@@ -17,5 +17,6 @@ BENCHES = {  # name -> (module, ranks)
     "hardware": ("shardwise.bench.hardware", 2),  # a device profile for `shardwise plan --device FILE`
     "planner": ("shardwise.bench.planner", 0),  # the planner's predictions against real runs (namespaces as root)
     "ps": ("shardwise.bench.ps", 0),  # parameter server (sync, async), dp and ddp as whole jobs
+    "scale": ("shardwise.bench.scale", 0),  # the largest GPT each strategy trains in a memory budget, as whole jobs
     "multinode": ("shardwise.bench.multinode", 0),  # makes its own nodes (namespaces, as root) and ranks
 }

@@ -88,20 +88,24 @@ class GPT(nn.Module):
         self.ln_f = LayerNorm(cfg.d_model)
         self.head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self.head.weight = self.tok_emb.weight
-        self.apply(self._init_weights)
-        # GPT-2: residual projections scaled down by depth so the residual stream's variance stays put.
-        for name, param in self.named_parameters():
-            if name.endswith(("proj.weight", "down.weight")):
-                nn.init.normal_(param, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+        for name, module in self.named_modules():
+            self.init_module(module, name)
 
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    def init_module(self, module: nn.Module, name: str) -> None:
+        """Initialise `module`'s own parameters (module `name` of this GPT): matrices and embeddings
+        normal(0, 0.02), the residual projections' scaled down by depth so the residual stream's
+        variance stays put (GPT-2), biases zero, norms one. The head is the token embedding (tied),
+        initialised once, as the embedding. Called for every module when the GPT is built, and by
+        shardwise.materialise for each module of a meta-built GPT, under its own generator."""
+        if isinstance(module, nn.Linear) and name != "head":
+            residual = name.endswith(("attn.proj", "mlp.down"))
+            nn.init.normal_(module.weight, mean=0.0, std=0.02 / math.sqrt(2 * self.cfg.n_layer) if residual else 0.02)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        elif isinstance(module, nn.LayerNorm):
+            module.reset_parameters()
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids [batch, seq] -> logits [batch, seq, vocab]."""

@@ -208,6 +208,37 @@ def fsdp_gathered_numel(units: list[Tensors], world: int, prefetch: int, reshard
     return root.numel + computing + min(prefetch, len(blocks) - 1) * world * block.sharded_numel(world)
 
 
+def predict_setup_bytes(candidate: Candidate, cfg: Config) -> int:
+    """The most bytes a rank holds while its strategy materialises the meta-built model, before
+    the first step (what ShardedDataParallel counts as `setup_peak_bytes`). fsdp and hsdp make one
+    unit whole at a time, in order, keep its shards and free it: at the peak, the shards made so
+    far and one whole unit. zero1 and zero2 make the whole model, then lay each unit out as they
+    keep it (whole parameters in the working dtype, master shards, zero1's gradient buffer): the
+    larger of the two, and one unit's layout beside. pipeline, model-parallel and tensor make
+    their stage's blocks one at a time, each whole until its tp split: at the peak, the stage
+    they keep and one whole block beside its shard. Every other strategy makes the whole model."""
+    shape = model_shape(cfg.model)
+    facts = model_facts(shape)
+    precision = make_precision(candidate.precision, cfg.parallel.reduce_dtype)
+    stored = dtype_bytes(precision.param_dtype)
+    if candidate.spec.splits_model:
+        held = rank_facts(shape, candidate.tp)
+        passing = facts.block.numel - held.block.numel  # the whole block being split, beyond its shard
+        stages = stage_bounds(shape, candidate.pp)
+        return max(held.stage(s == 0, s == len(stages) - 1, stop - start)[0] + passing
+                   for s, (start, stop) in enumerate(stages)) * stored
+    world = candidate.shard or candidate.dp
+    stage = candidate.spec.zero_stage
+    if not stage:
+        return facts.params_total * stored
+    if stage == 3:
+        shards = [unit.sharded_numel(world) for unit in facts.units]
+        return max(sum(shards[: i + 1]) + unit.numel for i, unit in enumerate(facts.units)) * stored
+    state = model_state(stage, precision, facts, world, cfg)
+    largest = max(world * unit.sharded_numel(world) for unit in facts.units) * dtype_bytes(working_dtype(precision))
+    return max(facts.params_total * stored, state.params + state.grads) + largest
+
+
 def _pipeline(c: Candidate, cfg: Config, shape: ModelShape, activations: bool) -> list[RankMemory]:
     facts = rank_facts(shape, c.tp)
     bounds = stage_bounds(shape, c.pp)

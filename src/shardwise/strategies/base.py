@@ -13,6 +13,7 @@ from torch import nn
 from shardwise.config import DEFAULT_BLOCK, Config, ParallelConfig
 from shardwise.dist import DistContext, init_distributed
 from shardwise.gradients import clip_grad_norm_
+from shardwise.materialise import Materialiser, check_one_device_kind
 from shardwise.memory import MemoryBreakdown, count_memory, local_tensor
 from shardwise.models.hf import decoder_layer_class
 from shardwise.precision import LossScaler, make_precision
@@ -37,6 +38,9 @@ class Strategy:
             self.scaler = LossScaler(cfg.loss_scale, cfg.loss_scale_growth_interval)
         self.module: nn.Module | None = None  # the model as the user built it
         self.optim: torch.optim.Optimizer | None = None
+        self.seed = 0  # what a meta-built model's initial values derive from (make_strategy sets train.seed)
+        self.materialiser: Materialiser | None = None  # a meta-built model's groups and initial values
+        self.setup_peak_bytes: int | None = None  # counted bytes at wrap's peak, where the strategy counts them
 
     @classmethod
     def check_config(cls, cfg: Config, world: int) -> None:
@@ -63,13 +67,22 @@ class Strategy:
         """Return the module the trainer calls forward on."""
         raise NotImplementedError
 
-    def prepare(self, model: nn.Module) -> nn.Module:
+    def prepare(self, model: nn.Module, materialise: bool = True) -> nn.Module:
         """What every strategy's `wrap` does first: settle the model's block class, checkpoint the
-        blocks `parallel.recompute` chooses, and move the model to this rank's device in the
-        parameters' storage dtype."""
+        blocks `parallel.recompute` chooses, and put the model on this rank's device in the
+        parameters' storage dtype. A meta-built model (shardwise.init_context()) is materialised
+        there whole, every tensor initialised as `single` initialises it (materialise.py); a
+        strategy that keeps less passes `materialise=False` and materialises what it keeps from
+        `self.materialiser` itself (the model then stays on meta, in the storage dtype)."""
         self.cfg = dataclasses.replace(self.cfg, block=block_class(model, self.cfg.block))
         apply_recompute(model, self.cfg.recompute, self.cfg.block)
-        return model.to(self.ctx.device, self.precision.param_dtype)
+        if not check_one_device_kind(model, f"parallel.strategy = {self.cfg.strategy!r}"):
+            return model.to(self.ctx.device, self.precision.param_dtype)
+        self.materialiser = Materialiser(model, self.cfg.block, self.seed)
+        if not materialise:
+            return model.to(dtype=self.precision.param_dtype)
+        self.materialiser.materialise_all(self.ctx.device, self.precision.param_dtype)
+        return model
 
     def optimizer(self, make: OptimizerFactory) -> torch.optim.Optimizer:
         self.optim = make(self.local_parameters())
@@ -169,8 +182,11 @@ class Strategy:
         return {k: v.detach().cpu() for k, v in self.module.state_dict().items()}
 
 
-def make_strategy(cfg: ParallelConfig, ctx: DistContext) -> Strategy:
-    return spec(cfg.strategy).strategy_class()(ctx, cfg)
+def make_strategy(cfg: ParallelConfig, ctx: DistContext, seed: int = 0) -> Strategy:
+    """The configured strategy; a meta-built model it wraps is initialised from `seed`."""
+    strategy = spec(cfg.strategy).strategy_class()(ctx, cfg)
+    strategy.seed = seed
+    return strategy
 
 
 def block_class(model: nn.Module, block: str) -> str:

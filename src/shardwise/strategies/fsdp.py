@@ -54,12 +54,14 @@ from torch.distributed.tensor import DTensor, Placement, Shard
 from shardwise.config import ParallelConfig
 from shardwise.dist import DistContext, broadcast_from_rank0
 from shardwise.gradients import clip_grad_norm_
-from shardwise.memory import MemoryBreakdown, count_memory, optimizer_state_tensors, storage_bytes
+from shardwise.materialise import Materialiser
+from shardwise.memory import MemoryBreakdown, count_memory, optimizer_state_tensors, return_free_memory, storage_bytes
 from shardwise.strategies.base import HookedStrategy, OptimizerFactory
 from shardwise.strategies.registry import spec
 from shardwise.strategies.sync_batchnorm import convert_sync_batchnorm
 
 HOST = torch.device("cpu")
+REDUCTIONS_IN_FLIGHT = 1  # reduce-scatters left outstanding: the one just issued overlaps the next unit's backward
 
 
 @dataclass
@@ -99,12 +101,16 @@ class ShardedDataParallel(HookedStrategy):
     def wrap(self, model: nn.Module) -> nn.Module:
         if self.cfg.sync_batchnorm:
             model = convert_sync_batchnorm(model)
-        self.module = self.prepare(model)
+        # zero1 and zero2 keep the full parameters: a meta-built model is materialised whole; fsdp
+        # materialises it one unit at a time (_make_units).
+        self.module = self.prepare(model, materialise=self.stage < 3)
         scalars = [name for name, p in self.module.named_parameters() if p.dim() == 0]
         if scalars:
             raise ValueError(f"{self.cfg.strategy}: parameters {', '.join(scalars)} are 0-dim; sharding splits dim 0")
         self._init_mesh()
-        broadcast_from_rank0([*self.module.parameters(), *self.module.buffers()])
+        if self.materialiser is None:  # an ordinary model: rank 0's values (meta-built ones agree by construction)
+            broadcast_from_rank0([*self.module.parameters(), *self.module.buffers()])
+        self.gathered_bytes = self.peak_gathered_bytes = 0
         self.units = self._make_units()
         self.root = self.units[-1]
         self._unit_of = {id(p): unit for unit in self.units for p in unit.params}
@@ -117,16 +123,8 @@ class ShardedDataParallel(HookedStrategy):
         self._reductions: list[tuple[dist.Work, Unit, torch.Tensor, torch.Tensor]] = []
         self.bytes_moved = 0  # by all-gathers and reduce-scatters, input + output, for bus bandwidth
         self.bytes_gathered = 0  # the all-gathers' part of it
-        self.gathered_bytes = self.peak_gathered_bytes = sum(u.full_bytes for u in self.units)  # all whole
         if self.stage == 3:
             self._install_gather_hooks()
-            for unit in self.units:
-                for param in unit.params:
-                    if self.precision.mixed:  # full parameters exist only to compute with: gather them in its dtype
-                        param.data = param.data.to(self.precision.compute_dtype)
-                    elif not param.untyped_storage().resizable():  # mapped from a file (from_pretrained): copy
-                        param.data = param.data.clone()
-                self._free(unit)
             self.peak_gathered_bytes = 0  # the peak counts from the first step
         return self.module
 
@@ -142,18 +140,50 @@ class ShardedDataParallel(HookedStrategy):
     # --- sharding layout ------------------------------------------------------------------
 
     def _make_units(self) -> list[Unit]:
-        seen: set[int] = set()
-        groups = []
-        for module in self.module.modules():
-            if type(module).__name__ != self.cfg.block:
+        """A unit per block (the parameters under a module of class `parallel.block` that no
+        earlier block holds), then the root, as materialise.py groups them. fsdp materialises a
+        meta-built model unit by unit, keeping each unit's shards only, so setup holds at most the
+        shards made so far and one whole unit (`setup_peak_bytes`, counted)."""
+        grouping = self.materialiser or Materialiser(self.module, self.cfg.block, self.seed)
+        self._unit_modules = []
+        self.setup_peak_bytes = 0
+        units = []
+        for group in grouping.groups:
+            if self.materialiser is not None and self.stage == 3:
+                self.materialiser.materialise(group, self.ctx.device, self.precision.param_dtype)
+            params = [p for p in grouping.parameters(group) if p.requires_grad]
+            if not params and group.block is not None:
                 continue
-            params = [p for p in module.parameters() if p.requires_grad and id(p) not in seen]
-            seen.update(id(p) for p in params)
-            if params:
-                groups.append((params, module))
-        root = [p for p in self.module.parameters() if p.requires_grad and id(p) not in seen]
-        self._unit_modules = [module for _, module in groups]
-        return [self._make_unit(params) for params, _ in groups] + [self._make_unit(root)]
+            if group.block is not None:
+                self._unit_modules.append(group.block)
+            units.append(self._make_unit(params))
+            self.setup_peak_bytes = max(self.setup_peak_bytes, self._live_bytes(units))
+            if self.stage == 3:
+                self._keep_shards_only(units[-1])
+            else:
+                self._count_gathered(units[-1].full_bytes)
+        return units
+
+    def _keep_shards_only(self, unit: Unit) -> None:
+        """fsdp: free the unit's full parameters, which exist only while it computes (gathered in
+        the compute dtype under mixed precision; a parameter mapped from a file is copied first,
+        since fsdp frees and refills its storage)."""
+        for param in unit.params:
+            if self.precision.mixed:
+                param.data = param.data.to(self.precision.compute_dtype)
+            elif not param.untyped_storage().resizable():
+                param.data = param.data.clone()
+        self._count_gathered(unit.full_bytes)
+        self._free(unit)
+        return_free_memory()
+
+    def _live_bytes(self, units: list[Unit]) -> int:
+        """Bytes of real storage this rank holds now: the model's tensors that are not meta (nor
+        freed; zero1's and zero2's whole parameters are views into their units' buffers), the
+        units' shards and zero1's gradient buffers."""
+        tensors = [t for t in (*self.module.parameters(), *self.module.buffers()) if not t.is_meta]
+        buffers = [b for unit in units for b in (unit.shard_buffer, unit.grads) if b is not None]
+        return storage_bytes(tensors + buffers)
 
     def _make_unit(self, params: list[nn.Parameter]) -> Unit:
         rows = [math.ceil(p.shape[0] / self.world) for p in params]
@@ -376,6 +406,20 @@ class ShardedDataParallel(HookedStrategy):
                                           async_op=True)
         self.bytes_moved += (packed.numel() + unit.shard_numel) * packed.element_size()
         self._reductions.append((work, unit, shard_grad, home))
+        self._settle_reductions(REDUCTIONS_IN_FLIGHT)
+
+    def _settle_reductions(self, in_flight: int) -> None:
+        """Wait for the oldest reduce-scatters until at most `in_flight` are outstanding, and give
+        their shards the gradients. A reduction's input (every rank's part of a unit's whole
+        gradients) lives as long as its Work: left to the end of backward, all of them, a whole
+        model's gradients, would be alive at once."""
+        while len(self._reductions) > in_flight:
+            work, unit, shard_grad, home = self._reductions.pop(0)
+            work.wait()
+            if shard_grad is not home:
+                home.copy_(shard_grad)
+            for shard, offset in zip(unit.shards, unit.offsets, strict=True):
+                shard.grad = home[offset : offset + shard.numel()].view_as(shard)
 
     def _shard_grad_buffer(self, unit: Unit) -> torch.Tensor:
         """Where this rank's shard gradients of the unit go, packed, in the master dtype: zero1's
@@ -390,13 +434,7 @@ class ShardedDataParallel(HookedStrategy):
             for unit in self.units:
                 if unit is self.root or len(unit.ready) < len(unit.params) or self.stage == 1:
                     self._start_reduce_scatter(unit)  # root, units with unused params, or zero1
-            for work, unit, shard_grad, home in self._reductions:
-                work.wait()
-                if shard_grad is not home:
-                    home.copy_(shard_grad)
-                for shard, offset in zip(unit.shards, unit.offsets, strict=True):
-                    shard.grad = home[offset : offset + shard.numel()].view_as(shard)
-            self._reductions.clear()
+            self._settle_reductions(0)
         if self.stage == 3:
             for unit in self.units:
                 self._free(unit)

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +41,8 @@ from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 from shardwise.config import DEFAULT_BLOCK, Config, ConfigError, ParallelConfig
 from shardwise.dist import DistContext, init_mesh
 from shardwise.gradients import all_reduce_packed, clip_grad_norm_
+from shardwise.materialise import named_tensors
+from shardwise.memory import return_free_memory
 from shardwise.models.plans import NEEDS, Located, PlanError, locate, plan_for_name, plans
 from shardwise.strategies.base import DeferrableSync
 
@@ -160,6 +164,50 @@ class MeshStrategy(DeferrableSync):
                             f"{located.plan.family} plan's blocks ({', '.join(located.plan.blocks)}); another unit "
                             "would cut inside a block. Leave parallel.block unset")
         return located
+
+    # --- a meta-built model: only what this rank holds made real --------------------------------
+
+    def materialise_outside_blocks(self, model: nn.Module) -> None:
+        """After the split (`model` holds this rank's part, the rest removed, still on meta): the
+        tensors outside the blocks this rank holds made real, as `single` initialises them (a
+        stage's embeddings or final norm and head; all of them under `tensor`). Their group is
+        initialised whole, the rest freed at once; a rank that holds none of it skips it."""
+        if self.materialiser is None:
+            return
+        root = self.materialiser.groups[-1]
+        held = {id(tensor) for _, tensor in named_tensors(model)}
+        names = [name for name in root.names if id(self.materialiser.slots[name][0].get()) in held]
+        if names:
+            self.materialiser.materialise(root, self.ctx.device, self.precision.param_dtype, names=names)
+            whole = sum(self.materialiser.meta[name].nbytes for name in root.names if name not in names)
+            self._note_setup_bytes(model, whole)
+
+    @contextmanager
+    def materialised(self, model: nn.Module, block: nn.Module) -> Iterator[None]:
+        """`block`, one of `model`'s blocks, made real (as `single` initialises it) for the `with`,
+        which keeps this rank's part of it (tensor parallel: its shards); after, what `model` no
+        longer holds of it is freed. So setup holds this rank's part of the blocks before it and
+        one whole block."""
+        if self.materialiser is None:
+            yield
+            return
+        group = next(g for g in self.materialiser.groups if g.block is block)
+        self.materialiser.materialise(group, self.ctx.device, self.precision.param_dtype)
+        self._note_setup_bytes(model)
+        yield
+        self.materialiser.release(group, model)
+        return_free_memory()
+
+    def materialise_whole(self, model: nn.Module, blocks: list[nn.Module]) -> None:
+        """`blocks`, which this rank keeps whole (a pipeline stage's without tp), made real one by one."""
+        for block in blocks:
+            with self.materialised(model, block):
+                pass
+
+    def _note_setup_bytes(self, model: nn.Module, passing: int = 0) -> None:
+        """`setup_peak_bytes`: the most the model's real tensors (and `passing` bytes beside them) came to."""
+        live = sum(tensor.nbytes for _, tensor in named_tensors(model) if not tensor.is_meta) + passing
+        self.setup_peak_bytes = max(self.setup_peak_bytes or 0, live)
 
     @property
     def data_rank(self) -> int:

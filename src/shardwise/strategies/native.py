@@ -57,10 +57,12 @@ class NativeDDP(NativeStrategy):
 
 
 class NativeFSDP(NativeStrategy):
-    """PyTorch FSDP2: `fully_shard` on every `parallel.block` module, then on the root."""
+    """PyTorch FSDP2: `fully_shard` on every `parallel.block` module, then on the root. A meta-built
+    model takes FSDP2's own path: sharded on the meta device, `to_empty` allocates this rank's
+    shards, then each unit's initial values are made whole once and each rank copies its shard."""
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        model = self.prepare(model)
+        model = self.prepare(model, materialise=False)
         # Mixed precision gathers parameters in the compute dtype (bf16-true stores them so already).
         policy = MixedPrecisionPolicy(param_dtype=self.precision.compute_dtype if self.precision.mixed else None,
                                       reduce_dtype=self.precision.reduce_dtype)
@@ -68,6 +70,10 @@ class NativeFSDP(NativeStrategy):
             if type(module).__name__ == self.cfg.block:
                 fully_shard(module, reshard_after_forward=self.cfg.reshard_after_forward, mp_policy=policy)
         fully_shard(model, mp_policy=policy)
+        if self.materialiser is not None:
+            model.to_empty(device=self.ctx.device)
+            for group in self.materialiser.groups:
+                self.materialiser.distribute(group, self.ctx.device)
         self.module = model
         return model
 

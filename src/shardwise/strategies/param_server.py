@@ -47,9 +47,11 @@ from shardwise.checkpoint import CheckpointError
 from shardwise.config import Config, ConfigError, ParallelConfig
 from shardwise.dist import DistContext, choose_backend, configure_process, job_store, rank_device, seed_everything
 from shardwise.gradients import clip_coefficient, squared_norm
+from shardwise.materialise import Materialiser, init_context
+from shardwise.memory import return_free_memory
 from shardwise.models import build_model
 from shardwise.precision import make_precision
-from shardwise.strategies.base import OptimizerFactory, Strategy
+from shardwise.strategies.base import OptimizerFactory, Strategy, block_class
 
 # An RPC waits this much longer than a server waits for the workers of a round, so that the
 # server's error, which names the missing workers, is what a worker sees.
@@ -257,8 +259,7 @@ def serve(cfg: Config, index: int, workers: int, make_optimizer: OptimizerFactor
     global _server
     p, launch = cfg.parallel, cfg.launch
     seed_everything(cfg.train.seed)
-    model = build_model(cfg.model).to(make_precision(p.precision, p.reduce_dtype).param_dtype)
-    mine = server_share(list(model.parameters()), p.ps_servers, index)
+    mine = list(server_parameters(cfg, index).values())
     _server = ParameterServer(index, mine, make_optimizer(mine), workers, p, launch.timeout_s)
     _init_rpc(server_name(index), cfg)
     store = job_store(launch.timeout_s)
@@ -271,6 +272,28 @@ def serve(cfg: Config, index: int, workers: int, make_optimizer: OptimizerFactor
     print(f"{_server.name}: {stats['updates']} updates, staleness {stats['staleness']}, dropped {stats['dropped']}",
           flush=True)
     rpc.shutdown(graceful=p.ps_mode == "sync")
+
+
+def server_parameters(cfg: Config, index: int) -> dict[str, nn.Parameter]:
+    """Server `index`'s share of the model's parameters by name, in model order, with the initial
+    values every strategy gives them, in the storage dtype: the model is built on the meta device
+    and materialised one group at a time, keeping this server's parameters only."""
+    p = cfg.parallel
+    with init_context():
+        model = build_model(cfg.model)
+    owned = {id(param) for param in server_share(list(model.parameters()), p.ps_servers, index)}
+    names = [name for name, param in model.named_parameters() if id(param) in owned]
+    materialiser = Materialiser(model, block_class(model, p.block), cfg.train.seed)
+    dtype = make_precision(p.precision, p.reduce_dtype).param_dtype
+    kept: dict[str, nn.Parameter] = {}
+    for group in materialiser.groups:
+        wanted = [name for name in group.names if name in names]
+        if wanted:
+            values = materialiser.initial_values(group, torch.device("cpu"))
+            kept |= {name: nn.Parameter(values.pop(name).to(dtype)) for name in wanted}
+            del values
+            return_free_memory()
+    return {name: kept[name] for name in names}
 
 
 def _result(future: Future) -> object:

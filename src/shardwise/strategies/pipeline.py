@@ -348,23 +348,31 @@ class Pipeline(MeshStrategy):
         self._tied: tuple[list[nn.Parameter], Group] | None = None  # see _tie_first_and_last
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        model = self.prepare(model)
+        # A meta-built model stays on meta until the stage is cut out of it: then only the stage's
+        # blocks (each split as soon as it is real under tp) and what it keeps outside them are made real.
+        model = self.prepare(model, materialise=False)
         located = self.locate(model)
         blocks = located.blocks
         starts = [0, *(self.cfg.split_points or balanced_split(block_costs(located), self.pp))]
         self.stage_blocks = list(zip(starts, [*starts[1:], len(blocks)], strict=True))  # [start, stop) per stage
         self.record_layout(model, stage_holds(located, self.stage_blocks))
-        first_params = {id(p) for m in located.first.values() for p in m.parameters()}
-        tied = [p for m in located.last.values() for p in m.parameters() if id(p) in first_params]
-        embedding = next(iter(located.first.values()))
+        first, last = list(located.first.values()), list(located.last.values())
+        embedding = first[0]
         self.activations = Activations(embedding.embedding_dim, embedding.weight.dtype, self.ctx.device)
         vocab_size = located.head.weight.shape[0]
         start, stop = self.stage_blocks[self.pp_rank]
         # From here the other stages' modules are out of the model: their parameters are freed.
         self.stage = Stage(located, start, stop, first=self.pp_rank == 0, last=self.pp_rank == self.pp - 1)
+        self.materialise_outside_blocks(model)
         if self.tp > 1:
             self.tensor_shards, self.sequence_split = parallelize_blocks(
-                blocks[start:stop], located.plan, TensorParallelGroup(self.tp_group), self.cfg.sequence_parallel)
+                blocks[start:stop], located.plan, TensorParallelGroup(self.tp_group), self.cfg.sequence_parallel,
+                functools.partial(self.materialised, model))
+        else:
+            self.materialise_whole(model, blocks[start:stop])
+        # After materialising (it installs new parameters, in the removed modules too, a tie kept).
+        first_params = {id(p) for m in first for p in m.parameters()}
+        tied = [p for m in last for p in m.parameters() if id(p) in first_params]
         self.record_local_state(model)
         self._tie_first_and_last(tied)
         self.module = PipelineModule(self.stage, self.pp_rank, self.pp, self.pp_group, self.activations, vocab_size)

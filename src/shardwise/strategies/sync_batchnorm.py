@@ -78,8 +78,10 @@ class SyncBatchNorm(nn.modules.batchnorm._BatchNorm):
 def convert_sync_batchnorm(module: nn.Module) -> nn.Module:
     """Replace every BatchNorm*d in `module` by a SyncBatchNorm with the same state."""
     if isinstance(module, nn.modules.batchnorm._BatchNorm) and not isinstance(module, SyncBatchNorm):
+        # Built where the module's tensors are: on the meta device for a meta-built model.
+        device = next((t.device for t in (*module.parameters(), *module.buffers())), None)
         sync = SyncBatchNorm(module.num_features, module.eps, module.momentum, module.affine,
-                             module.track_running_stats)
+                             module.track_running_stats, device=device)
         sync.load_state_dict(module.state_dict())
         return sync
     for name, child in module.named_children():

@@ -46,6 +46,8 @@ names, so the state dict reads like the plain model's (shards instead of whole t
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 import torch.distributed as dist
@@ -375,16 +377,20 @@ def split_sequence_around(blocks: list[nn.Module], tp: TensorParallelGroup) -> N
 
 
 def parallelize_blocks(blocks: list[nn.Module], plan: ParallelPlan, tp: TensorParallelGroup,
-                       sequence_parallel: bool) -> tuple[dict[int, TensorShard], list[nn.Parameter]]:
+                       sequence_parallel: bool,
+                       materialised: Callable[[nn.Module], AbstractContextManager] | None = None,
+                       ) -> tuple[dict[int, TensorShard], list[nn.Parameter]]:
     """Split every region of `blocks` (consecutive blocks of a model, or of one pipeline stage) over
     the tp ranks as `plan` lays them out, in place; under sequence parallel, split the sequence before
-    the first block and gather it after the last. Returns how each new parameter is split (by id),
-    and, under sequence parallel, the blocks' parameters every rank holds whole, whose gradients
-    come from this rank's positions only."""
+    the first block and gather it after the last. Each block is split inside `materialised(block)`
+    where given (a meta-built model's block made real for its split, the whole freed after). Returns
+    how each new parameter is split (by id), and, under sequence parallel, the blocks' parameters
+    every rank holds whole, whose gradients come from this rank's positions only."""
     shards = {}
     for block in blocks:
-        for region in plan.regions:
-            shards |= split_region(block.get_submodule(region.module), region, plan, tp, sequence_parallel)
+        with materialised(block) if materialised is not None else nullcontext():
+            for region in plan.regions:
+                shards |= split_region(block.get_submodule(region.module), region, plan, tp, sequence_parallel)
     if not sequence_parallel:
         return shards, []
     split_sequence_around(blocks, tp)
@@ -403,12 +409,14 @@ class TensorParallel(MeshStrategy):
             raise ConfigError(f"parallel.tp = {tp}: tensor parallel needs at least 2 ranks per model")
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        model = self.prepare(model)
+        # A meta-built model is made real here block by block, each split as soon as it is real.
+        model = self.prepare(model, materialise=False)
         located = self.locate(model)
         self.record_layout(model, [{id(t) for t in model.state_dict(keep_vars=True).values()}])
-        self.tensor_shards, self.sequence_split = parallelize_blocks(located.blocks, located.plan,
-                                                                     TensorParallelGroup(self.tp_group),
-                                                                     self.cfg.sequence_parallel)
+        self.materialise_outside_blocks(model)
+        self.tensor_shards, self.sequence_split = parallelize_blocks(
+            located.blocks, located.plan, TensorParallelGroup(self.tp_group), self.cfg.sequence_parallel,
+            functools.partial(self.materialised, model))
         self.record_local_state(model)
         self.module = model
         return model
