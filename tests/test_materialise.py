@@ -193,7 +193,9 @@ def test_fsdp_setup_holds_its_shards_and_one_unit_as_the_planner_predicts(world)
         bound = 1.1 * (r["shards"] + r["unit"])
         assert r["counted"] <= bound and r["rss"] <= bound, r
         assert abs(predicted - r["counted"]) <= 0.1 * r["counted"], (predicted, r)
-        assert r["rss"] < 0.8 * r["full"]  # the whole model never existed on any rank
+        # The whole model never existed on any rank: with it, resident memory would reach `full` and
+        # more (2 ranks' shards and a unit are 0.75 of it, so no tighter bound holds RSS's noise).
+        assert r["counted"] < 0.8 * r["full"] and r["rss"] < r["full"], r
 
 
 # --- pipeline and tensor: a stage's blocks, a rank's shards -----------------------------------
@@ -222,7 +224,9 @@ def test_a_stage_or_a_tensor_shard_materialises_its_part_and_one_block_as_the_pl
     for r in ranks:
         bound = 1.1 * (r["held"] + r["block"])
         assert r["held"] <= r["counted"] <= bound and r["rss"] <= bound, r
-        assert r["rss"] < 0.8 * r["full"]  # the whole model never existed on any rank
+        # The whole model never existed on any rank: with it, resident memory would reach `full` and
+        # more (2 ranks' shards and a unit are 0.75 of it, so no tighter bound holds RSS's noise).
+        assert r["counted"] < 0.8 * r["full"] and r["rss"] < r["full"], r
     most = max(r["counted"] for r in ranks)  # the planner predicts the worst rank
     assert abs(predicted - most) <= 0.1 * most, (predicted, ranks)
 
