@@ -41,6 +41,13 @@ def test_config_reference_is_what_the_generator_writes():
     assert written == docs.render(), "docs/config.md is out of date: run `python -m shardwise.docs` from the repo root"
 
 
+def test_pipeline_schedule_pictures_are_what_the_simulator_draws():
+    page = (REPO / docs.SCHEDULE_PAGE).read_text()
+    assert docs.render_schedules() in page, (
+        f"the schedule pictures in {docs.SCHEDULE_PAGE} are out of date: run `python -m shardwise.docs` from the "
+        "repo root")
+
+
 @pytest.mark.parametrize("section", SECTIONS)
 def test_every_config_key_is_described(section):
     cls = SECTIONS[section]

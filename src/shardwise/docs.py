@@ -1,11 +1,12 @@
 """Writes docs/config.md, the config reference, from the config schema itself: every section's
 dataclass in `config.SECTIONS`, every key's type, default, allowed values and description (the
-`option(...)` beside each field), and the `shardwise train` flag that sets it.
+`option(...)` beside each field), and the `shardwise train` flag that sets it; and the pictures
+of the pipeline schedules in docs/strategies/pipeline.md, drawn by their simulator.
 
-    python -m shardwise.docs      # from the repository root, after changing config.py
+    python -m shardwise.docs      # from the repository root, after changing config.py or a schedule
 
-tests/test_docs.py fails when docs/config.md differs from what this writes, or when a key has no
-description.
+tests/test_docs.py fails when docs/config.md or the pictures differ from what this writes, or when
+a key has no description.
 """
 
 from __future__ import annotations
@@ -22,8 +23,13 @@ import tomli_w
 
 from shardwise.cli import _add_train_parser
 from shardwise.config import SECTIONS
+from shardwise.pipeline_schedules import SCHEDULES, Costs, build, draw, simulate
 
 OUT = Path("docs/config.md")
+SCHEDULE_PAGE = Path("docs/strategies/pipeline.md")
+PICTURES = ("<!-- Schedule pictures: written by `python -m shardwise.docs` from pipeline_schedules.py -->\n",
+            "<!-- End of the schedule pictures -->\n")
+PICTURED = (4, 8)  # ranks, micro-batches
 
 HEADER = """\
 # Config reference
@@ -93,12 +99,35 @@ def render() -> str:
     return "\n".join(parts)
 
 
+def render_schedules() -> str:
+    """Every schedule on 4 ranks and 8 micro-batches, F = B = W: its simulated timeline, bubble and
+    the activations each rank holds at most."""
+    ranks, micro_batches = PICTURED
+    parts = [PICTURES[0]]
+    for name in SCHEDULES:
+        schedule = build(name, ranks, micro_batches)
+        timeline = simulate(schedule, Costs.uniform(schedule.layout.stages))
+        held = " ".join(f"{n / schedule.layout.virtual:g}" for n in timeline.peak_in_flight)
+        stages = f", {schedule.layout.virtual} stages per rank" if schedule.layout.virtual > 1 else ""
+        parts.append(f"`{name}`{stages}: bubble {timeline.bubble:.3f}; activations held at most, in micro-batches "
+                     f"of a rank's layers: {held}\n\n```text\n{draw(timeline)}\n```\n")
+    parts.append(PICTURES[1])
+    return "\n".join(parts)
+
+
+def with_schedules(page: str) -> str:
+    """`page` with its schedule pictures replaced by the ones drawn now."""
+    start, end = page.index(PICTURES[0]), page.index(PICTURES[1]) + len(PICTURES[1])
+    return page[:start] + render_schedules() + page[end:]
+
+
 def main() -> int:
     if not OUT.parent.is_dir():
         print(f"python -m shardwise.docs: no {OUT.parent}/ here; run it from the repository root", file=sys.stderr)
         return 2
     OUT.write_text(render())
-    print(f"wrote {OUT}")
+    SCHEDULE_PAGE.write_text(with_schedules(SCHEDULE_PAGE.read_text()))
+    print(f"wrote {OUT} and the schedule pictures in {SCHEDULE_PAGE}")
     return 0
 
 
