@@ -447,16 +447,24 @@ def peak_in_flight(schedule: Schedule) -> list[int]:
     return peaks
 
 
-def _needs(a: Action) -> tuple[bool, tuple[str, int, int]]:
-    """What action `a` waits for, besides its rank: (True, item) a message bringing the item, (False,
-    item) the item made on its own rank. Items: ("act", i, s) stage s's output for micro-batch i,
-    ("grad", i, s) the gradient of stage s's input."""
+def message(a: Action) -> tuple[str, int, int]:
+    """What a send sends or a receive waits for, or what a compute needs from before it (besides
+    its own forward, for a backward): ("act", i, s) stage s's output for micro-batch i, ("grad",
+    i, s) the gradient of stage s's input."""
     kind, i, s = a
     if kind in (F, RECV_F):
-        return kind == RECV_F, ("act", i, s - 1)
+        return "act", i, s - 1
     if kind in (B, BW, RECV_B):
-        return kind == RECV_B, ("grad", i, s + 1)
-    return False, ("act" if kind == SEND_F else "grad", i, s)  # SEND_F, SEND_B, W
+        return "grad", i, s + 1
+    return ("act" if kind == SEND_F else "grad"), i, s  # SEND_F, SEND_B, W
+
+
+def incoming(schedule: Schedule, rank: int) -> dict[int, list[tuple[str, int, int]]]:
+    """Per peer, what it sends `rank`, in the order it sends them: the order to post receives in,
+    so that each matches its send where messages between two ranks are matched in order."""
+    layout = schedule.layout
+    return {peer: [message(a) for a in actions if a.kind in (SEND_F, SEND_B) and layout.peer(a) == rank]
+            for peer, actions in enumerate(schedule.actions) if peer != rank}
 
 
 def simulate(schedule: Schedule, costs: Costs) -> Timeline:
@@ -472,10 +480,10 @@ def simulate(schedule: Schedule, costs: Costs) -> Timeline:
 
     def waits_for(r: int, a: Action) -> list[tuple[dict, tuple]]:
         """Where to look up when each thing `a` on rank r waits for is there."""
-        message, item = _needs(a)
+        item = message(a)
         waits = []
         if 0 <= item[2] <= last:  # the model's input and the loss's gradient are there from the start
-            waits.append((messages if message else here, (r, item)))
+            waits.append((messages if a.kind in (RECV_F, RECV_B) else here, (r, item)))
         if a.kind in (B, BW):  # and its own forward
             waits.append((here, (r, ("act", a.micro_batch, a.stage))))
         return waits
@@ -495,9 +503,9 @@ def simulate(schedule: Schedule, costs: Costs) -> Timeline:
         elif kind in (B, BW):
             here[r, ("grad", i, s)] = end
         elif kind in (SEND_F, SEND_B):
-            messages[layout.peer(a), _needs(a)[1]] = start + costs.transfer
+            messages[layout.peer(a), message(a)] = start + costs.transfer
         elif kind in (RECV_F, RECV_B):
-            here[r, _needs(a)[1]] = start
+            here[r, message(a)] = start
         clock[r] = end
 
     progress = True

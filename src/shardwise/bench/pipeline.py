@@ -72,7 +72,7 @@ def our_step(trainer: Trainer, bubbles: dict[int, float]) -> StepFn:
         started = time.perf_counter()
         trainer.forward_backward(k)
         window = time.perf_counter() - started
-        busy = sum(end - start for _, _, start, end in trainer.strategy.timeline)
+        busy = sum(end - start for *_, start, end in trainer.strategy.timeline)
         bubbles[k] = 1 - busy / window
         trainer.optimizer_step()
         trainer.optimizer.zero_grad(set_to_none=True)
@@ -116,14 +116,18 @@ def native_step(like: Trainer, schedule: str, peaks: dict[str, int]) -> StepFn:
 
 
 def one_micro_batch_bytes(trainer: Trainer, micro_batch: int) -> int:
-    """Bytes one micro-batch's forward saves on this rank's stage (the last stage's with its loss)."""
-    stage = trainer.strategy.stage
+    """Bytes one micro-batch's forward saves on this rank's stages, all of them (the last stage's
+    with its loss)."""
     ids = torch.randint(0, trainer.cfg.model.vocab_size, (micro_batch, trainer.cfg.model.seq_len))
-    with ActivationCounter(stage) as one:
-        out = stage(ids if stage.first else torch.randn(*ids.shape, trainer.cfg.model.d_model, requires_grad=True))
-        if stage.last:
-            loss_fn(out, ids)
-    return one.bytes
+    total = 0
+    for stage in trainer.strategy.stages.values():
+        with ActivationCounter(stage) as one:
+            out = stage(ids if stage.first else torch.randn(*ids.shape, trainer.cfg.model.d_model,
+                                                            requires_grad=True))
+            if stage.last:
+                loss_fn(out, ids)
+        total += one.bytes
+    return total
 
 
 def gather(ctx: DistContext, value: float) -> list[float]:
