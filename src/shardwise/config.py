@@ -542,6 +542,12 @@ def validate_parallel(p: ParallelConfig) -> None:
     _choice("parallel.strategy", p.strategy, STRATEGIES)
     _choice("parallel.precision", p.precision, PRECISIONS)
     _choice("parallel.reduce_dtype", p.reduce_dtype, REDUCE_DTYPES)
+    _choice("parallel.schedule", p.schedule, SCHEDULES)
+    _positive("parallel.micro_batches", p.micro_batches)
+    try:
+        virtual_stages(p.schedule, p.virtual_stages)
+    except ScheduleError as exc:
+        raise ConfigError(f"parallel.{exc}") from None
     sharded = [name for name, each in SPECS.items() if each.zero_stage]
     if p.reduce_dtype != "fp32" and p.strategy not in sharded:
         raise ConfigError(
@@ -590,12 +596,6 @@ def _validate_mesh(cfg: Config, world: int) -> None:
     """The dp x pp x tp values are sizes, and only a strategy that splits the model sets pp or tp
     (the rest of the mesh is MeshStrategy.check_config's)."""
     p = cfg.parallel
-    _choice("parallel.schedule", p.schedule, SCHEDULES)
-    _positive("parallel.micro_batches", p.micro_batches)
-    try:
-        virtual_stages(p.schedule, p.virtual_stages)
-    except ScheduleError as exc:
-        raise ConfigError(f"parallel.{exc}") from None
     for dim in ("dp", "pp", "tp"):
         if getattr(p, dim) is not None:
             _positive(f"parallel.{dim}", getattr(p, dim))
