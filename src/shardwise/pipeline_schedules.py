@@ -437,12 +437,18 @@ def peak_in_flight(schedule: Schedule) -> list[int]:
     """Per rank, the most (micro-batch, stage) pairs whose activations it holds at once: from a
     forward until its weight gradients are done (W, or BW). One pair is 1/V of the activations
     one micro-batch leaves on the rank's layers."""
+    return [int(peak) for peak in peak_held(schedule, [1] * schedule.layout.stages)]
+
+
+def peak_held(schedule: Schedule, held: list[float]) -> list[float]:
+    """Per rank, the most it holds at once when a forward on stage s leaves `held[s]` (bytes, say)
+    until its weight gradients are done."""
     peaks = []
     for actions in schedule.actions:
-        held = peak = 0
-        for a in actions:
-            held += {F: 1, W: -1, BW: -1}.get(a.kind, 0)
-            peak = max(peak, held)
+        now = peak = 0.0
+        for kind, _, s in actions:
+            now += held[s] if kind == F else -held[s] if kind in (W, BW) else 0.0
+            peak = max(peak, now)
         peaks.append(peak)
     return peaks
 

@@ -5,8 +5,9 @@ Costing a candidate (its memory traced, its time) is cheap, but a large world ha
 most of which cannot win, so by default the search prunes before it costs:
 - twins: precisions predicted alike on this device (bf16-mixed and fp16-mixed on a GPU: the same
   stored dtypes, 16-bit compute of the same throughput) are costed once, one row naming both;
-- dominated: a gpipe pipeline runs as fast as the same one under 1f1b and holds no less, so only
-  1f1b is costed;
+- dominated: a gpipe pipeline runs no faster than the same one under 1f1b (as fast where its
+  stages' backwards are alike multiples of their forwards; slower where recomputation makes them
+  differ, the simulator finds) and holds no less, so only 1f1b is costed;
 - best first: every candidate's step time is cheap to predict without a trace (all of it but
   `selective`'s re-done elementwise work, which only adds), so candidates are taken fastest first;
   one whose memory is over the limit even without its activations cannot fit and is not traced;
