@@ -23,6 +23,7 @@ activations each rank holds. `strategies/pipeline.py` runs the same lists.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -59,9 +60,15 @@ class Layout:
         return self.ranks * self.virtual
 
     def rank_of(self, stage: int) -> int:
+        return self._ranks[stage]
+
+    @functools.cached_property
+    def _ranks(self) -> tuple[int, ...]:
+        """Each stage's rank."""
+        stages = range(self.ranks * self.virtual)
         if self.v_shape:
-            return stage if stage < self.ranks else self.stages - 1 - stage
-        return stage % self.ranks
+            return tuple(s if s < self.ranks else len(stages) - 1 - s for s in stages)
+        return tuple(s % self.ranks for s in stages)
 
     def peer(self, message: Action) -> int:
         """The rank a send goes to or a receive comes from."""
@@ -70,7 +77,11 @@ class Layout:
 
     def stages_of(self, rank: int) -> list[int]:
         """The stages `rank` holds, in the order the data meets them."""
-        return [s for s in range(self.stages) if self.rank_of(s) == rank]
+        return list(self._stages_of[rank])
+
+    @functools.cached_property
+    def _stages_of(self) -> tuple[tuple[int, ...], ...]:
+        return tuple(tuple(s for s in range(self.stages) if self.rank_of(s) == r) for r in range(self.ranks))
 
 
 Lists = list[list[Action]]  # per rank, in order
@@ -257,6 +268,7 @@ class ScheduleKind:
     generate: Callable[[Layout, int], Lists]
     v_shape: bool = False
     virtual: int | None = 1  # stages per rank; None: any V >= 2 (parallel.virtual_stages)
+    splits_backward: bool = False  # B and W apart (W actions), or whole backwards (BW) only
     min_micro_batches: Callable[[int], int] = lambda ranks: 1
 
 
@@ -264,9 +276,10 @@ SCHEDULES: dict[str, ScheduleKind] = {
     "gpipe": ScheduleKind(gpipe),
     "1f1b": ScheduleKind(one_f_one_b),
     "interleaved-1f1b": ScheduleKind(interleaved_1f1b, virtual=None),
-    "zb-h1": ScheduleKind(zb_h1),
-    "zbv": ScheduleKind(zbv, v_shape=True, virtual=2),
-    "dualpipev": ScheduleKind(dualpipev, v_shape=True, virtual=2, min_micro_batches=lambda ranks: 2 * ranks),
+    "zb-h1": ScheduleKind(zb_h1, splits_backward=True),
+    "zbv": ScheduleKind(zbv, v_shape=True, virtual=2, splits_backward=True),
+    "dualpipev": ScheduleKind(dualpipev, v_shape=True, virtual=2, splits_backward=True,
+                              min_micro_batches=lambda ranks: 2 * ranks),
 }
 
 
@@ -284,7 +297,7 @@ class Schedule:
 
     @property
     def splits_backward(self) -> bool:
-        return any(a.kind == W for actions in self.actions for a in actions)
+        return SCHEDULES[self.name].splits_backward
 
     def __str__(self) -> str:
         return "\n".join(f"rank {r}: " + " ".join(map(str, actions)) for r, actions in enumerate(self.actions))
@@ -306,19 +319,30 @@ def virtual_stages(name: str, requested: int | None) -> int:
     return kind.virtual
 
 
+def layout_of(name: str, ranks: int, virtual: int | None = None) -> Layout:
+    """Which rank holds which stage under schedule `name`, without its lists."""
+    return Layout(ranks, virtual_stages(name, virtual), SCHEDULES[name].v_shape)
+
+
+def check_micro_batches(name: str, ranks: int, micro_batches: int) -> None:
+    least = SCHEDULES[name].min_micro_batches(ranks)
+    if micro_batches < least:
+        raise ScheduleError(f"{name} on {ranks} ranks needs at least {least} micro-batches, got {micro_batches}")
+
+
+@functools.lru_cache(maxsize=256)
 def build(name: str, ranks: int, micro_batches: int, virtual: int | None = None) -> Schedule:
     """Schedule `name` for `ranks` ranks and `micro_batches` micro-batches, communication added,
-    validated."""
+    checked as `validate` does (and kept: the same arguments give the same schedule)."""
     if name not in SCHEDULES:
         raise ScheduleError(f"unknown schedule {name!r}; expected one of {', '.join(SCHEDULES)}")
     kind = SCHEDULES[name]
-    layout = Layout(ranks, virtual_stages(name, virtual), kind.v_shape)
-    least = kind.min_micro_batches(ranks)
-    if micro_batches < least:
-        raise ScheduleError(f"{name} on {ranks} ranks needs at least {least} micro-batches, got {micro_batches}")
+    layout = layout_of(name, ranks, virtual)
+    check_micro_batches(name, ranks, micro_batches)
     lists = with_communication(layout, kind.generate(layout, micro_batches))
     schedule = Schedule(name, layout, micro_batches, tuple(map(tuple, lists)))
-    validate(schedule)
+    _check_computes(schedule)  # its messages are with_communication's own
+    _run_order(schedule)  # raises if the lists deadlock
     return schedule
 
 
@@ -329,21 +353,23 @@ def with_communication(layout: Layout, lists: Lists) -> Lists:
 
 
 def _with_messages(layout: Layout, rank: int, actions: list[Action]) -> list[Action]:
-    def elsewhere(stage: int) -> bool:
-        return 0 <= stage < layout.stages and layout.rank_of(stage) != rank
-
+    last = layout.stages - 1
+    # per stage of this rank: whether its input comes from, and its output goes to, another rank
+    fed = {s: s > 0 and layout.rank_of(s - 1) != rank for s in layout.stages_of(rank)}
+    feeds = {s: s < last and layout.rank_of(s + 1) != rank for s in layout.stages_of(rank)}
     out: list[Action] = []
     for a in actions:
-        i, s = a.micro_batch, a.stage
-        if a.kind == F and elsewhere(s - 1):
-            out.append(Action(RECV_F, i, s))
-        if a.kind in (B, BW) and elsewhere(s + 1):
-            out.append(Action(RECV_B, i, s))
-        out.append(a)
-        if a.kind == F and elsewhere(s + 1):
-            out.append(Action(SEND_F, i, s))
-        if a.kind in (B, BW) and elsewhere(s - 1):
-            out.append(Action(SEND_B, i, s))
+        kind, i, s = a
+        if kind == F:
+            out += [Action(RECV_F, i, s), a] if fed[s] else [a]
+            if feeds[s]:
+                out.append(Action(SEND_F, i, s))
+        elif kind in (B, BW):
+            out += [Action(RECV_B, i, s), a] if feeds[s] else [a]
+            if fed[s]:
+                out.append(Action(SEND_B, i, s))
+        else:
+            out.append(a)
     return out
 
 
@@ -351,30 +377,37 @@ def validate(schedule: Schedule) -> None:
     """Raise ScheduleError unless every stage runs exactly one forward and one backward (full, or
     B then W) of every micro-batch on its own rank, with exactly the messages that needs, in an
     order that cannot deadlock."""
-    layout, m = schedule.layout, schedule.micro_batches
+    _check_computes(schedule)
     for r, actions in enumerate(schedule.actions):
-        for a in actions:
-            if not 0 <= a.stage < layout.stages or layout.rank_of(a.stage) != r or not 0 <= a.micro_batch < m:
-                raise ScheduleError(f"rank {r} lists {a}, which is not one of its stages' {m} micro-batches")
-        listed = sorted(actions)
-        if len(set(listed)) != len(listed):
-            twice = next(a for a, b in itertools.pairwise(listed) if a == b)
-            raise ScheduleError(f"rank {r} lists {twice} twice")
-        kinds = {(s, i): [] for s in layout.stages_of(r) for i in range(m)}
-        for a in actions:
-            if a.kind in COMPUTE:
-                kinds[a.stage, a.micro_batch].append(a.kind)
-        for (s, i), done in kinds.items():
-            if sorted(done) not in ([BW, F], [B, F, W]):
-                raise ScheduleError(f"rank {r}: micro-batch {i} on stage {s} has {' '.join(done) or 'nothing'}; "
-                                    "it needs F and BW, or F, B and W")
-        expected = _with_messages(layout, r, [a for a in actions if a.kind in COMPUTE])
-        if sorted(expected) != listed:
+        expected = _with_messages(schedule.layout, r, [a for a in actions if a.kind in COMPUTE])
+        if sorted(expected) != sorted(actions):
             missing, extra = set(expected) - set(actions), set(actions) - set(expected)
             raise ScheduleError(f"rank {r}: its messages do not match its computes (missing "
                                 f"{' '.join(map(str, missing)) or 'none'}; "
                                 f"extra {' '.join(map(str, extra)) or 'none'})")
-    simulate(schedule, Costs.uniform(layout.stages))
+    _run_order(schedule)  # raises if the lists deadlock
+
+
+def _check_computes(schedule: Schedule) -> None:
+    """Each action on its stage's rank, none twice, and every (micro-batch, stage) with F and BW,
+    or F, B and W."""
+    layout, m = schedule.layout, schedule.micro_batches
+    for r, actions in enumerate(schedule.actions):
+        mine = set(layout.stages_of(r))
+        for a in actions:
+            if a.stage not in mine or not 0 <= a.micro_batch < m:
+                raise ScheduleError(f"rank {r} lists {a}, which is not one of its stages' {m} micro-batches")
+        if len(set(actions)) != len(actions):
+            twice = next(a for a, b in itertools.pairwise(sorted(actions)) if a == b)
+            raise ScheduleError(f"rank {r} lists {twice} twice")
+        kinds: dict[tuple[int, int], list[str]] = {(s, i): [] for s in mine for i in range(m)}
+        for kind, i, s in actions:
+            if kind in COMPUTE:
+                kinds[s, i].append(kind)
+        for (s, i), done in sorted(kinds.items()):
+            if sorted(done) not in ([BW, F], [B, F, W]):
+                raise ScheduleError(f"rank {r}: micro-batch {i} on stage {s} has {' '.join(done) or 'nothing'}; "
+                                    "it needs F and BW, or F, B and W")
 
 
 @dataclass(frozen=True)
@@ -477,57 +510,120 @@ def simulate(schedule: Schedule, costs: Costs) -> Timeline:
     """Run every rank's list with these costs: each action starts when its rank is free and what it
     needs is there (a message `costs.transfer` after its send). Raises ScheduleError naming what
     each stuck rank waits for if the lists deadlock."""
+    intervals: list[list[Interval]] = [[] for _ in schedule.actions]
+    for (r, k, *_), end in zip(_computes(schedule), _compute_ends(schedule, costs), strict=True):
+        a = schedule.actions[r][k]
+        intervals[r].append(Interval(a, end - costs.of(a), end))
+    return Timeline(schedule, tuple(map(tuple, intervals)))
+
+
+def makespan(schedule: Schedule, costs: Costs) -> float:
+    """When the last rank finishes, as `simulate` runs the lists (without the timeline)."""
+    return max(_compute_ends(schedule, costs), default=0.0)
+
+
+def _compute_ends(schedule: Schedule, costs: Costs) -> list[float]:
+    """When each compute of `_computes` ends."""
+    f, b, w, transfer = costs.forward, costs.input_backward, costs.weight_backward, costs.transfer
+    ends: list[float] = []
+    for _, _, kind, stage, before, senders in _computes(schedule):
+        start = ends[before] if before >= 0 else 0.0
+        for sender in senders:  # a message leaves when the compute before its send ends
+            arrival = (ends[sender] if sender >= 0 else 0.0) + transfer
+            start = arrival if arrival > start else start
+        ends.append(start + (f[stage] if kind == F else b[stage] if kind == B else w[stage] if kind == W
+                             else b[stage] + w[stage]))
+    return ends
+
+
+@functools.lru_cache(maxsize=256)
+def _computes(schedule: Schedule) -> tuple[tuple[int, int, str, int, int, tuple[int, ...]], ...]:
+    """The computes in an order in which each comes after what it waits for: (rank, index in its
+    list, kind, stage, position of the compute before it on its rank, positions of the computes
+    before the sends of the messages it waits for since that one; -1: none, time 0). Messages
+    take their ranks no time, so these are all a run's times hang on."""
+    last_compute: dict[int, int] = {}  # rank -> position of its latest compute
+    sender_of: dict[tuple[int, int], int] = {}  # (rank, index) of a send -> the compute before it
+    waiting: dict[int, list[int]] = {}  # rank -> the senders of the messages received since its latest compute
+    computes: list[tuple[int, int, str, int, int, tuple[int, ...]]] = []
+    order = _run_order(schedule)
+    for r, k, _, sent in order:
+        kind, _, stage = schedule.actions[r][k]
+        if kind in (SEND_F, SEND_B):
+            sender_of[r, k] = last_compute.get(r, -1)
+        elif kind in (RECV_F, RECV_B):
+            send_rank, send_index = order[sent][:2]
+            waiting.setdefault(r, []).append(sender_of[send_rank, send_index])
+        else:
+            computes.append((r, k, kind, stage, last_compute.get(r, -1), tuple(waiting.pop(r, ()))))
+            last_compute[r] = len(computes) - 1
+    return tuple(computes)
+
+
+@functools.lru_cache(maxsize=256)
+def _run_order(schedule: Schedule) -> tuple[tuple[int, int, int, int], ...]:
+    """Every action, (rank, its index in the rank's list, the position of the action before it on
+    its rank, the position of the send it receives; -1 for none), in an order in which each comes
+    after everything it waits for: the order a run takes them in, whatever the costs. Anything an
+    action waits for on its own rank comes before it in its list, or the lists deadlock: then
+    ScheduleError says what each stuck rank waits for."""
     layout = schedule.layout
     last = layout.stages - 1
-    here: dict[tuple[int, tuple], float] = {}  # (rank, item) -> when it is there
-    messages: dict[tuple[int, tuple], float] = {}  # (to rank, item) -> when it arrives
-    position, clock = [0] * layout.ranks, [0.0] * layout.ranks
-    intervals: list[list[Interval]] = [[] for _ in range(layout.ranks)]
+    here: set[tuple] = set()  # (rank, *item): there
+    sent: dict[tuple, int] = {}  # (to rank, *item) -> position of its send
+    position = [0] * layout.ranks
+    previous = [-1] * layout.ranks
+    blocked: dict[tuple, int] = {}  # what a stopped rank waits for -> the rank
+    order: list[tuple[int, int, int, int]] = []
 
-    def waits_for(r: int, a: Action) -> list[tuple[dict, tuple]]:
-        """Where to look up when each thing `a` on rank r waits for is there."""
+    def missing(r: int, a: Action) -> list[tuple]:
+        """What `a` on rank r waits for that is not there yet, as (rank, *item) keys."""
         item = message(a)
-        waits = []
-        if 0 <= item[2] <= last:  # the model's input and the loss's gradient are there from the start
-            waits.append((messages if a.kind in (RECV_F, RECV_B) else here, (r, item)))
+        waits = [] if item[2] < 0 or item[2] > last else [(r, *item)]  # the model's input, the loss's gradient
         if a.kind in (B, BW):  # and its own forward
-            waits.append((here, (r, ("act", a.micro_batch, a.stage))))
-        return waits
+            waits.append((r, "act", a.micro_batch, a.stage))
+        table = sent if a.kind in (RECV_F, RECV_B) else here
+        return [w for w in waits if w not in table]
 
-    def ready_at(r: int, a: Action) -> float | None:
-        """When `a` can start on rank r, or None while something it needs is not there yet."""
-        times = [table.get(key) for table, key in waits_for(r, a)]
-        return None if None in times else max([clock[r], *times])
-
-    def run(r: int, a: Action, start: float) -> None:
-        kind, i, s = a
-        end = start + costs.of(a)
-        if kind in COMPUTE:
-            intervals[r].append(Interval(a, start, end))
-        if kind == F:
-            here[r, ("act", i, s)] = end
-        elif kind in (B, BW):
-            here[r, ("grad", i, s)] = end
-        elif kind in (SEND_F, SEND_B):
-            messages[layout.peer(a), message(a)] = start + costs.transfer
-        elif kind in (RECV_F, RECV_B):
-            here[r, message(a)] = start
-        clock[r] = end
-
-    progress = True
-    while progress:
-        progress = False
-        for r, actions in enumerate(schedule.actions):
-            while position[r] < len(actions) and (start := ready_at(r, actions[position[r]])) is not None:
-                run(r, actions[position[r]], start)
-                position[r] += 1
-                progress = True
+    ready = list(range(layout.ranks))
+    while ready:
+        r = ready.pop()
+        actions = schedule.actions[r]
+        while position[r] < len(actions):
+            a = actions[position[r]]
+            kind, i, s = a
+            if kind == F:
+                made = (r, "act", i, s)
+                waits = (r, "act", i, s - 1) if s > 0 and (r, "act", i, s - 1) not in here else None
+            elif kind in (B, BW):
+                made = (r, "grad", i, s)
+                waits = next((w for w in ((r, "act", i, s), (r, "grad", i, s + 1))
+                              if w not in here and w[3] <= last), None)
+            elif kind in (RECV_F, RECV_B):
+                made = (r, *message(a))
+                waits = made if made not in sent else None
+            else:  # W, SEND_F, SEND_B: after their compute on this rank
+                made = None
+                waits = (r, *message(a)) if (r, *message(a)) not in here else None
+            if waits is not None:
+                blocked[waits] = r
+                break
+            order.append((r, position[r], previous[r], sent[made] if kind in (RECV_F, RECV_B) else -1))
+            previous[r] = len(order) - 1
+            position[r] += 1
+            if kind in (SEND_F, SEND_B):
+                made = (layout.peer(a), *message(a))
+                sent[made] = len(order) - 1
+            elif made is not None:
+                here.add(made)
+            if made in blocked:
+                ready.append(blocked.pop(made))
     stuck = [f"rank {r} at {actions[position[r]]} waits for "
-             + " and ".join(str(key[1]) for table, key in waits_for(r, actions[position[r]]) if key not in table)
+             + " and ".join(str(w[1:]) for w in missing(r, actions[position[r]]))
              for r, actions in enumerate(schedule.actions) if position[r] < len(actions)]
     if stuck:
         raise ScheduleError(f"{schedule.name} deadlocks: " + "; ".join(stuck))
-    return Timeline(schedule, tuple(map(tuple, intervals)))
+    return tuple(order)
 
 
 def draw(timeline: Timeline, unit: float = 1.0) -> str:

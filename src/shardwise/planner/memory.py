@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from shardwise.config import Config
-from shardwise.pipeline_schedules import Schedule, build, peak_held
+from shardwise.pipeline_schedules import Schedule, build, layout_of, peak_held
 from shardwise.planner.candidates import Candidate
 from shardwise.planner.model import (
     ModelFacts,
@@ -255,14 +255,15 @@ def _pipeline(c: Candidate, cfg: Config, shape: ModelShape, activations: bool) -
     facts = rank_facts(shape, c.tp)
     runs = c.micro_batches  # 1 where the model is split without pipelining
     per_run = c.micro_batch / runs
-    schedule = pipeline_schedule(c.schedule, c.pp, runs)
-    layout = schedule.layout
+    layout = layout_of(c.schedule or "gpipe", c.pp)
     bounds = stage_bounds(shape, layout.stages)
     last = layout.stages - 1
-    saved = saved_bytes(trace_key(shape, c, c.tp, cfg.parallel.sequence_parallel)) if activations else None
-    held = [saved.stage(start, stop, s == 0, s == last, c.recompute, per_run) if saved else 0
-            for s, (start, stop) in enumerate(bounds)]
-    peaks = peak_held(schedule, held)
+    peaks = [0.0] * c.pp
+    if activations:
+        saved = saved_bytes(trace_key(shape, c, c.tp, cfg.parallel.sequence_parallel))
+        held = [saved.stage(start, stop, s == 0, s == last, c.recompute, per_run)
+                for s, (start, stop) in enumerate(bounds)]
+        peaks = peak_held(pipeline_schedule(c.schedule, c.pp, runs), held)
     activation = int(per_run * shape.seq_len * shape.d_model * 4)  # what crosses between stages
     ranks = []
     for rank in range(c.pp):

@@ -44,7 +44,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from shardwise.config import Config
-from shardwise.pipeline_schedules import Costs, Schedule, simulate
+from shardwise.pipeline_schedules import SCHEDULES, Costs, Layout, Schedule, layout_of, makespan
 from shardwise.planner.candidates import Candidate
 from shardwise.planner.devices import DeviceProfile
 from shardwise.planner.memory import dtype_bytes, pipeline_schedule, trace_key, working_dtype
@@ -260,21 +260,28 @@ def _tensor(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceProfile,
 def _pipeline(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceProfile, traced: bool) -> StepTime:
     """The candidate's schedule simulated (pipeline_schedules.simulate) with each stage's forward,
     input- and weight-gradient times: the busiest rank's compute and the rest of the run, idle (the
-    bubble). On the critical path besides: the first micro-batch's activations crossing every
-    boundary between two ranks' stages during the fill, and the last one's gradients during the
-    drain; in between, messages travel while the ranks compute."""
+    bubble). Without `traced`, a bound that runs no simulation instead (`_fewest_idle`). On the
+    critical path besides: the first micro-batch's activations crossing every boundary between two
+    ranks' stages during the fill, and the last one's gradients during the drain; in between,
+    messages travel while the ranks compute."""
     facts = rank_facts(shape, c.tp)
     runs = c.micro_batches  # 1 where the model is split without pipelining
     per_run = c.micro_batch / runs
-    schedule = pipeline_schedule(c.schedule, c.pp, runs)
-    layout = schedule.layout
+    name = c.schedule or "gpipe"
+    layout = layout_of(name, c.pp)
     bounds = stage_bounds(shape, layout.stages)
     bandwidth = device.bandwidth(_spans_nodes(c.pp, c.tp, device.gpus_per_node), "p2p")
     activation = per_run * shape.seq_len * shape.d_model * 4
-    busy, makespan = _simulated(schedule, _stage_costs(c, shape, device, bounds, per_run, traced))
+    costs = _stage_costs(c, shape, device, bounds, per_run, traced)
+    busy = max(runs * sum(costs.forward[s] + costs.input_backward[s] + costs.weight_backward[s]
+                          for s in layout.stages_of(r)) for r in range(c.pp))  # every micro-batch, every stage
+    if traced:
+        run = _simulated(pipeline_schedule(c.schedule, c.pp, runs), costs)
+    else:
+        run = _fewest_idle(name, layout, costs, runs)
     pipeline_runs = cfg.train.global_batch // (c.dp * c.micro_batch)
     compute = pipeline_runs * busy
-    bubble = pipeline_runs * (makespan - busy)
+    bubble = pipeline_runs * (run - busy)
     boundaries = sum(layout.rank_of(s) != layout.rank_of(s + 1) for s in range(layout.stages - 1))
     sends = pipeline_runs * 2 * boundaries * (activation / bandwidth + device.latency_s)
     blocks = [sum(bounds[s][1] - bounds[s][0] for s in layout.stages_of(r)) for r in range(c.pp)]
@@ -289,6 +296,23 @@ def _pipeline(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceProfil
         tied = all_reduce_s(facts.tied * 4, 2, bandwidth, device.latency_s)
     comm = sends + tp_comm + tied + _mesh_dp_all_reduce(c, stage_numel, device)
     return StepTime(compute, comm, comm, bubble, _optimizer_s(stage_numel, 4, cfg, device))
+
+
+def _fewest_idle(name: str, layout: Layout, costs: Costs, micro_batches: int) -> float:
+    """A run no shorter than the simulator's, in closed form: no rank starts before the first
+    micro-batch's forward reaches its first stage, and each computes all its work; where every
+    rank holds one stage and ends on a whole backward (gpipe, 1f1b), the last micro-batch's
+    backward then still crosses every stage before it. Equal to the simulated run where stages
+    cost alike."""
+    forward, backward = costs.forward, [b + w for b, w in zip(costs.input_backward, costs.weight_backward, strict=True)]
+    whole = layout.virtual == 1 and not SCHEDULES[name].splits_backward
+    longest = 0.0
+    for r in range(layout.ranks):
+        first = layout.stages_of(r)[0]
+        work = micro_batches * sum(forward[s] + backward[s] for s in layout.stages_of(r))
+        drain = sum(backward[:first]) if whole else 0.0
+        longest = max(longest, sum(forward[:first]) + work + drain)
+    return longest
 
 
 def _stage_costs(c: Candidate, shape: ModelShape, device: DeviceProfile, bounds: tuple[tuple[int, int], ...],
@@ -308,7 +332,6 @@ def _stage_costs(c: Candidate, shape: ModelShape, device: DeviceProfile, bounds:
 
 
 @functools.lru_cache(maxsize=4096)
-def _simulated(schedule: Schedule, costs: Costs) -> tuple[float, float]:
-    """(the busiest rank's compute, the run's end) of one pipeline run."""
-    timeline = simulate(schedule, costs)
-    return max(sum(x.end - x.start for x in rank) for rank in timeline.intervals), timeline.makespan
+def _simulated(schedule: Schedule, costs: Costs) -> float:
+    """When one pipeline run ends."""
+    return makespan(schedule, costs)
