@@ -48,6 +48,20 @@ def test_pipeline_schedule_pictures_are_what_the_simulator_draws():
         "repo root")
 
 
+def png_size(data: bytes) -> tuple[int, int]:
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def test_the_schedules_picture_is_drawn_by_the_generator_and_committed(tmp_path):
+    """Pixels depend on matplotlib's version; the committed picture must at least be the
+    generator's, of the size it draws now."""
+    docs.draw_schedules_png(tmp_path / "schedules.png")
+    drawn, committed = (tmp_path / "schedules.png").read_bytes(), (REPO / docs.IMAGE).read_bytes()
+    assert png_size(drawn) == png_size(committed)
+    assert f"../images/{docs.IMAGE.name}" in (REPO / docs.SCHEDULE_PAGE).read_text()
+
+
 @pytest.mark.parametrize("section", SECTIONS)
 def test_every_config_key_is_described(section):
     cls = SECTIONS[section]

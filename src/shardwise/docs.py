@@ -1,7 +1,8 @@
 """Writes docs/config.md, the config reference, from the config schema itself: every section's
 dataclass in `config.SECTIONS`, every key's type, default, allowed values and description (the
 `option(...)` beside each field), and the `shardwise train` flag that sets it; and the pictures
-of the pipeline schedules in docs/strategies/pipeline.md, drawn by their simulator.
+of the pipeline schedules in docs/strategies/pipeline.md, drawn by their simulator, as text and
+(where matplotlib is installed) as one PNG, docs/images/pipeline-schedules.png.
 
     python -m shardwise.docs      # from the repository root, after changing config.py or a schedule
 
@@ -30,6 +31,8 @@ SCHEDULE_PAGE = Path("docs/strategies/pipeline.md")
 PICTURES = ("<!-- Schedule pictures: written by `python -m shardwise.docs` from pipeline_schedules.py -->\n",
             "<!-- End of the schedule pictures -->\n")
 PICTURED = (4, 8)  # ranks, micro-batches
+IMAGE = Path("docs/images/pipeline-schedules.png")
+COLOURS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868", "BW": "#c44e52"}
 
 HEADER = """\
 # Config reference
@@ -115,6 +118,44 @@ def render_schedules() -> str:
     return "\n".join(parts)
 
 
+def draw_schedules_png(path: Path) -> None:
+    """Every schedule's simulated timeline at PICTURED, one panel each, on one time axis: each rank
+    does the same work under every schedule (a stage's F, B and W take 1/V, V stages per rank), so
+    a shorter row is a smaller bubble. A rank's second stage is hatched."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    from matplotlib import pyplot
+    from matplotlib.patches import Patch
+
+    ranks, micro_batches = PICTURED
+    figure, axes = pyplot.subplots(len(SCHEDULES), 1, figsize=(12, 1.1 * len(SCHEDULES) * ranks / 2.5), sharex=True)
+    for ax, name in zip(axes, SCHEDULES, strict=True):
+        schedule = build(name, ranks, micro_batches)
+        share = 1 / schedule.layout.virtual
+        timeline = simulate(schedule, Costs.uniform(schedule.layout.stages, share, share, share))
+        for r, intervals in enumerate(timeline.intervals):
+            stages = schedule.layout.stages_of(r)
+            for x in intervals:
+                second = stages.index(x.action.stage) % 2 == 1
+                ax.broken_barh([(x.start, x.end - x.start)], (r - 0.4, 0.8), facecolors=COLOURS[x.action.kind],
+                               edgecolor="white", linewidth=0.5, hatch="///" if second else None)
+                ax.text((x.start + x.end) / 2, r, str(x.action.micro_batch), ha="center", va="center", fontsize=6,
+                        color="white")
+        ax.set_yticks(range(ranks), [f"rank {r}" for r in range(ranks)], fontsize=7)
+        ax.invert_yaxis()
+        ax.set_title(f"{name}: bubble {timeline.bubble:.3f}", fontsize=9, loc="left")
+    axes[-1].set_xlabel(f"time, in one micro-batch's forward through a rank's layers (P = {ranks}, "
+                        f"M = {micro_batches})")
+    figure.legend(handles=[Patch(color=c, label=k) for k, c in COLOURS.items()]
+                  + [Patch(facecolor="white", edgecolor="grey", hatch="///", label="second stage")],
+                  loc="upper right", ncol=5, fontsize=8)
+    figure.tight_layout(rect=(0, 0, 1, 0.97))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=100, metadata={"Software": None})
+    pyplot.close(figure)
+
+
 def with_schedules(page: str) -> str:
     """`page` with its schedule pictures replaced by the ones drawn now."""
     start, end = page.index(PICTURES[0]), page.index(PICTURES[1]) + len(PICTURES[1])
@@ -128,6 +169,11 @@ def main() -> int:
     OUT.write_text(render())
     SCHEDULE_PAGE.write_text(with_schedules(SCHEDULE_PAGE.read_text()))
     print(f"wrote {OUT} and the schedule pictures in {SCHEDULE_PAGE}")
+    try:
+        draw_schedules_png(IMAGE)
+        print(f"wrote {IMAGE}")
+    except ImportError:
+        print(f"left {IMAGE} as it was: drawing it needs matplotlib (pip install 'shardwise[plot]')")
     return 0
 
 
