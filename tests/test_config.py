@@ -188,6 +188,30 @@ def test_more_pipeline_stages_than_blocks_is_rejected(tmp_path):
     assert "parallel.pp = 3" in message and "more pipeline stages than the model's 2 blocks" in message
 
 
+PIPE2 = ("parallel.strategy=pipeline", "model.n_layer=4")
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    (("parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=3"),
+     "parallel.pp = 2 x parallel.virtual_stages = 3 (interleaved-1f1b): 6 stages, more pipeline stages than the "
+     "model's 4 blocks"),
+    (("parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=1"),
+     "parallel.virtual_stages = 1: interleaved-1f1b needs at least 2 stages per rank"),
+    (("parallel.schedule=zbv", "parallel.virtual_stages=3"),
+     "parallel.virtual_stages = 3: zbv always has 2 stages per rank; leave it unset"),
+    (("parallel.schedule=zb-h1", "parallel.virtual_stages=2"), "zb-h1 always has 1 stage per rank"),
+    (("parallel.schedule=dualpipev", "parallel.micro_batches=2"),
+     "parallel.schedule = 'dualpipev': dualpipev on 2 ranks needs at least 4 micro-batches, got 2"),
+    (("parallel.schedule=zbv", "parallel.split_points=[2]"),
+     "parallel.split_points = [2]: expected 3 increasing block indices in [1, 3], the first block of stages 2..4"),
+    (("parallel.schedule=zb-h1", "parallel.recompute=selective"),
+     "parallel.recompute = 'selective': does not compose with zb-h1's split backward"),
+], ids=["interleaved-too-many-stages", "interleaved-one", "zbv-three", "zb-h1-two", "dualpipev-few", "zbv-points",
+        "selective"])
+def test_pipeline_schedules_and_virtual_stages_are_checked(tmp_path, overrides, expected):
+    assert expected in error_for(tmp_path, overrides=PIPE2 + overrides, flags={"launch.nproc": 2})
+
+
 def test_micro_batches_must_divide_the_per_replica_batch(tmp_path):
     message = error_for(tmp_path, overrides=("parallel.strategy=pipeline", "parallel.micro_batches=3"),
                         flags={"launch.nproc": 2})

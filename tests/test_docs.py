@@ -41,6 +41,27 @@ def test_config_reference_is_what_the_generator_writes():
     assert written == docs.render(), "docs/config.md is out of date: run `python -m shardwise.docs` from the repo root"
 
 
+def test_pipeline_schedule_pictures_are_what_the_simulator_draws():
+    page = (REPO / docs.SCHEDULE_PAGE).read_text()
+    assert docs.render_schedules() in page, (
+        f"the schedule pictures in {docs.SCHEDULE_PAGE} are out of date: run `python -m shardwise.docs` from the "
+        "repo root")
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def test_the_schedules_picture_is_drawn_by_the_generator_and_committed(tmp_path):
+    """Pixels depend on matplotlib's version; the committed picture must at least be the
+    generator's, of the size it draws now."""
+    docs.draw_schedules_png(tmp_path / "schedules.png")
+    drawn, committed = (tmp_path / "schedules.png").read_bytes(), (REPO / docs.IMAGE).read_bytes()
+    assert png_size(drawn) == png_size(committed)
+    assert f"../images/{docs.IMAGE.name}" in (REPO / docs.SCHEDULE_PAGE).read_text()
+
+
 @pytest.mark.parametrize("section", SECTIONS)
 def test_every_config_key_is_described(section):
     cls = SECTIONS[section]

@@ -103,6 +103,32 @@ def test_every_strategy_starts_from_singles_weights_bit_for_bit(single, world):
         assert_same_state(state, single[label.split()[0]], f"{label} on {world} ranks")
 
 
+V_STAGES = ("model.n_layer=4", "train.micro_batch=4", "parallel.micro_batches=4")  # 2 ranks x 2 stages of a block
+
+
+def stages_per_rank(ctx: DistContext) -> dict[str, dict[str, torch.Tensor]]:
+    states = {}
+    for family in ("gpt", "hf-gpt2"):  # GPT-2's head is tied to its embedding: a V holds both on rank 0
+        for schedule in ("interleaved-1f1b", "zbv"):
+            state = step0(config(family, "pipeline", ctx.world_size, *V_STAGES, f"parallel.schedule={schedule}"), ctx)
+            if ctx.is_main:
+                states[f"{family} {schedule}"] = state
+    return states
+
+
+def test_two_stages_per_rank_materialise_both_as_single_initialises_them():
+    states = run_ranks(stages_per_rank, 2)[0]
+    threads = torch.get_num_threads()
+    try:
+        ctx = init_distributed(threads_per_rank=1)
+        singles = {family: step0(config(family, "single", 1, *V_STAGES), ctx) for family in ("gpt", "hf-gpt2")}
+    finally:
+        torch.set_num_threads(threads)
+    assert len(states) == 4
+    for label, state in states.items():
+        assert_same_state(state, singles[label.split()[0]], label)
+
+
 def test_dp_and_the_parameter_servers_start_from_singles_weights(single):
     ctx = init_distributed(threads_per_rank=torch.get_num_threads())
     for family in ("gpt", "cnn"):

@@ -120,7 +120,7 @@ def schedule_behaviour(ctx: DistContext, root: Path) -> dict:
             trainer = Trainer(cfg_for(root / f"{schedule}-{m}", "pipeline", 2, f"parallel.schedule={schedule}",
                                       f"parallel.micro_batches={m}"), ctx)
             trainer.train_step(0)  # the trainer counts activations in its first step
-            order = [f"{kind[0].upper()}{i}" for kind, i, _, _ in trainer.strategy.timeline]
+            order = [f"{kind}{i}" for kind, i, _, _, _ in trainer.strategy.timeline]
             out[schedule, m] = {"peak": trainer.activation_bytes, "one": one_micro_batch_bytes(trainer, 8 // m),
                                 "order": order}
     for points, expected_blocks in (([1], [(0, 1), (1, 4)]), (None, [(0, 2), (2, 4)])):
@@ -147,9 +147,9 @@ def test_gpipe_holds_all_m_micro_batches_and_1f1b_at_most_p_minus_stage(behaviou
 def test_schedules_run_forwards_and_backwards_in_their_order(behaviour):
     stage0, stage1 = behaviour
     assert stage0["gpipe", 4]["order"] == stage1["gpipe", 4]["order"] == [
-        "F0", "F1", "F2", "F3", "B0", "B1", "B2", "B3"]
-    assert stage0["1f1b", 4]["order"] == ["F0", "F1", "B0", "F2", "B1", "F3", "B2", "B3"]  # one warm-up forward
-    assert stage1["1f1b", 4]["order"] == ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3"]
+        "F0", "F1", "F2", "F3", "BW0", "BW1", "BW2", "BW3"]
+    assert stage0["1f1b", 4]["order"] == ["F0", "F1", "BW0", "F2", "BW1", "F3", "BW2", "BW3"]  # one warm-up forward
+    assert stage1["1f1b", 4]["order"] == ["F0", "BW0", "F1", "BW1", "F2", "BW2", "F3", "BW3"]
 
 
 def test_stages_split_at_the_given_points_or_balanced_by_parameters(behaviour):

@@ -89,7 +89,10 @@ def test_gpipe_is_never_faster_nor_smaller_than_the_same_pipeline_under_1f1b():
     assert gpipes
     for gpipe in gpipes:
         one_f_one_b = by_candidate[dataclasses.replace(gpipe.candidate, schedule="1f1b")]
-        assert one_f_one_b.step.total == gpipe.step.total
+        # equal where every stage's backward is the same multiple of its forward; 1f1b faster where
+        # recomputing every:K blocks makes them differ (the simulator runs both schedules' lists);
+        # the simulator sums each in its own order: the last bit may differ
+        assert one_f_one_b.step.total <= gpipe.step.total * (1 + 1e-12)
         assert all(a.total <= b.total for a, b in zip(one_f_one_b.memory_by_stage, gpipe.memory_by_stage, strict=True))
 
 

@@ -68,7 +68,9 @@ def steps_with_an_inf_on_rank_1(ctx: DistContext, out: Path, strategy: str, *ove
     ("ddp",), ("zero1",), ("zero2",), ("fsdp",),
     # rank 1 is the second stage, or the second tensor shard: a rank that holds other parameters
     ("pipeline", "model.n_layer=2", "parallel.micro_batches=2"), ("tensor",),
-], ids=lambda strategy: strategy[0])
+    # a split backward on a V: rank 1 holds the middle stages 1 and 2, its weight gradients run last
+    ("pipeline", "model.n_layer=4", "parallel.micro_batches=2", "parallel.schedule=zbv"),
+], ids=["ddp", "zero1", "zero2", "fsdp", "pipeline", "tensor", "pipeline-zbv"])
 def test_an_inf_on_one_rank_skips_that_step_on_every_rank(tmp_path, strategy):
     for rank, log in enumerate(run_ranks(steps_with_an_inf_on_rank_1, 2, tmp_path, *strategy)):
         assert [entry["stepped"] for entry in log] == [True, True, False, True, True, True], rank

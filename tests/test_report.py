@@ -80,20 +80,21 @@ def test_tensorboard_missing_fails_before_any_worker_starts(tmp_path, monkeypatc
 def test_pipeline_records_each_stage_in_its_last_step(runs):
     (summary,) = read_records(runs[1], "summary")
     ranks = summary["stage_timeline"]
-    assert [(r["rank"], r["stage"], r["replica"], r["tp_rank"]) for r in ranks] == [(0, 0, 0, 0), (1, 1, 0, 0)]
+    assert [(r["rank"], r["stage"], r["stages"], r["replica"], r["tp_rank"]) for r in ranks] == [
+        (0, 0, [0], 0, 0), (1, 1, [1], 0, 0)]
     accum = 16 // 8  # gpt-tiny: global batch 16, micro batch 8, one replica
     assert min(r["window"][0] for r in ranks) == 0
     for rank in ranks:
-        ops = sorted((kind, i) for kind, i, _, _ in rank["intervals"])
-        assert ops == sorted([(kind, i) for kind in ("forward", "backward") for i in range(MICRO_BATCHES)] * accum)
-        spans = [(start, end) for _, _, start, end in rank["intervals"]]
+        ops = sorted((kind, i, s) for kind, i, s, _, _ in rank["intervals"])
+        assert ops == sorted([(kind, i, rank["stage"]) for kind in ("F", "BW") for i in range(MICRO_BATCHES)] * accum)
+        spans = [(start, end) for *_, start, end in rank["intervals"]]
         assert spans == sorted(spans)  # one stage computes one thing at a time, in schedule order
         assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:], strict=False))
         start, end = rank["window"]
         assert start <= spans[0][0] and spans[-1][1] <= end
     # Stage 1 cannot begin micro-batch 0's forward before stage 0 has finished it.
-    first_forward = {r["stage"]: next(iv for iv in r["intervals"] if iv[:2] == ["forward", 0]) for r in ranks}
-    assert first_forward[1][2] >= first_forward[0][3]
+    first_forward = {r["stage"]: next(iv for iv in r["intervals"] if iv[:2] == ["F", 0]) for r in ranks}
+    assert first_forward[1][3] >= first_forward[0][4]
 
 
 class Page(HTMLParser):

@@ -19,11 +19,13 @@ from typing import Any
 
 import tomli_w
 
+from shardwise.pipeline_schedules import SCHEDULES as PIPELINE_SCHEDULES
+from shardwise.pipeline_schedules import ScheduleError, virtual_stages
 from shardwise.recompute import parse_policy
 from shardwise.strategies.registry import NAMES as STRATEGIES
 from shardwise.strategies.registry import SPECS, spec
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = tuple(PIPELINE_SCHEDULES)
 PS_MODES = ("sync", "async")
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
 REDUCE_DTYPES = ("fp32", "bf16")
@@ -184,7 +186,13 @@ class ParallelConfig:
                                      "tp must divide model.seq_len")
     micro_batches: int = option(4, "`pipeline`: micro-batches per pipeline run (M); must divide "
                                 "`train.micro_batch`")
-    schedule: str = option("1f1b", "`pipeline`: the schedule micro-batches run by", SCHEDULES)
+    schedule: str = option("1f1b", "`pipeline`: the schedule micro-batches run by (docs/strategies/pipeline.md): "
+                           "`gpipe`, `1f1b`, `interleaved-1f1b` (`virtual_stages` stages per rank), `zb-h1` (1F1B "
+                           "with the weight gradients deferred into the drain), `zbv` and `dualpipev` (2 stages per "
+                           "rank on a V)", SCHEDULES)
+    virtual_stages: int | None = option(None, "`pipeline`, `interleaved-1f1b`: stages per rank, at least 2 (unset: "
+                                        "2); `zbv` and `dualpipev` always have 2, the others 1. The model is cut "
+                                        "into pp x virtual_stages stages of at least one block each")
     split_points: list[int] | None = option(None, "`pipeline`: the first block of stages 2..P, e.g. [3]; unset, "
                                             "stages are balanced by parameter count")
     replicas: int = option(2, "`dp`: replicas the one process runs, each on its own device (all on the CPU "
@@ -534,6 +542,12 @@ def validate_parallel(p: ParallelConfig) -> None:
     _choice("parallel.strategy", p.strategy, STRATEGIES)
     _choice("parallel.precision", p.precision, PRECISIONS)
     _choice("parallel.reduce_dtype", p.reduce_dtype, REDUCE_DTYPES)
+    _choice("parallel.schedule", p.schedule, SCHEDULES)
+    _positive("parallel.micro_batches", p.micro_batches)
+    try:
+        virtual_stages(p.schedule, p.virtual_stages)
+    except ScheduleError as exc:
+        raise ConfigError(f"parallel.{exc}") from None
     sharded = [name for name, each in SPECS.items() if each.zero_stage]
     if p.reduce_dtype != "fp32" and p.strategy not in sharded:
         raise ConfigError(
@@ -582,8 +596,6 @@ def _validate_mesh(cfg: Config, world: int) -> None:
     """The dp x pp x tp values are sizes, and only a strategy that splits the model sets pp or tp
     (the rest of the mesh is MeshStrategy.check_config's)."""
     p = cfg.parallel
-    _choice("parallel.schedule", p.schedule, SCHEDULES)
-    _positive("parallel.micro_batches", p.micro_batches)
     for dim in ("dp", "pp", "tp"):
         if getattr(p, dim) is not None:
             _positive(f"parallel.{dim}", getattr(p, dim))

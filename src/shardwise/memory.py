@@ -12,6 +12,7 @@ import ctypes
 import functools
 import resource
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import asdict, dataclass
@@ -147,6 +148,15 @@ def record_saved(tensor: torch.Tensor) -> None:
 _recording = threading.local()  # per thread: dp's replicas record at once
 
 
+def hold_while_alive(owner: object, tensor: torch.Tensor) -> None:
+    """Count `tensor` as saved for backward, in every open counter, until `owner` is freed: for
+    code that keeps tensors for backward in an object of its own (recompute.RecomputedOnce)."""
+    for counter in _active_counters:
+        key = counter.hold(tensor)
+        if key is not None:
+            weakref.finalize(owner, counter._release, key)
+
+
 @contextmanager
 def saved_until_gradient(tensor: torch.Tensor) -> Iterator[None]:
     """What `record_saved` counts inside is released when `tensor`'s gradient is computed: for a
@@ -168,8 +178,10 @@ def _release_all(recorded: list[tuple[ActivationCounter, int]], grad: torch.Tens
 
 
 class _Saved:
-    """What autograd keeps for a saved tensor while the counter listens: the tensor itself, and a
-    note to the counter when autograd lets go of it (after the backward that used it)."""
+    """What autograd keeps for a saved tensor while the counter listens: the tensor, detached (a
+    tensor an op saves of its own outputs would otherwise hold its node, which holds this: a cycle
+    that keeps a graph whose saved tensors are never released, as a split backward's, alive for
+    ever), and a note to the counter when autograd lets go of it (after the backward that used it)."""
 
     __slots__ = ("tensor", "counter", "storage")
 
@@ -220,7 +232,7 @@ class ActivationCounter:
 
     def _pack(self, tensor: torch.Tensor) -> torch.Tensor | _Saved:
         key = self.hold(tensor)
-        return tensor if key is None else _Saved(tensor, self, key)
+        return tensor if key is None else _Saved(tensor.detach(), self, key)
 
     @staticmethod
     def _unpack(saved: torch.Tensor | _Saved) -> torch.Tensor:

@@ -12,18 +12,30 @@ A policy is applied to a built model from outside, by replacing the `forward` of
 `parallel.block` module with a checkpointed call of the original. Hooks on the module itself
 (those of the sharded strategies) still run once, around the whole checkpointed forward, and
 non-reentrant checkpointing composes with them and with autocast.
+
+A backward split in two (split_backward.py: B now, W later) unpacks some saved tensors twice, in
+two backward calls, where torch's checkpoint recomputes the forward for each call or refuses the
+second unpack. `once=True` checkpoints with `RecomputedOnce` instead: the first unpack recomputes
+the block, and what it recomputed stays until autograd lets go of the block's graph (after W).
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+    get_device_states,
+    set_device_states,
+)
 
-from shardwise.memory import record_saved, saved_until_gradient
+from shardwise.memory import hold_while_alive, record_saved, saved_until_gradient
 
 # What `selective` keeps: the expensive ops' outputs.
 _SAVED_OPS = {
@@ -75,17 +87,75 @@ def _checkpointed(forward: Callable, selective: bool) -> Callable:
     return run
 
 
-def apply_recompute(model: nn.Module, policy: str, block_class: str) -> list[nn.Module]:
-    """Checkpoint the blocks `policy` chooses (modules of class `block_class`); return them."""
+class RecomputedOnce:
+    """One checkpointed call: the forward keeps only its arguments, each tensor it saves for
+    backward becomes an index, and the first unpack (in whichever backward call) runs the forward
+    again to fill them in. They are then kept for every later unpack, until autograd frees the
+    graph that holds this object; while an activation counter is open, the arguments and the
+    recomputed tensors count as held until then."""
+
+    def __init__(self, forward: Callable, args: tuple, kwargs: dict[str, Any]) -> None:
+        self.forward, self.args, self.kwargs = forward, args, kwargs
+        self.device = next((a.device for a in args if isinstance(a, torch.Tensor)), torch.device("cpu"))
+        self.autocast = (torch.is_autocast_enabled(self.device.type), torch.get_autocast_dtype(self.device.type))
+        self.rng = torch.get_rng_state()
+        self.device_rng = get_device_states(*args)
+        self.saved: list[torch.Tensor] = []
+        self.count = 0  # tensors the forward saved
+        for arg in args:
+            if isinstance(arg, torch.Tensor):
+                hold_while_alive(self, arg)
+
+    def pack(self, tensor: torch.Tensor) -> int:
+        self.count += 1
+        return self.count - 1
+
+    def unpack(self, index: int) -> torch.Tensor:
+        if not self.saved:
+            self._recompute()
+        return self.saved[index]
+
+    def _recompute(self) -> None:
+        args = [a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a for a in self.args]
+        enabled, dtype = self.autocast
+        with torch.random.fork_rng(self.device_rng[0], device_type=self.device.type), torch.enable_grad(), \
+                torch.autocast(self.device.type, dtype=dtype, enabled=enabled), \
+                torch.autograd.graph.saved_tensors_hooks(self._keep, lambda kept: kept):
+            torch.set_rng_state(self.rng)
+            set_device_states(*self.device_rng, device_type=self.device.type)
+            self.forward(*args, **self.kwargs)
+        if len(self.saved) != self.count:
+            raise RuntimeError(f"recomputing a block saved {len(self.saved)} tensors where its forward saved "
+                               f"{self.count}: its forward must not depend on state that changed since")
+
+    def _keep(self, tensor: torch.Tensor) -> None:
+        self.saved.append(tensor.detach())  # its data only: the recomputed graph goes
+        hold_while_alive(self, tensor)
+
+    @classmethod
+    def call(cls, forward: Callable, *args: object, **kwargs: object) -> object:
+        once = cls(forward, args, kwargs)
+        with torch.autograd.graph.saved_tensors_hooks(once.pack, once.unpack):
+            return forward(*args, **kwargs)
+
+
+def apply_recompute(model: nn.Module, policy: str, block_class: str, once: bool = False) -> list[nn.Module]:
+    """Checkpoint the blocks `policy` chooses (modules of class `block_class`); return them. With
+    `once`, for a split backward (`blocks` and `every:K` only): each forward recomputed at most once."""
     kind, every = parse_policy(policy)
     if kind == "none":
         return []
+    if once and kind == "selective":
+        raise ValueError("parallel.recompute = 'selective' does not compose with a split backward; use blocks")
     blocks = [m for m in model.modules() if type(m).__name__ == block_class]
     if not blocks:
         raise ValueError(f"parallel.recompute = {policy!r}: the model has no {block_class!r} modules to recompute")
     chosen = blocks[::every]
     for block in chosen:
-        block.forward = _checkpointed(block.forward, selective=kind == "selective")
+        if once:
+            block.forward = functools.wraps(block.forward)(functools.partial(RecomputedOnce.call, block.forward))
+        else:
+            block.forward = _checkpointed(block.forward, selective=kind == "selective")
     return chosen
 
 

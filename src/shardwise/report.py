@@ -30,7 +30,9 @@ PLOTS = {
     "pipeline-timeline": "pipeline stages busy and idle during the last step",
 }
 MEMORY_CATEGORIES = ("params", "grads", "optimizer", "activations")
-TIMELINE_COLORS = {"forward": "#4c72b0", "backward": "#dd8452"}
+# A pipeline's computes, by their schedule's kinds (pipeline_schedules.py): name and colour.
+TIMELINE_KINDS = {"F": ("forward", "#4c72b0"), "BW": ("backward", "#dd8452"), "B": ("input gradients", "#c44e52"),
+                  "W": ("weight gradients", "#8172b3")}
 IDLE_COLOR = "#e5e5e5"
 
 
@@ -252,8 +254,9 @@ def _memory_plot(runs: list[Run]) -> Any:
 
 
 def _timeline_plot(runs: list[Run]) -> Any:
-    """One panel per pipeline run: each stage of replica 0 (tp rank 0) over the last step's
-    forward_backward, its forwards and backwards drawn where they computed, the rest idle."""
+    """One panel per pipeline run: each pp rank of replica 0 (tp rank 0) over the last step's
+    forward_backward, its forwards and backwards (or input and weight gradients) drawn where they
+    computed, labelled with their micro-batch (primed on a rank's second stage), the rest idle."""
     pyplot = _pyplot()
     figure, panels = pyplot.subplots(len(runs), 1, figsize=(8, 0.6 + sum(1.6 + 0.45 * _stages(r) for r in runs)),
                                      squeeze=False, height_ratios=[1 + _stages(r) for r in runs])
@@ -264,25 +267,29 @@ def _timeline_plot(runs: list[Run]) -> Any:
         for row, rank in enumerate(ranks):
             axes.broken_barh([(0, end * 1000)], (row - 0.4, 0.8), color=IDLE_COLOR)
             busy = 0.0
-            for kind in TIMELINE_COLORS:
-                spans = [(start * 1000, (stop - start) * 1000) for k, _, start, stop in rank["intervals"] if k == kind]
-                axes.broken_barh(spans, (row - 0.4, 0.8), facecolor=TIMELINE_COLORS[kind], edgecolor="white",
-                                 linewidth=0.5)
+            for kind, (_, color) in TIMELINE_KINDS.items():
+                spans = [(start * 1000, (stop - start) * 1000) for k, _, _, start, stop in rank["intervals"]
+                         if k == kind]
+                axes.broken_barh(spans, (row - 0.4, 0.8), facecolor=color, edgecolor="white", linewidth=0.5)
                 busy += sum(width for _, width in spans)
-            for kind, i, start, stop in rank["intervals"]:
+            for kind, i, stage, start, stop in rank["intervals"]:
                 if stop - start > 0.025 * end:  # name the micro-batch where the bar has room for it
-                    axes.text((start + stop) * 500, row, f"{kind[0].upper()}{i}", ha="center", va="center",
+                    second = "'" if rank["stages"].index(stage) else ""
+                    axes.text((start + stop) * 500, row, f"{kind}{i}{second}", ha="center", va="center",
                               fontsize=7, color="white")
             axes.text(end * 1000 * 1.01, row, f"busy {busy / (end * 1000):.0%}", va="center", fontsize=8)
-        axes.set_yticks(range(len(ranks)), [f"stage {r['stage']} (rank {r['rank']})" for r in ranks])
+        axes.set_yticks(range(len(ranks)), [f"stage{'s' if len(r['stages']) > 1 else ''} "
+                                            f"{', '.join(map(str, r['stages']))} (rank {r['rank']})" for r in ranks])
         axes.invert_yaxis()
         axes.set_xlim(0, end * 1000 * 1.12)
         axes.set_xlabel(f"time since the first stage began step {run.summary['steps']} (ms)")
         replicas = "" if len(ranks) == len(run.summary["stage_timeline"]) else ", replica 0"
         axes.set_title(f"{run.label}{replicas}", fontsize=9)
-    handles = [pyplot.Rectangle((0, 0), 1, 1, color=c) for c in (*TIMELINE_COLORS.values(), IDLE_COLOR)]
-    panels[0, 0].legend(handles, [*TIMELINE_COLORS, "idle (waiting)"], fontsize=8, ncols=3, loc="lower right",
-                        bbox_to_anchor=(1.0, 1.12))
+    shown = [kind for kind in TIMELINE_KINDS
+             if any(iv[0] == kind for run in runs for r in run.summary["stage_timeline"] for iv in r["intervals"])]
+    handles = [pyplot.Rectangle((0, 0), 1, 1, color=c) for c in (*(TIMELINE_KINDS[k][1] for k in shown), IDLE_COLOR)]
+    panels[0, 0].legend(handles, [*(TIMELINE_KINDS[k][0] for k in shown), "idle (waiting)"], fontsize=8, ncols=3,
+                        loc="lower right", bbox_to_anchor=(1.0, 1.12))
     figure.suptitle("Pipeline stages: computing and idle in the last step")
     return figure
 

@@ -10,7 +10,7 @@ BENCHES = {  # name -> (module, ranks)
     "fsdp": ("shardwise.bench.fsdp", 2),
     "recompute": ("shardwise.bench.recompute", 1),
     "precision": ("shardwise.bench.precision", 1),
-    "pipeline": ("shardwise.bench.pipeline", 2),
+    "pipeline": ("shardwise.bench.pipeline", 0),  # a driver: one world of 2 ranks, one of 4
     "tensor": ("shardwise.bench.tensor", 2),
     "collectives": ("shardwise.bench.collectives", 2),
     "checkpoint": ("shardwise.bench.checkpoint", 2),

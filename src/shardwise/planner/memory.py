@@ -35,11 +35,13 @@ fraction of the rest for allocator fragmentation and the optimizer step's tempor
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 
 import torch
 
 from shardwise.config import Config
+from shardwise.pipeline_schedules import Schedule, build, layout_of, peak_held
 from shardwise.planner.candidates import Candidate
 from shardwise.planner.model import (
     ModelFacts,
@@ -239,24 +241,39 @@ def predict_setup_bytes(candidate: Candidate, cfg: Config) -> int:
     return max(facts.params_total * stored, state.params + state.grads) + largest
 
 
+@functools.cache
+def pipeline_schedule(schedule: str | None, pp: int, micro_batches: int) -> Schedule:
+    """The lists a pipeline candidate runs (pipeline_schedules.py): its schedule with its own
+    stages per rank; `model-parallel`'s (no schedule) GPipe's of one micro-batch."""
+    return build(schedule or "gpipe", pp, micro_batches)
+
+
 def _pipeline(c: Candidate, cfg: Config, shape: ModelShape, activations: bool) -> list[RankMemory]:
+    """Each rank's stages' tensors, and the activations its schedule holds at most: the stages'
+    saved bytes per micro-batch, each from its forward until its weight gradients (the simulator's
+    count, peak_held)."""
     facts = rank_facts(shape, c.tp)
-    bounds = stage_bounds(shape, c.pp)
-    saved = saved_bytes(trace_key(shape, c, c.tp, cfg.parallel.sequence_parallel)) if activations else None
     runs = c.micro_batches  # 1 where the model is split without pipelining
     per_run = c.micro_batch / runs
+    layout = layout_of(c.schedule or "gpipe", c.pp)
+    bounds = stage_bounds(shape, layout.stages)
+    last = layout.stages - 1
+    peaks = [0.0] * c.pp
+    if activations:
+        saved = saved_bytes(trace_key(shape, c, c.tp, cfg.parallel.sequence_parallel))
+        held = [saved.stage(start, stop, s == 0, s == last, c.recompute, per_run)
+                for s, (start, stop) in enumerate(bounds)]
+        peaks = peak_held(pipeline_schedule(c.schedule, c.pp, runs), held)
     activation = int(per_run * shape.seq_len * shape.d_model * 4)  # what crosses between stages
     ranks = []
-    for stage, (start, stop) in enumerate(bounds):
-        first, last = stage == 0, stage == c.pp - 1
-        numel, count = facts.stage(first, last, stop - start)
-        in_flight = runs if c.schedule != "1f1b" else min(c.pp - stage, runs)
-        # Sends are kept until the run ends (outputs forward, input gradients back); a receive is
-        # posted one micro-batch ahead from each neighbour.
-        sends = runs * ((not last) + (not first)) * activation
-        receives = 2 * ((not first) + (not last)) * activation
-        saved_run = saved.stage(start, stop, first, last, c.recompute, per_run) if saved else 0
-        ranks.append(_mesh_rank(c, cfg, numel, count, in_flight * saved_run, sends + receives))
+    for rank in range(c.pp):
+        stages = layout.stages_of(rank)
+        numel, count = facts.stage(0 in stages, last in stages, sum(bounds[s][1] - bounds[s][0] for s in stages))
+        # Each neighbour on another rank: its M messages sent are kept until the run ends (outputs
+        # forward, input gradients back), and a receive is posted one message ahead.
+        crossings = sum(0 <= t <= last and layout.rank_of(t) != rank for s in stages for t in (s - 1, s + 1))
+        buffers = (runs + 2) * crossings * activation
+        ranks.append(_mesh_rank(c, cfg, numel, count, int(peaks[rank]), buffers))
     return ranks
 
 

@@ -5,10 +5,12 @@ Costing a candidate (its memory traced, its time) is cheap, but a large world ha
 most of which cannot win, so by default the search prunes before it costs:
 - twins: precisions predicted alike on this device (bf16-mixed and fp16-mixed on a GPU: the same
   stored dtypes, 16-bit compute of the same throughput) are costed once, one row naming both;
-- dominated: a gpipe pipeline runs as fast as the same one under 1f1b and holds no less, so only
-  1f1b is costed;
-- best first: every candidate's step time is cheap to predict without a trace (all of it but
-  `selective`'s re-done elementwise work, which only adds), so candidates are taken fastest first;
+- dominated: a gpipe pipeline runs no faster than the same one under 1f1b (as fast where its
+  stages' backwards are alike multiples of their forwards; slower where recomputation makes them
+  differ, the simulator finds) and holds no less, so only 1f1b is costed;
+- best first: every candidate's step time is cheap to bound without a trace (all of it but
+  `selective`'s re-done elementwise work, which only adds, and for a pipeline, the simulated idle
+  beyond a closed-form least, equal where stages cost alike), so candidates are taken fastest first;
   one whose memory is over the limit even without its activations cannot fit and is not traced;
   the search stops once the `top` fastest that fit are known and the next candidate is slower,
   having found the best candidate of another strategy than the recommended one (for the reason).
@@ -206,7 +208,8 @@ def _pruned_search(candidates: list[Candidate], cfg: Config, device: DeviceProfi
             pruned["dominated"] += 1 + len(alike)
         else:
             distinct.append(c)
-    # Fastest first by a bound that traces nothing (exact but for selective's re-done elementwise work).
+    # Fastest first by a bound that traces and simulates nothing (exact but for selective's re-done
+    # elementwise work and a pipeline's idle beyond its closed-form least).
     queue = [(predict_step_time(c, cfg, device, world, traced=False).total, i, c) for i, c in enumerate(distinct)]
     heapq.heapify(queue)
     fastest: list[float] = []  # exact times of the fastest `top` that fit, as a max-heap (negated)

@@ -19,11 +19,14 @@ each strategy hides behind computation.
   all-gathers after the step (16-bit under mixed precision, as fsdp's gathers), nothing hidden;
   `zero2` reduce-scatters during backward, all-gathers after the step; `fsdp` all-gathers each
   unit during the previous one's forward and backward and reduce-scatters during backward, only
-  the first gather exposed; `hsdp` is `fsdp` over a node's
-  ranks plus an all-reduce of the gradient shards across nodes after backward, exposed; `pipeline` idles
-  (P-1)/(M+P-1) of the schedule (the bubble) and sends activations on the critical path during
-  fill and drain; `tensor` all-reduces activations 4 times per block on the critical path; the
-  model-splitting strategies' dp all-reduce runs after backward.
+  the first gather exposed; `hsdp` is `fsdp` over a node's ranks plus an all-reduce of the
+  gradient shards across nodes after backward, exposed; `pipeline`
+  runs its schedule's lists through the simulator (pipeline_schedules.simulate: each stage's
+  forward, input and weight gradients a third each of its micro-step, the recomputation in the
+  input gradients), which gives the busiest rank's compute, the bubble (1F1B's (P-1)/(M+P-1) for
+  equal stages) and the activation messages on the critical path; `tensor` all-reduces
+  activations 4 times per block on the critical path; the model-splitting strategies' dp
+  all-reduce runs after backward.
 - Every operator costs the device profile's `op_overhead_s` on top (a kernel launch; on a CPU a
   trip through the dispatcher), which decides small models' steps: a forward's operators are
   counted on fake tensors, and a forward and backward is taken as 3 times a forward's.
@@ -41,9 +44,10 @@ import math
 from dataclasses import asdict, dataclass
 
 from shardwise.config import Config
+from shardwise.pipeline_schedules import SCHEDULES, Costs, Layout, Schedule, layout_of, makespan
 from shardwise.planner.candidates import Candidate
 from shardwise.planner.devices import DeviceProfile
-from shardwise.planner.memory import dtype_bytes, trace_key, working_dtype
+from shardwise.planner.memory import dtype_bytes, pipeline_schedule, trace_key, working_dtype
 from shardwise.planner.model import (
     ModelShape,
     forward_ops,
@@ -175,17 +179,6 @@ def _padded_numel(shape: ModelShape, world: int) -> int:
     return sum(world * unit.sharded_numel(world) for unit in model_facts(shape).units)
 
 
-@functools.cache
-def _distinct_stages(shape: ModelShape, pp: int, policy: str) -> tuple[tuple[int, int, bool, bool], ...]:
-    """One (start, stop, first, last) of each kind of stage the pipeline's cut makes: stages with as
-    many blocks, as many recomputed, and the same ends take the same time."""
-    kinds: dict[tuple, tuple[int, int, bool, bool]] = {}
-    for stage, (start, stop) in enumerate(stage_bounds(shape, pp)):
-        first, last = stage == 0, stage == pp - 1
-        kinds.setdefault((stop - start, _recomputed(policy, start, stop), first, last), (start, stop, first, last))
-    return tuple(kinds.values())
-
-
 def _data_parallel(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceProfile, world: int,
                    traced: bool) -> StepTime:
     facts = model_facts(shape)
@@ -265,24 +258,80 @@ def _tensor(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceProfile,
 
 
 def _pipeline(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceProfile, traced: bool) -> StepTime:
+    """The candidate's schedule simulated (pipeline_schedules.simulate) with each stage's forward,
+    input- and weight-gradient times: the busiest rank's compute and the rest of the run, idle (the
+    bubble). Without `traced`, a bound that runs no simulation instead (`_fewest_idle`). On the
+    critical path besides: the first micro-batch's activations crossing every boundary between two
+    ranks' stages during the fill, and the last one's gradients during the drain; in between,
+    messages travel while the ranks compute."""
     facts = rank_facts(shape, c.tp)
     runs = c.micro_batches  # 1 where the model is split without pipelining
     per_run = c.micro_batch / runs
-    bounds = stage_bounds(shape, c.pp)
-    slowest = max(micro_step_s(c, shape, device, start, stop, first, last, per_run, traced)
-                  for start, stop, first, last in _distinct_stages(shape, c.pp, c.recompute))  # one micro-batch
-    pipeline_runs = cfg.train.global_batch // (c.dp * c.micro_batch)
-    compute = pipeline_runs * runs * slowest
-    bubble = pipeline_runs * (c.pp - 1) * slowest
+    name = c.schedule or "gpipe"
+    layout = layout_of(name, c.pp)
+    bounds = stage_bounds(shape, layout.stages)
     bandwidth = device.bandwidth(_spans_nodes(c.pp, c.tp, device.gpus_per_node), "p2p")
     activation = per_run * shape.seq_len * shape.d_model * 4
-    sends = pipeline_runs * 2 * (c.pp - 1) * (activation / bandwidth + device.latency_s)
+    costs = _stage_costs(c, shape, device, bounds, per_run, traced)
+    busy = max(runs * sum(costs.forward[s] + costs.input_backward[s] + costs.weight_backward[s]
+                          for s in layout.stages_of(r)) for r in range(c.pp))  # every micro-batch, every stage
+    if traced:
+        run = _simulated(pipeline_schedule(c.schedule, c.pp, runs), costs)
+    else:
+        run = _fewest_idle(name, layout, costs, runs)
+    pipeline_runs = cfg.train.global_batch // (c.dp * c.micro_batch)
+    compute = pipeline_runs * busy
+    bubble = pipeline_runs * (run - busy)
+    boundaries = sum(layout.rank_of(s) != layout.rank_of(s + 1) for s in range(layout.stages - 1))
+    sends = pipeline_runs * 2 * boundaries * (activation / bandwidth + device.latency_s)
+    blocks = [sum(bounds[s][1] - bounds[s][0] for s in layout.stages_of(r)) for r in range(c.pp)]
     tp_comm = 0.0
     if c.tp > 1:
         tp_bandwidth = device.bandwidth(_spans_nodes(c.tp, 1, device.gpus_per_node))
         per_block = all_reduce_s(per_run * shape.seq_len * shape.d_model * 4, c.tp, tp_bandwidth, device.latency_s)
-        tp_comm = pipeline_runs * runs * 4 * max(stop - start for start, stop in bounds) * per_block
-    stage_numel = max((stop - start) * facts.block.numel for start, stop in bounds) + facts.root.numel
-    tied = all_reduce_s(facts.tied * 4, 2, bandwidth, device.latency_s) if facts.tied else 0.0  # first + last stage
+        tp_comm = pipeline_runs * runs * 4 * max(blocks) * per_block
+    stage_numel = max(blocks) * facts.block.numel + facts.root.numel
+    tied = 0.0
+    if facts.tied and layout.rank_of(0) != layout.rank_of(layout.stages - 1):  # first + last stage
+        tied = all_reduce_s(facts.tied * 4, 2, bandwidth, device.latency_s)
     comm = sends + tp_comm + tied + _mesh_dp_all_reduce(c, stage_numel, device)
     return StepTime(compute, comm, comm, bubble, _optimizer_s(stage_numel, 4, cfg, device))
+
+
+def _fewest_idle(name: str, layout: Layout, costs: Costs, micro_batches: int) -> float:
+    """A run no shorter than the simulator's, in closed form: no rank starts before the first
+    micro-batch's forward reaches its first stage, and each computes all its work; where every
+    rank holds one stage and ends on a whole backward (gpipe, 1f1b), the last micro-batch's
+    backward then still crosses every stage before it. Equal to the simulated run where stages
+    cost alike."""
+    forward, backward = costs.forward, [b + w for b, w in zip(costs.input_backward, costs.weight_backward, strict=True)]
+    whole = layout.virtual == 1 and not SCHEDULES[name].splits_backward
+    longest = 0.0
+    for r in range(layout.ranks):
+        first = layout.stages_of(r)[0]
+        work = micro_batches * sum(forward[s] + backward[s] for s in layout.stages_of(r))
+        drain = sum(backward[:first]) if whole else 0.0
+        longest = max(longest, sum(forward[:first]) + work + drain)
+    return longest
+
+
+def _stage_costs(c: Candidate, shape: ModelShape, device: DeviceProfile, bounds: tuple[tuple[int, int], ...],
+                 per_run: float, traced: bool) -> Costs:
+    """Each stage's forward, input-gradient (B) and weight-gradient (W) time for one micro-batch:
+    a third each of its forward and backward, and B also the recomputation."""
+    plain = dataclasses.replace(c, recompute="none")
+    last = len(bounds) - 1
+    forward, input_backward, weight_backward = [], [], []
+    for s, (start, stop) in enumerate(bounds):
+        total = micro_step_s(c, shape, device, start, stop, s == 0, s == last, per_run, traced)
+        third = micro_step_s(plain, shape, device, start, stop, s == 0, s == last, per_run, traced) / 3
+        forward.append(third)
+        input_backward.append(total - 2 * third)
+        weight_backward.append(third)
+    return Costs(tuple(forward), tuple(input_backward), tuple(weight_backward))
+
+
+@functools.lru_cache(maxsize=4096)
+def _simulated(schedule: Schedule, costs: Costs) -> float:
+    """When one pipeline run ends."""
+    return makespan(schedule, costs)

@@ -67,6 +67,10 @@ class Strategy:
         """Return the module the trainer calls forward on."""
         raise NotImplementedError
 
+    # Whether a forward's saved tensors are unpacked by more than one backward call (a split
+    # backward's B and W): recomputed blocks then recompute once for both (recompute.py).
+    recompute_once = False
+
     def prepare(self, model: nn.Module, materialise: bool = True) -> nn.Module:
         """What every strategy's `wrap` does first: settle the model's block class, checkpoint the
         blocks `parallel.recompute` chooses, and put the model on this rank's device in the
@@ -75,7 +79,7 @@ class Strategy:
         strategy that keeps less passes `materialise=False` and materialises what it keeps from
         `self.materialiser` itself (the model then stays on meta, in the storage dtype)."""
         self.cfg = dataclasses.replace(self.cfg, block=block_class(model, self.cfg.block))
-        apply_recompute(model, self.cfg.recompute, self.cfg.block)
+        apply_recompute(model, self.cfg.recompute, self.cfg.block, once=self.recompute_once)
         if not check_one_device_kind(model, f"parallel.strategy = {self.cfg.strategy!r}"):
             return model.to(self.ctx.device, self.precision.param_dtype)
         self.materialiser = Materialiser(model, self.cfg.block, self.seed)

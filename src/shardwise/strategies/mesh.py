@@ -253,11 +253,13 @@ class MeshStrategy(DeferrableSync):
         self._owner = {name: next(s for s, ids in enumerate(stage_holds) if id(t) in ids)
                        for name, t in state.items() if self._canonical[name] == name}
 
-    def record_local_state(self, model: nn.Module) -> None:
+    def record_local_state(self, *models: nn.Module) -> None:
         """After splitting (which keeps the names of what it keeps): the entries of the state this
-        rank holds (shards where tensor parallel) by full name; a tied weight under its first name,
-        on each stage that holds it."""
-        self._local = {self._canonical[name]: t for name, t in model.state_dict(keep_vars=True).items()}
+        rank holds (shards where tensor parallel) by full name, in the model or models it cut (a
+        pipeline rank's several stages); a tied weight under its first name, on each stage that
+        holds it."""
+        self._local = {self._canonical[name]: t for model in models
+                       for name, t in model.state_dict(keep_vars=True).items()}
 
     # --- checkpoints: the state by the plain model's names ------------------------------
 

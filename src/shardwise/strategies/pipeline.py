@@ -1,46 +1,53 @@
 """Pipeline parallel, ours (`pipeline`), and its one-micro-batch case, the naive layer-wise split
 (`model-parallel`).
 
-The model's blocks, as its family's parallel plan names them (models/plans.py), are cut into P
-contiguous stages, one per rank of a pp group (balanced by parameter count, or at
-`parallel.split_points`): the first stage also holds the embeddings, the last the final norm, the
-head and the loss, as the plan says. A stage is the model itself with the other stages' modules
-removed (`Stage`), running the model's own forward. A stage's parameters live only on its rank.
-The one exception is a head tied to the token embedding (the GPT's, GPT-2's): the first and the
-last stage each hold it, and after backward their two gradients are summed between them, so both
-copies take the same step, as the one tensor does on one device. Being equal, the two copies are
-one entry of a checkpoint, under the embedding's name: written once, loaded into both.
+The model's blocks, as its family's parallel plan names them (models/plans.py), are cut into
+S = P x V contiguous stages (balanced by parameter count, or at `parallel.split_points`), V on
+each of the P ranks of a pp group as the schedule lays them out (pipeline_schedules.py: stage k on
+rank k mod P; on a V, stages k and 2P-1-k on rank k): the first stage also holds the embeddings,
+the last the final norm, the head and the loss, as the plan says. A stage is the model itself
+with the other stages' modules removed (`Stage`), running the model's own forward; a rank with
+several stages cuts each from its own copy of the model's module tree (`separate`), which shares
+everything else. A stage's parameters live only on its rank. The one exception is a head tied to
+the token embedding (the GPT's, GPT-2's): where the first and the last stage are on two ranks,
+each holds it, and after backward their two gradients are summed between them, so both copies
+take the same step, as the one tensor does on one device. Being equal, the two copies are one
+entry of a checkpoint, under the embedding's name: written once, loaded into both.
 
 Each train.micro_batch of samples is split into M = parallel.micro_batches micro-batches, which
 flow through the stages: activations forward, their gradients backward, each sent point to point
-to the neighbouring stage. All stages of a replica read the same samples, so a receiver knows
-every message's shape ([micro-batch, seq, width]) from its own batch; only the tensor travels.
+to the rank of the neighbouring stage (or handed over between two stages of one rank). All ranks
+of a replica read the same samples, so a receiver knows every message's shape ([micro-batch,
+seq, width]) from its own batch; only the tensor travels.
 
-A schedule is a plain function of one stage's run (`gpipe`, `one_f_one_b`) that calls
-`forward(i)` and `backward(i)` in its order. A stage waits only for what it receives, never for
-its sends to be taken, so any order that agrees from stage to stage cannot deadlock.
+A schedule is data: this rank's list of actions (pipeline_schedules.build: F, B, W, BW and the
+sends and receives), the lists the simulator predicts and the validator proved free of deadlock,
+which `PipelineRun` runs in order. A send never waits; receives are posted in the order their
+sender sends (known from its list), so messages between two ranks match, whatever order they are
+waited for in. A split backward (`zb-h1`, `zbv`, `dualpipev`) runs B as
+split_backward.backward_input, the gradient of the stage's first block's input only, and W later
+from what B kept; recomputed blocks are then checkpointed with recompute.RecomputedOnce, so that
+B recomputes them and W uses what B recomputed.
 
-- GPipe: all M forwards, then all M backwards. All M micro-batches' activations are held at once.
-- 1F1B: stage s runs P-s-1 warm-up forwards, then alternates one forward and one backward, then
-  finishes the backwards: at most P - s micro-batches' activations held at once, P on stage 0.
-Both leave each stage idle for (P-1)/(M+P-1) of the step (the bubble): the forwards' fill and the
-backwards' drain, when stages have equal work and messages are free.
+`model-parallel` is the pipeline with one micro-batch (M = 1) on GPipe's lists: one stage
+computes at a time, the others wait; the bubble is (P-1)/P.
 
-`model-parallel` is the pipeline with one micro-batch (M = 1): one stage computes at a time, the
-others wait; the bubble is (P-1)/P.
-
-The loss is computed on the last stage and broadcast to the replica's other stages, so every rank
-(rank 0 included) reports its replica's loss. Under mixed precision every stage runs its forward
-under autocast, and fp16's loss scale multiplies the loss on the last stage: every gradient sent
-back is scaled with it.
+The loss is computed on the last stage's rank and broadcast to the replica's other ranks, so
+every rank (rank 0 included) reports its replica's loss. Under mixed precision every stage runs
+its forward under autocast, and fp16's loss scale multiplies the loss on the last stage: every
+gradient sent back is scaled with it. A step's gradients are whole when the lists end, every W
+done: then the tied weight's are summed and the replicas' averaged, and clipping and fp16's inf
+check see them all.
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
 import itertools
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,9 +58,29 @@ from torch import nn
 from shardwise.config import Config, ConfigError, ParallelConfig
 from shardwise.dist import DistContext
 from shardwise.models.plans import Located
+from shardwise.pipeline_schedules import (
+    BW,
+    RECV_B,
+    RECV_F,
+    SCHEDULES,
+    SEND_B,
+    SEND_F,
+    Action,
+    B,
+    F,
+    Schedule,
+    ScheduleError,
+    W,
+    build,
+    check_micro_batches,
+    incoming,
+    message,
+    virtual_stages,
+)
 from shardwise.precision import LossScaler, Precision
+from shardwise.split_backward import WeightGradients, backward_input
 from shardwise.strategies.base import LossFn
-from shardwise.strategies.mesh import MeshStrategy, with_input
+from shardwise.strategies.mesh import MeshStrategy, module_input, with_input
 from shardwise.strategies.registry import spec
 from shardwise.strategies.tensor import TensorParallelGroup, parallelize_blocks
 
@@ -188,111 +215,147 @@ def post_receive(buffer: torch.Tensor, stage: int, group: Group) -> dist.Work:
     return dist.irecv(buffer, group=group, group_src=stage)
 
 
-class StageRun:
-    """One stage's part in one pipeline run of M micro-batches: `forward(i)` and `backward(i)` of
-    micro-batch i, with the receives before and the sends after; a schedule calls them in its
-    order. Each receive of micro-batch i + 1 is posted when micro-batch i's arrives, so the
-    transfer runs while this stage computes instead of when it is needed. `timeline` notes when
-    each computed: (forward|backward, i, start, end), perf_counter seconds; the rest of the run
-    the stage waited."""
+def separate(located: Located) -> Located:
+    """The same model found in a copy of its module tree along the paths a `Stage` replaces (the
+    blocks' list, the first and the last stage's modules), every other module shared: cutting one
+    stage from the copy leaves the original whole, so that one rank can cut several stages."""
+    def shallow(module: nn.Module) -> nn.Module:
+        twin = copy.copy(module)
+        twin._modules = dict(module._modules)  # its own children: replacing one leaves the original's
+        return twin
 
-    def __init__(self, stage: Stage, index: int, count: int, group: Group, activations: Activations,
-                 inputs: list[torch.Tensor], targets: list[torch.Tensor], loss_fn: LossFn, divisor: int,
-                 precision: Precision, scaler: LossScaler | None) -> None:
-        self.stage, self.index, self.count, self.group = stage, index, count, group
+    copies = {"": shallow(located.model)}
+    for name in (located.layers, *located.first, *located.last):
+        path = name.split(".")[:-1]
+        for depth in range(1, len(path) + 1):
+            prefix, parent = ".".join(path[:depth]), ".".join(path[:depth - 1])
+            if prefix not in copies:
+                copies[prefix] = shallow(copies[parent]._modules[path[depth - 1]])
+                copies[parent]._modules[path[depth - 1]] = copies[prefix]
+    return dataclasses.replace(located, model=copies[""], first=dict(located.first), last=dict(located.last))
+
+
+class PipelineRun:
+    """This rank's part in one pipeline run of M micro-batches: its list of the schedule's actions,
+    run in order on its stages. `timeline` notes when each compute ran: (kind, micro-batch, stage,
+    start, end), perf_counter seconds; the rest of the run the rank waited."""
+
+    def __init__(self, schedule: Schedule, rank: int, stages: dict[int, Stage], first_blocks: dict[int, nn.Module],
+                 group: Group,
+                 activations: Activations, inputs: list[torch.Tensor], targets: list[torch.Tensor], loss_fn: LossFn,
+                 divisor: int, precision: Precision, scaler: LossScaler | None) -> None:
+        self.schedule, self.rank, self.stages, self.group = schedule, rank, stages, group
+        self.first_blocks = first_blocks  # each stage's first block, whose input B's gradient is of
         self.activations = activations
         self.inputs, self.targets = inputs, targets
         self.loss_fn, self.divisor = loss_fn, divisor
         self.precision, self.scaler = precision, scaler
-        self.first, self.last = index == 0, index == count - 1
-        self.held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # i -> (stage input, output or loss)
-        self.receives: dict[tuple[int, int], tuple[dist.Work, torch.Tensor]] = {}  # (from stage, i) -> posted
+        self.last = schedule.layout.stages - 1
+        self.ready: dict[tuple[str, int, int], torch.Tensor] = {}  # a message here: to send, or to use
+        # F's (input, first block's input, output or loss), until the backward
+        self.held: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.weights: dict[tuple[int, int], WeightGradients] = {}  # B's, until W
+        self.expected = incoming(schedule, rank)  # per peer, the messages not yet posted, in its send order
+        self.posted: dict[tuple[str, int, int], tuple[dist.Work, torch.Tensor]] = {}
         self.sends: list[tuple[dist.Work, torch.Tensor]] = []  # kept until done: the buffer must outlive the send
         self.loss_sum = torch.zeros((), device=activations.device)
-        self.timeline: list[tuple[str, int, float, float]] = []
+        self.timeline: list[tuple[str, int, int, float, float]] = []
+        self._entered: list[torch.Tensor] = []  # the first block's input, caught in each forward
 
-    def _receive(self, stage: int, i: int) -> torch.Tensor:
-        """Micro-batch i's activation (from the stage before) or gradient (from the stage after),
-        the same shape either way; then post the receive of micro-batch i + 1's."""
-        for j in (i, i + 1):
-            if j < len(self.inputs) and (stage, j) not in self.receives:
-                buffer = self.activations.empty(self.inputs[j])
-                self.receives[stage, j] = (post_receive(buffer, stage, self.group), buffer)
-        work, buffer = self.receives.pop((stage, i))
-        work.wait()
-        return buffer
-
-    def forward(self, i: int) -> None:
-        x = self.inputs[i] if self.first else self._receive(self.index - 1, i).requires_grad_()
-        started = time.perf_counter()
-        with self.precision.autocast(self.activations.device):
-            out = self.stage(x)
-            if self.last:
-                out = self.loss_fn(out, self.targets[i])
-                self.loss_sum += out.detach()
-        self.timeline.append(("forward", i, started, time.perf_counter()))
-        if not self.last:
-            self.sends.append((send(out.detach(), self.index + 1, self.group), out))
-        self.held[i] = (x, out)
-
-    def backward(self, i: int) -> None:
-        x, out = self.held.pop(i)
-        if self.last:
-            out, grad = out / self.divisor, None  # the loss: this micro-batch's share of the step's mean
-            if self.scaler:  # fp16: scaled here, every stage's gradients are
-                out = self.scaler.scale_loss(out)
-        else:
-            grad = self._receive(self.index + 1, i)
-        started = time.perf_counter()
-        torch.autograd.backward(out, grad)
-        self.timeline.append(("backward", i, started, time.perf_counter()))
-        if not self.first:
-            self.sends.append((send(x.grad, self.index - 1, self.group), x.grad))
-
-    def finish(self) -> None:
-        """Wait for the sends still in flight."""
+    def run(self) -> None:
+        do = {F: self._forward, BW: self._backward, B: self._input_backward, W: self._weight_backward,
+              SEND_F: self._send, SEND_B: self._send, RECV_F: self._receive, RECV_B: self._receive}
+        hooks = [block.register_forward_pre_hook(self._enter, with_kwargs=True) for block in self.first_blocks.values()]
+        try:
+            for action in self.schedule.actions[self.rank]:
+                do[action.kind](action)
+        finally:
+            for hook in hooks:
+                hook.remove()
         for work, _ in self.sends:
             work.wait()
-        self.sends.clear()
 
+    def _enter(self, block: nn.Module, args: tuple, kwargs: dict) -> None:
+        """After a later stage's own hook put the stage's input in: the tensor the block computes from."""
+        self._entered.append(module_input(block, args, kwargs))
 
-Schedule = Callable[[StageRun, int], None]
+    def _forward(self, a: Action) -> None:
+        i, s = a.micro_batch, a.stage
+        x = self.inputs[i] if s == 0 else self.ready.pop(message(a)).requires_grad_()
+        started = time.perf_counter()
+        with self.precision.autocast(self.activations.device):
+            out = self.stages[s](x)
+            if s == self.last:
+                out = self.loss_fn(out, self.targets[i])
+                self.loss_sum += out.detach()
+        self.timeline.append((F, i, s, started, time.perf_counter()))
+        if s != self.last:
+            self.ready["act", i, s] = out.detach()  # the next stage's input, sent or handed over
+        self.held[i, s] = (x, self._entered.pop(), out)
 
+    def _backward_from(self, a: Action) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The forward's input, first block's input and output, and the output's gradient."""
+        i, s = a.micro_batch, a.stage
+        x, entered, out = self.held.pop((i, s))
+        if s != self.last:
+            return x, entered, out, self.ready.pop(message(a))
+        out = out / self.divisor  # the loss: this micro-batch's share of the step's mean
+        return x, entered, self.scaler.scale_loss(out) if self.scaler else out, None  # fp16: every stage's scaled
 
-def gpipe(run: StageRun, micro_batches: int) -> None:
-    """All forwards, then all backwards (GPipe)."""
-    for i in range(micro_batches):
-        run.forward(i)
-    for i in range(micro_batches):
-        run.backward(i)
+    def _backward(self, a: Action) -> None:
+        x, _, out, grad = self._backward_from(a)
+        started = time.perf_counter()
+        torch.autograd.backward(out, grad)
+        self.timeline.append((BW, a.micro_batch, a.stage, started, time.perf_counter()))
+        if a.stage > 0:
+            self.ready["grad", a.micro_batch, a.stage] = x.grad
 
+    def _input_backward(self, a: Action) -> None:
+        _, entered, out, grad = self._backward_from(a)
+        started = time.perf_counter()
+        (entered_grad,), weights = backward_input(out, grad, [entered], self.stages[a.stage].parameters())
+        self.timeline.append((B, a.micro_batch, a.stage, started, time.perf_counter()))
+        self.weights[a.micro_batch, a.stage] = weights
+        if a.stage > 0:  # a later stage's first block takes the stage's input itself
+            self.ready["grad", a.micro_batch, a.stage] = entered_grad
 
-def one_f_one_b(run: StageRun, micro_batches: int) -> None:
-    """Warm-up forwards, then one forward one backward, then the remaining backwards (1F1B):
-    stage s starts micro-batch i's backward before micro-batch i + P - s's forward."""
-    warmup = min(run.count - run.index - 1, micro_batches)
-    for i in range(warmup):
-        run.forward(i)
-    for i in range(micro_batches - warmup):
-        run.forward(warmup + i)
-        run.backward(i)
-    for i in range(micro_batches - warmup, micro_batches):
-        run.backward(i)
+    def _weight_backward(self, a: Action) -> None:
+        started = time.perf_counter()
+        self.weights.pop((a.micro_batch, a.stage)).run()
+        self.timeline.append((W, a.micro_batch, a.stage, started, time.perf_counter()))
 
+    def _send(self, a: Action) -> None:
+        tensor = self.ready.pop(message(a))
+        self.sends.append((send(tensor, self.schedule.layout.peer(a), self.group), tensor))
 
-SCHEDULES: dict[str, Schedule] = {"gpipe": gpipe, "1f1b": one_f_one_b}
+    def _receive(self, a: Action) -> None:
+        """Wait for `a`'s message, having posted the receives of all its sender sends before it, and
+        post the one after, so that it travels while this rank computes."""
+        peer, wanted = self.schedule.layout.peer(a), message(a)
+        while wanted not in self.posted:
+            self._post_next(peer)
+        work, buffer = self.posted.pop(wanted)
+        self._post_next(peer)
+        work.wait()
+        self.ready[wanted] = buffer
+
+    def _post_next(self, peer: int) -> None:
+        if self.expected[peer]:
+            item = self.expected[peer].pop(0)
+            buffer = self.activations.empty(self.inputs[item[1]])
+            self.posted[item] = (post_receive(buffer, peer, self.group), buffer)
 
 
 class PipelineModule(nn.Module):
-    """What the trainer holds: this rank's stage, and for evaluation a forward through the whole
-    pipeline, whose logits the last stage broadcasts to the others so every rank can compute the
-    loss like any model's. Training runs the schedule instead (Strategy.forward_backward)."""
+    """What the trainer holds: this rank's stages, and for evaluation a forward through the whole
+    pipeline, whose logits the last stage's rank broadcasts to the others so every rank can compute
+    the loss like any model's. Training runs the schedule instead (Strategy.forward_backward)."""
 
-    def __init__(self, stage: Stage, index: int, count: int, group: Group, activations: Activations,
-                 vocab_size: int) -> None:
+    def __init__(self, stages: dict[int, Stage], schedule: Schedule, rank: int, group: Group,
+                 activations: Activations, vocab_size: int) -> None:
         super().__init__()
-        self.stage = stage
-        self.index, self.count, self.group = index, count, group
+        self.stages = nn.ModuleDict({str(s): stage for s, stage in stages.items()})
+        self.layout, self.rank, self.group = schedule.layout, rank, group
         self.activations = activations
         self.vocab_size = vocab_size
 
@@ -300,19 +363,24 @@ class PipelineModule(nn.Module):
         if torch.is_grad_enabled():
             raise RuntimeError("a pipeline trains through its schedule (Strategy.forward_backward); "
                                "its forward runs under torch.no_grad() only")
-        x = idx
-        if not self.stage.first:
-            x = self.activations.empty(idx)
-            post_receive(x, self.index - 1, self.group).wait()
-        out = self.stage(x)
+        last = self.layout.stages - 1
+        out = idx
+        for s in self.layout.stages_of(self.rank):  # in the order the data meets them
+            x = idx if s == 0 else out
+            if s > 0 and self.layout.rank_of(s - 1) != self.rank:
+                x = self.activations.empty(idx)
+                post_receive(x, self.layout.rank_of(s - 1), self.group).wait()
+            out = self.stages[str(s)](x)
+            if s != last and self.layout.rank_of(s + 1) != self.rank:
+                send(out, self.layout.rank_of(s + 1), self.group).wait()
         # Logits travel in the activations' dtype, which every stage knows: under autocast the
         # head computes in 16 bits, and the float32 they come to holds them exactly.
-        if self.stage.last:
+        holder = self.layout.rank_of(last)
+        if self.rank == holder:
             out = out.to(self.activations.dtype)
         else:
-            send(out, self.index + 1, self.group).wait()
-            out = torch.empty((*idx.shape, self.vocab_size), dtype=self.activations.dtype, device=out.device)
-        dist.broadcast(out, group=self.group, group_src=self.count - 1)
+            out = torch.empty((*idx.shape, self.vocab_size), dtype=self.activations.dtype, device=idx.device)
+        dist.broadcast(out, group=self.group, group_src=holder)
         return out
 
 
@@ -320,97 +388,126 @@ class Pipeline(MeshStrategy):
     @classmethod
     def check_split(cls, cfg: Config, dp: int, pp: int, tp: int) -> None:
         m, p = cfg.model, cfg.parallel
+        pipelined = spec(p.strategy).pipelined
         if pp < 2:
             raise ConfigError(f"parallel.pp = {pp}: a pipeline needs at least 2 stages; "
                               "for data parallel alone use --strategy ddp")
-        if pp > m.n_layer:
-            raise ConfigError(f"parallel.pp = {pp}: more pipeline stages than the model's {m.n_layer} blocks "
+        v = virtual_stages(p.schedule, p.virtual_stages) if pipelined else 1
+        stages = pp * v
+        if stages > m.n_layer:
+            count = f" x parallel.virtual_stages = {v} ({p.schedule}): {stages} stages," if v > 1 else ":"
+            raise ConfigError(f"parallel.pp = {pp}{count} more pipeline stages than the model's {m.n_layer} blocks "
                               "(model.n_layer); every stage needs at least one block")
         points = p.split_points
-        if points is not None and (len(points) != pp - 1 or points != sorted(set(points))
+        if points is not None and (len(points) != stages - 1 or points != sorted(set(points))
                                    or not 0 < points[0] <= points[-1] < m.n_layer):
             raise ConfigError(
-                f"parallel.split_points = {points}: expected {pp - 1} increasing block indices in "
-                f"[1, {m.n_layer - 1}], the first block of stages 2..{pp}"
+                f"parallel.split_points = {points}: expected {stages - 1} increasing block indices in "
+                f"[1, {m.n_layer - 1}], the first block of stages 2..{stages}"
             )
-        if spec(p.strategy).pipelined and cfg.train.micro_batch % p.micro_batches:
+        if not pipelined:
+            return
+        if cfg.train.micro_batch % p.micro_batches:
             raise ConfigError(
                 f"parallel.micro_batches = {p.micro_batches}: must divide train.micro_batch = "
                 f"{cfg.train.micro_batch}, the per-replica batch one pipeline run splits into micro-batches"
             )
+        try:
+            check_micro_batches(p.schedule, pp, p.micro_batches)
+        except ScheduleError as exc:
+            raise ConfigError(f"parallel.schedule = {p.schedule!r}: {exc}; raise parallel.micro_batches") from None
+        if SCHEDULES[p.schedule].splits_backward and p.recompute == "selective":
+            raise ConfigError(f"parallel.recompute = 'selective': does not compose with {p.schedule}'s split "
+                              "backward (its weight gradients run later, from what B kept); use blocks or every:K")
 
     def __init__(self, ctx: DistContext, cfg: ParallelConfig) -> None:
         super().__init__(ctx, cfg)
         self.micro_batches = cfg.micro_batches
-        self.schedule = SCHEDULES[cfg.schedule]
-        self.timeline: list[tuple[str, int, float, float]] = []  # the last step's, all its runs
+        self.schedule = build(cfg.schedule, self.pp, cfg.micro_batches, cfg.virtual_stages)
+        self.timeline: list[tuple[str, int, int, float, float]] = []  # the last step's, all its runs
         self.window = (0.0, 0.0)  # the last step's forward_backward: perf_counter start and end
         self._tied: tuple[list[nn.Parameter], Group] | None = None  # see _tie_first_and_last
+
+    @property
+    def recompute_once(self) -> bool:
+        return self.schedule.splits_backward
 
     def wrap(self, model: nn.Module) -> nn.Module:
         # A meta-built model stays on meta until the stage is cut out of it: then only the stage's
         # blocks (each split as soon as it is real under tp) and what it keeps outside them are made real.
         model = self.prepare(model, materialise=False)
         located = self.locate(model)
+        layout = self.schedule.layout
         blocks = located.blocks
-        starts = [0, *(self.cfg.split_points or balanced_split(block_costs(located), self.pp))]
+        starts = [0, *(self.cfg.split_points or balanced_split(block_costs(located), layout.stages))]
         self.stage_blocks = list(zip(starts, [*starts[1:], len(blocks)], strict=True))  # [start, stop) per stage
-        self.record_layout(model, stage_holds(located, self.stage_blocks))
+        holds = stage_holds(located, self.stage_blocks)
+        self.record_layout(model, [set().union(*(holds[s] for s in layout.stages_of(r))) for r in range(self.pp)])
         first, last = list(located.first.values()), list(located.last.values())
         embedding = first[0]
         self.activations = Activations(embedding.embedding_dim, embedding.weight.dtype, self.ctx.device)
         vocab_size = located.head.weight.shape[0]
-        start, stop = self.stage_blocks[self.pp_rank]
+        mine = layout.stages_of(self.pp_rank)
+        models = [located, *(separate(located) for _ in mine[1:])]  # copies before the first stage is cut
         # From here the other stages' modules are out of the model: their parameters are freed.
-        self.stage = Stage(located, start, stop, first=self.pp_rank == 0, last=self.pp_rank == self.pp - 1)
-        self.materialise_outside_blocks(model)
+        self.stages = {s: Stage(each, *self.stage_blocks[s], first=s == 0, last=s == layout.stages - 1)
+                       for s, each in zip(mine, models, strict=True)}
+        self.first_blocks = {s: blocks[self.stage_blocks[s][0]] for s in mine}
+        # This rank's part: its stages' models (copies of one tree, sharing the modules they keep).
+        part = nn.ModuleList(stage.model for stage in self.stages.values())
+        mine_blocks = [block for s in mine for block in blocks[slice(*self.stage_blocks[s])]]
+        self.materialise_outside_blocks(part)
         if self.tp > 1:
             self.tensor_shards, self.sequence_split = parallelize_blocks(
-                blocks[start:stop], located.plan, TensorParallelGroup(self.tp_group), self.cfg.sequence_parallel,
-                functools.partial(self.materialised, model))
+                mine_blocks, located.plan, TensorParallelGroup(self.tp_group), self.cfg.sequence_parallel,
+                functools.partial(self.materialised, part))
         else:
-            self.materialise_whole(model, blocks[start:stop])
+            self.materialise_whole(part, mine_blocks)
         # After materialising (it installs new parameters, in the removed modules too, a tie kept).
         first_params = {id(p) for m in first for p in m.parameters()}
         tied = [p for m in last for p in m.parameters() if id(p) in first_params]
-        self.record_local_state(model)
+        self.record_local_state(*part)
         self._tie_first_and_last(tied)
-        self.module = PipelineModule(self.stage, self.pp_rank, self.pp, self.pp_group, self.activations, vocab_size)
+        self.module = PipelineModule(self.stages, self.schedule, self.pp_rank, self.pp_group, self.activations,
+                                     vocab_size)
         return self.module
 
     def _tie_first_and_last(self, shared: list[nn.Parameter]) -> None:
-        """For parameters the first and the last stage both hold (an embedding tied to the head), a
-        process group per replica and tp rank to sum their gradients between the two."""
-        if not shared:
+        """For parameters the first and the last stage both hold (an embedding tied to the head):
+        where the two stages are on two ranks, a process group per replica and tp rank to sum their
+        gradients between the two. On one rank (a V) they are one tensor, whose gradient adds up."""
+        layout = self.schedule.layout
+        holders = (layout.rank_of(0), layout.rank_of(layout.stages - 1))
+        if not shared or holders[0] == holders[1]:
             return
         # new_group is collective over the world: every rank makes every pair, in the same order.
-        pairs = {(d, t): dist.new_group([int(self.mesh.mesh[d, 0, t]), int(self.mesh.mesh[d, -1, t])])
+        pairs = {(d, t): dist.new_group([int(self.mesh.mesh[d, r, t]) for r in holders])
                  for d in range(self.dp) for t in range(self.tp)}
-        if self.pp_rank in (0, self.pp - 1):
+        if self.pp_rank in holders:
             self._tied = (shared, pairs[self.dp_rank, self.tp_rank])
-        if self.pp_rank == self.pp - 1:
+        if self.pp_rank == holders[1]:
             self.duplicates = {id(p) for p in shared}
 
     def local_parameters(self) -> list[nn.Parameter]:
-        return list(self.stage.parameters())
+        return list(self.module.parameters())
 
     def forward_backward(self, model: nn.Module, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
                          loss_fn: LossFn, accum: int) -> torch.Tensor:
         """Each of the `accum` batches runs the schedule over its M micro-batches; then tied
         gradients are summed and the replicas' averaged. Returns the replica's loss sum on every
-        stage."""
+        rank."""
         loss_sum = torch.zeros((), device=self.ctx.device)
         self.timeline = []
         started = time.perf_counter()
         for inputs, targets in micro_batches:
-            run = StageRun(self.stage, self.pp_rank, self.pp, self.pp_group, self.activations,
-                           self._split(inputs), self._split(targets), loss_fn, accum * self.micro_batches,
-                           self.precision, self.scaler)
-            self.schedule(run, self.micro_batches)
-            run.finish()
+            run = PipelineRun(self.schedule, self.pp_rank, self.stages, self.first_blocks, self.pp_group,
+                              self.activations, self._split(inputs), self._split(targets), loss_fn,
+                              accum * self.micro_batches, self.precision, self.scaler)
+            run.run()
             loss_sum += run.loss_sum / self.micro_batches
             self.timeline += run.timeline
-        dist.broadcast(loss_sum, group=self.pp_group, group_src=self.pp - 1)
+        layout = self.schedule.layout
+        dist.broadcast(loss_sum, group=self.pp_group, group_src=layout.rank_of(layout.stages - 1))
         if self._tied is not None:
             params, group = self._tied
             for param in params:
@@ -421,19 +518,20 @@ class Pipeline(MeshStrategy):
 
     def stage_timeline(self) -> list[dict[str, Any]]:
         """The last step's `timeline` of every rank, gathered (a collective), for metrics: each
-        rank's stage, replica and tp rank, its forward_backward `window` and its compute
-        `intervals` [kind, micro-batch, start, end], in seconds from the earliest window start.
-        Times go through the wall clock, which every process of a host (and NTP-synced hosts) shares."""
+        rank's place in the pipeline (`stage`, its pp rank, and the `stages` it holds), replica and
+        tp rank, its forward_backward `window` and its compute `intervals` [kind (F, B, W, BW),
+        micro-batch, stage, start, end], in seconds from the earliest window start. Times go
+        through the wall clock, which every process of a host (and NTP-synced hosts) shares."""
         offset = time.time() - time.perf_counter()
-        mine = {"rank": self.ctx.rank, "stage": self.pp_rank, "replica": self.dp_rank, "tp_rank": self.tp_rank,
-                "window": [t + offset for t in self.window],
-                "intervals": [[kind, i, start + offset, end + offset] for kind, i, start, end in self.timeline]}
+        mine = {"rank": self.ctx.rank, "stage": self.pp_rank, "stages": list(self.stages), "replica": self.dp_rank,
+                "tp_rank": self.tp_rank, "window": [t + offset for t in self.window],
+                "intervals": [[kind, i, s, start + offset, end + offset] for kind, i, s, start, end in self.timeline]}
         ranks = self.ctx.all_gather_object(mine)
         origin = min(rank["window"][0] for rank in ranks)
         for rank in ranks:  # microseconds are plenty, and keep the record short
             rank["window"] = [round(t - origin, 6) for t in rank["window"]]
-            rank["intervals"] = [[kind, i, round(start - origin, 6), round(end - origin, 6)]
-                                 for kind, i, start, end in rank["intervals"]]
+            rank["intervals"] = [[kind, i, s, round(start - origin, 6), round(end - origin, 6)]
+                                 for kind, i, s, start, end in rank["intervals"]]
         return ranks
 
     def _split(self, batch: torch.Tensor) -> list[torch.Tensor]:
@@ -442,10 +540,8 @@ class Pipeline(MeshStrategy):
 
 
 class ModelParallel(Pipeline):
-    """`model-parallel`: the layer-wise split people try first, the pipeline with one micro-batch.
-    Each stage waits while the others compute."""
+    """`model-parallel`: the layer-wise split people try first, the pipeline with one micro-batch
+    on GPipe's lists. Each stage waits while the others compute."""
 
     def __init__(self, ctx: DistContext, cfg: ParallelConfig) -> None:
-        super().__init__(ctx, cfg)
-        self.micro_batches = 1
-        self.schedule = gpipe
+        super().__init__(ctx, dataclasses.replace(cfg, micro_batches=1, schedule="gpipe", virtual_stages=None))
