@@ -1,0 +1,102 @@
+"""All-to-all attention (DeepSpeed's Ulysses): the sequence is split across the ranks everywhere
+but in attention, which instead splits the heads.
+
+Each rank holds the queries, keys and values of its contiguous part of the sequence for every
+head. One all-to-all gives each rank the whole sequence for `heads / size` of the heads; attention
+runs there as on one device (any kernel, any mask); a second all-to-all gives each rank its part of
+the sequence back, for every head. Backward is the same two all-to-alls the other way round. Each
+all-to-all moves (size - 1) / size of a rank's part of q, k, v (or the output), however long the
+sequence; attention itself needs no communication, but heads (and key/value heads) must divide
+among the ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from shardwise.attention.blocks import visible
+
+
+def sequence_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """`[batch, heads, local_len, dim]` of this rank's part of the sequence -> `[batch, heads / size,
+    seq_len, dim]`: this rank's share of the heads (rank r: the r-th) over the whole sequence."""
+    return _SequenceToHeads.apply(x, group)
+
+
+def heads_to_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """`sequence_to_heads`'s inverse."""
+    return _HeadsToSequence.apply(x, group)
+
+
+def _sequence_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    size = group.size()
+    batch, heads, length, dim = x.shape
+    # Piece r of dimension 0 goes to rank r: its share of the heads, for this rank's tokens.
+    send = x.reshape(batch, size, heads // size, length, dim).transpose(0, 1).contiguous()
+    received = torch.empty_like(send)  # piece r: rank r's tokens, for this rank's heads
+    dist.all_to_all_single(received, send, group=group)
+    return received.permute(1, 2, 0, 3, 4).reshape(batch, heads // size, size * length, dim)
+
+
+def _heads_to_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    size = group.size()
+    batch, heads, seq_len, dim = x.shape
+    # Piece r goes to rank r: its tokens, for this rank's heads.
+    send = x.reshape(batch, heads, size, seq_len // size, dim).permute(2, 0, 1, 3, 4).contiguous()
+    received = torch.empty_like(send)  # piece r: rank r's heads, for this rank's tokens
+    dist.all_to_all_single(received, send, group=group)
+    return received.transpose(0, 1).reshape(batch, size * heads, seq_len // size, dim)
+
+
+class _SequenceToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _sequence_to_heads(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _heads_to_sequence(grad, ctx.group), None
+
+
+class _HeadsToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _heads_to_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _sequence_to_heads(grad, ctx.group), None
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None,
+                     scale: float | None = None) -> torch.Tensor:
+    """Causal attention of a whole sequence on one rank (`scaled_dot_product_attention`), within
+    documents where `documents` (ids per token, `[batch, seq_len]`) is given."""
+    gqa = k.shape[1] != q.shape[1]
+    if documents is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    positions = torch.arange(q.shape[2], device=q.device)
+    mask = visible(positions, positions, documents, documents).squeeze(2)  # [batch, 1, seq_len, seq_len]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+
+
+def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,
+                         documents: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+    """Causal attention of this rank's queries on the whole sequence, by all-to-all over `group`.
+
+    q `[batch, heads, local_len, head_dim]`, k and v `[batch, kv_heads, local_len, head_dim]`, this
+    rank's contiguous part of the sequence (`SequenceLayout.contiguous`); `heads` must divide by the
+    group's size. Key/value heads that do not (grouped-query attention with fewer of them than
+    ranks) are repeated for every query head first, as grouped-query attention reads them. Returns
+    this rank's output, shaped as q. `documents` and `scale` as in `ring_attention`."""
+    size = group.size()
+    if q.shape[1] % size:
+        raise ValueError(f"all-to-all attention over {size} ranks: {q.shape[1]} heads must divide by {size}")
+    if k.shape[1] % size:
+        k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    heads = [sequence_to_heads(t, group) for t in (q, k, v)]
+    return heads_to_sequence(causal_attention(*heads, documents, scale), group)

@@ -1,0 +1,178 @@
+"""Attention over a sequence split across ranks (src/shardwise/attention) against
+`scaled_dot_product_attention` on the whole sequence, forward and backward, on real Gloo ranks.
+
+Tolerance: queries, keys and values are unit normals, so outputs (convex combinations of value
+rows) and gradients are of order 1. Ring attention computes each query's softmax in blocks merged
+by log-sum-exp instead of one pass: the same sums in another order, plus one rescaling per merged
+block (at most 2 x 4 blocks here), each rounding by about 6e-8 relative in fp32. Over sums of at
+most 32 keys that is a few 1e-7, measured at most 2.4e-6 here; 1e-5 holds it with a margin and
+still catches any wrong mask, missed block or misplaced chunk (errors of order 0.1 to 1).
+All-to-all attention runs the same kernel on the same numbers as the reference, so it differs from
+it only where rounding of the all-to-all's reshapes could enter (none: they copy).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from distributed import run_ranks
+
+from shardwise.attention import (Ring, RingStats, SequenceLayout, all_to_all_attention, causal_attention,
+                                 ring_attention)
+from shardwise.dist import DistContext
+
+BATCH, HEADS, SEQ_LEN, HEAD_DIM = 3, 4, 32, 8
+TOLERANCE = 1e-5
+# Three packed rows: documents cut inside chunks, on chunk edges (chunks of 4 at cp 4 head-tail), and one document.
+DOCUMENT_LENGTHS = ((5, 11, 3, 13), (8, 8, 8, 8), (32,))
+
+
+def document_ids(lengths: tuple[tuple[int, ...], ...]) -> torch.Tensor:
+    return torch.stack([torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row)) for row in lengths])
+
+
+def attention_inputs(kv_heads: int) -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(kv_heads)
+    shapes = [(BATCH, HEADS, SEQ_LEN, HEAD_DIM)] + [(BATCH, kv_heads, SEQ_LEN, HEAD_DIM)] * 2 + \
+        [(BATCH, HEADS, SEQ_LEN, HEAD_DIM)]
+    return tuple(torch.randn(shape, generator=generator) for shape in shapes)  # q, k, v and the output's gradient
+
+
+def errors_against_whole_sequence(mode: str, group: dist.ProcessGroup, kv_heads: int,
+                                  documents: torch.Tensor | None) -> dict[str, float]:
+    """This rank's largest difference from attention on the whole sequence, in its output and in its
+    tokens' gradients of q, k and v; and the score entries ring attention computed."""
+    q, k, v, grad = attention_inputs(kv_heads)
+    whole = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = causal_attention(*whole, documents)
+    expected.backward(grad)
+    rank, size = group.rank(), group.size()
+    layout = SequenceLayout.head_tail(SEQ_LEN, size) if mode == "ring" else SequenceLayout.contiguous(SEQ_LEN, size)
+    local = [layout.shard(t, rank, dim=2).requires_grad_() for t in (q, k, v)]
+    stats = RingStats()
+    if mode == "ring":
+        out = ring_attention(*local, Ring(group, layout, stats), documents)
+    else:
+        out = all_to_all_attention(*local, group, documents)
+    out.backward(layout.shard(grad, rank, dim=2))
+    pairs = [(out, expected)] + [(mine.grad, theirs.grad) for mine, theirs in zip(local, whole, strict=True)]
+    names = ("out", "dq", "dk", "dv")
+    errors = {name: (got - layout.shard(want, rank, dim=2)).abs().max().item()
+              for name, (got, want) in zip(names, pairs, strict=True)}
+    return {**errors, "scores": stats.scores}
+
+
+def every_case(ctx: DistContext) -> list[dict]:
+    """Ring and all-to-all, over the 4 ranks and over groups of 2 whose group ranks are not the
+    global ranks ((0, 2) and (1, 3), as a dp 2 x cp 2 mesh makes them), with and without documents,
+    with as many key/value heads as heads and with half (grouped-query attention)."""
+    pairs = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    groups = {4: dist.group.WORLD, 2: pairs[ctx.rank % 2]}
+    cases = []
+    for cp, group in groups.items():
+        for mode in ("ring", "all-to-all"):
+            for kv_heads in (HEADS, HEADS // 2):
+                for documents in (None, document_ids(DOCUMENT_LENGTHS)):
+                    errors = errors_against_whole_sequence(mode, group, kv_heads, documents)
+                    cases.append(dict(cp=cp, mode=mode, kv_heads=kv_heads, documents=documents is not None,
+                                      rank=ctx.rank, **errors))
+    return cases
+
+
+@pytest.fixture(scope="module")
+def cases() -> list[dict]:
+    return [case for rank_cases in run_ranks(every_case, 4) for case in rank_cases]
+
+
+@pytest.mark.parametrize("mode", ["ring", "all-to-all"])
+def test_split_attention_matches_the_whole_sequence_forward_and_backward(cases, mode):
+    mine = [case for case in cases if case["mode"] == mode]
+    assert len(mine) == 2 * 2 * 2 * 4  # cp 4 and 2, kv heads, documents, on every rank
+    for case in mine:
+        worst = max(case[name] for name in ("out", "dq", "dk", "dv"))
+        assert worst <= TOLERANCE, case
+
+
+def test_head_tail_ring_gives_every_rank_the_same_causal_work(cases):
+    """At cp 4 over 32 tokens (chunks of 4): step 0 computes the two diagonal blocks and the tail
+    on the head (3 x 16 scores), each later step two whole blocks (2 x 16): 144 per rank, forward
+    and backward each, documents or not (no block here lies wholly outside every row's documents)."""
+    for cp in (4, 2):
+        ring = {case["scores"] for case in cases if case["mode"] == "ring" and case["cp"] == cp}
+        chunk = SEQ_LEN // (2 * cp)
+        assert ring == {2 * (3 + 2 * (cp - 1)) * chunk * chunk}
+
+
+def test_contiguous_ring_gives_the_last_rank_2cp_minus_1_times_the_first_ranks_work():
+    """Why head-tail: with one chunk per rank, rank r attends to r + 1 blocks, the last of them causal."""
+    layout = SequenceLayout.contiguous(SEQ_LEN, 4)
+    stats = []
+    for rank in range(4):
+        ring = _RingOfOneRank(layout, rank)
+        q, k, v, _ = attention_inputs(HEADS)
+        ring.attend(*(layout.shard(t, rank, dim=2) for t in (q, k, v)))
+        stats.append(ring.stats.scores)
+    assert stats == [64 * (r + 1) for r in range(4)]
+
+
+class _RingOfOneRank(Ring):
+    """Rank `rank`'s blocks of a ring, computed alone: every step's keys are its own (the values
+    are wrong, the work is right), enough to count work without a group."""
+
+    def __init__(self, layout: SequenceLayout, rank: int) -> None:
+        super().__init__(None, layout, RingStats())
+        self._rank = rank
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self.layout.size
+
+    def pass_on(self, send, tag):
+        return send, []
+
+    def attend(self, q, k, v):
+        with torch.no_grad():
+            ring_attention(q, k, v, self)
+
+
+def test_one_rank_ring_with_documents_matches_masked_attention():
+    """A ring of one (the document mask of a run without context parallel) is blockwise attention
+    with the mask, in both layouts' chunking."""
+    documents = document_ids(DOCUMENT_LENGTHS)
+    q, k, v, _ = attention_inputs(HEADS // 2)
+    expected = causal_attention(q, k, v, documents)
+    for layout in (SequenceLayout.head_tail(SEQ_LEN, 1), SequenceLayout.contiguous(SEQ_LEN, 1)):
+        got = ring_attention(q, k, v, Ring(None, layout, RingStats()), documents)
+        torch.testing.assert_close(got, expected, rtol=0, atol=TOLERANCE)
+
+
+def test_document_mask_stops_attention_at_every_boundary():
+    """Changing one document's keys and values changes no other document's outputs."""
+    documents = document_ids(((5, 11, 3, 13),))
+    q, k, v, _ = (t[:1] for t in attention_inputs(HEADS))
+    before = causal_attention(q, k, v, documents)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, 5:16] += 1.0
+    v2[:, :, 5:16] += 1.0
+    after = causal_attention(q, k2, v2, documents)
+    changed = (after - before).abs().amax(dim=(0, 1, 3)) > 0
+    assert changed.nonzero().flatten().tolist() == list(range(5, 16))
+
+
+def test_layout_shards_and_unshards_a_batch_and_its_targets():
+    layout = SequenceLayout.head_tail(16, 4)
+    assert [layout.chunks(r) for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert layout.positions(1).tolist() == [2, 3, 12, 13]
+    tokens = torch.arange(2 * 17).view(2, 17)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    parts = [(layout.shard(inputs, r), layout.shard(targets, r)) for r in range(4)]
+    # every local target is still the token after its input: the split keeps the pairs together
+    assert all(torch.equal(t, i + 1) for i, t in parts)
+    assert torch.equal(layout.unshard([i for i, _ in parts]), inputs)
+    with pytest.raises(ValueError, match="does not split into 8 equal chunks"):
+        SequenceLayout.head_tail(20, 4)
