@@ -157,7 +157,7 @@ class _RingAttention(torch.autograd.Function):
         dq_chunks = dq.chunk(n, dim=3)
         kv = torch.stack([k.float().unsqueeze(2), v.float().unsqueeze(2)])
         queries = _Chunks(ring, ring.rank, documents, q.device)
-        gradient_requests: list[dist.Work] = []
+        incoming, gradient_requests = None, []  # the gradient of the keys held now, from the ranks before this one
         for step in range(ring.size):
             if step + 1 < ring.size:
                 arriving, requests = ring.pass_on(kv, KEYS_TAG)
@@ -173,17 +173,17 @@ class _RingAttention(torch.autograd.Function):
                 dv_chunks[j].add_(dv_j)
                 ring.stats.scores += _block_area(q_chunks[i], k_chunks[j])
             ring.stats.compute_s += time.perf_counter() - started
-            if step > 0:  # the gradient of these keys from the ranks before this one
+            if incoming is not None:
                 _wait(gradient_requests)
-                dkv += gathered
+                dkv += incoming
             if ring.size > 1:
-                gathered, gradient_requests = ring.pass_on(dkv, GRADIENTS_TAG)
+                incoming, gradient_requests = ring.pass_on(dkv, GRADIENTS_TAG)
             if step + 1 < ring.size:
                 _wait(requests)
                 kv = arriving
         if ring.size > 1:  # this rank's own keys' gradient, finished by the rank before it
             _wait(gradient_requests)
-            dkv = gathered
+            dkv = incoming
         dk, dv = dkv[0].squeeze(2), dkv[1].squeeze(2)
         return dq.reshape(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
