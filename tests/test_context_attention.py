@@ -17,10 +17,17 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from distributed import run_ranks
+from torch import nn
 
 from shardwise.attention import Ring, RingStats, SequenceLayout, all_to_all_attention, causal_attention, ring_attention
+from shardwise.attention.context import ContextParallel
+from shardwise.attention.ring import RehearsalRing
+from shardwise.config import ModelConfig
 from shardwise.dist import DistContext
+from shardwise.models import GPT, GPTConfig
+from shardwise.models.hf import build_causal_lm
 
 BATCH, HEADS, SEQ_LEN, HEAD_DIM = 3, 4, 32, 8
 TOLERANCE = 1e-5
@@ -105,39 +112,18 @@ def test_head_tail_ring_gives_every_rank_the_same_causal_work(cases):
 
 
 def test_contiguous_ring_gives_the_last_rank_2cp_minus_1_times_the_first_ranks_work():
-    """Why head-tail: with one chunk per rank, rank r attends to r + 1 blocks, the last of them causal."""
-    layout = SequenceLayout.contiguous(SEQ_LEN, 4)
-    stats = []
-    for rank in range(4):
-        ring = _RingOfOneRank(layout, rank)
-        q, k, v, _ = attention_inputs(HEADS)
-        ring.attend(*(layout.shard(t, rank, dim=2) for t in (q, k, v)))
-        stats.append(ring.stats.scores)
-    assert stats == [64 * (r + 1) for r in range(4)]
-
-
-class _RingOfOneRank(Ring):
-    """Rank `rank`'s blocks of a ring, computed alone: every step's keys are its own (the values
-    are wrong, the work is right), enough to count work without a group."""
-
-    def __init__(self, layout: SequenceLayout, rank: int) -> None:
-        super().__init__(None, layout, RingStats())
-        self._rank = rank
-
-    @property
-    def rank(self) -> int:
-        return self._rank
-
-    @property
-    def size(self) -> int:
-        return self.layout.size
-
-    def pass_on(self, send, tag):
-        return send, []
-
-    def attend(self, q, k, v):
-        with torch.no_grad():
-            ring_attention(q, k, v, self)
+    """Why head-tail: with one chunk per rank, rank r attends to r + 1 blocks, the last of them
+    causal. Counted by each rank's blocks rehearsed alone, which count as the real ring does."""
+    scores = {}
+    for layout in (SequenceLayout.contiguous(SEQ_LEN, 4), SequenceLayout.head_tail(SEQ_LEN, 4)):
+        for rank in range(4):
+            ring = RehearsalRing(layout, rank)
+            q, k, v, _ = attention_inputs(HEADS)
+            with torch.no_grad():
+                ring_attention(*(layout.shard(t, rank, dim=2) for t in (q, k, v)), ring)
+            scores.setdefault(layout.chunks_per_rank, []).append(ring.stats.scores)
+    assert scores[1] == [64 * (r + 1) for r in range(4)]
+    assert scores[2] == [144] * 4  # as on real ranks, forward only
 
 
 def test_one_rank_ring_with_documents_matches_masked_attention():
@@ -176,3 +162,72 @@ def test_layout_shards_and_unshards_a_batch_and_its_targets():
     assert torch.equal(layout.unshard([i for i, _ in parts]), inputs)
     with pytest.raises(ValueError, match="does not split into 8 equal chunks"):
         SequenceLayout.head_tail(20, 4)
+
+
+MODEL_SEQ_LEN = 32
+
+
+def tiny_model(family: str) -> tuple[nn.Module, nn.Module, int | str]:
+    """A 2-block model of `family`, the module fed positions and which of its arguments they are."""
+    torch.manual_seed(0)
+    if family == "gpt":
+        model = GPT(GPTConfig(n_layer=2, n_head=4, d_model=32, seq_len=MODEL_SEQ_LEN, vocab_size=256))
+        return model, model.pos_emb, 0
+    cfg = ModelConfig(name="hf-llama", n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=64, seq_len=MODEL_SEQ_LEN,
+                      vocab_size=256)
+    model = build_causal_lm(cfg)
+    return model, model.lm.model.rotary_emb, "position_ids"
+
+
+def model_differences(family: str, mode: str, group: dist.ProcessGroup, packed: bool) -> dict[str, float]:
+    """The model, unmodified, on this rank's tokens under ContextParallel, against the whole
+    sequence on one rank: its logits, and its gradients averaged over the group (each rank's loss is
+    the mean over its tokens, an equal share of the sequence's)."""
+    model, positions, argument = tiny_model(family)
+    tokens = torch.randint(0, 256, (2, MODEL_SEQ_LEN + 1), generator=torch.Generator().manual_seed(1))
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    documents = document_ids(((5, 11, 3, 13), (32,))) if packed else None
+    with ContextParallel(mode, None, MODEL_SEQ_LEN).attending(documents):
+        logits = model(inputs)
+    F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    context = ContextParallel(mode, group, MODEL_SEQ_LEN)
+    handle = context.feed_positions(positions, argument)
+    with context.attending(documents):
+        local = model(context.shard(inputs))
+    F.cross_entropy(local.flatten(0, 1), context.shard(targets).flatten()).backward()
+    handle.remove()
+    worst = 0.0
+    for name, param in model.named_parameters():
+        dist.all_reduce(param.grad, group=group)
+        scale = expected[name].abs().max().item() or 1.0
+        worst = max(worst, (param.grad / group.size() - expected[name]).abs().max().item() / scale)
+    with torch.no_grad():  # what the document mask changes: the logits of every document after the first
+        unmasked = model(inputs)
+    return {"logits": (local - context.shard(logits.detach())).abs().max().item(), "grads": worst,
+            "masking": (unmasked - logits).abs().max().item()}
+
+
+def every_model_case(ctx: DistContext) -> list[dict]:
+    pairs = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    cases = []
+    for cp, group in {4: dist.group.WORLD, 2: pairs[ctx.rank % 2]}.items():
+        for family in ("gpt", "llama"):
+            for mode in ("ring", "all-to-all"):
+                for packed in (False, True):
+                    cases.append(dict(cp=cp, family=family, mode=mode, packed=packed,
+                                      **model_differences(family, mode, group, packed)))
+    return cases
+
+
+@pytest.fixture(scope="module")
+def model_cases() -> list[dict]:
+    return [case for rank_cases in run_ranks(every_model_case, 4) for case in rank_cases]
+
+
+def test_unmodified_models_split_by_context_parallel_compute_what_one_rank_does(model_cases):
+    assert len(model_cases) == 2 * 2 * 2 * 2 * 4
+    for case in model_cases:
+        assert case["logits"] <= TOLERANCE and case["grads"] <= TOLERANCE, case
+        assert (case["masking"] > 1e-2) == case["packed"], case

@@ -191,3 +191,25 @@ class _RingAttention(torch.autograd.Function):
 def _block_area(q_chunk: torch.Tensor, k_chunk: torch.Tensor) -> int:
     """Score entries of one block per batch row and query head: queries x keys."""
     return q_chunk.shape[-2] * k_chunk.shape[-2]
+
+
+class RehearsalRing(Ring):
+    """Rank `rank`'s part of a ring of `layout.size`, computed alone, with no group: each step
+    attends to this rank's own keys and values in place of those that would arrive. The blocks,
+    masks and work are the ring's, the values are not: for measuring one rank's share of the work
+    without the others competing for the cores."""
+
+    def __init__(self, layout: SequenceLayout, rank: int) -> None:
+        super().__init__(None, layout, RingStats())
+        self._rank = rank
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def size(self) -> int:
+        return self.layout.size
+
+    def pass_on(self, send: torch.Tensor, tag: int) -> tuple[torch.Tensor, list[dist.Work]]:
+        return send, []

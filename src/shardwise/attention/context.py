@@ -1,0 +1,116 @@
+"""Context parallelism applied to a model as its authors wrote it.
+
+A model computes attention with `torch.nn.functional.scaled_dot_product_attention(q, k, v,
+is_causal=True)` (shardwise's GPT does, and so does transformers' `sdpa` attention). While
+`ContextParallel.attending` is open, a torch function mode catches those calls and computes them
+over the group instead (ring or all-to-all), within the documents of the batch if it is packed;
+every other operation of the model runs unchanged on this rank's tokens. So the model needs only
+two things from outside: its inputs and targets split by the layout (`shard`), and its position
+embedding (or RoPE) fed the tokens' global positions instead of 0 .. local_len - 1 (`feed_positions`).
+
+Without a group (one rank, no context parallelism) the same mode applies document masks alone.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils.hooks import RemovableHandle
+
+from shardwise.attention.all_to_all import all_to_all_attention, causal_attention
+from shardwise.attention.layout import SequenceLayout
+from shardwise.attention.ring import Ring, RingStats, ring_attention
+
+MODES = ("ring", "all-to-all")
+_SDPA = inspect.signature(lambda query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                          enable_gqa=False: None)
+
+
+class ContextParallel:
+    """One model's context parallelism: `mode` ("ring" or "all-to-all") over `group` (None: one
+    rank, document masks only) for sequences of `seq_len` tokens."""
+
+    def __init__(self, mode: str, group: dist.ProcessGroup | None, seq_len: int) -> None:
+        if mode not in MODES:
+            raise ValueError(f"context-parallel mode {mode!r}: unknown; allowed: {', '.join(MODES)}")
+        self.mode = mode
+        self.group = group
+        size = 1 if group is None else group.size()
+        self.rank = 0 if group is None else group.rank()
+        split = SequenceLayout.head_tail if mode == "ring" else SequenceLayout.contiguous
+        self.layout = split(seq_len, size)
+        self.ring = Ring(group, self.layout, RingStats())
+        self.documents: torch.Tensor | None = None  # of the batch under way, while `attending`
+
+    def shard(self, full: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's tokens of `full` (inputs, targets: the whole sequence along `dim`)."""
+        return self.layout.shard(full, self.rank, dim)
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """The global positions of this rank's tokens, in local order."""
+        return self.layout.positions(self.rank)
+
+    def feed_positions(self, module: nn.Module, argument: int | str) -> RemovableHandle:
+        """Give `module` (a position embedding, a rotary embedding) this rank's global positions in
+        place of its argument `argument` (an index for a positional argument, a name for a keyword
+        one), which the model fills with 0 .. local_len - 1 (shaped `[local_len]`, or with leading
+        dimensions of 1 or of the batch)."""
+
+        def global_positions(local: torch.Tensor) -> torch.Tensor:
+            return self.positions.to(local.device).view(*[1] * (local.dim() - 1), -1).expand_as(local)
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+            if isinstance(argument, str):
+                return args, {**kwargs, argument: global_positions(kwargs[argument])}
+            return (*args[:argument], global_positions(args[argument]), *args[argument + 1:]), kwargs
+
+        return module.register_forward_pre_hook(hook, with_kwargs=True)
+
+    @contextmanager
+    def attending(self, documents: torch.Tensor | None = None) -> Iterator[None]:
+        """Inside, the model's causal attention calls run over the group, within `documents` (each
+        token's document over the whole sequence, `[batch, seq_len]`) where given. Keep it open for
+        backward too where blocks are recomputed there (activation checkpointing)."""
+        self.documents = documents
+        try:
+            with _SplitAttention(self):
+                yield
+        finally:
+            self.documents = None
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
+        """Causal attention of this rank's queries on the whole sequence, as the mode computes it."""
+        if self.group is None:
+            return causal_attention(q, k, v, self.documents, scale)
+        if self.mode == "ring":
+            return ring_attention(q, k, v, self.ring, self.documents, scale)
+        return all_to_all_attention(q, k, v, self.group, self.documents, scale)
+
+
+class _SplitAttention(TorchFunctionMode):
+    """Routes `scaled_dot_product_attention` to `ContextParallel.attention`; everything else passes."""
+
+    def __init__(self, context: ContextParallel) -> None:
+        super().__init__()
+        self.context = context
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        call = _SDPA.bind(*args, **kwargs).arguments
+        mask, causal, dropout = call.get("attn_mask"), call.get("is_causal", False), call.get("dropout_p", 0.0)
+        if mask is not None or not causal or dropout:
+            raise ValueError("context parallelism and document masks compute causal attention "
+                             "(scaled_dot_product_attention with is_causal=True, no attn_mask, no dropout); the model "
+                             f"called it with attn_mask={None if mask is None else 'a tensor'}, is_causal={causal}, "
+                             f"dropout_p={dropout}")
+        return self.context.attention(call["query"], call["key"], call["value"], call.get("scale"))
