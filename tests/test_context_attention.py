@@ -21,7 +21,16 @@ import torch.nn.functional as F
 from distributed import run_ranks
 from torch import nn
 
-from shardwise.attention import Ring, RingStats, SequenceLayout, all_to_all_attention, causal_attention, ring_attention
+from shardwise.attention import (
+    Ring,
+    RingStats,
+    SequenceLayout,
+    all_to_all_attention,
+    blocks,
+    causal_attention,
+    ring_attention,
+)
+from shardwise.attention.blocks import BlockMask
 from shardwise.attention.context import ContextParallel
 from shardwise.attention.ring import RehearsalRing
 from shardwise.config import ModelConfig
@@ -102,18 +111,21 @@ def test_split_attention_matches_the_whole_sequence_forward_and_backward(cases, 
 
 
 def test_head_tail_ring_gives_every_rank_the_same_causal_work(cases):
-    """At cp 4 over 32 tokens (chunks of 4): step 0 computes the two diagonal blocks and the tail
-    on the head (3 x 16 scores), each later step two whole blocks (2 x 16): 144 per rank, forward
-    and backward each, documents or not (no block here lies wholly outside every row's documents)."""
+    """At cp 4 over 32 tokens (chunks of 4): step 0 computes the two diagonal blocks (causal: 10
+    scores each) and the tail on the head (16), each later step two whole blocks (2 x 16), forward
+    and backward alike. With documents the diagonal blocks are masked whole (16 each), on every rank."""
     for cp in (4, 2):
-        ring = {case["scores"] for case in cases if case["mode"] == "ring" and case["cp"] == cp}
         chunk = SEQ_LEN // (2 * cp)
-        assert ring == {2 * (3 + 2 * (cp - 1)) * chunk * chunk}
+        for documents in (False, True):
+            ring = {case["scores"] for case in cases
+                    if case["mode"] == "ring" and case["cp"] == cp and case["documents"] == documents}
+            diagonal = chunk * chunk if documents else chunk * (chunk + 1) // 2
+            assert ring == {2 * (2 * diagonal + chunk * chunk + 2 * (cp - 1) * chunk * chunk)}
 
 
 def test_contiguous_ring_gives_the_last_rank_2cp_minus_1_times_the_first_ranks_work():
-    """Why head-tail: with one chunk per rank, rank r attends to r + 1 blocks, the last of them
-    causal. Counted by each rank's blocks rehearsed alone, which count as the real ring does."""
+    """Why head-tail: with one chunk per rank, rank r attends to r whole blocks and a causal one.
+    Counted by each rank's blocks rehearsed alone, which count as the real ring does."""
     scores = {}
     for layout in (SequenceLayout.contiguous(SEQ_LEN, 4), SequenceLayout.head_tail(SEQ_LEN, 4)):
         for rank in range(4):
@@ -122,8 +134,31 @@ def test_contiguous_ring_gives_the_last_rank_2cp_minus_1_times_the_first_ranks_w
             with torch.no_grad():
                 ring_attention(*(layout.shard(t, rank, dim=2) for t in (q, k, v)), ring)
             scores.setdefault(layout.chunks_per_rank, []).append(ring.stats.scores)
-    assert scores[1] == [64 * (r + 1) for r in range(4)]
-    assert scores[2] == [144] * 4  # as on real ranks, forward only
+    assert scores[1] == [64 * r + 36 for r in range(4)]
+    assert scores[2] == [2 * 10 + 16 + 3 * 2 * 16] * 4  # as on real ranks, forward only
+
+
+def test_written_out_block_math_matches_the_fused_kernel():
+    """Off the CPU, blocks are computed by the math written out: the same outputs, log-sum-exps and
+    gradients as the CPU's fused kernel, for whole, causal and masked blocks (with a query row that
+    sees nothing) under grouped-query attention."""
+    q, k, v, dout = attention_inputs(HEADS // 2)
+    q, k, v, dout = (t[:, :, :8] for t in (q, k, v, dout))
+    visible = torch.rand(BATCH, 1, 8, 8, generator=torch.Generator().manual_seed(3)) > 0.4
+    visible[:, :, 2] = False
+    for mask in (BlockMask(), BlockMask(causal=True), BlockMask(visible=visible)):
+        out, lse = blocks.block_forward(q, k, v, mask, 0.3)
+        math_out, math_lse = blocks._math_forward(q, k, v, mask, 0.3)
+        torch.testing.assert_close(math_out, out, rtol=0, atol=TOLERANCE)
+        torch.testing.assert_close(math_lse, lse, rtol=0, atol=TOLERANCE)
+        fused = blocks.block_backward(dout, q, k, v, out, _finite(lse), mask, 0.3)
+        written = blocks._math_backward(dout, q, k, v, out, _finite(lse), mask, 0.3)
+        for got, want in zip(written, fused, strict=True):
+            torch.testing.assert_close(got, want, rtol=0, atol=TOLERANCE)
+
+
+def _finite(lse: torch.Tensor) -> torch.Tensor:
+    return lse.masked_fill(torch.isinf(lse), 0.0)
 
 
 def test_one_rank_ring_with_documents_matches_masked_attention():

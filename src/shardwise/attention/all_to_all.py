@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from shardwise.attention.blocks import visible
+from shardwise.attention.blocks import block_mask
 
 
 def sequence_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
@@ -80,7 +80,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document
     if documents is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     positions = torch.arange(q.shape[2], device=q.device)
-    mask = visible(positions, positions, documents, documents).squeeze(2)  # [batch, 1, seq_len, seq_len]
+    mask = block_mask(positions, positions, documents, documents).visible  # [batch, 1, seq_len, seq_len]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 

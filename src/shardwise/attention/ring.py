@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from shardwise.attention.blocks import block_backward, block_forward, merge, sees_nothing, visible
+from shardwise.attention.blocks import BlockMask, block_backward, block_forward, block_mask, merge
 from shardwise.attention.layout import SequenceLayout
 
 KEYS_TAG, GRADIENTS_TAG = 0, 1  # the two rings of messages between the same neighbours
@@ -34,8 +35,8 @@ KEYS_TAG, GRADIENTS_TAG = 0, 1  # the two rings of messages between the same nei
 
 @dataclass
 class RingStats:
-    """What a rank's ring attention computed: score entries (queries x keys, per batch row and
-    head, forward and backward counted once each) and the seconds spent computing blocks (not
+    """What a rank's ring attention computed: score entries (per batch row and head, forward and
+    backward counted once each; `BlockMask.area`) and the seconds spent computing blocks (not
     waiting for neighbours). Equal work across ranks is what the head-tail layout is for."""
 
     scores: int = 0
@@ -96,33 +97,25 @@ class _Chunks:
         self.positions = [ring.layout.chunk_positions(c).to(device) for c in ring.layout.chunks(rank)]
         self.documents = [None if documents is None else documents[:, p] for p in self.positions]
 
-    def __len__(self) -> int:
-        return len(self.positions)
 
-
-def _blocks(ring: Ring, queries: _Chunks, source: int, documents: torch.Tensor | None, device: torch.device):
-    """The (query chunk, key chunk, mask) triples worth computing when this rank holds the keys of
-    rank `source`."""
+def _blocks(ring: Ring, queries: _Chunks, source: int, documents: torch.Tensor | None,
+            device: torch.device) -> Iterator[tuple[int, int, BlockMask]]:
+    """The (query chunk, key chunk, mask) of every block in which some query sees some key, when this
+    rank holds the keys of rank `source`."""
     keys = _Chunks(ring, source, documents, device)
-    for i in range(len(queries)):
-        for j in range(len(keys)):
-            mask = visible(queries.positions[i], keys.positions[j], queries.documents[i], keys.documents[j])
-            if not sees_nothing(queries.positions[i], keys.positions[j], mask):
+    for i, (q_pos, q_docs) in enumerate(zip(queries.positions, queries.documents, strict=True)):
+        for j, (k_pos, k_docs) in enumerate(zip(keys.positions, keys.documents, strict=True)):
+            mask = block_mask(q_pos, k_pos, q_docs, k_docs)
+            if mask is not None:
                 yield i, j, mask
-
-
-def _grouped(q: torch.Tensor, k: torch.Tensor) -> tuple[int, ...]:
-    """The 5-d shape of q with its heads grouped by the key/value head they share."""
-    batch, heads, length, dim = q.shape
-    return batch, k.shape[1], heads // k.shape[1], length, dim
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring: Ring, documents, scale: float):
         n = ring.layout.chunks_per_rank
-        q_chunks = q.float().reshape(_grouped(q, k)).chunk(n, dim=3)
-        kv = torch.stack([k.float().unsqueeze(2), v.float().unsqueeze(2)])  # one message: [2, B, kv_heads, 1, L, D]
+        q_chunks = q.float().chunk(n, dim=2)
+        kv = torch.stack([k.float(), v.float()])  # one message: [2, batch, kv_heads, local_len, head_dim]
         queries = _Chunks(ring, ring.rank, documents, q.device)
         outs = [torch.zeros_like(chunk) for chunk in q_chunks]
         lses = [torch.full(chunk.shape[:-1], float("-inf"), device=q.device) for chunk in q_chunks]
@@ -130,32 +123,30 @@ class _RingAttention(torch.autograd.Function):
             if step + 1 < ring.size:
                 arriving, requests = ring.pass_on(kv, KEYS_TAG)
             started = time.perf_counter()
-            k_chunks, v_chunks = kv[0].chunk(n, dim=3), kv[1].chunk(n, dim=3)
+            k_chunks, v_chunks = kv[0].chunk(n, dim=2), kv[1].chunk(n, dim=2)
             for i, j, mask in _blocks(ring, queries, (ring.rank - step) % ring.size, documents, q.device):
                 block_out, block_lse = block_forward(q_chunks[i], k_chunks[j], v_chunks[j], mask, scale)
                 outs[i], lses[i] = merge(outs[i], lses[i], block_out, block_lse)
-                ring.stats.scores += _block_area(q_chunks[i], k_chunks[j])
+                ring.stats.scores += mask.area(q_chunks[i].shape[2], k_chunks[j].shape[2])
             ring.stats.compute_s += time.perf_counter() - started
             if step + 1 < ring.size:
                 _wait(requests)
                 kv = arriving
-        out = torch.cat(outs, dim=3)
-        ctx.save_for_backward(q, k, v, out, torch.cat(lses, dim=3))
+        out = torch.cat(outs, dim=2)
+        ctx.save_for_backward(q, k, v, out, torch.cat(lses, dim=2))
         ctx.ring, ctx.documents, ctx.scale = ring, documents, scale
-        return out.reshape(q.shape).to(q.dtype)
+        return out.to(q.dtype)
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         ring, documents, scale = ctx.ring, ctx.documents, ctx.scale
         n = ring.layout.chunks_per_rank
-        dout = dout.float().reshape(out.shape)
-        delta = (dout * out).sum(-1)
-        q_chunks = q.float().reshape(out.shape).chunk(n, dim=3)
-        dout_chunks, lse_chunks, delta_chunks = dout.chunk(n, dim=3), lse.chunk(n, dim=3), delta.chunk(n, dim=3)
+        q_chunks, out_chunks, lse_chunks = q.float().chunk(n, dim=2), out.chunk(n, dim=2), lse.chunk(n, dim=2)
+        dout_chunks = dout.float().contiguous().chunk(n, dim=2)
         dq = torch.zeros_like(out)
-        dq_chunks = dq.chunk(n, dim=3)
-        kv = torch.stack([k.float().unsqueeze(2), v.float().unsqueeze(2)])
+        dq_chunks = dq.chunk(n, dim=2)
+        kv = torch.stack([k.float(), v.float()])
         queries = _Chunks(ring, ring.rank, documents, q.device)
         incoming, gradient_requests = None, []  # the gradient of the keys held now, from the ranks before this one
         for step in range(ring.size):
@@ -163,15 +154,15 @@ class _RingAttention(torch.autograd.Function):
                 arriving, requests = ring.pass_on(kv, KEYS_TAG)
             started = time.perf_counter()
             dkv = torch.zeros_like(kv)  # this rank's part of the gradient of the keys it holds now
-            k_chunks, v_chunks = kv[0].chunk(n, dim=3), kv[1].chunk(n, dim=3)
-            dk_chunks, dv_chunks = dkv[0].chunk(n, dim=3), dkv[1].chunk(n, dim=3)
+            k_chunks, v_chunks = kv[0].chunk(n, dim=2), kv[1].chunk(n, dim=2)
+            dk_chunks, dv_chunks = dkv[0].chunk(n, dim=2), dkv[1].chunk(n, dim=2)
             for i, j, mask in _blocks(ring, queries, (ring.rank - step) % ring.size, documents, q.device):
-                dq_i, dk_j, dv_j = block_backward(dout_chunks[i], q_chunks[i], k_chunks[j], v_chunks[j], mask,
-                                                  lse_chunks[i], delta_chunks[i], scale)
+                dq_i, dk_j, dv_j = block_backward(dout_chunks[i], q_chunks[i], k_chunks[j], v_chunks[j],
+                                                  out_chunks[i], lse_chunks[i], mask, scale)
                 dq_chunks[i].add_(dq_i)
                 dk_chunks[j].add_(dk_j)
                 dv_chunks[j].add_(dv_j)
-                ring.stats.scores += _block_area(q_chunks[i], k_chunks[j])
+                ring.stats.scores += mask.area(q_chunks[i].shape[2], k_chunks[j].shape[2])
             ring.stats.compute_s += time.perf_counter() - started
             if incoming is not None:
                 _wait(gradient_requests)
@@ -184,13 +175,7 @@ class _RingAttention(torch.autograd.Function):
         if ring.size > 1:  # this rank's own keys' gradient, finished by the rank before it
             _wait(gradient_requests)
             dkv = incoming
-        dk, dv = dkv[0].squeeze(2), dkv[1].squeeze(2)
-        return dq.reshape(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
-
-
-def _block_area(q_chunk: torch.Tensor, k_chunk: torch.Tensor) -> int:
-    """Score entries of one block per batch row and query head: queries x keys."""
-    return q_chunk.shape[-2] * k_chunk.shape[-2]
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None
 
 
 class RehearsalRing(Ring):
