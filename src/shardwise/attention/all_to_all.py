@@ -2,12 +2,12 @@
 but in attention, which instead splits the heads.
 
 Each rank holds the queries, keys and values of its contiguous part of the sequence for every
-head. One all-to-all gives each rank the whole sequence for `heads / size` of the heads; attention
-runs there as on one device (any kernel, any mask); a second all-to-all gives each rank its part of
-the sequence back, for every head. Backward is the same two all-to-alls the other way round. Each
-all-to-all moves (size - 1) / size of a rank's part of q, k, v (or the output), however long the
-sequence; attention itself needs no communication, but heads (and key/value heads) must divide
-among the ranks.
+head. One all-to-all (q, k and v together) gives each rank the whole sequence for `heads / size`
+of the heads; attention runs there as on one device (any kernel, any mask); a second all-to-all
+gives each rank its part of the output back, for every head. Backward is the same two all-to-alls
+the other way round. Each moves (size - 1) / size of what it carries, however long the sequence;
+attention itself needs no communication, but the heads must divide among the ranks (key/value
+heads that do not are repeated for every query head first).
 """
 
 from __future__ import annotations
@@ -19,57 +19,64 @@ import torch.nn.functional as F
 from shardwise.attention.blocks import block_mask
 
 
-def sequence_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-    """`[batch, heads, local_len, dim]` of this rank's part of the sequence -> `[batch, heads / size,
-    seq_len, dim]`: this rank's share of the heads (rank r: the r-th) over the whole sequence."""
-    return _SequenceToHeads.apply(x, group)
+def sequence_to_heads(*xs: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, ...]:
+    """Each `[batch, heads, local_len, dim]` of this rank's part of the sequence -> `[batch, heads /
+    size, seq_len, dim]`: this rank's share of its heads (rank r: the r-th) over the whole sequence.
+    The tensors (q, k and v, whose head counts may differ) travel in one all-to-all."""
+    return _SequenceToHeads.apply(group, *xs)
 
 
-def heads_to_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def heads_to_sequence(*xs: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, ...]:
     """`sequence_to_heads`'s inverse."""
-    return _HeadsToSequence.apply(x, group)
+    return _HeadsToSequence.apply(group, *xs)
 
 
-def _sequence_to_heads(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def _sequence_to_heads(xs: tuple[torch.Tensor, ...], group: dist.ProcessGroup) -> tuple[torch.Tensor, ...]:
     size = group.size()
-    batch, heads, length, dim = x.shape
-    # Piece r of dimension 0 goes to rank r: its share of the heads, for this rank's tokens.
-    send = x.reshape(batch, size, heads // size, length, dim).transpose(0, 1).contiguous()
+    batch, _, length, dim = xs[0].shape
+    shares = [x.shape[1] // size for x in xs]
+    # Piece r of dimension 0 goes to rank r: its share of each tensor's heads, for this rank's tokens.
+    send = torch.cat([x.reshape(batch, size, share, length, dim) for x, share in zip(xs, shares, strict=True)], 2)
+    send = send.transpose(0, 1).contiguous()
     received = torch.empty_like(send)  # piece r: rank r's tokens, for this rank's heads
     dist.all_to_all_single(received, send, group=group)
-    return received.permute(1, 2, 0, 3, 4).reshape(batch, heads // size, size * length, dim)
+    whole = received.permute(1, 2, 0, 3, 4).reshape(batch, sum(shares), size * length, dim)
+    return whole.split(shares, dim=1)
 
 
-def _heads_to_sequence(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def _heads_to_sequence(xs: tuple[torch.Tensor, ...], group: dist.ProcessGroup) -> tuple[torch.Tensor, ...]:
     size = group.size()
-    batch, heads, seq_len, dim = x.shape
-    # Piece r goes to rank r: its tokens, for this rank's heads.
-    send = x.reshape(batch, heads, size, seq_len // size, dim).permute(2, 0, 1, 3, 4).contiguous()
+    batch, _, seq_len, dim = xs[0].shape
+    heads = [x.shape[1] for x in xs]
+    # Piece r goes to rank r: its tokens, for this rank's heads of each tensor.
+    send = torch.cat(xs, dim=1).reshape(batch, sum(heads), size, seq_len // size, dim).permute(2, 0, 1, 3, 4)
+    send = send.contiguous()
     received = torch.empty_like(send)  # piece r: rank r's heads, for this rank's tokens
     dist.all_to_all_single(received, send, group=group)
-    return received.transpose(0, 1).reshape(batch, size * heads, seq_len // size, dim)
+    return tuple(piece.transpose(0, 1).reshape(batch, size * h, seq_len // size, dim)
+                 for piece, h in zip(received.split(heads, dim=2), heads, strict=True))
 
 
 class _SequenceToHeads(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, group, *xs):
         ctx.group = group
-        return _sequence_to_heads(x, group)
+        return _sequence_to_heads(xs, group)
 
     @staticmethod
-    def backward(ctx, grad):
-        return _heads_to_sequence(grad, ctx.group), None
+    def backward(ctx, *grads):
+        return None, *_heads_to_sequence(grads, ctx.group)
 
 
 class _HeadsToSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, group, *xs):
         ctx.group = group
-        return _heads_to_sequence(x, group)
+        return _heads_to_sequence(xs, group)
 
     @staticmethod
-    def backward(ctx, grad):
-        return _sequence_to_heads(grad, ctx.group), None
+    def backward(ctx, *grads):
+        return None, *_sequence_to_heads(grads, ctx.group)
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None,
@@ -98,5 +105,5 @@ def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grou
         raise ValueError(f"all-to-all attention over {size} ranks: {q.shape[1]} heads must divide by {size}")
     if k.shape[1] % size:
         k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-    heads = [sequence_to_heads(t, group) for t in (q, k, v)]
-    return heads_to_sequence(causal_attention(*heads, documents, scale), group)
+    heads = sequence_to_heads(q, k, v, group=group)
+    return heads_to_sequence(causal_attention(*heads, documents, scale), group=group)[0]
