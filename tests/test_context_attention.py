@@ -222,12 +222,12 @@ def model_differences(family: str, mode: str, group: dist.ProcessGroup, packed: 
     tokens = torch.randint(0, 256, (2, MODEL_SEQ_LEN + 1), generator=torch.Generator().manual_seed(1))
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     documents = document_ids(((5, 11, 3, 13), (32,))) if packed else None
-    with ContextParallel(mode, None, MODEL_SEQ_LEN).attending(documents):
+    with ContextParallel(mode, None).attending(documents):
         logits = model(inputs)
     F.cross_entropy(logits.flatten(0, 1), targets.flatten()).backward()
     expected = {name: p.grad.clone() for name, p in model.named_parameters()}
     model.zero_grad()
-    context = ContextParallel(mode, group, MODEL_SEQ_LEN)
+    context = ContextParallel(mode, group)
     handle = context.feed_positions(positions, argument)
     with context.attending(documents):
         local = model(context.shard(inputs))

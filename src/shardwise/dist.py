@@ -150,6 +150,13 @@ def init_mesh(ctx: DistContext, dp: int, pp: int, tp: int) -> DeviceMesh:
     return init_device_mesh(ctx.device.type, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
 
 
+def context_group(ctx: DistContext, cp: int) -> dist.ProcessGroup:
+    """This rank's context-parallel group: the `cp` consecutive ranks it is one of (the world as a
+    (world / cp) x cp DeviceMesh, cp innermost: a sequence's ranks communicate in every layer, so
+    they are neighbours)."""
+    return init_device_mesh(ctx.device.type, (ctx.world_size // cp, cp), mesh_dim_names=("dp", "cp")).get_group("cp")
+
+
 def broadcast_from_rank0(tensors: list[torch.Tensor]) -> None:
     """Overwrite `tensors` on every rank with rank 0's values, in place."""
     with torch.no_grad():

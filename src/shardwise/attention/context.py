@@ -35,28 +35,31 @@ _SDPA = inspect.signature(lambda query, key, value, attn_mask=None, dropout_p=0.
 
 class ContextParallel:
     """One model's context parallelism: `mode` ("ring" or "all-to-all") over `group` (None: one
-    rank, document masks only) for sequences of `seq_len` tokens."""
+    rank, document masks only). Sequences of any length the layout splits are taken as they come."""
 
-    def __init__(self, mode: str, group: dist.ProcessGroup | None, seq_len: int) -> None:
+    def __init__(self, mode: str, group: dist.ProcessGroup | None) -> None:
         if mode not in MODES:
             raise ValueError(f"context-parallel mode {mode!r}: unknown; allowed: {', '.join(MODES)}")
         self.mode = mode
         self.group = group
-        size = 1 if group is None else group.size()
+        self.size = 1 if group is None else group.size()
         self.rank = 0 if group is None else group.rank()
-        split = SequenceLayout.head_tail if mode == "ring" else SequenceLayout.contiguous
-        self.layout = split(seq_len, size)
-        self.ring = Ring(group, self.layout, RingStats())
+        self.stats = RingStats()  # ring attention's work on this rank, over every call
         self.documents: torch.Tensor | None = None  # of the batch under way, while `attending`
+
+    def layout(self, seq_len: int) -> SequenceLayout:
+        """How a sequence of `seq_len` tokens is split: head-tail for ring attention (balanced causal
+        work), contiguous for all-to-all (its all-to-all puts the sequence back in order)."""
+        split = SequenceLayout.head_tail if self.mode == "ring" else SequenceLayout.contiguous
+        return split(seq_len, self.size)
 
     def shard(self, full: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's tokens of `full` (inputs, targets: the whole sequence along `dim`)."""
-        return self.layout.shard(full, self.rank, dim)
+        return self.layout(full.shape[dim]).shard(full, self.rank, dim)
 
-    @property
-    def positions(self) -> torch.Tensor:
-        """The global positions of this rank's tokens, in local order."""
-        return self.layout.positions(self.rank)
+    def positions(self, local_len: int) -> torch.Tensor:
+        """The global positions of this rank's `local_len` tokens, in local order."""
+        return self.layout(local_len * self.size).positions(self.rank)
 
     def feed_positions(self, module: nn.Module, argument: int | str) -> RemovableHandle:
         """Give `module` (a position embedding, a rotary embedding) this rank's global positions in
@@ -65,7 +68,8 @@ class ContextParallel:
         dimensions of 1 or of the batch)."""
 
         def global_positions(local: torch.Tensor) -> torch.Tensor:
-            return self.positions.to(local.device).view(*[1] * (local.dim() - 1), -1).expand_as(local)
+            positions = self.positions(local.shape[-1]).to(local.device)
+            return positions.view(*[1] * (local.dim() - 1), -1).expand_as(local)
 
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
             if isinstance(argument, str):
@@ -91,7 +95,8 @@ class ContextParallel:
         if self.group is None:
             return causal_attention(q, k, v, self.documents, scale)
         if self.mode == "ring":
-            return ring_attention(q, k, v, self.ring, self.documents, scale)
+            ring = Ring(self.group, self.layout(q.shape[2] * self.size), self.stats)
+            return ring_attention(q, k, v, ring, self.documents, scale)
         return all_to_all_attention(q, k, v, self.group, self.documents, scale)
 
 

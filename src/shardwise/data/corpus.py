@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-CORPORA = ("shakespeare", "stdlib")
+from shardwise.config import CORPORA
 
 
 def cache_dir() -> Path:
