@@ -48,6 +48,17 @@ def document_ids(lengths: tuple[tuple[int, ...], ...]) -> torch.Tensor:
     return torch.stack([torch.repeat_interleave(torch.arange(len(row)), torch.tensor(row)) for row in lengths])
 
 
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     documents: torch.Tensor | None) -> torch.Tensor:
+    """The reference: scaled_dot_product_attention on the whole sequence with the whole causal and
+    document mask written out."""
+    positions = torch.arange(q.shape[2])
+    visible = positions[None, :] <= positions[:, None]
+    if documents is not None:
+        visible = visible & (documents[:, None, :, None] == documents[:, None, None, :])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, enable_gqa=True)
+
+
 def attention_inputs(kv_heads: int) -> tuple[torch.Tensor, ...]:
     generator = torch.Generator().manual_seed(kv_heads)
     shapes = [(BATCH, HEADS, SEQ_LEN, HEAD_DIM)] + [(BATCH, kv_heads, SEQ_LEN, HEAD_DIM)] * 2 + \
@@ -61,7 +72,7 @@ def errors_against_whole_sequence(mode: str, group: dist.ProcessGroup, kv_heads:
     tokens' gradients of q, k and v; and the score entries ring attention computed."""
     q, k, v, grad = attention_inputs(kv_heads)
     whole = [t.clone().requires_grad_() for t in (q, k, v)]
-    expected = causal_attention(*whole, documents)
+    expected = masked_attention(*whole, documents)
     expected.backward(grad)
     rank, size = group.rank(), group.size()
     layout = SequenceLayout.head_tail(SEQ_LEN, size) if mode == "ring" else SequenceLayout.contiguous(SEQ_LEN, size)
@@ -166,7 +177,9 @@ def test_one_rank_ring_with_documents_matches_masked_attention():
     with the mask, in both layouts' chunking."""
     documents = document_ids(DOCUMENT_LENGTHS)
     q, k, v, _ = attention_inputs(HEADS // 2)
-    expected = causal_attention(q, k, v, documents)
+    expected = masked_attention(q, k, v, documents)
+    assert torch.equal(causal_attention(q, k, v, documents), ring_attention(
+        q, k, v, Ring(None, SequenceLayout.head_tail(SEQ_LEN, 1), RingStats()), documents))
     for layout in (SequenceLayout.head_tail(SEQ_LEN, 1), SequenceLayout.contiguous(SEQ_LEN, 1)):
         got = ring_attention(q, k, v, Ring(None, layout, RingStats()), documents)
         torch.testing.assert_close(got, expected, rtol=0, atol=TOLERANCE)

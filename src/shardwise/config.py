@@ -513,6 +513,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _positive("parallel.ps_servers", p.ps_servers)
     _positive("parallel.ps_max_staleness", p.ps_max_staleness, zero_ok=True)
     strategy = spec(p.strategy)
+    _validate_context(cfg, world)
     strategy.strategy_class().check_config(cfg, world)
     if strategy.one_process and world != 1:
         raise ConfigError(
@@ -524,7 +525,6 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                           "train.checkpoint_every = 0 and run.resume = false")
     if m.weights is not None:
         _validate_weights(m.weights, p.strategy)
-    _validate_context(cfg, world)
     _validate_mesh(cfg, world)
     dp = p.mesh_shape(world)[0]
     per_step = dp * t.micro_batch

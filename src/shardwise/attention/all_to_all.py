@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
-from shardwise.attention.blocks import block_mask
+from shardwise.attention.ring import causal_attention
 
 
 def sequence_to_heads(*xs: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, ...]:
@@ -77,18 +76,6 @@ class _HeadsToSequence(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         return None, *_sequence_to_heads(grads, ctx.group)
-
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None,
-                     scale: float | None = None) -> torch.Tensor:
-    """Causal attention of a whole sequence on one rank (`scaled_dot_product_attention`), within
-    documents where `documents` (ids per token, `[batch, seq_len]`) is given."""
-    gqa = k.shape[1] != q.shape[1]
-    if documents is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-    positions = torch.arange(q.shape[2], device=q.device)
-    mask = block_mask(positions, positions, documents, documents).visible  # [batch, 1, seq_len, seq_len]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
 
 
 def all_to_all_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup,

@@ -24,9 +24,9 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
-from shardwise.attention.all_to_all import all_to_all_attention, causal_attention
+from shardwise.attention.all_to_all import all_to_all_attention
 from shardwise.attention.layout import SequenceLayout
-from shardwise.attention.ring import Ring, RingStats, ring_attention
+from shardwise.attention.ring import Ring, RingStats, causal_attention, ring_attention
 
 MODES = ("ring", "all-to-all")
 _SDPA = inspect.signature(lambda query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from shardwise.attention.blocks import BlockMask, block_backward, block_forward, block_mask, merge
 from shardwise.attention.layout import SequenceLayout
@@ -88,6 +89,17 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring
         raise ValueError(f"{q.shape[1]} query heads cannot share {k.shape[1]} key/value heads evenly")
     scale = 1 / math.sqrt(q.shape[-1]) if scale is None else scale
     return _RingAttention.apply(q, k, v, ring, documents, scale)
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, documents: torch.Tensor | None = None,
+                     scale: float | None = None) -> torch.Tensor:
+    """Causal attention of a whole sequence on one rank, within documents where `documents` (ids
+    per token, `[batch, seq_len]`) is given: `scaled_dot_product_attention` without documents; with
+    them a ring of one, which computes its blocks' masks as it goes instead of holding a mask of
+    seq_len x seq_len for backward, as the fused kernel given one would."""
+    if documents is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    return ring_attention(q, k, v, Ring(None, SequenceLayout.head_tail(q.shape[2], 1), RingStats()), documents, scale)
 
 
 class _Chunks:
