@@ -52,7 +52,9 @@ def _heads_to_sequence(xs: tuple[torch.Tensor, ...], group: dist.ProcessGroup) -
     send = send.contiguous()
     received = torch.empty_like(send)  # piece r: rank r's heads, for this rank's tokens
     dist.all_to_all_single(received, send, group=group)
-    return tuple(piece.transpose(0, 1).reshape(batch, size * h, seq_len // size, dim)
+    # Laid out [batch, tokens, heads, dim], as scaled_dot_product_attention's fused kernels return
+    # their output, so a model's transpose back to [batch, tokens, width] copies nothing.
+    return tuple(piece.permute(1, 3, 0, 2, 4).reshape(batch, seq_len // size, size * h, dim).transpose(1, 2)
                  for piece, h in zip(received.split(heads, dim=2), heads, strict=True))
 
 

@@ -144,19 +144,22 @@ class _RingAttention(torch.autograd.Function):
             if step + 1 < ring.size:
                 _wait(requests)
                 kv = arriving
-        out = torch.cat(outs, dim=2)
+        # In q's dtype and laid out [batch, tokens, heads, head_dim] as scaled_dot_product_attention's
+        # fused kernels return it, so a model's transpose back to [batch, tokens, width] copies nothing.
+        batch, heads, length, dim = q.shape
+        out = q.new_empty(batch, length, heads, dim).transpose(1, 2).copy_(torch.cat(outs, dim=2))
         ctx.save_for_backward(q, k, v, out, torch.cat(lses, dim=2))
         ctx.ring, ctx.documents, ctx.scale = ring, documents, scale
-        return out.to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         ring, documents, scale = ctx.ring, ctx.documents, ctx.scale
         n = ring.layout.chunks_per_rank
-        q_chunks, out_chunks, lse_chunks = q.float().chunk(n, dim=2), out.chunk(n, dim=2), lse.chunk(n, dim=2)
+        q_chunks, out_chunks, lse_chunks = q.float().chunk(n, dim=2), out.float().chunk(n, dim=2), lse.chunk(n, dim=2)
         dout_chunks = dout.float().contiguous().chunk(n, dim=2)
-        dq = torch.zeros_like(out)
+        dq = torch.zeros_like(q, dtype=torch.float32)
         dq_chunks = dq.chunk(n, dim=2)
         kv = torch.stack([k.float(), v.float()])
         queries = _Chunks(ring, ring.rank, documents, q.device)

@@ -54,7 +54,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
 
 def _mesh(e: Evaluated) -> str:
     c = e.candidate
-    mesh = f"{c.dp}x{c.pp}x{c.tp}"
+    mesh = f"{c.dp}x{c.pp}x{c.tp}" + (f" cp{c.cp} {c.cp_mode}" if c.cp > 1 else "")
     return mesh + (f" M{c.micro_batches} {c.schedule}" if c.spec.pipelined else "")
 
 
@@ -133,11 +133,12 @@ def format_plan(plan: Plan, top: int = 15) -> str:
         lines += ["", "largest micro-batch that fits, per strategy (best precision and recompute):"]
         best_batch: dict[tuple, dict[str, Any]] = {}
         for entry in plan.max_batch:
-            key = (entry["strategy"], entry["dp"], entry["pp"], entry["tp"])
+            cp = f" cp{entry['cp']} {entry['cp_mode']}" if entry["cp"] > 1 else ""
+            key = (entry["strategy"], f"{entry['dp']}x{entry['pp']}x{entry['tp']}{cp}")
             if key not in best_batch or entry["max_micro_batch"] > best_batch[key]["max_micro_batch"]:
                 best_batch[key] = entry
-        for (strategy, dp, pp, tp), entry in sorted(best_batch.items()):
-            lines.append(f"  {strategy:<14} {dp}x{pp}x{tp:<12} {entry['max_micro_batch']:>8}  "
+        for (strategy, mesh), entry in sorted(best_batch.items()):
+            lines.append(f"  {strategy:<14} {mesh:<20} {entry['max_micro_batch']:>8}  "
                          f"({entry['precision']}, recompute {entry['recompute']})")
     return "\n".join(lines)
 
