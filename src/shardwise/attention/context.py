@@ -2,18 +2,22 @@
 
 A model computes attention with `torch.nn.functional.scaled_dot_product_attention(q, k, v,
 is_causal=True)` (shardwise's GPT does, and so does transformers' `sdpa` attention). While
-`ContextParallel.attending` is open, a torch function mode catches those calls and computes them
-over the group instead (ring or all-to-all), within the documents of the batch if it is packed;
-every other operation of the model runs unchanged on this rank's tokens. So the model needs only
+`ContextParallel.attending` is open, that function is replaced (as PyTorch's own context parallel
+does it) by one that computes causal attention over the group (ring or all-to-all), within the
+documents of the batch if it is packed; every other operation of the model runs unchanged on this
+rank's tokens. Replacing the function, not intercepting it with a torch function mode, is what
+reaches recomputation too: checkpointed blocks run their forward again inside backward, where
+the autograd engine leaves torch function modes off. So the model needs only
 two things from outside: its inputs and targets split by the layout (`shard`), and its position
 embedding (or RoPE) fed the tokens' global positions instead of 0 .. local_len - 1 (`feed_positions`).
 
-Without a group (one rank, no context parallelism) the same mode applies document masks alone.
+Without a group (one rank, no context parallelism) the same replacement applies document masks
+alone. One attending context at a time per process (the strategies that compose run one model
+per process).
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -21,16 +25,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
 from shardwise.attention.all_to_all import all_to_all_attention
 from shardwise.attention.layout import SequenceLayout
-from shardwise.attention.ring import Ring, RingStats, causal_attention, ring_attention
+from shardwise.attention.ring import SDPA, Ring, RingStats, causal_attention, ring_attention
 
 MODES = ("ring", "all-to-all")
-_SDPA = inspect.signature(lambda query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                          enable_gqa=False: None)
 
 
 class ContextParallel:
@@ -83,12 +84,28 @@ class ContextParallel:
         """Inside, the model's causal attention calls run over the group, within `documents` (each
         token's document over the whole sequence, `[batch, seq_len]`) where given. Keep it open for
         backward too where blocks are recomputed there (activation checkpointing)."""
+        if F.scaled_dot_product_attention is not SDPA:
+            raise RuntimeError("scaled_dot_product_attention is already replaced: one attending context at a time")
         self.documents = documents
+        F.scaled_dot_product_attention = self._scaled_dot_product_attention
         try:
-            with _SplitAttention(self):
-                yield
+            yield
         finally:
+            F.scaled_dot_product_attention = SDPA
             self.documents = None
+
+    def _scaled_dot_product_attention(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                                      attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
+                                      is_causal: bool = False, scale: float | None = None,
+                                      enable_gqa: bool = False) -> torch.Tensor:
+        """`scaled_dot_product_attention`'s signature; the causal calls it can compute go to
+        `attention` (grouped-query heads whatever `enable_gqa` says), the rest are refused."""
+        if attn_mask is not None or not is_causal or dropout_p:
+            raise ValueError("context parallelism and document masks compute causal attention "
+                             "(scaled_dot_product_attention with is_causal=True, no attn_mask, no dropout); the model "
+                             f"called it with attn_mask={None if attn_mask is None else 'a tensor'}, "
+                             f"is_causal={is_causal}, dropout_p={dropout_p}")
+        return self.attention(query, key, value, scale)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
         """Causal attention of this rank's queries on the whole sequence, as the mode computes it."""
@@ -98,24 +115,3 @@ class ContextParallel:
             ring = Ring(self.group, self.layout(q.shape[2] * self.size), self.stats)
             return ring_attention(q, k, v, ring, self.documents, scale)
         return all_to_all_attention(q, k, v, self.group, self.documents, scale)
-
-
-class _SplitAttention(TorchFunctionMode):
-    """Routes `scaled_dot_product_attention` to `ContextParallel.attention`; everything else passes."""
-
-    def __init__(self, context: ContextParallel) -> None:
-        super().__init__()
-        self.context = context
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention:
-            return func(*args, **kwargs)
-        call = _SDPA.bind(*args, **kwargs).arguments
-        mask, causal, dropout = call.get("attn_mask"), call.get("is_causal", False), call.get("dropout_p", 0.0)
-        if mask is not None or not causal or dropout:
-            raise ValueError("context parallelism and document masks compute causal attention "
-                             "(scaled_dot_product_attention with is_causal=True, no attn_mask, no dropout); the model "
-                             f"called it with attn_mask={None if mask is None else 'a tensor'}, is_causal={causal}, "
-                             f"dropout_p={dropout}")
-        return self.context.attention(call["query"], call["key"], call["value"], call.get("scale"))

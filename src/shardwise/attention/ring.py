@@ -32,6 +32,9 @@ from shardwise.attention.blocks import BlockMask, block_backward, block_forward,
 from shardwise.attention.layout import SequenceLayout
 
 KEYS_TAG, GRADIENTS_TAG = 0, 1  # the two rings of messages between the same neighbours
+# torch's own, taken before anything could replace it (ContextParallel.attending replaces it with
+# what calls the functions here)
+SDPA = F.scaled_dot_product_attention
 
 
 @dataclass
@@ -98,7 +101,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, document
     them a ring of one, which computes its blocks' masks as it goes instead of holding a mask of
     seq_len x seq_len for backward, as the fused kernel given one would."""
     if documents is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+        return SDPA(q, k, v, is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
     return ring_attention(q, k, v, Ring(None, SequenceLayout.head_tail(q.shape[2], 1), RingStats()), documents, scale)
 
 
