@@ -37,6 +37,7 @@ from shardwise.config import ModelConfig
 from shardwise.dist import DistContext
 from shardwise.models import GPT, GPTConfig
 from shardwise.models.hf import build_causal_lm
+from shardwise.models.plans import find_positions
 
 BATCH, HEADS, SEQ_LEN, HEAD_DIM = 3, 4, 32, 8
 TOLERANCE = 1e-5
@@ -216,15 +217,14 @@ MODEL_SEQ_LEN = 32
 
 
 def tiny_model(family: str) -> tuple[nn.Module, nn.Module, int | str]:
-    """A 2-block model of `family`, the module fed positions and which of its arguments they are."""
+    """A 2-block model of `family`, and where its plan says it takes positions."""
     torch.manual_seed(0)
     if family == "gpt":
         model = GPT(GPTConfig(n_layer=2, n_head=4, d_model=32, seq_len=MODEL_SEQ_LEN, vocab_size=256))
-        return model, model.pos_emb, 0
-    cfg = ModelConfig(name="hf-llama", n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=64, seq_len=MODEL_SEQ_LEN,
-                      vocab_size=256)
-    model = build_causal_lm(cfg)
-    return model, model.lm.model.rotary_emb, "position_ids"
+    else:
+        model = build_causal_lm(ModelConfig(name="hf-llama", n_layer=2, n_head=4, n_kv_head=2, d_model=32, d_ff=64,
+                                            seq_len=MODEL_SEQ_LEN, vocab_size=256))
+    return model, *find_positions(model)
 
 
 def model_differences(family: str, mode: str, group: dist.ProcessGroup, packed: bool) -> dict[str, float]:

@@ -634,11 +634,13 @@ def _validate_context(cfg: Config, world: int) -> None:
             f"{2 * p.cp} equal chunks (each rank one early and one late, for even causal work); make it divisible by "
             f"{2 * p.cp}"
         )
-    if p.cp_mode == "all-to-all" and (m.n_head % p.cp or m.seq_len % p.cp):
+    tp = p.mesh_shape(world)[2]
+    if p.cp_mode == "all-to-all" and (m.n_head % (p.cp * tp) or m.seq_len % p.cp):
+        heads = "n_head / cp" if tp == 1 else f"n_head / (cp x tp) = n_head / {p.cp * tp}"
         raise ConfigError(
             f"model.n_head = {m.n_head}, model.seq_len = {m.seq_len}: parallel.cp_mode = 'all-to-all' gives each of "
-            f"the parallel.cp = {p.cp} ranks n_head / cp heads over the whole sequence, gathered from seq_len / cp "
-            f"tokens on each; both must be divisible by {p.cp} (or use cp_mode = 'ring')"
+            f"the parallel.cp = {p.cp} ranks {heads} heads over the whole sequence, gathered from seq_len / cp "
+            f"tokens on each; make them divisible (or use cp_mode = 'ring')"
         )
 
 

@@ -74,7 +74,7 @@ def _divisors(n: int) -> list[int]:
 def _meshes(world: int, nodes: int) -> Iterator[tuple[str, int, int, int, int, str | None]]:
     """(strategy, dp, pp, tp, cp, cp_mode) for every planned strategy and factorisation of the world
     it can use; hsdp only on several nodes (on one it is fsdp); context parallel in both modes over
-    every cp dividing the world, for the data-parallel strategies it composes with."""
+    every cp dividing what the other dimensions leave, for the strategies it composes with."""
     planned = [s for s in SPECS.values() if s.planned]
     for s in planned:
         if not s.splits_model and (nodes > 1 or not s.across_nodes):
@@ -90,6 +90,10 @@ def _meshes(world: int, nodes: int) -> Iterator[tuple[str, int, int, int, int, s
             for s in planned:
                 if s.mesh_dim == own:
                     yield s.name, dp, pp, tp, 1, None
+                    if s.context_parallel:
+                        for cp in _divisors(dp)[1:]:
+                            for mode in CP_MODES:
+                                yield s.name, dp // cp, pp, tp, cp, mode
 
 
 def micro_batch_options(per_replica: int) -> list[int]:

@@ -194,7 +194,7 @@ def all_to_all_outputs(c: Candidate, shape: ModelShape) -> int:
     kind, every = parse_policy(c.recompute)
     kept = {"none": shape.n_layer, "every": shape.n_layer - len(range(0, shape.n_layer, every))}.get(kind, 0)
     element = dtype_bytes(make_precision(c.precision).compute_dtype)
-    return kept * c.micro_batch * shape.seq_len // c.cp * shape.d_model * element
+    return kept * c.micro_batch * shape.seq_len // c.cp * shape.d_model // c.tp * element
 
 
 def context_buffers(c: Candidate, shape: ModelShape) -> int:
@@ -205,11 +205,12 @@ def context_buffers(c: Candidate, shape: ModelShape) -> int:
         return 0
     tokens = c.micro_batch * shape.seq_len // c.cp
     head_dim = shape.d_model // shape.n_head
+    heads, kv_heads = shape.n_head // c.tp, shape.n_kv_head // c.tp  # this tp rank's
     if c.cp_mode == "ring":
-        return 4 * 2 * tokens * shape.n_kv_head * head_dim * 4
-    kv_heads = shape.n_kv_head if shape.n_kv_head % c.cp == 0 else shape.n_head
+        return 4 * 2 * tokens * kv_heads * head_dim * 4
+    kv_heads = kv_heads if kv_heads % c.cp == 0 else heads
     computing = make_precision(c.precision).compute_dtype
-    return 2 * tokens * (shape.n_head + 2 * kv_heads) * head_dim * dtype_bytes(computing)
+    return 2 * tokens * (heads + 2 * kv_heads) * head_dim * dtype_bytes(computing)
 
 
 def _sharded_buffers(c: Candidate, cfg: Config, units: list[Tensors], world: int, stored: int) -> int:
@@ -318,19 +319,20 @@ def _pipeline(c: Candidate, cfg: Config, shape: ModelShape, activations: bool) -
 def _tensor(c: Candidate, cfg: Config, shape: ModelShape, activations: bool) -> RankMemory:
     facts = rank_facts(shape, c.tp)
     key = trace_key(shape, c, c.tp, cfg.parallel.sequence_parallel)
-    saved = saved_bytes(key).stage(0, shape.n_layer, True, True, c.recompute, c.micro_batch) if activations else 0
+    saved = saved_bytes(key).stage(0, shape.n_layer, True, True, c.recompute, c.micro_batch) \
+        + all_to_all_outputs(c, shape) if activations else 0
     # An all-reduce's result is a copy of one activation (ReduceFromTensorParallel clones its input).
-    activation = c.micro_batch * shape.seq_len * shape.d_model * 4
-    return _mesh_rank(c, cfg, facts.params_total, facts.tensor_count, saved, activation)
+    activation = c.micro_batch * shape.seq_len // c.cp * shape.d_model * 4
+    return _mesh_rank(c, cfg, facts.params_total, facts.tensor_count, saved, activation + context_buffers(c, shape))
 
 
 def _mesh_rank(c: Candidate, cfg: Config, numel: int, count: int, activations: int, buffers: int) -> RankMemory:
     """A rank of the model-splitting strategies: the `numel` elements (`count` tensors) it holds
-    whole and their gradients, in the precision's storage dtype, plus, with data parallel beside,
-    the packed copy of its gradients the dp all-reduce sends."""
+    whole and their gradients, in the precision's storage dtype, plus, with data (or context)
+    parallel beside, the packed copy of its gradients the dp (cp) all-reduce sends."""
     stored = dtype_bytes(make_precision(c.precision, cfg.parallel.reduce_dtype).param_dtype)
     held = numel * stored
-    packed = held if c.dp > 1 else 0
+    packed = held if c.dp > 1 or c.cp > 1 else 0
     return RankMemory(held, held, optimizer_bytes(numel, count, stored, cfg), activations, buffers + packed)
 
 

@@ -245,17 +245,18 @@ def context_s(c: Candidate, shape: ModelShape, device: DeviceProfile) -> tuple[f
         return 0.0, 0.0
     tokens = c.micro_batch * shape.seq_len / c.cp  # this rank's
     head_dim = shape.d_model // shape.n_head
-    inter_node = _spans_nodes(c.cp, 1, device.gpus_per_node)
+    heads, kv_heads = shape.n_head // c.tp, shape.n_kv_head // c.tp  # this tp rank's
+    inter_node = _spans_nodes(c.cp, c.pp * c.tp, device.gpus_per_node)
     if c.cp_mode == "ring":
-        keys_values = 2 * tokens * shape.n_kv_head * head_dim * 4
+        keys_values = 2 * tokens * kv_heads * head_dim * 4
         hop = keys_values / device.bandwidth(inter_node, "p2p") + device.latency_s
         comm = shape.n_layer * (3 * c.cp - 2) * hop  # cp - 1 forward, cp - 1 backward, cp of gradients
-        attention = shape.n_layer * tokens * 12 * shape.d_model * shape.seq_len / device.flops(
+        attention = shape.n_layer * tokens * 12 * shape.d_model / c.tp * shape.seq_len / device.flops(
             compute_dtype(c.precision))
         return comm, _hidden(comm, attention, device.overlap)
-    kv_heads = shape.n_kv_head if shape.n_kv_head % c.cp == 0 else shape.n_head
+    kv_heads = kv_heads if kv_heads % c.cp == 0 else heads
     element = dtype_bytes(make_precision(c.precision).compute_dtype)
-    qkv, out = (tokens * heads * head_dim * element for heads in (shape.n_head + 2 * kv_heads, shape.n_head))
+    qkv, out = (tokens * count * head_dim * element for count in (heads + 2 * kv_heads, heads))
     bandwidth = device.bandwidth(inter_node, "all_gather")  # each rank sends (cp - 1) / cp of what it holds
     exchanges = sum(all_gather_s(nbytes, c.cp, bandwidth, device.latency_s) for nbytes in (qkv, out))
     comm = shape.n_layer * 2 * exchanges  # forward, and the gradients backward
@@ -278,22 +279,27 @@ def _hsdp(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceProfile, w
 
 
 def _mesh_dp_all_reduce(c: Candidate, numel: int, device: DeviceProfile) -> float:
-    """The model-splitting strategies average every gradient over the dp group after backward."""
-    bandwidth = device.bandwidth(_spans_nodes(c.dp, c.pp * c.tp, device.gpus_per_node))
-    return all_reduce_s(numel * 4, c.dp, bandwidth, device.latency_s)
+    """The model-splitting strategies average every gradient over the cp group, then over the dp
+    group, after backward."""
+    over_cp = all_reduce_s(numel * 4, c.cp, device.bandwidth(_spans_nodes(c.cp, c.pp * c.tp, device.gpus_per_node)),
+                           device.latency_s)
+    bandwidth = device.bandwidth(_spans_nodes(c.dp, c.cp * c.pp * c.tp, device.gpus_per_node))
+    return over_cp + all_reduce_s(numel * 4, c.dp, bandwidth, device.latency_s)
 
 
 def _tensor(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceProfile, traced: bool) -> StepTime:
     facts = rank_facts(shape, c.tp)
     micro_steps = cfg.train.global_batch // (c.dp * c.micro_batch)
-    tokens = c.micro_batch * shape.seq_len
+    tokens = c.micro_batch * shape.seq_len / c.cp  # this rank's
     compute = micro_steps * micro_step_s(c, shape, device, 0, shape.n_layer, True, True, c.micro_batch, traced)
     bandwidth = device.bandwidth(_spans_nodes(c.tp, 1, device.gpus_per_node))
     activations = all_reduce_s(tokens * shape.d_model * 4, c.tp, bandwidth, device.latency_s)
     tp_comm = micro_steps * 4 * shape.n_layer * activations
     numel = facts.params_total
     dp_comm = _mesh_dp_all_reduce(c, numel, device)
-    return StepTime(compute, tp_comm + dp_comm, tp_comm + dp_comm, 0.0, _optimizer_s(numel, 4, cfg, device))
+    context, context_exposed = (micro_steps * t for t in context_s(c, shape, device))
+    return StepTime(compute, tp_comm + dp_comm + context, tp_comm + dp_comm + context_exposed, 0.0,
+                    _optimizer_s(numel, 4, cfg, device))
 
 
 def _pipeline(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceProfile, traced: bool) -> StepTime:

@@ -18,6 +18,7 @@ from shardwise.gradients import clip_grad_norm_
 from shardwise.materialise import Materialiser, check_one_device_kind
 from shardwise.memory import MemoryBreakdown, count_memory, local_tensor
 from shardwise.models.hf import decoder_layer_class
+from shardwise.models.plans import find_positions
 from shardwise.precision import LossScaler, make_precision
 from shardwise.recompute import apply_recompute
 from shardwise.strategies.registry import spec
@@ -89,7 +90,7 @@ class Strategy:
         apply_recompute(model, self.cfg.recompute, self.cfg.block, once=self.recompute_once)
         self.context = ContextParallel(self.cfg.cp_mode, self.context_group())
         if self.cfg.cp > 1:
-            self.context.feed_positions(*position_input(model))
+            self.context.feed_positions(*find_positions(model))
         if not check_one_device_kind(model, f"parallel.strategy = {self.cfg.strategy!r}"):
             return model.to(self.ctx.device, self.precision.param_dtype)
         self.materialiser = Materialiser(model, self.cfg.block, self.seed)
@@ -214,17 +215,6 @@ class Strategy:
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The plain model's complete state dict, on CPU (gathered if sharded); valid on rank 0."""
         return {k: v.detach().cpu() for k, v in self.module.state_dict().items()}
-
-
-def position_input(model: nn.Module) -> tuple[nn.Module, int | str]:
-    """The module that takes the model's token positions, and which of its arguments they are."""
-    named = dict(model.named_modules())
-    for suffix, argument in (("pos_emb", 0), ("rotary_emb", "position_ids"), ("wpe", 0)):
-        found = [module for name, module in named.items() if name.split(".")[-1] == suffix]
-        if len(found) == 1:
-            return found[0], argument
-    raise ValueError(f"parallel.cp: no position embedding found in {type(model).__name__} (looked for pos_emb, "
-                     "rotary_emb, wpe)")
 
 
 def make_strategy(cfg: ParallelConfig, ctx: DistContext, seed: int = 0) -> Strategy:

@@ -64,7 +64,8 @@ SPECS: dict[str, StrategySpec] = {spec.name: spec for spec in (
     StrategySpec("hsdp", "hsdp", "HSDP", zero_stage=3, across_nodes=True, planned=True),
     StrategySpec("pipeline", "pipeline", "Pipeline", mesh_dim="pp", zero_stage=None, pipelined=True, planned=True),
     StrategySpec("model-parallel", "pipeline", "ModelParallel", mesh_dim="pp", zero_stage=None, planned=True),
-    StrategySpec("tensor", "tensor", "TensorParallel", mesh_dim="tp", zero_stage=None, planned=True),
+    StrategySpec("tensor", "tensor", "TensorParallel", mesh_dim="tp", zero_stage=None, planned=True,
+                 context_parallel=True),
     StrategySpec("param-server", "param_server", "ParamServer", parameter_servers=True, own_launcher=True,
                  checkpoints=False, api=False),
 )}
