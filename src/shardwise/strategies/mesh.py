@@ -135,9 +135,10 @@ class MeshStrategy(DeferrableSync):
         if p.sequence_parallel and tp < 2:
             raise ConfigError("parallel.sequence_parallel = true: splits the sequence over the tp ranks of each block; "
                               f"needs parallel.tp >= 2 (it is {tp})")
-        if p.sequence_parallel and m.seq_len % tp:
-            raise ConfigError(f"parallel.sequence_parallel = true: parallel.tp = {tp} must divide model.seq_len = "
-                              f"{m.seq_len}; each tp rank holds an equal part of the sequence")
+        if p.sequence_parallel and m.seq_len // p.cp % tp:
+            of = f"model.seq_len / parallel.cp = {m.seq_len // p.cp}" if p.cp > 1 else f"model.seq_len = {m.seq_len}"
+            raise ConfigError(f"parallel.sequence_parallel = true: parallel.tp = {tp} must divide {of}; each tp rank "
+                              "holds an equal part of the sequence")
 
     @classmethod
     def check_split(cls, cfg: Config, dp: int, pp: int, tp: int) -> None:
