@@ -127,9 +127,11 @@ def check_saved_activations(root: Path, names: tuple[str, ...]) -> None:
     """Counted by the trainer's ActivationCounter, per rank: within 10% of cp 1's over cp (where
     the model is whole: tensor's split blocks save less still), and of the planner's prediction
     (its trace of the model at seq_len / cp tokens, plus all-to-all's second copy of each block's
-    attention output). Measured: ring attention keeps what scaled_dot_product_attention keeps for
+    attention output, and the keys and values it repeats where a rank's key/value heads do not
+    divide by cp). Measured: ring attention keeps what scaled_dot_product_attention keeps for
     its tokens (cp 1's / cp to 0.003%), all-to-all +5.2% (GPT) and +3.5% (Llama); the planner
-    within 64 bytes (its int64 positions)."""
+    within 64 bytes (its int64 positions). The byte counts do not depend on the CPU's kernels, so
+    the planner is held to 0.1%: the repeated keys and values alone are 2.5% of the tensor run's."""
     for name in unpacked_without_recompute(names):
         model, strategy, cp, mode, _, _ = RUNS[name]
         counted = read_records(root / name)[0]["memory"]["activations"]
@@ -142,7 +144,7 @@ def check_saved_activations(root: Path, names: tuple[str, ...]) -> None:
         candidate = Candidate(strategy, 4 // cp // tp, 1, tp, "fp32", "none", cfg.train.micro_batch, cp=cp,
                               cp_mode=mode)
         predicted = predict_memory(candidate, cfg)[0].activations
-        assert abs(counted / predicted - 1) <= 0.10, (name, counted, predicted)
+        assert abs(counted / predicted - 1) <= 0.001, (name, counted, predicted)
 
 
 def test_saved_activations_per_rank_are_1_over_cp_of_one_ranks_and_as_the_planner_predicts(fast_runs):

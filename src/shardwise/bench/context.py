@@ -184,4 +184,4 @@ def format_result(result: dict[str, Any]) -> str:
 
 
 if __name__ == "__main__":
-    bench_main("context", run, format_result, ranks=RANKS)
+    bench_main("context", run, format_result, ranks=RANKS, rounds=7)

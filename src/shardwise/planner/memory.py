@@ -188,13 +188,20 @@ def all_to_all_outputs(c: Candidate, shape: ModelShape) -> int:
     """What all-to-all attention saves beyond a forward over seq_len / cp tokens: each block whose
     activations are kept holds its attention output twice, split by heads (what
     `scaled_dot_product_attention` keeps) and back by tokens (what the output projection keeps),
-    where one device holds one tensor both keep."""
+    where one device holds one tensor both keep. Where a rank's key/value heads do not divide by
+    cp, they are repeated for every query head before the exchange, so attention keeps its keys
+    and values at n_head, not n_kv_head, heads."""
     if c.cp == 1 or c.cp_mode != "all-to-all":
         return 0
     kind, every = parse_policy(c.recompute)
     kept = {"none": shape.n_layer, "every": shape.n_layer - len(range(0, shape.n_layer, every))}.get(kind, 0)
     element = dtype_bytes(make_precision(c.precision).compute_dtype)
-    return kept * c.micro_batch * shape.seq_len // c.cp * shape.d_model // c.tp * element
+    tokens = c.micro_batch * shape.seq_len
+    output = tokens // c.cp * shape.d_model // c.tp
+    repeated = 0
+    if shape.n_kv_head // c.tp % c.cp:
+        repeated = 2 * tokens * (shape.n_head - shape.n_kv_head) // (c.tp * c.cp) * (shape.d_model // shape.n_head)
+    return kept * (output + repeated) * element
 
 
 def context_buffers(c: Candidate, shape: ModelShape) -> int:
