@@ -205,6 +205,8 @@ def test_errors_name_the_bad_value(two_ranks):
         sw.setup("ddp")
     with pytest.raises(ConfigError, match="grad_accum = 0"):
         sw.setup("single", grad_accum=0)
+    with pytest.raises(ConfigError, match="cp = 2: context parallel runs under `shardwise train`"):
+        sw.setup("ddp", cp=2)
     run = sw.setup("single", grad_accum=2)
     with pytest.raises(RuntimeError, match="call run.prepare"):
         run.backward(torch.ones(()))

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from shardwise.data import GlobalBatchSampler
-from shardwise.data.corpus import TokenWindows, load_corpus, split_tokens
+from shardwise.data.corpus import TokenWindows, load_corpus, source_files, split_tokens
+from shardwise.data.documents import DocumentWindows, document_starts, split_starts
 from shardwise.data.images import load_digits_split
 
 
@@ -90,3 +91,40 @@ def test_a_fresh_sampler_resumes_at_any_step():
     expected = [first.global_indices(step) for step in range(30)]
     resumed = GlobalBatchSampler(num_samples=50, global_batch=4, seed=9)
     assert torch.equal(resumed.global_indices(17), expected[17])
+
+
+def test_files_as_documents_begin_where_each_play_begins(shakespeare):
+    starts = document_starts("shakespeare", "files", shakespeare)
+    assert len(starts) == 42 and starts[0] == 0
+    text = bytes(shakespeare)
+    # each document is one file and the newline after it
+    assert all(text[start - 1] == ord("\n") for start in starts[1:])
+    assert text[starts[-1]:].rstrip(b"\n") == source_files("shakespeare")[-1].read_bytes().rstrip(b"\n")
+
+
+def test_paragraphs_as_documents_begin_after_every_blank_line():
+    tokens = np.frombuffer(b"one\n\ntwo\nlines\n\n\nthree", dtype=np.uint8)
+    starts = document_starts("shakespeare", "paragraphs", tokens)
+    assert [bytes(tokens[a:b]) for a, b in zip(starts, [*starts[1:], len(tokens)], strict=True)] == [
+        b"one\n\n", b"two\nlines\n\n\n", b"three"]
+
+
+def test_packed_windows_give_each_token_its_document_and_split_with_the_bytes(shakespeare):
+    starts = document_starts("shakespeare", "paragraphs", shakespeare)
+    cut = int(len(shakespeare) * 0.95)
+    train_starts, val_starts = split_starts(starts, cut)
+    train, val = split_tokens(shakespeare, 0.05)
+    windows = DocumentWindows(train, 64, train_starts)
+    indices = torch.tensor([0, 7, 1000])
+    inputs, _ = windows.batch(indices)
+    documents = windows.documents(indices)
+    assert documents.shape == inputs.shape and documents.dtype == torch.int64
+    # a new document begins exactly after a blank line: where the previous two inputs are newlines
+    # and this one is not
+    rows = inputs.numpy()
+    begins = (documents[:, 1:] != documents[:, :-1]).numpy()
+    blank = np.zeros_like(begins)
+    blank[:, 1:] = (rows[:, :-2] == 10) & (rows[:, 1:-1] == 10) & (rows[:, 2:] != 10)
+    assert np.array_equal(begins, blank) and begins.sum() >= 3
+    assert val_starts[0] == 0 and np.array_equal(val_starts[1:] + cut, starts[starts > cut])
+    assert len(val) == len(shakespeare) - cut

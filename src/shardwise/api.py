@@ -81,6 +81,10 @@ def setup(strategy: str, precision: str = "fp32", recompute: str = "none", *, gr
     if not spec(strategy).api:
         raise ConfigError(f"shardwise.setup: strategy = {strategy!r} runs only under `shardwise train`, whose own "
                           "launcher starts its processes and outlives a lost one")
+    if cfg.parallel.cp > 1:
+        raise ConfigError(f"shardwise.setup: cp = {cfg.parallel.cp}: context parallel runs under `shardwise train`, "
+                          "whose trainer splits each micro-batch's sequence and runs the model's attention over the "
+                          "group; here your loop calls the model")
     for key, value, zero_ok in (("grad_accum", grad_accum, False), ("grad_clip", grad_clip, True)):
         if value < 0 or (value == 0 and not zero_ok):
             raise ConfigError(f"shardwise.setup: {key} = {value!r}: must be {'>= 0' if zero_ok else '>= 1'}")

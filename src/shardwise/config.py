@@ -51,8 +51,11 @@ LANGUAGE_MODELS = ("gpt", *HF_MODELS)
 MODELS = (*LANGUAGE_MODELS, "cnn", "mlp")
 GPT_PRESETS = ("tiny", "small", "gpt2-124m")
 OPTIMIZERS = ("adamw", "sgd")
-TEXT_DATASETS = ("shakespeare", "stdlib", "synthetic-tokens")
+CORPORA = ("shakespeare", "stdlib")  # the built-in text corpora (data/corpus.py)
+TEXT_DATASETS = (*CORPORA, "synthetic-tokens")
 IMAGE_DATASETS = ("digits", "synthetic-images")
+DOCUMENTS = ("none", "files", "paragraphs")  # what a corpus's documents are, for document masks (data/documents.py)
+CP_MODES = ("ring", "all-to-all")
 BACKENDS = ("auto", "gloo", "nccl")
 DEFAULT_BLOCK = "Block"  # the GPT's block class
 
@@ -109,6 +112,10 @@ class DataConfig:
                        "CNN / MLP: `digits` (scikit-learn), `synthetic-images`", TEXT_DATASETS + IMAGE_DATASETS)
     val_fraction: float = option(0.05, "the last fraction of the corpus validates; between 0 and 1")
     synthetic_size: int = option(1 << 20, "bytes (or images) of synthetic data")
+    documents: str = option("none", "`shakespeare`, `stdlib`: pack documents with a document mask (no token attends "
+                            "to another document's): `files` (each play or module), `paragraphs` (each block after "
+                            "a blank line); `none`: one stream, attention across everything in a window "
+                            "(docs/strategies/context.md)", DOCUMENTS)
 
 
 @dataclass
@@ -195,6 +202,11 @@ class ParallelConfig:
                                         "into pp x virtual_stages stages of at least one block each")
     split_points: list[int] | None = option(None, "`pipeline`: the first block of stages 2..P, e.g. [3]; unset, "
                                             "stages are balanced by parameter count")
+    cp: int = option(1, "context parallel: ranks each sequence is split over (docs/strategies/context.md), with "
+                     "the strategies whose page says so; the data-parallel replicas are then world / (cp x pp x tp)")
+    cp_mode: str = option("ring", "context parallel's attention: `ring` passes keys and values around the cp ranks "
+                          "(model.seq_len divisible by 2 x cp), `all-to-all` splits heads instead of the sequence "
+                          "around it (model.n_head divisible by cp)", CP_MODES)
     replicas: int = option(2, "`dp`: replicas the one process runs, each on its own device (all on the CPU "
                            "without GPUs)")
     ps_servers: int = option(1, "`param-server`: the last ps_servers ranks hold the parameters and their "
@@ -205,13 +217,13 @@ class ParallelConfig:
                                    "many updates old")
 
     def mesh_shape(self, world_size: int) -> tuple[int, int, int]:
-        """(dp, pp, tp): the device mesh's sizes, unset ones filled in as described above. A
-        parameter-server job's replicas are its workers."""
+        """(dp, pp, tp): the device mesh's sizes, unset ones filled in as described above (each of
+        the dp replicas spans cp x pp x tp ranks). A parameter-server job's replicas are its workers."""
         if spec(self.strategy).parameter_servers:
             return world_size - self.ps_servers, 1, 1
         own = spec(self.strategy).mesh_dim
         sizes = {"dp": self.dp, "pp": self.pp, "tp": self.tp}
-        others = math.prod(size for dim, size in sizes.items() if dim != own and size is not None)
+        others = self.cp * math.prod(size for dim, size in sizes.items() if dim != own and size is not None)
         if sizes[own] is None:
             sizes[own] = max(1, world_size // max(1, others))
         dp, pp, tp = (1 if size is None else size for size in sizes.values())
@@ -501,6 +513,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _positive("parallel.ps_servers", p.ps_servers)
     _positive("parallel.ps_max_staleness", p.ps_max_staleness, zero_ok=True)
     strategy = spec(p.strategy)
+    _validate_context(cfg, world)
     strategy.strategy_class().check_config(cfg, world)
     if strategy.one_process and world != 1:
         raise ConfigError(
@@ -570,6 +583,8 @@ def validate_parallel(p: ParallelConfig) -> None:
         raise ConfigError(f"parallel.recompute = {exc}") from None
     _positive("parallel.bucket_mb", p.bucket_mb)
     _positive("parallel.prefetch", p.prefetch, zero_ok=True)
+    _positive("parallel.cp", p.cp)
+    _choice("parallel.cp_mode", p.cp_mode, CP_MODES)
     _positive("parallel.loss_scale", p.loss_scale)
     _positive("parallel.loss_scale_growth_interval", p.loss_scale_growth_interval)
 
@@ -592,6 +607,43 @@ def _validate_gradient_reduction(p: ParallelConfig) -> None:
         )
 
 
+def _validate_context(cfg: Config, world: int) -> None:
+    """Context parallelism and document masks: what they ask of the strategy, the model and the data."""
+    m, d, p = cfg.model, cfg.data, cfg.parallel
+    _choice("data.documents", d.documents, DOCUMENTS)
+    if p.cp == 1 and d.documents == "none":
+        return
+    what = f"parallel.cp = {p.cp}" if p.cp > 1 else f"data.documents = {d.documents!r}"
+    if not spec(p.strategy).context_parallel:
+        splitting = ", ".join(name for name, each in SPECS.items() if each.context_parallel)
+        raise ConfigError(f"{what}: parallel.strategy = {p.strategy!r} neither splits sequences nor masks documents; "
+                          f"strategies that do: {splitting}")
+    if m.name not in LANGUAGE_MODELS:
+        raise ConfigError(f"{what}: model.name = {m.name!r} has no token sequences; use one of "
+                          f"{', '.join(LANGUAGE_MODELS)}")
+    if d.documents != "none" and d.name not in CORPORA:
+        raise ConfigError(f"data.documents = {d.documents!r}: data.name = {d.name!r} has no documents; use one of "
+                          f"{', '.join(CORPORA)}")
+    if p.cp == 1:
+        return
+    if world % p.cp:
+        raise ConfigError(f"parallel.cp = {p.cp}: must divide the world size {world} (launch.nproc x launch.nnodes)")
+    if p.cp_mode == "ring" and m.seq_len % (2 * p.cp):
+        raise ConfigError(
+            f"model.seq_len = {m.seq_len}: parallel.cp_mode = 'ring' cuts each sequence into 2 x parallel.cp = "
+            f"{2 * p.cp} equal chunks (each rank one early and one late, for even causal work); make it divisible by "
+            f"{2 * p.cp}"
+        )
+    tp = p.mesh_shape(world)[2]
+    if p.cp_mode == "all-to-all" and (m.n_head % (p.cp * tp) or m.seq_len % p.cp):
+        heads = "n_head / cp" if tp == 1 else f"n_head / (cp x tp) = n_head / {p.cp * tp}"
+        raise ConfigError(
+            f"model.n_head = {m.n_head}, model.seq_len = {m.seq_len}: parallel.cp_mode = 'all-to-all' gives each of "
+            f"the parallel.cp = {p.cp} ranks {heads} heads over the whole sequence, gathered from seq_len / cp "
+            f"tokens on each; make them divisible (or use cp_mode = 'ring')"
+        )
+
+
 def _validate_mesh(cfg: Config, world: int) -> None:
     """The dp x pp x tp values are sizes, and only a strategy that splits the model sets pp or tp
     (the rest of the mesh is MeshStrategy.check_config's)."""
@@ -603,7 +655,7 @@ def _validate_mesh(cfg: Config, world: int) -> None:
     if strategy.splits_model or strategy.parameter_servers:
         return
     dp, pp, tp = p.mesh_shape(world)
-    if (dp, pp, tp) != (world, 1, 1):
+    if (dp, pp, tp) != (world // p.cp, 1, 1):
         splitting = ", ".join(name for name, each in SPECS.items() if each.splits_model)
         raise ConfigError(
             f"parallel.dp x pp x tp = {dp} x {pp} x {tp}: parallel.strategy = {p.strategy!r} is data parallel "

@@ -16,7 +16,7 @@ from torch import nn
 
 from shardwise.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from shardwise.config import LANGUAGE_MODELS, Config, TrainConfig
-from shardwise.data import Dataset, GlobalBatchSampler, make_datasets
+from shardwise.data import Dataset, DocumentWindows, GlobalBatchSampler, make_datasets
 from shardwise.dist import DistContext, seed_everything
 from shardwise.materialise import allocate, init_context
 from shardwise.memory import (
@@ -102,9 +102,13 @@ class Trainer:
         self.peak_flops = device_peak_flops(ctx.device)
 
     def micro_batches(self, dataset: Dataset, indices: list[torch.Tensor]) -> Iterable[tuple[torch.Tensor, ...]]:
+        """(inputs, targets) of each micro-batch, and each input token's document where the data are
+        packed documents."""
         for idx in indices:
-            inputs, targets = dataset.batch(idx)
-            yield inputs.to(self.ctx.device, non_blocking=True), targets.to(self.ctx.device, non_blocking=True)
+            batch = dataset.batch(idx)
+            if isinstance(dataset, DocumentWindows):
+                batch = (*batch, dataset.documents(idx))
+            yield tuple(t.to(self.ctx.device, non_blocking=True) for t in batch)
 
     def train_step(self, step: int) -> torch.Tensor:
         """One optimizer step over this rank's share of global batch `step`; returns the mean loss
@@ -157,9 +161,10 @@ class Trainer:
         count = 0
         for batch in range(self.cfg.train.eval_batches):
             indices = sampler.micro_batches(batch, *share, self.cfg.train.micro_batch)
-            for inputs, targets in self.micro_batches(self.val_set, indices):
-                with self.strategy.precision.autocast(self.ctx.device):
-                    loss_sum += loss_fn(self.model(inputs), targets)
+            for batch in self.micro_batches(self.val_set, indices):
+                with self.strategy.split_sequence(batch) as (inputs, targets):
+                    with self.strategy.precision.autocast(self.ctx.device):
+                        loss_sum += loss_fn(self.model(inputs), targets)
                 count += 1
         self.model.train()
         return self.ctx.all_reduce_mean(loss_sum / count).item()

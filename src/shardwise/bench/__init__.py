@@ -14,6 +14,7 @@ BENCHES = {  # name -> (module, ranks)
     "tensor": ("shardwise.bench.tensor", 2),
     "collectives": ("shardwise.bench.collectives", 2),
     "checkpoint": ("shardwise.bench.checkpoint", 2),
+    "context": ("shardwise.bench.context", 4),  # context parallel: cp 1, 2, 4 in both modes against sequence length
     "hardware": ("shardwise.bench.hardware", 2),  # a device profile for `shardwise plan --device FILE`
     "planner": ("shardwise.bench.planner", 0),  # the planner's predictions against real runs (namespaces as root)
     "ps": ("shardwise.bench.ps", 0),  # parameter server (sync, async), dp and ddp as whole jobs

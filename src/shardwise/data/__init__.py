@@ -1,4 +1,5 @@
-"""Datasets and the global-batch sampler. A dataset has `len()` and `batch(indices) -> (inputs, targets)`."""
+"""Datasets and the global-batch sampler. A dataset has `len()` and `batch(indices) -> (inputs, targets)`;
+packed documents (`DocumentWindows`) also `documents(indices)`, each input token's document."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ import torch
 
 from shardwise.config import Config
 from shardwise.data.corpus import TokenWindows, load_corpus, split_tokens, synthetic_tokens
+from shardwise.data.documents import DocumentWindows, document_starts, split_starts
 from shardwise.data.images import load_digits_split, synthetic_images
 from shardwise.data.sampler import GlobalBatchSampler
 
-__all__ = ["Dataset", "GlobalBatchSampler", "make_datasets"]
+__all__ = ["Dataset", "DocumentWindows", "GlobalBatchSampler", "make_datasets"]
 
 
 class Dataset(Protocol):
@@ -33,4 +35,7 @@ def make_datasets(cfg: Config) -> tuple[Dataset, Dataset]:
     else:
         tokens = load_corpus(d.name)
     train, val = split_tokens(tokens, d.val_fraction)
-    return TokenWindows(train, cfg.model.seq_len), TokenWindows(val, cfg.model.seq_len)
+    if d.documents == "none":
+        return TokenWindows(train, cfg.model.seq_len), TokenWindows(val, cfg.model.seq_len)
+    train_starts, val_starts = split_starts(document_starts(d.name, d.documents, tokens), len(train))
+    return DocumentWindows(train, cfg.model.seq_len, train_starts), DocumentWindows(val, cfg.model.seq_len, val_starts)

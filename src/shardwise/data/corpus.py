@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-CORPORA = ("shakespeare", "stdlib")
+from shardwise.config import CORPORA
 
 
 def cache_dir() -> Path:
@@ -41,7 +41,8 @@ def _stdlib_files() -> list[Path]:
     return sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
 
 
-def _source_files(name: str) -> list[Path]:
+def source_files(name: str) -> list[Path]:
+    """The files of built-in corpus `name`, in the order its bytes hold them."""
     if name == "shakespeare":
         return _shakespeare_files()
     if name == "stdlib":
@@ -61,7 +62,7 @@ def load_corpus(name: str) -> np.ndarray:
     The cache file's name carries a hash of the file list, so a changed source rebuilds it; it is
     written to a temporary name and renamed, so ranks building it at once never see half a file.
     """
-    files = _source_files(name)
+    files = source_files(name)
     if not files:
         raise FileNotFoundError(f"corpus {name!r}: no source files found")
     key = hashlib.sha256("\n".join(f"{p.name}:{p.stat().st_size}" for p in files).encode()).hexdigest()[:12]

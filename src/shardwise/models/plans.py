@@ -1,5 +1,6 @@
 """Parallel plans: how the strategies that split a model (`tensor`, `pipeline`, `model-parallel`, and
-their dp x pp x tp mesh) cut each model family, declared by module names. The strategies read
+their dp x pp x tp mesh) cut each model family, and where context parallel feeds it positions,
+declared by module names. The strategies read
 the plan and never a model's names; the model itself stays as its authors wrote it.
 
 A plan declares:
@@ -19,6 +20,10 @@ A plan declares:
   parameters. Under `tensor` these are replicated.
 - `weights_in_out`: the layers store their weight [in, out] (transformers' `Conv1D`, GPT-2's),
   transposed from `nn.Linear`'s [out, in].
+- `positions`: the module outside the blocks that takes the tokens' positions (a learned position
+  embedding, a rotary embedding) and which of its arguments they are. Context parallel
+  (`parallel.cp`) gives each rank a part of the sequence and feeds this argument the global
+  positions of its tokens in place of the 0 .. local length the model counts.
 
 Names are matched on their last components: `embed_tokens` finds `model.embed_tokens` in a
 LlamaForCausalLM and `lm.model.embed_tokens` in shardwise's wrapper of one. A region's names are
@@ -58,6 +63,12 @@ class Region:
 
 
 @dataclass(frozen=True)
+class Positions:
+    module: str  # outside the blocks
+    argument: int | str  # a positional argument's index, or a keyword argument's name
+
+
+@dataclass(frozen=True)
 class ParallelPlan:
     family: str
     models: tuple[str, ...]  # the config's `model.name`s it splits
@@ -66,6 +77,7 @@ class ParallelPlan:
     first_stage: tuple[str, ...]
     last_stage: tuple[str, ...]
     weights_in_out: bool = False
+    positions: Positions | None = None  # unset: context parallel cannot split this family's sequences
 
 
 GPT = ParallelPlan(
@@ -78,6 +90,7 @@ GPT = ParallelPlan(
     ),
     first_stage=("tok_emb", "pos_emb"),
     last_stage=("ln_f", "head"),
+    positions=Positions("pos_emb", 0),
 )
 
 # Llama, and the families that kept its module names: Mistral, Qwen2 (whose q, k and v have biases,
@@ -93,6 +106,7 @@ LLAMA = ParallelPlan(
     ),
     first_stage=("embed_tokens",),
     last_stage=("norm", "lm_head"),
+    positions=Positions("rotary_emb", "position_ids"),  # transformers calls it rotary_emb(x, position_ids=...)
 )
 
 # GPT-2's attention splits its fused qkv by `split_size`, which must then be this rank's width.
@@ -108,6 +122,7 @@ GPT2 = ParallelPlan(
     first_stage=("wte", "wpe"),
     last_stage=("ln_f", "lm_head"),
     weights_in_out=True,
+    positions=Positions("wpe", 0),
 )
 
 _PLANS: list[ParallelPlan] = [GPT, LLAMA, GPT2]
@@ -213,3 +228,17 @@ def locate(model: nn.Module, plan: ParallelPlan | None = None) -> Located:
             raise PlanError(f"plan {plan.family}: parameter {name!r} is outside the blocks and in neither first_stage "
                             "nor last_stage; every stage would hold it and none would train it as one device does")
     return Located(plan, model, [named[name] for name in block_names], layers, first, last)
+
+
+def find_positions(model: nn.Module) -> tuple[nn.Module, int | str]:
+    """The module of `model` that takes its tokens' positions and which argument they are, as its
+    family's plan says; PlanError where the plan names none or the model has no such module."""
+    plan = plan_for(model)
+    if plan.positions is None:
+        raise PlanError(f"plan {plan.family}: names no positions (the module that takes the tokens' positions); "
+                        "context parallel needs it to give each rank its tokens' global positions")
+    found = [m for name, m in model.named_modules() if name and _matches(name, plan.positions.module)]
+    if len(found) != 1:
+        raise PlanError(f"plan {plan.family}: positions module {plan.positions.module!r} matches {len(found)} "
+                        "modules; expected one")
+    return found[0], plan.positions.argument

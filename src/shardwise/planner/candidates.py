@@ -8,7 +8,7 @@ import copy
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
-from shardwise.config import Config, ConfigError, validate
+from shardwise.config import CP_MODES, Config, ConfigError, validate
 from shardwise.strategies.registry import SPECS, StrategySpec, spec
 
 # bf16-true only when asked for: it trains differently (updates below a weight's bf16 spacing are
@@ -30,6 +30,8 @@ class Candidate:
     micro_batches: int = 1  # pipeline: micro-batches per pipeline run (parallel.micro_batches)
     schedule: str | None = None  # pipeline: gpipe or 1f1b
     shard: int | None = None  # hsdp: the ranks each parameter is split over (one node's); dp / shard replicas
+    cp: int = 1  # context parallel: ranks each sequence is split over (each of the dp replicas has cp of them)
+    cp_mode: str | None = None  # context parallel: ring or all-to-all
 
     @property
     def spec(self) -> StrategySpec:
@@ -38,6 +40,7 @@ class Candidate:
     @property
     def label(self) -> str:
         mesh = f"dp{self.dp}" + (f" pp{self.pp}" if self.pp > 1 else "") + (f" tp{self.tp}" if self.tp > 1 else "")
+        mesh += f" cp{self.cp} {self.cp_mode}" if self.cp > 1 else ""
         pipe = f" M{self.micro_batches} {self.schedule}" if self.spec.pipelined else ""
         pipe += f" shard{self.shard}" if self.shard else ""
         return f"{self.strategy} {mesh}{pipe} {self.precision} rc={self.recompute} mb={self.micro_batch}"
@@ -54,6 +57,7 @@ class Candidate:
         parallel.dp, parallel.pp, parallel.tp = (self.dp, self.pp, self.tp) if mesh else (None, None, None)
         if self.spec.pipelined:
             parallel.micro_batches, parallel.schedule = self.micro_batches, self.schedule
+        parallel.cp, parallel.cp_mode = self.cp, self.cp_mode or parallel.cp_mode
         train = copy.copy(base.train)
         train.micro_batch, train.global_batch = self.micro_batch, global_batch or base.train.global_batch
         # The other sections are shared with `base`, not copied: nothing changes them.
@@ -67,20 +71,29 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _meshes(world: int, nodes: int) -> Iterator[tuple[str, int, int, int]]:
-    """(strategy, dp, pp, tp) for every planned strategy and factorisation of the world it can use;
-    hsdp only on several nodes (on one it is fsdp)."""
+def _meshes(world: int, nodes: int) -> Iterator[tuple[str, int, int, int, int, str | None]]:
+    """(strategy, dp, pp, tp, cp, cp_mode) for every planned strategy and factorisation of the world
+    it can use; hsdp only on several nodes (on one it is fsdp); context parallel in both modes over
+    every cp dividing what the other dimensions leave, for the strategies it composes with."""
     planned = [s for s in SPECS.values() if s.planned]
     for s in planned:
         if not s.splits_model and (nodes > 1 or not s.across_nodes):
-            yield s.name, world, 1, 1
+            yield s.name, world, 1, 1, 1, None
+            if s.context_parallel:
+                for cp in _divisors(world)[1:]:
+                    for mode in CP_MODES:
+                        yield s.name, world // cp, 1, 1, cp, mode
     for pp in _divisors(world):
         for tp in _divisors(world // pp):
             dp = world // pp // tp
             own = "pp" if pp > 1 else "tp" if tp > 1 else None  # the strategy's own dimension takes what is left
             for s in planned:
                 if s.mesh_dim == own:
-                    yield s.name, dp, pp, tp
+                    yield s.name, dp, pp, tp, 1, None
+                    if s.context_parallel:
+                        for cp in _divisors(dp)[1:]:
+                            for mode in CP_MODES:
+                                yield s.name, dp // cp, pp, tp, cp, mode
 
 
 def micro_batch_options(per_replica: int) -> list[int]:
@@ -96,7 +109,7 @@ def enumerate_candidates(base: Config, world: int, precisions: tuple[str, ...] =
     for each mesh none of whose variants it accepts, why (the first ConfigError)."""
     found: list[Candidate] = []
     refused: dict[str, str] = {}
-    for strategy, dp, pp, tp in _meshes(world, nodes):
+    for strategy, dp, pp, tp, cp, cp_mode in _meshes(world, nodes):
         mesh_found = len(found)
         first_error = None
         # An indivisible global batch still gets a candidate, for validate() to name the reason.
@@ -106,7 +119,8 @@ def enumerate_candidates(base: Config, world: int, precisions: tuple[str, ...] =
                 for micro_batch in sizes:
                     for m, schedule in _pipeline_runs(strategy, micro_batch):
                         shard = world // nodes if spec(strategy).across_nodes else None
-                        candidate = Candidate(strategy, dp, pp, tp, precision, policy, micro_batch, m, schedule, shard)
+                        candidate = Candidate(strategy, dp, pp, tp, precision, policy, micro_batch, m, schedule, shard,
+                                              cp, cp_mode)
                         try:
                             candidate.config(base, world)
                         except ConfigError as error:
@@ -114,7 +128,7 @@ def enumerate_candidates(base: Config, world: int, precisions: tuple[str, ...] =
                             continue
                         found.append(candidate)
         if len(found) == mesh_found and first_error:
-            refused[f"{strategy} dp{dp} pp{pp} tp{tp}"] = first_error
+            refused[f"{strategy} dp{dp} pp{pp} tp{tp}" + (f" cp{cp} {cp_mode}" if cp > 1 else "")] = first_error
     return found, refused
 
 

@@ -27,14 +27,21 @@ parameters and gradients and an fp32 copy, momentum and variance: 2 + 2 + 12 byt
 the 12 sharded from stage 1, the gradients' 2 from stage 2, the parameters' 2 from stage 3.
 `zero_textbook_bytes` computes that, per rank, from the same per-unit shard sizes.
 
+Context parallel (`cp` > 1) splits the tokens, not the model: a rank saves what a forward over
+seq_len / cp tokens saves (ring attention keeps what `scaled_dot_product_attention` keeps for its
+tokens: q, k, v, output, log-sum-exp; all-to-all attention one more copy of the output), so the
+trace is of the model at that length; the sharded strategies shard over all dp x cp ranks.
+
 Beyond the counted categories the prediction adds `buffers` (communication buffers and
 gradients that live only within a step: all-gather and reduce-scatter buffers in flight, fsdp's
-gathered units, pipeline sends, gradients kept whole during accumulation) and `margin`, a stated
-fraction of the rest for allocator fragmentation and the optimizer step's temporaries.
+gathered units, pipeline sends, gradients kept whole during accumulation, context parallel's keys
+and values in flight) and `margin`, a stated fraction of the rest for allocator fragmentation and
+the optimizer step's temporaries.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import asdict, dataclass
 
@@ -55,6 +62,7 @@ from shardwise.planner.model import (
     stage_bounds,
 )
 from shardwise.precision import Precision, make_precision
+from shardwise.recompute import parse_policy
 from shardwise.strategies.registry import SPECS
 
 DEFAULT_MARGIN = 0.10  # allocator fragmentation and the optimizer step's temporaries
@@ -100,11 +108,13 @@ def optimizer_bytes(numel: int, tensors: int, stored: int, cfg: Config) -> int:
 def trace_key(shape: ModelShape, candidate: Candidate, tp: int = 1, sequence_parallel: bool = False) -> TraceKey:
     """What the forward looks like under `candidate`: parameters as they are while computing
     (the sharded strategies keep or gather mixed precision's in the compute dtype), autocast
-    when mixed, and the tensor split (sequence parallel only where there is one)."""
+    when mixed, the tensor split (sequence parallel only where there is one), and a rank's share
+    of the sequence under context parallel."""
     precision = make_precision(candidate.precision)
     sharded = (candidate.spec.zero_stage or 0) >= 1
     computing = working_dtype(precision) if sharded else precision.param_dtype
-    return TraceKey(shape, computing, precision.compute_dtype if precision.mixed else None, tp,
+    local = dataclasses.replace(shape, seq_len=shape.seq_len // candidate.cp) if candidate.cp > 1 else shape
+    return TraceKey(local, computing, precision.compute_dtype if precision.mixed else None, tp,
                     sequence_parallel and tp > 1)
 
 
@@ -126,14 +136,14 @@ def predict_memory(candidate: Candidate, cfg: Config, margin: float = DEFAULT_MA
 
 def _data_parallel(c: Candidate, cfg: Config, shape: ModelShape, activations: bool) -> RankMemory:
     facts = model_facts(shape)
-    world = c.shard or c.dp  # the ranks each parameter is split over: hsdp's is one node
+    world = c.shard or c.dp * c.cp  # the ranks each parameter is split over: hsdp's is one node
     precision = make_precision(c.precision, cfg.parallel.reduce_dtype)
     stored = dtype_bytes(precision.param_dtype)
     shard = sum(unit.sharded_numel(world) for unit in facts.units)
     state = model_state(c.spec.zero_stage, precision, facts, world, cfg)  # hsdp holds what fsdp over its node does
     saved = saved_bytes(trace_key(shape, c)).stage(0, shape.n_layer, True, True, c.recompute, c.micro_batch) \
-        if activations else 0
-    buffers = _sharded_buffers(c, cfg, facts.units, world, stored)
+        + all_to_all_outputs(c, shape) if activations else 0
+    buffers = _sharded_buffers(c, cfg, facts.units, world, stored) + context_buffers(c, shape)
     if c.spec.across_nodes and c.dp > world:
         buffers += shard * stored  # the packed gradient shards all-reduced across nodes
     return RankMemory(state.params, state.grads, state.optimizer, saved, buffers, host=state.host)
@@ -172,6 +182,42 @@ def model_state(stage: int, precision: Precision, facts: ModelFacts, world: int,
 def working_dtype(precision: Precision) -> torch.dtype:
     """What zero1 and zero2 keep the whole parameters in and fsdp gathers them in."""
     return precision.compute_dtype if precision.mixed else precision.param_dtype
+
+
+def all_to_all_outputs(c: Candidate, shape: ModelShape) -> int:
+    """What all-to-all attention saves beyond a forward over seq_len / cp tokens: each block whose
+    activations are kept holds its attention output twice, split by heads (what
+    `scaled_dot_product_attention` keeps) and back by tokens (what the output projection keeps),
+    where one device holds one tensor both keep. Where a rank's key/value heads do not divide by
+    cp, they are repeated for every query head before the exchange, so attention keeps its keys
+    and values at n_head, not n_kv_head, heads."""
+    if c.cp == 1 or c.cp_mode != "all-to-all":
+        return 0
+    kind, every = parse_policy(c.recompute)
+    kept = {"none": shape.n_layer, "every": shape.n_layer - len(range(0, shape.n_layer, every))}.get(kind, 0)
+    element = dtype_bytes(make_precision(c.precision).compute_dtype)
+    tokens = c.micro_batch * shape.seq_len
+    output = tokens // c.cp * shape.d_model // c.tp
+    repeated = 0
+    if shape.n_kv_head // c.tp % c.cp:
+        repeated = 2 * tokens * (shape.n_head - shape.n_kv_head) // (c.tp * c.cp) * (shape.d_model // shape.n_head)
+    return kept * (output + repeated) * element
+
+
+def context_buffers(c: Candidate, shape: ModelShape) -> int:
+    """Context parallel's messages alive at once, in one layer at a time: ring attention's keys and
+    values (fp32) being computed on and arriving, and in backward their gradients too; all-to-all's
+    q, k and v (key/value heads repeated where they do not divide) sent and received."""
+    if c.cp == 1:
+        return 0
+    tokens = c.micro_batch * shape.seq_len // c.cp
+    head_dim = shape.d_model // shape.n_head
+    heads, kv_heads = shape.n_head // c.tp, shape.n_kv_head // c.tp  # this tp rank's
+    if c.cp_mode == "ring":
+        return 4 * 2 * tokens * kv_heads * head_dim * 4
+    kv_heads = kv_heads if kv_heads % c.cp == 0 else heads
+    computing = make_precision(c.precision).compute_dtype
+    return 2 * tokens * (heads + 2 * kv_heads) * head_dim * dtype_bytes(computing)
 
 
 def _sharded_buffers(c: Candidate, cfg: Config, units: list[Tensors], world: int, stored: int) -> int:
@@ -280,19 +326,20 @@ def _pipeline(c: Candidate, cfg: Config, shape: ModelShape, activations: bool) -
 def _tensor(c: Candidate, cfg: Config, shape: ModelShape, activations: bool) -> RankMemory:
     facts = rank_facts(shape, c.tp)
     key = trace_key(shape, c, c.tp, cfg.parallel.sequence_parallel)
-    saved = saved_bytes(key).stage(0, shape.n_layer, True, True, c.recompute, c.micro_batch) if activations else 0
+    saved = saved_bytes(key).stage(0, shape.n_layer, True, True, c.recompute, c.micro_batch) \
+        + all_to_all_outputs(c, shape) if activations else 0
     # An all-reduce's result is a copy of one activation (ReduceFromTensorParallel clones its input).
-    activation = c.micro_batch * shape.seq_len * shape.d_model * 4
-    return _mesh_rank(c, cfg, facts.params_total, facts.tensor_count, saved, activation)
+    activation = c.micro_batch * shape.seq_len // c.cp * shape.d_model * 4
+    return _mesh_rank(c, cfg, facts.params_total, facts.tensor_count, saved, activation + context_buffers(c, shape))
 
 
 def _mesh_rank(c: Candidate, cfg: Config, numel: int, count: int, activations: int, buffers: int) -> RankMemory:
     """A rank of the model-splitting strategies: the `numel` elements (`count` tensors) it holds
-    whole and their gradients, in the precision's storage dtype, plus, with data parallel beside,
-    the packed copy of its gradients the dp all-reduce sends."""
+    whole and their gradients, in the precision's storage dtype, plus, with data (or context)
+    parallel beside, the packed copy of its gradients the dp (cp) all-reduce sends."""
     stored = dtype_bytes(make_precision(c.precision, cfg.parallel.reduce_dtype).param_dtype)
     held = numel * stored
-    packed = held if c.dp > 1 else 0
+    packed = held if c.dp > 1 or c.cp > 1 else 0
     return RankMemory(held, held, optimizer_bytes(numel, count, stored, cfg), activations, buffers + packed)
 
 

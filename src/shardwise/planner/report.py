@@ -54,7 +54,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
 
 def _mesh(e: Evaluated) -> str:
     c = e.candidate
-    mesh = f"{c.dp}x{c.pp}x{c.tp}"
+    mesh = f"{c.dp}x{c.pp}x{c.tp}" + (f" cp{c.cp} {c.cp_mode}" if c.cp > 1 else "")
     return mesh + (f" M{c.micro_batches} {c.schedule}" if c.spec.pipelined else "")
 
 
@@ -101,6 +101,7 @@ def format_plan(plan: Plan, top: int = 15) -> str:
     pick (closest first), and the pick."""
     fitting = plan.fitting
     width = max([10, *(len(_precisions(e)) for e in plan.ranked)])
+    mesh = max([18, *(len(_mesh(e)) + 1 for e in plan.ranked)])
     lines = [
         f"{plan.cfg.model.name}: {plan.params_total:,} parameters; {plan.world_size} ranks "
         f"({plan.nodes} node(s) x {plan.gpus_per_node}) of {plan.device.name}; "
@@ -109,14 +110,14 @@ def format_plan(plan: Plan, top: int = 15) -> str:
         _considered(plan, top),
         *_refused(plan),
         "",
-        f"{'#':>4}  {'strategy':<14} {'dp x pp x tp':<18} {'precision':<{width}} {'recompute':<9} {'mb':>4}  "
+        f"{'#':>4}  {'strategy':<14} {'dp x pp x tp':<{mesh}} {'precision':<{width}} {'recompute':<9} {'mb':>4}  "
         f"{'GiB/rank':>9} {'step s':>9}  {'fits'}",
     ]
 
     def row(rank: str, e: Evaluated) -> str:
         c = e.candidate
         fits = "yes" if e.fits else f"no, {e.over_by / GiB:.2f} GiB over"
-        return (f"{rank:>4}  {c.strategy:<14} {_mesh(e):<18} {_precisions(e):<{width}} {c.recompute:<9} "
+        return (f"{rank:>4}  {c.strategy:<14} {_mesh(e):<{mesh}} {_precisions(e):<{width}} {c.recompute:<9} "
                 f"{c.micro_batch:>4}  {e.memory.total / GiB:>9.3f} {e.step.total:>9.4g}  {fits}")
 
     lines += [row(str(i + 1), e) for i, e in enumerate(fitting[:top])]
@@ -133,11 +134,12 @@ def format_plan(plan: Plan, top: int = 15) -> str:
         lines += ["", "largest micro-batch that fits, per strategy (best precision and recompute):"]
         best_batch: dict[tuple, dict[str, Any]] = {}
         for entry in plan.max_batch:
-            key = (entry["strategy"], entry["dp"], entry["pp"], entry["tp"])
+            cp = f" cp{entry['cp']} {entry['cp_mode']}" if entry["cp"] > 1 else ""
+            key = (entry["strategy"], f"{entry['dp']}x{entry['pp']}x{entry['tp']}{cp}")
             if key not in best_batch or entry["max_micro_batch"] > best_batch[key]["max_micro_batch"]:
                 best_batch[key] = entry
-        for (strategy, dp, pp, tp), entry in sorted(best_batch.items()):
-            lines.append(f"  {strategy:<14} {dp}x{pp}x{tp:<12} {entry['max_micro_batch']:>8}  "
+        for (strategy, mesh), entry in sorted(best_batch.items()):
+            lines.append(f"  {strategy:<14} {mesh:<20} {entry['max_micro_batch']:>8}  "
                          f"({entry['precision']}, recompute {entry['recompute']})")
     return "\n".join(lines)
 

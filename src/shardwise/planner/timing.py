@@ -27,6 +27,13 @@ each strategy hides behind computation.
   equal stages) and the activation messages on the critical path; `tensor` all-reduces
   activations 4 times per block on the critical path; the model-splitting strategies' dp
   all-reduce runs after backward.
+- Context parallel (`cp` ranks per sequence): a rank computes 1/cp of each sample's FLOPs (its
+  tokens' share of the matmuls; its queries attend to the whole sequence). `ring` passes every
+  layer's keys and values (fp32) cp - 1 times forward and again backward, and their gradients cp
+  times, point to point, hidden (up to `overlap`) behind the layer's attention, and adds operators
+  for each block it computes and merges; `all-to-all` exchanges every layer's q, k, v and output
+  forward and their gradients backward, on the critical path. Gradients are averaged over all dp x
+  cp ranks.
 - Every operator costs the device profile's `op_overhead_s` on top (a kernel launch; on a CPU a
   trip through the dispatcher), which decides small models' steps: a forward's operators are
   counted on fake tensors, and a forward and backward is taken as 3 times a forward's.
@@ -61,6 +68,7 @@ from shardwise.precision import make_precision
 from shardwise.recompute import parse_policy
 
 OPTIMIZER_ACCESSES = {"adamw": 8, "sgd": 5}
+RING_OPS_PER_BLOCK = 10  # ring attention's operators per block: the kernel, the merge's exps and sums, indexing
 
 
 @dataclass
@@ -162,10 +170,13 @@ def _stage_work(shape: ModelShape, tp: int, policy: str, blocks: int, recomputed
 def micro_step_s(c: Candidate, shape: ModelShape, device: DeviceProfile, start: int, stop: int, first: bool,
                  last: bool, batch: float, traced: bool = True) -> float:
     """One forward and backward of `batch` samples through blocks [start, stop) (and the parts
-    outside the blocks a first or last stage holds) on one rank of tensor-parallel degree c.tp."""
+    outside the blocks a first or last stage holds) on one rank of tensor-parallel degree c.tp and
+    context-parallel degree c.cp."""
     blocks = stop - start
     flops, ops = _stage_work(shape, c.tp, c.recompute, blocks, _recomputed(c.recompute, start, stop), first, last)
-    seconds = batch * flops / device.flops(compute_dtype(c.precision)) + ops * device.op_overhead_s
+    if c.cp > 1 and c.cp_mode == "ring":  # forward and backward attend to 2 cp + 1 chunk pairs per layer
+        ops += 2 * blocks * (2 * c.cp + 1) * RING_OPS_PER_BLOCK
+    seconds = batch * flops / c.cp / device.flops(compute_dtype(c.precision)) + ops * device.op_overhead_s
     if c.recompute == "selective" and traced:
         saved = saved_bytes(trace_key(shape, c, c.tp))
         dropped = saved.block.at(batch) - saved.selective.at(batch)
@@ -187,40 +198,69 @@ def _data_parallel(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceP
     micro_step = micro_step_s(c, shape, device, 0, shape.n_layer, True, True, c.micro_batch, traced)
     compute = micro_steps * micro_step
     backward = 2 / 3 * micro_step  # what the last micro-step's communication may hide behind
-    inter_node = _spans_nodes(c.dp, 1, device.gpus_per_node)
+    ranks = c.dp * c.cp  # that average gradients: a replica's cp ranks each hold a share of its tokens
+    inter_node = _spans_nodes(ranks, 1, device.gpus_per_node)
     latency = device.latency_s
     stored = dtype_bytes(precision.param_dtype)
-    padded = _padded_numel(shape, c.dp)
+    padded = _padded_numel(shape, ranks)
     reduce_bytes = padded * dtype_bytes(precision.reduce_dtype)
     gathered = dtype_bytes(working_dtype(precision))  # zero1/zero2's updated shards, fsdp's units: 16-bit if mixed
     gather_bandwidth = device.bandwidth(inter_node, "all_gather")
     scatter_bandwidth = device.bandwidth(inter_node, "reduce_scatter")
     # One collective per unit (per bucket for ddp); each pays its hops' latency.
-    per_unit = (len(facts.units) - 1) * (c.dp - 1) * latency
+    per_unit = (len(facts.units) - 1) * (ranks - 1) * latency
     stage = c.spec.zero_stage
     if stage == 0:
         grads = facts.params_total * stored
         buckets = math.ceil(grads / (cfg.parallel.bucket_mb * 2**20))
-        comm = all_reduce_s(grads, c.dp, device.bandwidth(inter_node), latency) \
-            + (buckets - 1) * 2 * (c.dp - 1) * latency
+        comm = all_reduce_s(grads, ranks, device.bandwidth(inter_node), latency) \
+            + (buckets - 1) * 2 * (ranks - 1) * latency
         exposed = _hidden(comm, backward, device.overlap)
         stepped = facts.params_total
     elif stage in (1, 2):
-        reduce = all_gather_s(reduce_bytes, c.dp, scatter_bandwidth, latency) + per_unit
-        gather = all_gather_s(padded * gathered, c.dp, gather_bandwidth, latency) + per_unit
+        reduce = all_gather_s(reduce_bytes, ranks, scatter_bandwidth, latency) + per_unit
+        gather = all_gather_s(padded * gathered, ranks, gather_bandwidth, latency) + per_unit
         comm = reduce + gather
         exposed = gather + (reduce if stage == 1 else _hidden(reduce, backward, device.overlap))
-        stepped = padded // c.dp
+        stepped = padded // ranks
     else:  # fsdp: every micro-step gathers for forward and for backward; the last also reduce-scatters
-        gather = all_gather_s(padded * gathered, c.dp, gather_bandwidth, latency) + per_unit
-        reduce = all_gather_s(reduce_bytes, c.dp, scatter_bandwidth, latency) + per_unit
+        gather = all_gather_s(padded * gathered, ranks, gather_bandwidth, latency) + per_unit
+        reduce = all_gather_s(reduce_bytes, ranks, scatter_bandwidth, latency) + per_unit
         first_units = gather / max(1, len(facts.units)) * 2  # the root and the first block, before any compute
         comm = micro_steps * 2 * gather + reduce
         exposed = micro_steps * (first_units + _hidden(gather - first_units, micro_step / 3, device.overlap)
                                  + _hidden(gather, backward, device.overlap))
         exposed += _hidden(reduce, max(0.0, backward - gather), device.overlap)
-        stepped = padded // c.dp
-    return StepTime(compute, comm, exposed, 0.0, _optimizer_s(stepped, stored, cfg, device))
+        stepped = padded // ranks
+    context, context_exposed = context_s(c, shape, device)
+    return StepTime(compute, comm + micro_steps * context, exposed + micro_steps * context_exposed, 0.0,
+                    _optimizer_s(stepped, stored, cfg, device))
+
+
+def context_s(c: Candidate, shape: ModelShape, device: DeviceProfile) -> tuple[float, float]:
+    """(communication, the part not hidden) of context parallel in one micro-step's forward and
+    backward, every layer: ring's point-to-point hops of keys and values (and their gradients)
+    behind the layer's attention, all-to-all's exchanges of q, k, v and the output exposed."""
+    if c.cp == 1:
+        return 0.0, 0.0
+    tokens = c.micro_batch * shape.seq_len / c.cp  # this rank's
+    head_dim = shape.d_model // shape.n_head
+    heads, kv_heads = shape.n_head // c.tp, shape.n_kv_head // c.tp  # this tp rank's
+    inter_node = _spans_nodes(c.cp, c.pp * c.tp, device.gpus_per_node)
+    if c.cp_mode == "ring":
+        keys_values = 2 * tokens * kv_heads * head_dim * 4
+        hop = keys_values / device.bandwidth(inter_node, "p2p") + device.latency_s
+        comm = shape.n_layer * (3 * c.cp - 2) * hop  # cp - 1 forward, cp - 1 backward, cp of gradients
+        attention = shape.n_layer * tokens * 12 * shape.d_model / c.tp * shape.seq_len / device.flops(
+            compute_dtype(c.precision))
+        return comm, _hidden(comm, attention, device.overlap)
+    kv_heads = kv_heads if kv_heads % c.cp == 0 else heads
+    element = dtype_bytes(make_precision(c.precision).compute_dtype)
+    qkv, out = (tokens * count * head_dim * element for count in (heads + 2 * kv_heads, heads))
+    bandwidth = device.bandwidth(inter_node, "all_gather")  # each rank sends (cp - 1) / cp of what it holds
+    exchanges = sum(all_gather_s(nbytes, c.cp, bandwidth, device.latency_s) for nbytes in (qkv, out))
+    comm = shape.n_layer * 2 * exchanges  # forward, and the gradients backward
+    return comm, comm
 
 
 def _hsdp(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceProfile, world: int, traced: bool) -> StepTime:
@@ -239,22 +279,27 @@ def _hsdp(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceProfile, w
 
 
 def _mesh_dp_all_reduce(c: Candidate, numel: int, device: DeviceProfile) -> float:
-    """The model-splitting strategies average every gradient over the dp group after backward."""
-    bandwidth = device.bandwidth(_spans_nodes(c.dp, c.pp * c.tp, device.gpus_per_node))
-    return all_reduce_s(numel * 4, c.dp, bandwidth, device.latency_s)
+    """The model-splitting strategies average every gradient over the cp group, then over the dp
+    group, after backward."""
+    over_cp = all_reduce_s(numel * 4, c.cp, device.bandwidth(_spans_nodes(c.cp, c.pp * c.tp, device.gpus_per_node)),
+                           device.latency_s)
+    bandwidth = device.bandwidth(_spans_nodes(c.dp, c.cp * c.pp * c.tp, device.gpus_per_node))
+    return over_cp + all_reduce_s(numel * 4, c.dp, bandwidth, device.latency_s)
 
 
 def _tensor(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceProfile, traced: bool) -> StepTime:
     facts = rank_facts(shape, c.tp)
     micro_steps = cfg.train.global_batch // (c.dp * c.micro_batch)
-    tokens = c.micro_batch * shape.seq_len
+    tokens = c.micro_batch * shape.seq_len / c.cp  # this rank's
     compute = micro_steps * micro_step_s(c, shape, device, 0, shape.n_layer, True, True, c.micro_batch, traced)
     bandwidth = device.bandwidth(_spans_nodes(c.tp, 1, device.gpus_per_node))
     activations = all_reduce_s(tokens * shape.d_model * 4, c.tp, bandwidth, device.latency_s)
     tp_comm = micro_steps * 4 * shape.n_layer * activations
     numel = facts.params_total
     dp_comm = _mesh_dp_all_reduce(c, numel, device)
-    return StepTime(compute, tp_comm + dp_comm, tp_comm + dp_comm, 0.0, _optimizer_s(numel, 4, cfg, device))
+    context, context_exposed = (micro_steps * t for t in context_s(c, shape, device))
+    return StepTime(compute, tp_comm + dp_comm + context, tp_comm + dp_comm + context_exposed, 0.0,
+                    _optimizer_s(numel, 4, cfg, device))
 
 
 def _pipeline(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceProfile, traced: bool) -> StepTime:

@@ -8,20 +8,26 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from shardwise.attention.context import ContextParallel
 from shardwise.config import DEFAULT_BLOCK, Config, ParallelConfig
-from shardwise.dist import DistContext, init_distributed
+from shardwise.dist import DistContext, context_group, init_distributed
 from shardwise.gradients import clip_grad_norm_
 from shardwise.materialise import Materialiser, check_one_device_kind
 from shardwise.memory import MemoryBreakdown, count_memory, local_tensor
 from shardwise.models.hf import decoder_layer_class
+from shardwise.models.plans import find_positions
 from shardwise.precision import LossScaler, make_precision
 from shardwise.recompute import apply_recompute
 from shardwise.strategies.registry import spec
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (outputs, targets) -> mean loss
+# A micro-batch: (inputs, targets), or (inputs, targets, documents) for packed documents (each input
+# token's document, `DocumentWindows.documents`).
+MicroBatch = tuple[torch.Tensor, ...]
 
 
 class Strategy:
@@ -41,6 +47,7 @@ class Strategy:
         self.seed = 0  # what a meta-built model's initial values derive from (make_strategy sets train.seed)
         self.materialiser: Materialiser | None = None  # a meta-built model's groups and initial values
         self.setup_peak_bytes: int | None = None  # counted bytes at wrap's peak, where the strategy counts them
+        self.context: ContextParallel | None = None  # the sequence split over parallel.cp ranks, made by `prepare`
 
     @classmethod
     def check_config(cls, cfg: Config, world: int) -> None:
@@ -73,13 +80,17 @@ class Strategy:
 
     def prepare(self, model: nn.Module, materialise: bool = True) -> nn.Module:
         """What every strategy's `wrap` does first: settle the model's block class, checkpoint the
-        blocks `parallel.recompute` chooses, and put the model on this rank's device in the
+        blocks `parallel.recompute` chooses, split sequences over the context-parallel group (the
+        model's positions become global ones), and put the model on this rank's device in the
         parameters' storage dtype. A meta-built model (shardwise.init_context()) is materialised
         there whole, every tensor initialised as `single` initialises it (materialise.py); a
         strategy that keeps less passes `materialise=False` and materialises what it keeps from
         `self.materialiser` itself (the model then stays on meta, in the storage dtype)."""
         self.cfg = dataclasses.replace(self.cfg, block=block_class(model, self.cfg.block))
         apply_recompute(model, self.cfg.recompute, self.cfg.block, once=self.recompute_once)
+        self.context = ContextParallel(self.cfg.cp_mode, self.context_group())
+        if self.cfg.cp > 1:
+            self.context.feed_positions(*find_positions(model))
         if not check_one_device_kind(model, f"parallel.strategy = {self.cfg.strategy!r}"):
             return model.to(self.ctx.device, self.precision.param_dtype)
         self.materialiser = Materialiser(model, self.cfg.block, self.seed)
@@ -88,6 +99,11 @@ class Strategy:
         self.materialiser.materialise_all(self.ctx.device, self.precision.param_dtype)
         return model
 
+    def context_group(self) -> dist.ProcessGroup | None:
+        """The ranks this rank's sequences are split over (parallel.cp of them, neighbours); None for
+        one. Their gradients are averaged as replicas' are: each holds a share of the tokens."""
+        return context_group(self.ctx, self.cfg.cp) if self.cfg.cp > 1 else None
+
     def optimizer(self, make: OptimizerFactory) -> torch.optim.Optimizer:
         self.optim = make(self.local_parameters())
         return self.optim
@@ -95,32 +111,47 @@ class Strategy:
     @property
     def data_rank(self) -> int:
         """Which share of the global batch this rank reads: ranks that split one model between them
-        (pipeline stages, tensor shards) read the same share."""
-        return self.ctx.rank
+        (pipeline stages, tensor shards) or its sequences (context parallel) read the same share."""
+        return self.ctx.rank // self.cfg.cp
 
     @property
     def data_size(self) -> int:
         """How many shares the global batch is cut into: the number of model replicas."""
-        return self.ctx.world_size
+        return self.ctx.world_size // self.cfg.cp
 
     def local_parameters(self) -> list[nn.Parameter]:
         """The parameters (or shards) this rank holds and its optimizer steps on."""
         return list(self.module.parameters())
 
-    def forward_backward(self, model: nn.Module, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
-                         loss_fn: LossFn, accum: int) -> torch.Tensor:
+    def forward_backward(self, model: nn.Module, micro_batches: Iterable[MicroBatch], loss_fn: LossFn,
+                         accum: int) -> torch.Tensor:
         """Forward and backward over this rank's `accum` micro-batches of one step, gradients
         synchronised after the last one; return the sum of their mean losses. A pipeline overrides
         this to run its schedule."""
         loss_sum = torch.zeros((), device=self.ctx.device)
-        for i, (inputs, targets) in enumerate(micro_batches):
-            with nullcontext() if i == accum - 1 else self.no_sync():
+        for i, batch in enumerate(micro_batches):
+            with nullcontext() if i == accum - 1 else self.no_sync(), self.split_sequence(batch) as (inputs, targets):
                 with self.precision.autocast(self.ctx.device):
                     loss = loss_fn(model(inputs), targets)
                 scaled = loss / accum
                 self.backward(self.scaler.scale_loss(scaled) if self.scaler else scaled)
             loss_sum += loss.detach()
         return loss_sum
+
+    @contextmanager
+    def split_sequence(self, batch: MicroBatch) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's inputs and targets of `batch`: its tokens under context parallelism, the
+        whole batch otherwise. Inside, the model's attention runs over the context-parallel group
+        and within the batch's documents; keep it open for backward too (recomputation runs the
+        forward again there). The loss over this rank's tokens is their mean: every rank of the
+        group holds as many, so the mean over the group is the sequence's."""
+        inputs, targets, *documents = batch
+        documents = documents[0] if documents else None
+        if self.cfg.cp == 1 and documents is None:
+            yield inputs, targets
+            return
+        with self.context.attending(documents):
+            yield self.context.shard(inputs), self.context.shard(targets)
 
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()

@@ -5,7 +5,8 @@ the mesh.
 
 - Data: the ranks of one model replica (its pipeline stages and tensor shards) read the same share
   of the global batch; the dp dimension says which share.
-- Gradients: averaged over the replicas (the dp group) once, after the step's last micro-batch.
+- Gradients: averaged over the replicas (the dp group), and over the context-parallel ranks that
+  split a replica's sequences (the cp group; `tensor` only), once, after the step's last micro-batch.
   One all-reduce of all this rank's gradients, packed, after backward (not overlapped with it, as
   `ddp` does: a replica's backward is already split between stages and shards). Under sequence
   parallel, first summed over the tp group: those of the blocks' parameters each tp rank holds
@@ -119,11 +120,11 @@ class MeshStrategy(DeferrableSync):
             raise ConfigError(f"parallel.block = {p.block!r}: {p.strategy} cuts and splits the {plan.family} plan's "
                               f"blocks ({', '.join(plan.blocks)}); another unit would cut inside a block. Leave "
                               "parallel.block unset")
-        if dp * pp * tp != world:
-            raise ConfigError(
-                f"parallel.dp x pp x tp = {dp} x {pp} x {tp} = {dp * pp * tp}: must equal the world size {world} "
-                f"(launch.nproc x launch.nnodes); e.g. --nproc {dp * pp * tp}"
-            )
+        if dp * p.cp * pp * tp != world:
+            sizes, product = (f"dp x cp x pp x tp = {dp} x {p.cp} x {pp} x {tp}" if p.cp > 1
+                              else f"dp x pp x tp = {dp} x {pp} x {tp}"), dp * p.cp * pp * tp
+            raise ConfigError(f"parallel.{sizes} = {product}: must equal the world size {world} "
+                              f"(launch.nproc x launch.nnodes); e.g. --nproc {product}")
         cls.check_split(cfg, dp, pp, tp)
         for key in ("n_head", "n_kv_head", "d_ff"):
             if getattr(m, key) % tp:
@@ -134,9 +135,10 @@ class MeshStrategy(DeferrableSync):
         if p.sequence_parallel and tp < 2:
             raise ConfigError("parallel.sequence_parallel = true: splits the sequence over the tp ranks of each block; "
                               f"needs parallel.tp >= 2 (it is {tp})")
-        if p.sequence_parallel and m.seq_len % tp:
-            raise ConfigError(f"parallel.sequence_parallel = true: parallel.tp = {tp} must divide model.seq_len = "
-                              f"{m.seq_len}; each tp rank holds an equal part of the sequence")
+        if p.sequence_parallel and m.seq_len // p.cp % tp:
+            of = f"model.seq_len / parallel.cp = {m.seq_len // p.cp}" if p.cp > 1 else f"model.seq_len = {m.seq_len}"
+            raise ConfigError(f"parallel.sequence_parallel = true: parallel.tp = {tp} must divide {of}; each tp rank "
+                              "holds an equal part of the sequence")
 
     @classmethod
     def check_split(cls, cfg: Config, dp: int, pp: int, tp: int) -> None:
@@ -146,8 +148,9 @@ class MeshStrategy(DeferrableSync):
     def __init__(self, ctx: DistContext, cfg: ParallelConfig) -> None:
         super().__init__(ctx, cfg)
         self.dp, self.pp, self.tp = cfg.mesh_shape(ctx.world_size)
-        self.mesh = init_mesh(ctx, self.dp, self.pp, self.tp)
+        self.mesh = init_mesh(ctx, self.dp, self.pp, self.tp, cfg.cp)
         self.dp_group, self.pp_group, self.tp_group = (self.mesh.get_group(dim) for dim in ("dp", "pp", "tp"))
+        self.cp_group = self.mesh.get_group("cp")
         self.dp_rank, self.pp_rank, self.tp_rank = (self.mesh.get_local_rank(dim) for dim in ("dp", "pp", "tp"))
         self.tp_mesh = self.mesh["tp"]  # what tensor shards are DTensors over, in checkpoints
         self.tensor_shards: dict[int, TensorShard] = {}  # id(parameter) -> how it is split over tp
@@ -164,6 +167,9 @@ class MeshStrategy(DeferrableSync):
                             f"{located.plan.family} plan's blocks ({', '.join(located.plan.blocks)}); another unit "
                             "would cut inside a block. Leave parallel.block unset")
         return located
+
+    def context_group(self) -> dist.ProcessGroup | None:
+        return self.cp_group if self.cfg.cp > 1 else None
 
     # --- a meta-built model: only what this rank holds made real --------------------------------
 
@@ -224,10 +230,13 @@ class MeshStrategy(DeferrableSync):
 
     def synchronize_gradients(self) -> None:
         """After a step's last backward: sum over tp the gradients that sequence parallel left
-        partial, then average every gradient over the dp group."""
+        partial, then average every gradient over the cp group (each rank's are its tokens' share
+        of the replica's) and over the dp group."""
         grads = [p.grad for p in self.sequence_split if p.grad is not None]
         if grads:
             all_reduce_packed(grads, self.tp_group, average=False)
+        if self.cfg.cp > 1:
+            all_reduce_packed(self.local_grads(), self.cp_group)
         if self.dp > 1:
             all_reduce_packed(self.local_grads(), self.dp_group)
 
@@ -296,7 +305,7 @@ class MeshStrategy(DeferrableSync):
     def _send_stages_to_rank0(self, state: dict[str, torch.Tensor]) -> None:
         """Every later stage's entries, from its first replica's first tp rank, to rank 0, name by name."""
         for stage in range(1, self.pp):
-            source = int(self.mesh.mesh[0, stage, 0])
+            source = int(self.mesh.mesh[0, 0, stage, 0])
             names = [name for name, owner in self._owner.items() if owner == stage]
             for name in names:
                 if self.ctx.rank == source:

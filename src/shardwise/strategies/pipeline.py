@@ -481,7 +481,8 @@ class Pipeline(MeshStrategy):
         if not shared or holders[0] == holders[1]:
             return
         # new_group is collective over the world: every rank makes every pair, in the same order.
-        pairs = {(d, t): dist.new_group([int(self.mesh.mesh[d, r, t]) for r in holders])
+        ranks = self.mesh.mesh[:, 0]  # dp x pp x tp (a pipeline does not split sequences: cp is 1)
+        pairs = {(d, t): dist.new_group([int(ranks[d, r, t]) for r in holders])
                  for d in range(self.dp) for t in range(self.tp)}
         if self.pp_rank in holders:
             self._tied = (shared, pairs[self.dp_rank, self.tp_rank])

@@ -31,6 +31,10 @@ class StrategySpec:
     offloads: bool = False  # parallel.offload = "optimizer" keeps its master shards and optimizer state on the host
     checkpoints: bool = True  # saves and resumes checkpoints
     api: bool = True  # runs under the Python API (not only under `shardwise train`'s own launcher)
+    # Splits each sequence over parallel.cp ranks and masks documents (data.documents): it runs the model
+    # through the Strategy's own micro-batch loop on the whole model, each rank's gradients averaged with
+    # its cp peers' as with its replicas' (docs/strategies/context.md).
+    context_parallel: bool = False
     native: bool = False  # PyTorch's own implementation behind our interface: the anchor of a bench
     planned: bool = False  # among `shardwise plan`'s candidates
 
@@ -46,18 +50,22 @@ class StrategySpec:
 
 
 SPECS: dict[str, StrategySpec] = {spec.name: spec for spec in (
-    StrategySpec("single", "single", "Single", one_process=True),
+    StrategySpec("single", "single", "Single", one_process=True, context_parallel=True),
     StrategySpec("dp", "dp", "DataParallel", one_process=True),
-    StrategySpec("ddp", "ddp", "DDP", planned=True),
-    StrategySpec("ddp-native", "native", "NativeDDP", native=True),
-    StrategySpec("zero1", "fsdp", "ShardedDataParallel", zero_stage=1, planned=True, offloads=True),
-    StrategySpec("zero2", "fsdp", "ShardedDataParallel", zero_stage=2, planned=True, offloads=True),
-    StrategySpec("fsdp", "fsdp", "ShardedDataParallel", zero_stage=3, planned=True, offloads=True),
-    StrategySpec("fsdp-native", "native", "NativeFSDP", zero_stage=3, native=True),
+    StrategySpec("ddp", "ddp", "DDP", planned=True, context_parallel=True),
+    StrategySpec("ddp-native", "native", "NativeDDP", native=True, context_parallel=True),
+    StrategySpec("zero1", "fsdp", "ShardedDataParallel", zero_stage=1, planned=True, offloads=True,
+                 context_parallel=True),
+    StrategySpec("zero2", "fsdp", "ShardedDataParallel", zero_stage=2, planned=True, offloads=True,
+                 context_parallel=True),
+    StrategySpec("fsdp", "fsdp", "ShardedDataParallel", zero_stage=3, planned=True, offloads=True,
+                 context_parallel=True),
+    StrategySpec("fsdp-native", "native", "NativeFSDP", zero_stage=3, native=True, context_parallel=True),
     StrategySpec("hsdp", "hsdp", "HSDP", zero_stage=3, across_nodes=True, planned=True),
     StrategySpec("pipeline", "pipeline", "Pipeline", mesh_dim="pp", zero_stage=None, pipelined=True, planned=True),
     StrategySpec("model-parallel", "pipeline", "ModelParallel", mesh_dim="pp", zero_stage=None, planned=True),
-    StrategySpec("tensor", "tensor", "TensorParallel", mesh_dim="tp", zero_stage=None, planned=True),
+    StrategySpec("tensor", "tensor", "TensorParallel", mesh_dim="tp", zero_stage=None, planned=True,
+                 context_parallel=True),
     StrategySpec("param-server", "param_server", "ParamServer", parameter_servers=True, own_launcher=True,
                  checkpoints=False, api=False),
 )}
