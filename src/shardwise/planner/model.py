@@ -330,7 +330,9 @@ def _marks(model: nn.Module, blocks: list[nn.Module], key: TraceKey, batch: int,
         marks.append(dispatched.ops if ops else counter.live_bytes)
 
     hooks = [blocks[0].register_forward_pre_hook(mark), *(block.register_forward_hook(mark) for block in blocks)]
-    with counter, autocast, dispatched if ops else contextlib.nullcontext():
+    # One listener at a time: the counter's own work on what autograd saves (it keeps each tensor
+    # detached) would count among the model's operators.
+    with dispatched if ops else counter, autocast:
         loss_fn(model(tokens), targets)
     for hook in hooks:
         hook.remove()
