@@ -11,19 +11,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONFIGS, SGD, assert_same_training, losses, read_records, train_in_process
+from conftest import losses, train_in_process
 from distributed import run_ranks
 from safetensors.torch import load_file
+from test_checkpoint import Crash, crash_at
+from test_model_parallel import assert_matches_single
+from test_model_parallel import cfg_for as model_parallel_cfg
 
 from shardwise.bench.pipeline import one_micro_batch_bytes
-from shardwise.config import load_config
 from shardwise.dist import DistContext
 from shardwise.pipeline_schedules import peak_in_flight
 from shardwise.trainer import Trainer
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # set before transformers is first imported, here and in every rank
 
-STEPS = 10
 SCHEDULES = ("interleaved-1f1b", "zb-h1", "zbv", "dualpipev")
 # a transformers Llama of 4 heads over 2 key/value heads, width 32 (tests/test_model_families.py's)
 LLAMA = ("model.name=hf-llama", "model.n_head=4", "model.n_kv_head=2", "model.d_model=32", "model.d_ff=64",
@@ -31,22 +32,13 @@ LLAMA = ("model.name=hf-llama", "model.n_head=4", "model.n_kv_head=2", "model.d_
 
 
 def cfg_for(out: Path, strategy: str, nproc: int, layers: int, *overrides: str):
-    """gpt-tiny with `layers` blocks on Shakespeare, a global batch of 8, clipping at 0.5 (active)."""
-    base = [f"run.out={out}", f"train.steps={STEPS}", "train.global_batch=8", "train.micro_batch=8",
-            "train.eval_every=0", *SGD, "train.grad_clip=0.5", f"model.n_layer={layers}",
-            f"parallel.strategy={strategy}", f"launch.nproc={nproc}"]
-    return load_config(CONFIGS / "gpt-tiny.toml", base + list(overrides))
+    """test_model_parallel's runs (gpt-tiny, a global batch of 8, clipping active) with `layers` blocks."""
+    return model_parallel_cfg(out, strategy, nproc, f"model.n_layer={layers}", *overrides)
 
 
 def train_runs(ctx: DistContext, root: Path, runs: dict[str, tuple[int, tuple[str, ...]]]) -> None:
     for name, (layers, overrides) in runs.items():
         Trainer(cfg_for(root / name, "pipeline", ctx.world_size, layers, *overrides), ctx).fit()
-
-
-def assert_matches_single(run: Path, single: Path) -> None:
-    assert_same_training(run, single, STEPS)
-    (got,), (want,) = read_records(run, "summary"), read_records(single, "summary")
-    assert abs(got["val_loss"] - want["val_loss"]) <= 1e-5 * want["val_loss"]
 
 
 @pytest.fixture(scope="module")
@@ -153,22 +145,6 @@ def test_split_schedules_hold_the_micro_batches_the_simulator_counts(behaviour):
 
 SAVED_AT, CRASH_AT = 5, 7
 ZBV = ("parallel.schedule=zbv", "parallel.micro_batches=4", f"train.checkpoint_every={SAVED_AT}")
-
-
-class Crash(RuntimeError):
-    pass
-
-
-def crash_at(trainer: Trainer, step: int) -> Trainer:
-    original = trainer.train_step
-
-    def train_step(k: int) -> torch.Tensor:
-        if k == step:
-            raise Crash(f"crashed at step {k}")
-        return original(k)
-
-    trainer.train_step = train_step
-    return trainer
 
 
 def checkpointed_runs(ctx: DistContext, root: Path) -> None:
