@@ -4,6 +4,7 @@ RPC, launched by our own launcher (real processes, TensorPipe)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -68,7 +69,11 @@ def test_async_param_server_trains_within_its_staleness_bound(tmp_path):
                                 steps=steps))
     assert code == 0, stderr
     run = losses(out)
-    assert len(run) == steps and sum(run[-5:]) / 5 < sum(run[:5]) / 5 - 1.0
+    # Rank 0 logs its own losses, and the other worker may have pushed several updates before rank
+    # 0's first step (their starts are not synchronised), so the yardstick is the untrained model's
+    # loss, a uniform guess over 256 bytes (5.56 measured at step 1), not rank 0's first steps.
+    # About 55 applied updates bring it to 3.3-3.4.
+    assert len(run) == steps and sum(run[-5:]) / 5 < math.log(256) - 1.5
     stats = server_stats(out)
     applied = {int(k): n for k, n in stats["staleness"].items()}
     assert applied and max(applied) <= 1
