@@ -15,6 +15,7 @@ from shardwise.config import Config, ConfigError, hf_config_overrides, load_conf
 from shardwise.dist import DistContext
 from shardwise.models import build_model
 from shardwise.planner import PlanError, load_profile, make_plan
+from shardwise.planner import model as planner_model
 from shardwise.planner.candidates import Candidate
 from shardwise.planner.memory import ZERO_STAGES, predict_memory, zero_textbook_bytes
 from shardwise.planner.model import ModelShape, TraceKey, _trace, model_facts, model_shape, saved_bytes
@@ -126,6 +127,26 @@ def test_composed_saved_bytes_equal_a_full_depth_trace(autocast, name):
     assert saved.stage(0, 5, True, False, "none", 3) == marks.ends[-1]
     assert saved.stage(0, 5, False, False, "none", 3) == marks.ends[-1] - marks.before
     assert saved.stage(0, 5, False, True, "none", 3) == marks.total - marks.before
+
+
+@pytest.mark.parametrize("name", ["gpt", "hf-llama", "hf-gpt2"])
+def test_saved_bytes_over_8_and_16_context_parallel_ranks_are_read_off_a_line_that_their_traces_agree_with(
+        name, monkeypatch):
+    """Split over 8 or more ranks, a sequence's saved bytes come from the traces of the whole, half
+    and a quarter of it (linear in the length), not from a trace of their own: equal to that trace."""
+    shape = model_shape(split_config(name, n_layer=3).model if name != "gpt" else config(n_layer=3, n_head=4).model)
+    keys = [TraceKey(shape, torch.float32, None, 1, False, 8), TraceKey(shape, torch.float32, None, 1, False, 16),
+            TraceKey(shape, torch.float32, torch.bfloat16, 2, True, 8)]  # autocast, tensor and sequence parallel
+    traced_cps = []
+    real_trace = planner_model._trace
+    monkeypatch.setattr(planner_model, "_trace", lambda key, *args, **kw: traced_cps.append(key.cp) or
+                        real_trace(key, *args, **kw))
+    planner_model._affine.cache_clear()
+    for key in keys:
+        saved = saved_bytes(key)
+        for policy in ("none", "every:2", "selective"):
+            assert saved.stage(0, 3, True, True, policy, 4) == real_trace(key, 3, policy, (4,))[0].total, (key, policy)
+    assert set(traced_cps) == {1, 2, 4}
 
 
 TINY_CASES = [Candidate(strategy, 2, 1, 1, precision, policy, 4)
@@ -264,9 +285,9 @@ def _accepted(candidate: Candidate, base: Config) -> bool:
 SPLIT_FAMILIES = ("hf-llama", "hf-gpt2")
 
 
-def split_config(name: str) -> Config:
+def split_config(name: str, **model: int) -> Config:
     """4 heads (Llama's sharing 2 key/value heads): 2 tensor-parallel ranks take whole heads of each."""
-    return family_config(name, n_head=4, **({"n_kv_head": 2} if name != "hf-gpt2" else {}))
+    return family_config(name, n_head=4, **({"n_kv_head": 2} if name != "hf-gpt2" else {}), **model)
 
 
 @pytest.mark.skipif(not all(_accepted(c, split_config(name)) for c in FAMILY_SPLIT for name in SPLIT_FAMILIES),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import resource
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -20,7 +21,6 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 
 @dataclass
@@ -42,7 +42,10 @@ class MemoryBreakdown:
 
 def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
     """The part of a (possibly distributed) tensor that lives on this rank."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    # A DTensor exists only once its module is loaded; not importing it here keeps 0.6 s of imports
+    # off what does not train (the planner, the CLI's help).
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return tensor.to_local() if dtensor is not None and isinstance(tensor, dtensor.DTensor) else tensor
 
 
 def storage_key(storage: torch.UntypedStorage) -> int:

@@ -319,6 +319,7 @@ def virtual_stages(name: str, requested: int | None) -> int:
     return kind.virtual
 
 
+@functools.cache  # one Layout per shape, so that its cached stage maps are worked out once
 def layout_of(name: str, ranks: int, virtual: int | None = None) -> Layout:
     """Which rank holds which stage under schedule `name`, without its lists."""
     return Layout(ranks, virtual_stages(name, virtual), SCHEDULES[name].v_shape)

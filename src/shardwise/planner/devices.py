@@ -21,10 +21,12 @@ GB = 1e9
 
 @dataclass(frozen=True)
 class DeviceProfile:
+    """A device's figures; hashable (its dicts left out of the hash), for the planner's caches."""
+
     name: str
     memory_bytes: int  # one device's memory (a CPU rank: its share of the host's)
     reserved_bytes: int  # taken before training allocates anything (CUDA context, NCCL buffers)
-    matmul_flops: dict[str, float]  # dense matmul FLOP/s by compute dtype: fp32, bf16, fp16
+    matmul_flops: dict[str, float] = field(hash=False)  # dense matmul FLOP/s by compute dtype: fp32, bf16, fp16
     memory_bandwidth: float  # bytes/s: the optimizer step and other elementwise work
     intra_node_bandwidth: float  # bytes/s one rank sends in a ring collective inside a node
     inter_node_bandwidth: float  # the same across nodes (per rank)
@@ -35,7 +37,7 @@ class DeviceProfile:
     overlap: float = 1.0  # fraction of communication that can run hidden behind computation
     # Measured bus bandwidth of each collective inside a node (all_reduce, all_gather, reduce_scatter),
     # where they differ from the link's: Gloo's all-gather and reduce-scatter are far slower than its all-reduce.
-    collective_bandwidth: dict[str, float] = field(default_factory=dict)
+    collective_bandwidth: dict[str, float] = field(default_factory=dict, hash=False)
     # What a reduce-scatter puts on a link, over the ring's (n-1)/n of the buffer: 2 on Gloo, whose
     # reduce-scatter is an all-reduce underneath (over a 100 Mbit/s link, 8 MB between 2 ranks:
     # reduce-scatter 0.72 s, all-reduce 0.72, all-gather 0.43). Measured collective figures hold it.

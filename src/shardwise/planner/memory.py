@@ -41,7 +41,6 @@ the optimizer step's temporaries.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from dataclasses import asdict, dataclass
 
@@ -113,9 +112,8 @@ def trace_key(shape: ModelShape, candidate: Candidate, tp: int = 1, sequence_par
     precision = make_precision(candidate.precision)
     sharded = (candidate.spec.zero_stage or 0) >= 1
     computing = working_dtype(precision) if sharded else precision.param_dtype
-    local = dataclasses.replace(shape, seq_len=shape.seq_len // candidate.cp) if candidate.cp > 1 else shape
-    return TraceKey(local, computing, precision.compute_dtype if precision.mixed else None, tp,
-                    sequence_parallel and tp > 1)
+    return TraceKey(shape, computing, precision.compute_dtype if precision.mixed else None, tp,
+                    sequence_parallel and tp > 1, candidate.cp)
 
 
 def predict_memory(candidate: Candidate, cfg: Config, margin: float = DEFAULT_MARGIN,
@@ -139,11 +137,11 @@ def _data_parallel(c: Candidate, cfg: Config, shape: ModelShape, activations: bo
     world = c.shard or c.dp * c.cp  # the ranks each parameter is split over: hsdp's is one node
     precision = make_precision(c.precision, cfg.parallel.reduce_dtype)
     stored = dtype_bytes(precision.param_dtype)
-    shard = sum(unit.sharded_numel(world) for unit in facts.units)
+    shard = facts.shard_numel(world)
     state = model_state(c.spec.zero_stage, precision, facts, world, cfg)  # hsdp holds what fsdp over its node does
     saved = saved_bytes(trace_key(shape, c)).stage(0, shape.n_layer, True, True, c.recompute, c.micro_batch) \
         + all_to_all_outputs(c, shape) if activations else 0
-    buffers = _sharded_buffers(c, cfg, facts.units, world, stored) + context_buffers(c, shape)
+    buffers = _sharded_buffers(c, cfg, facts, world, stored) + context_buffers(c, shape)
     if c.spec.across_nodes and c.dp > world:
         buffers += shard * stored  # the packed gradient shards all-reduced across nodes
     return RankMemory(state.params, state.grads, state.optimizer, saved, buffers, host=state.host)
@@ -164,7 +162,7 @@ def model_state(stage: int, precision: Precision, facts: ModelFacts, world: int,
     full, count = facts.params_total, facts.tensor_count
     if stage == 0:
         return ModelState(full * stored, full * stored, optimizer_bytes(full, count, stored, cfg))
-    shard = sum(unit.sharded_numel(world) for unit in facts.units)
+    shard = facts.shard_numel(world)
     master = shard * stored  # the master shards; their gradients as many bytes
     optimizer = optimizer_bytes(shard, count, stored, cfg)
     whole = world * shard * dtype_bytes(working_dtype(precision))  # zero1, zero2: the whole parameters, padded
@@ -220,7 +218,7 @@ def context_buffers(c: Candidate, shape: ModelShape) -> int:
     return 2 * tokens * (heads + 2 * kv_heads) * head_dim * dtype_bytes(computing)
 
 
-def _sharded_buffers(c: Candidate, cfg: Config, units: list[Tensors], world: int, stored: int) -> int:
+def _sharded_buffers(c: Candidate, cfg: Config, facts: ModelFacts, world: int, stored: int) -> int:
     """Bytes alive only within a step under the sharded strategies (ddp's gradients are its buckets)."""
     stage = c.spec.zero_stage
     if stage == 0:
@@ -228,18 +226,18 @@ def _sharded_buffers(c: Candidate, cfg: Config, units: list[Tensors], world: int
     precision = make_precision(c.precision, cfg.parallel.reduce_dtype)
     reduce = dtype_bytes(precision.reduce_dtype)
     # What one unit's all-gather and reduce-scatter move: every rank's padded shards.
-    padded = [world * unit.sharded_numel(world) for unit in units]
+    padded = [world * shard for shard in facts.unit_shards(world)]
     largest = sorted(padded, reverse=True)[:UNITS_IN_FLIGHT]
     working = dtype_bytes(working_dtype(precision))
     kept_whole = 0
     if stage >= 2 and cfg.train.global_batch > c.dp * c.micro_batch:
-        kept_whole = sum(unit.numel for unit in units) * (working if stage == 2 else stored)  # between micro-steps
+        kept_whole = facts.params_total * (working if stage == 2 else stored)  # between micro-steps
     if stage == 1:  # every unit's reduce-scatter at the end of backward; two gathers after the step
         return max(sum(padded) * reduce, sum(largest) * working)
     if stage == 2:
         return sum(largest) * max(reduce, working) + kept_whole
     gathered = dtype_bytes(precision.compute_dtype if precision.mixed else precision.param_dtype)
-    elements = fsdp_gathered_numel(units, world, cfg.parallel.prefetch, cfg.parallel.reshard_after_forward)
+    elements = fsdp_gathered_numel(facts.units, world, cfg.parallel.prefetch, cfg.parallel.reshard_after_forward)
     return elements * gathered + sum(largest) * reduce + kept_whole
 
 
@@ -280,10 +278,10 @@ def predict_setup_bytes(candidate: Candidate, cfg: Config) -> int:
     if not stage:
         return facts.params_total * stored
     if stage == 3:
-        shards = [unit.sharded_numel(world) for unit in facts.units]
+        shards = facts.unit_shards(world)
         return max(sum(shards[: i + 1]) + unit.numel for i, unit in enumerate(facts.units)) * stored
     state = model_state(stage, precision, facts, world, cfg)
-    largest = max(world * unit.sharded_numel(world) for unit in facts.units) * dtype_bytes(working_dtype(precision))
+    largest = world * max(facts.unit_shards(world)) * dtype_bytes(working_dtype(precision))
     return max(facts.params_total * stored, state.params + state.grads) + largest
 
 
@@ -355,7 +353,7 @@ def zero_textbook_bytes(shape: ModelShape, stage: int, world: int) -> dict[str, 
     is a few bytes above Ψ/N."""
     facts = model_facts(shape)
     full = facts.params_total
-    shard = sum(unit.sharded_numel(world) for unit in facts.units)
+    shard = facts.shard_numel(world)
     return {
         "params": 2 * (shard if stage >= 3 else full),
         "grads": 2 * (shard if stage >= 2 else full),

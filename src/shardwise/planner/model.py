@@ -36,6 +36,7 @@ import dataclasses
 import functools
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Generic, TypeVar
 from unittest import mock
 
@@ -180,6 +181,19 @@ class ModelFacts:
         first stage, the final norm and head on the last, a tied weight on both."""
         return _stage(self, first, last, blocks)
 
+    def unit_shards(self, world: int) -> tuple[int, ...]:
+        """Elements of one rank's padded shards of each unit over `world` ranks (Tensors.sharded_numel)."""
+        return _unit_shards(self, world)
+
+    def shard_numel(self, world: int) -> int:
+        """Elements of one rank's padded shards of the whole model over `world` ranks."""
+        return sum(self.unit_shards(world))
+
+
+@functools.cache  # the search asks for the same world's shards thousands of times
+def _unit_shards(facts: ModelFacts, world: int) -> tuple[int, ...]:
+    return (facts.block.sharded_numel(world),) * facts.n_layer + (facts.root.sharded_numel(world),)
+
 
 @functools.cache
 def _stage(facts: ModelFacts, first: bool, last: bool, blocks: int) -> tuple[int, int]:
@@ -254,13 +268,21 @@ def stage_bounds(shape: ModelShape, pp: int) -> tuple[tuple[int, int], ...]:
 @dataclass(frozen=True)
 class TraceKey:
     """What decides the bytes a forward saves: the model, the dtype parameters have while computing,
-    autocast's dtype (None: off), the tensor split, and whether sequence parallel splits the rest."""
+    autocast's dtype (None: off), the tensor split, whether sequence parallel splits the rest, and
+    the context-parallel ranks a sequence is split over (a rank's forward is over seq_len / cp
+    tokens)."""
 
     shape: ModelShape
     param_dtype: torch.dtype
     autocast: torch.dtype | None = None
     tp: int = 1
     sequence_parallel: bool = False
+    cp: int = 1
+
+    @property
+    def local_shape(self) -> ModelShape:
+        """The model as one rank runs it: over its seq_len / cp tokens."""
+        return dataclasses.replace(self.shape, seq_len=self.shape.seq_len // self.cp) if self.cp > 1 else self.shape
 
 
 class OpCounter(TorchDispatchMode):
@@ -306,7 +328,7 @@ def _trace(key: TraceKey, n_layer: int, policy: str, batches: tuple[int, ...],
     """The bytes saved for backward (with `ops`, the operators dispatched) by one forward and loss
     at each of `batches` of the model with `n_layer` blocks on fake tensors, as an
     ActivationCounter sees them."""
-    shape = key.shape
+    shape = key.local_shape
     with FakeTensorMode(), _one_sequence_per_row(shape):
         model = shape.build(n_layer)
         for param in model.parameters():  # as the strategies do (Module.to cannot swap fake tensors)
@@ -320,7 +342,7 @@ def _trace(key: TraceKey, n_layer: int, policy: str, batches: tuple[int, ...],
 
 def _marks(model: nn.Module, blocks: list[nn.Module], key: TraceKey, batch: int, ops: bool) -> Marks[int]:
     # As the data loader gives them: inputs and targets are two views of one window of tokens.
-    window = torch.zeros(batch, key.shape.seq_len + 1, dtype=torch.long)
+    window = torch.zeros(batch, key.local_shape.seq_len + 1, dtype=torch.long)
     tokens, targets = window[:, :-1], window[:, 1:]
     autocast = torch.autocast("cpu", dtype=key.autocast, enabled=key.autocast is not None)
     counter, dispatched = ActivationCounter(model), OpCounter()
@@ -343,13 +365,38 @@ def _line(two: int, three: int) -> Affine:
     return Affine(3 * two - 2 * three, three - two)
 
 
+@functools.cache
 def _affine(key: TraceKey, n_layer: int, policy: str) -> Marks[Affine]:
-    """Marks as functions of the batch."""
+    """Marks as functions of the batch: traced; or, split over 8, 12, 16... context-parallel ranks,
+    read off the line through the marks over the whole sequence and half of it, where the marks
+    over a quarter of it lie on that line too."""
+    if key.cp > 4 and key.cp % 4 == 0:
+        whole, half, quarter = (_affine(dataclasses.replace(key, cp=cp), n_layer, policy) for cp in (1, 2, 4))
+        derived = _along_length(whole, half, key.cp)
+        if derived is not None and _along_length(whole, half, 4) == quarter:
+            return derived
     # Batches 2 and 3, not 1: at batch 1 the targets' flattened view needs no copy, so it shares the
     # inputs' storage, and a line through batch 1 would miss a per-sample copy larger batches make.
     two, three = _trace(key, n_layer, policy, (2, 3))
     return Marks(_line(two.before, three.before), tuple(map(_line, two.ends, three.ends)),
                  _line(two.total, three.total))
+
+
+def _along_length(whole: Marks[Affine], half: Marks[Affine], cp: int) -> Marks[Affine] | None:
+    """The marks over 1/cp of the sequence on the line through `whole` and `half` (over all of it
+    and half of it); None where that is not a whole number of bytes. A forward saves tensors of
+    one row per token or of a fixed size (flash attention keeps no sequence x sequence scores; a
+    causal mask is the kernel's, not a tensor), so the bytes are linear in the length: `_affine`
+    checks it at a quarter of the length before relying on it."""
+    def at(all_tokens: int, half_tokens: int) -> Fraction:
+        return half_tokens + Fraction(half_tokens - all_tokens) * (cp - 2) / cp
+
+    pairs = zip((whole.before, *whole.ends, whole.total), (half.before, *half.ends, half.total), strict=True)
+    parts = [(at(w.fixed, h.fixed), at(w.per_sample, h.per_sample)) for w, h in pairs]
+    if any(v.denominator != 1 for part in parts for v in part):
+        return None
+    before, *ends, total = (Affine(int(fixed), int(per_sample)) for fixed, per_sample in parts)
+    return Marks(before, tuple(ends), total)
 
 
 class SavedBytes:

@@ -187,7 +187,7 @@ def micro_step_s(c: Candidate, shape: ModelShape, device: DeviceProfile, start: 
 @functools.cache
 def _padded_numel(shape: ModelShape, world: int) -> int:
     """Elements every rank's padded shards of every unit add up to (what a sharded collective moves)."""
-    return sum(world * unit.sharded_numel(world) for unit in model_facts(shape).units)
+    return world * model_facts(shape).shard_numel(world)
 
 
 def _data_parallel(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceProfile, world: int,
@@ -317,9 +317,10 @@ def _pipeline(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceProfil
     bounds = stage_bounds(shape, layout.stages)
     bandwidth = device.bandwidth(_spans_nodes(c.pp, c.tp, device.gpus_per_node), "p2p")
     activation = per_run * shape.seq_len * shape.d_model * 4
-    costs = _stage_costs(c, shape, device, bounds, per_run, traced)
-    busy = max(runs * sum(costs.forward[s] + costs.input_backward[s] + costs.weight_backward[s]
-                          for s in layout.stages_of(r)) for r in range(c.pp))  # every micro-batch, every stage
+    # Candidates differing only in data parallelism, batch or schedule have the same stages.
+    costs = _stage_costs(dataclasses.replace(c, dp=1, micro_batch=1, micro_batches=1, schedule=None), shape, device,
+                         bounds, per_run, traced)
+    busy = runs * _busiest(layout, costs)
     if traced:
         run = _simulated(pipeline_schedule(c.schedule, c.pp, runs), costs)
     else:
@@ -343,6 +344,14 @@ def _pipeline(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceProfil
     return StepTime(compute, comm, comm, bubble, _optimizer_s(stage_numel, 4, cfg, device))
 
 
+@functools.lru_cache(maxsize=4096)
+def _busiest(layout: Layout, costs: Costs) -> float:
+    """One micro-batch's compute on the busiest rank: every stage it holds, forward and backward."""
+    return max(sum(costs.forward[s] + costs.input_backward[s] + costs.weight_backward[s] for s in layout.stages_of(r))
+               for r in range(layout.ranks))
+
+
+@functools.lru_cache(maxsize=4096)
 def _fewest_idle(name: str, layout: Layout, costs: Costs, micro_batches: int) -> float:
     """A run no shorter than the simulator's, in closed form: no rank starts before the first
     micro-batch's forward reaches its first stage, and each computes all its work; where every
@@ -360,6 +369,7 @@ def _fewest_idle(name: str, layout: Layout, costs: Costs, micro_batches: int) ->
     return longest
 
 
+@functools.lru_cache(maxsize=4096)
 def _stage_costs(c: Candidate, shape: ModelShape, device: DeviceProfile, bounds: tuple[tuple[int, int], ...],
                  per_run: float, traced: bool) -> Costs:
     """Each stage's forward, input-gradient (B) and weight-gradient (W) time for one micro-batch:

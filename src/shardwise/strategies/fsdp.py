@@ -43,13 +43,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Placement, Shard
 
 from shardwise.config import ParallelConfig
 from shardwise.dist import DistContext, broadcast_from_rank0
@@ -59,6 +59,9 @@ from shardwise.memory import MemoryBreakdown, count_memory, optimizer_state_tens
 from shardwise.strategies.base import HookedStrategy, OptimizerFactory
 from shardwise.strategies.registry import spec
 from shardwise.strategies.sync_batchnorm import convert_sync_batchnorm
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import Placement
 
 HOST = torch.device("cpu")
 REDUCTIONS_IN_FLIGHT = 1  # reduce-scatters left outstanding: the one just issued overlaps the next unit's backward
@@ -135,6 +138,10 @@ class ShardedDataParallel(HookedStrategy):
         self._mesh: DeviceMesh = init_device_mesh(self.ctx.device.type, (self.ctx.world_size,))
         self.group: dist.ProcessGroup | None = None
         self.world, self.rank = self.ctx.world_size, self.ctx.rank
+        # Imported here and in as_global, not at the top: torch.distributed.tensor takes 0.6 s to
+        # import, and `shardwise plan` checks thousands of configs of this class without running one.
+        from torch.distributed.tensor import Shard
+
         self._placements: list[Placement] = [Shard(0)]
 
     # --- sharding layout ------------------------------------------------------------------
@@ -513,6 +520,8 @@ class ShardedDataParallel(HookedStrategy):
     def as_global(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """This rank's shard as a DTensor sharded along dim 0 over the world, padding dropped:
         torch.chunk's layout, which is DTensor's, so checkpoints reshard to any world size."""
+        from torch.distributed.tensor import DTensor
+
         param, rows = self._layout[name]
         return DTensor.from_local(local[: self._real_rows(param, rows, self.rank)], self._mesh, self._placements,
                                   run_check=False, shape=param.shape, stride=param.stride())

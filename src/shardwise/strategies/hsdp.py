@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, Shard
 
 from shardwise.gradients import all_reduce_packed
 from shardwise.strategies.fsdp import ShardedDataParallel
@@ -42,6 +41,8 @@ class HSDP(ShardedDataParallel):
         self.group = self._mesh.get_group("shard")
         self.replicate_group = self._mesh.get_group("replicate")
         self.world, self.rank = shard, self._mesh.get_local_rank("shard")
+        from torch.distributed.tensor import Replicate, Shard  # not at the top: see fsdp's _init_mesh
+
         self._placements = [Replicate(), Shard(0)]
 
     def _finish_backward(self) -> None:

@@ -31,13 +31,12 @@ import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
 from shardwise.config import DEFAULT_BLOCK, Config, ConfigError, ParallelConfig
 from shardwise.dist import DistContext, init_mesh
@@ -46,6 +45,9 @@ from shardwise.materialise import named_tensors
 from shardwise.memory import return_free_memory
 from shardwise.models.plans import NEEDS, Located, PlanError, locate, plan_for_name, plans
 from shardwise.strategies.base import DeferrableSync
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,11 @@ class TensorShard:
         and of v), not the one chunk `Shard(dim)` alone would place. Its local tensor is then a
         LocalShardsWrapper, which tells DCP where each piece lies (torchrec's way of holding several
         shards on one rank)."""
+        # Imported on first use: torch.distributed.tensor takes 0.6 s to import, which the planner,
+        # reading these strategies' layouts, need not pay.
+        from torch.distributed.tensor import DTensor, Shard
+        from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
+
         local = shard
         if self.parts > 1:
             rank, part_size = mesh.get_local_rank(), full.shape[self.dim] // self.parts
