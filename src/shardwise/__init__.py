@@ -2,6 +2,11 @@
 the Python API (api.py): `run = shardwise.setup(strategy=...)`."""
 
 import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # for type checkers and editors; at run time imported on first use, below
+    from shardwise.api import Run, setup
+    from shardwise.materialise import init_context
 
 __all__ = ["Run", "init_context", "setup"]
 _HOMES = {"Run": "shardwise.api", "setup": "shardwise.api", "init_context": "shardwise.materialise"}
