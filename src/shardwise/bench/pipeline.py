@@ -64,9 +64,12 @@ STAGES = (2, 4)
 MICRO_BATCHES = (4, 8, 16)
 NATIVE = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B,
           "zb-h1": ScheduleInterleavedZeroBubble, "zbv": ScheduleZBVZeroBubble, "dualpipev": ScheduleDualPipeV}
-# 8 blocks: 4 ranks x 2 virtual stages of one block each; narrow enough that the ~80 configurations
-# (ours and native) of both worlds step 6 times each in about 8 minutes on 2 loaded cores.
-MODEL = ("model.preset=small", "model.n_layer=8", "model.n_head=4", "model.d_model=128", "model.seq_len=128")
+# 8 blocks: 4 ranks x 2 virtual stages of one block each. Width 256, so that an action (5 to 40 ms
+# here) dwarfs the executor's bookkeeping between actions, which the measured bubble counts as idle
+# (at width 128, 1 to 10 ms actions put it 0.1 to 0.2 above the simulator's at M = 16); still
+# narrow enough for both worlds' ~80 configurations (ours and native) to step 6 times each in
+# about 12 minutes on 2 cores.
+MODEL = ("model.preset=small", "model.n_layer=8", "model.n_head=4", "model.d_model=256", "model.seq_len=128")
 LLAMA = ("model.name=hf-llama", "model.n_kv_head=2")  # the same sizes, 2 key/value heads for its 4 heads
 LLAMA_AT = (2, 8)  # P, M: every schedule on the Llama too, there
 # torch 2.13's V-shaped schedules stop in their first step on the transformers Llama: on rank 1
