@@ -34,7 +34,7 @@ from torch import nn
 
 from shardwise.memory import return_free_memory
 
-NAN_CHECK_ELEMENTS = 1 << 22  # elements checked for NaN at once: a small temporary whatever the tensor
+NAN_CHECK_ELEMENTS = 1 << 18  # elements checked for NaN at once: a temporary of 256 KiB whatever the tensor
 
 
 def init_context() -> AbstractContextManager:
