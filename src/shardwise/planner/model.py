@@ -192,7 +192,7 @@ class ModelFacts:
 
 @functools.cache  # the search asks for the same world's shards thousands of times
 def _unit_shards(facts: ModelFacts, world: int) -> tuple[int, ...]:
-    return (facts.block.sharded_numel(world),) * facts.n_layer + (facts.root.sharded_numel(world),)
+    return tuple(unit.sharded_numel(world) for unit in facts.units)
 
 
 @functools.cache
