@@ -402,25 +402,34 @@ def _ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         group["lr"] = rate
 
 
-def consolidate(run_dir: Path, out: Path) -> Path:
-    """Write the model of the run's newest good checkpoint as one plain safetensors state dict,
-    read in this one process from however many ranks' shards, for `safetensors.torch.load_file`
-    and `model.load_state_dict` without shardwise. Returns the checkpoint used."""
-    from safetensors.torch import save_file
+def consolidate(run_dir: Path, out: Path, progress: bool = False) -> Path:
+    """Write the model of the run's newest good checkpoint as one plain safetensors file, every key
+    of the model's state dict in it (tied weights as copies), for `safetensors.torch.load_file`
+    and `model.load_state_dict` without shardwise: read from however many ranks' shards in this
+    one process, a tensor at a time, each written and dropped (weights_file.py), so the process
+    holds one tensor, never the model.
+    `progress`: a bar on stderr. Returns the checkpoint used."""
+    from tqdm import tqdm
 
     from shardwise.config import load_config
-    from shardwise.materialise import allocate, init_context
+    from shardwise.materialise import init_context
     from shardwise.models import build_model
+    from shardwise.weights_file import WeightsLayout, WeightsWriter
 
     path = newest_good_checkpoint(run_dir)
     if path is None:
         raise CheckpointError(f"{checkpoint_dir(run_dir)}: no checkpoint to consolidate")
     with init_context():
         model = build_model(load_config(Path(run_dir) / "config.toml").model)
-    allocate(model, "cpu")  # the load fills it
-    state = {"model": {name: p.detach() for name, p in model.named_parameters()} | dict(model.named_buffers())}
-    check_fits(path, state)
-    dcp.load(state, storage_reader=safe_reader(path), no_dist=True)
-    # Every key of the state dict, tied weights as separate copies: what load_state_dict expects.
-    save_file({k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}, str(out))
+    check_fits(path, {"model": {name: p for name, p in model.named_parameters()} | dict(model.named_buffers())})
+    layout = WeightsLayout.of(model, tied_copies=True)
+    reader = safe_reader(path)
+    total = sum(entry.nbytes for entry in layout.entries)
+    with WeightsWriter(out, layout) as writer, tqdm(total=total, unit="B", unit_scale=True, disable=not progress,
+                                                   desc="consolidate") as bar:
+        for entry in layout.entries:
+            tensor = torch.empty(entry.shape, dtype=entry.dtype)
+            dcp.load({"model": {entry.name: tensor}}, storage_reader=reader, no_dist=True)
+            writer.write(tensor)
+            bar.update(entry.nbytes)
     return path

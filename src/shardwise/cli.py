@@ -156,7 +156,7 @@ def consolidate(args: argparse.Namespace) -> int:
     from shardwise.checkpoint import CheckpointError, consolidate
 
     try:
-        used = consolidate(Path(args.run_dir), Path(args.out))
+        used = consolidate(Path(args.run_dir), Path(args.out), progress=sys.stderr.isatty())
     except CheckpointError as error:
         print(f"shardwise consolidate: {error}", file=sys.stderr)
         return 1

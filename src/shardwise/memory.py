@@ -94,6 +94,37 @@ def reset_peak_resident() -> None:
         pass
 
 
+class PhasePeaks:
+    """Each phase of a run's peak resident set, in bytes (Linux VmHWM, counted afresh as each
+    phase starts), and its rise: the peak less the resident set as the phase started, what the
+    phase itself added. `with peaks("eval"): ...`; a phase that runs again keeps its highest of
+    each. On CUDA, each phase's peak allocated bytes as well."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.rss: dict[str, int] = {}
+        self.rise: dict[str, int] = {}
+        self.allocated: dict[str, int] = {}
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        reset_peak_resident()
+        start = resident_bytes()[0]
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        try:
+            yield
+        finally:
+            peak = resident_bytes()[1]
+            self.rss[phase] = max(self.rss.get(phase, 0), peak)
+            self.rise[phase] = max(self.rise.get(phase, 0), peak - start)
+            if self.device.type == "cuda":
+                self.allocated[phase] = max(self.allocated.get(phase, 0), torch.cuda.max_memory_allocated(self.device))
+
+    def as_dict(self) -> dict[str, dict[str, int]]:
+        return {"rss": self.rss, "rise": self.rise, **({"allocated": self.allocated} if self.allocated else {})}
+
+
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 OWN_MAPPING_BYTES = 4 << 20  # blocks this large and larger get their own mapping (see map_large_blocks)
 

@@ -18,10 +18,11 @@ from shardwise.checkpoint import CheckpointError, load_checkpoint, save_checkpoi
 from shardwise.config import LANGUAGE_MODELS, Config, TrainConfig
 from shardwise.data import Dataset, DocumentWindows, GlobalBatchSampler, make_datasets
 from shardwise.dist import DistContext, seed_everything
-from shardwise.materialise import allocate, init_context
+from shardwise.materialise import init_context
 from shardwise.memory import (
     ActivationCounter,
     MemoryBreakdown,
+    PhasePeaks,
     reset_peak_resident,
     resident_bytes,
     return_free_memory,
@@ -30,6 +31,7 @@ from shardwise.metrics import MetricsWriter, Progress, device_peak_flops, mfu
 from shardwise.models import build_model, flops_per_sample, loss_fn
 from shardwise.strategies.base import OptimizerFactory, Strategy, make_strategy
 from shardwise.weights import load_weights, tied_names
+from shardwise.weights_file import save_weights
 
 
 def optimizer_factory(cfg: TrainConfig) -> OptimizerFactory:
@@ -90,8 +92,11 @@ class Trainer:
         self.seq_len = cfg.model.seq_len if cfg.model.name in LANGUAGE_MODELS else None
         self.ties = tied_names(model)  # a weights file may name a tied weight by any of its names
         self.strategy: Strategy = make_strategy(cfg.parallel, ctx, cfg.train.seed)
-        self.model = self.strategy.wrap(model)
-        self.setup_rss = resident_bytes()[1] - self.baseline_rss  # wrap's peak above the runtime's
+        # Each phase's peak resident set (setup, load, steps, eval, checkpoint, final_weights): the summary's.
+        self.peaks = PhasePeaks(ctx.device)
+        with self.peaks("setup"):
+            self.model = self.strategy.wrap(model)
+        self.setup_rss = self.peaks.rss["setup"] - self.baseline_rss  # wrap's peak above the runtime's
         self.optimizer = self.strategy.optimizer(optimizer_factory(cfg.train))
         self.scaler = self.strategy.scaler
         self.skipped_steps = 0
@@ -149,9 +154,12 @@ class Trainer:
     def optimizer_step(self) -> bool:
         return optimizer_step(self.strategy, self.optimizer, self.cfg.train.grad_clip)
 
-    @torch.no_grad()
     def evaluate(self) -> float:
         """Mean loss over the same fixed validation batches every time, whatever the world size."""
+        with self.peaks("eval"), torch.no_grad():
+            return self._evaluate()
+
+    def _evaluate(self) -> float:
         self.model.eval()
         sampler = GlobalBatchSampler(len(self.val_set), self.cfg.train.global_batch, seed=0)
         # Without a group to average over (an asynchronous parameter-server worker), a rank
@@ -191,9 +199,10 @@ class Trainer:
         every train.checkpoint_every steps and on SIGTERM; write metrics and the final weights;
         return the summary."""
         t = self.cfg.train
-        first = load_checkpoint(self) if self.cfg.run.resume else 0
-        if first == 0 and self.cfg.model.weights:
-            load_weights(self.strategy, self.cfg.model.weights, self.ties)
+        with self.peaks("load"):
+            first = load_checkpoint(self) if self.cfg.run.resume else 0
+            if first == 0 and self.cfg.model.weights:
+                load_weights(self.strategy, self.cfg.model.weights, self.ties)
         if first >= t.steps:
             raise CheckpointError(f"{self.out}: its checkpoint is at step {first} of train.steps = {t.steps}; "
                                   "nothing left to resume (raise train.steps to train further)")
@@ -207,29 +216,35 @@ class Trainer:
             for step in range(first, t.steps):
                 self.step = step
                 started = time.perf_counter()
-                loss = self.train_step(step).item()  # .item() waits for the step to finish
-                record = self.step_record(step, loss, time.perf_counter() - started)
-                self.optimizer.zero_grad(set_to_none=True)
+                with self.peaks("steps"):
+                    loss = self.train_step(step).item()  # .item() waits for the step to finish
+                    record = self.step_record(step, loss, time.perf_counter() - started)
+                    self.optimizer.zero_grad(set_to_none=True)
                 writer.write(record)
                 records.append(record)
                 progress.update(step, loss, record["tokens_per_s"], record["samples_per_s"])
                 if terminate.agreed(self.ctx):
-                    save_checkpoint(self, step + 1, t.keep_checkpoints)
+                    self.save_checkpoint(step + 1)
                     raise SystemExit(f"rank {self.ctx.rank}: SIGTERM: saved a checkpoint after step {step + 1}")
                 if t.checkpoint_every and (step + 1) % t.checkpoint_every == 0:
-                    save_checkpoint(self, step + 1, t.keep_checkpoints)
+                    self.save_checkpoint(step + 1)
                 if t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 < t.steps:
                     val_loss = self.evaluate()
                     writer.write({"event": "eval", "step": step + 1, "val_loss": val_loss})
             val_loss = self.evaluate()
+            with self.peaks("final_weights"):
+                self._save_weights()
             summary = self._summary(records, val_loss)
             writer.write(summary)
         finally:
             terminate.restore()
             progress.close()
             writer.close()
-        self._save_weights()
         return summary
+
+    def save_checkpoint(self, step: int) -> None:
+        with self.peaks("checkpoint"):
+            save_checkpoint(self, step, self.cfg.train.keep_checkpoints)
 
     def _summary(self, records: list[dict[str, Any]], val_loss: float) -> dict[str, Any]:
         # The first steps include warm-up (allocation, thread pools); the median ignores them.
@@ -259,21 +274,18 @@ class Trainer:
             "peak_rss_by_rank": self.ctx.all_gather_object(resident_bytes()[1]),
             "setup_by_rank": self.ctx.all_gather_object({"rss_above_baseline": self.setup_rss,
                                                          "counted": self.strategy.setup_peak_bytes}),
+            # Each phase's peak resident set by rank (and on CUDA its peak allocated bytes), with the
+            # runtime's resident set before the model existed.
+            "phases_by_rank": self.ctx.all_gather_object({"baseline_rss": self.baseline_rss, **self.peaks.as_dict()}),
             **({"stage_timeline": timeline} if timeline is not None else {}),
         }
 
     def _save_weights(self) -> None:
-        """The plain model's weights as OUT/model.safetensors, readable without shardwise."""
-        from safetensors.torch import save_model
-
-        state = self.strategy.full_state_dict()
-        if self.ctx.is_main:
-            with init_context():
-                plain = build_model(self.cfg.model)
-            allocate(plain, "cpu")
-            plain.load_state_dict(state)
-            # save_model, unlike save_file, stores a tied weight once and restores the tie on load.
-            save_model(plain, str(self.out / "model.safetensors"))
+        """The plain model's weights as OUT/model.safetensors, readable without shardwise (what
+        safetensors' save_model writes), streamed tensor by tensor from what the ranks hold."""
+        with init_context():
+            plain = build_model(self.cfg.model)
+        save_weights(self.strategy, plain, self.out / "model.safetensors")
 
 
 class TerminationFlag:

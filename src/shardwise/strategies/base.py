@@ -212,9 +212,26 @@ class Strategy:
     def after_state_loaded(self) -> None:
         """Called once `state_dict()`'s tensors have been overwritten by a load."""
 
+    def state_names(self) -> list[str]:
+        """The plain model's state-dict keys (a tied weight under each of its names)."""
+        return list(self.module.state_dict(keep_vars=True))
+
+    def full_tensors(self, names: list[str]) -> Iterator[torch.Tensor | None]:
+        """Each of `names` (keys of the plain model's state dict), whole, in the storage dtype, on
+        rank 0 (None on the others), one at a time and in the order given: what final weights are
+        written from (weights_file.py), so no rank ever holds more than its part and one tensor.
+        Collective where the model is sharded or split: every rank iterates over the same names.
+        Here every rank holds the whole model."""
+        state = self.module.state_dict(keep_vars=True)
+        for name in names:
+            yield state[name].detach() if self.ctx.is_main else None
+
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The plain model's complete state dict, on CPU (gathered if sharded); valid on rank 0."""
-        return {k: v.detach().cpu() for k, v in self.module.state_dict().items()}
+        """The plain model's complete state dict on rank 0, on CPU (empty on the others): the whole
+        model in one process, for tests and small models. Every rank calls it."""
+        names = self.state_names()
+        return {name: tensor.cpu() for name, tensor in zip(names, self.full_tensors(names), strict=True)
+                if tensor is not None}
 
 
 def make_strategy(cfg: ParallelConfig, ctx: DistContext, seed: int = 0) -> Strategy:

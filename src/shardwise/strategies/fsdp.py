@@ -42,6 +42,7 @@ Gathering refills the same storage, so those views see the data again.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -118,6 +119,8 @@ class ShardedDataParallel(HookedStrategy):
         self.root = self.units[-1]
         self._unit_of = {id(p): unit for unit in self.units for p in unit.params}
         rows_of = {id(p): rows for unit in self.units for p, rows in zip(unit.params, unit.rows, strict=True)}
+        self._shard_of = {id(p): (shard, rows_of[id(p)]) for unit in self.units
+                          for p, shard in zip(unit.params, unit.shards, strict=True)}
         self._layout = {name: (p, rows_of[id(p)]) for name, p in self.module.named_parameters()}
         for unit in self.units:
             for param in unit.params:
@@ -138,6 +141,7 @@ class ShardedDataParallel(HookedStrategy):
         self._mesh: DeviceMesh = init_device_mesh(self.ctx.device.type, (self.ctx.world_size,))
         self.group: dist.ProcessGroup | None = None
         self.world, self.rank = self.ctx.world_size, self.ctx.rank
+        self.replica = 0  # which copy of the shards this rank's group holds (hsdp: its node)
         # Imported here and in as_global, not at the top: torch.distributed.tensor takes 0.6 s to
         # import, and `shardwise plan` checks thousands of configs of this class without running one.
         from torch.distributed.tensor import Shard
@@ -499,23 +503,34 @@ class ShardedDataParallel(HookedStrategy):
         breakdown.gathered_peak = self.peak_gathered_bytes
         return breakdown
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Whole parameters gathered from the master shards, in their dtype whatever the compute
-        dtype, and buffers."""
-        full: dict[int, torch.Tensor] = {}
-        for unit in self.units:
-            send = self._packed_shards(unit, self.precision.param_dtype)
-            out = torch.empty(self.world * send.numel(), dtype=send.dtype, device=send.device)
-            dist.all_gather_single(out, send, group=self.group)
-            for param, rows, offset in zip(unit.params, unit.rows, unit.offsets, strict=True):
-                full[id(param)] = torch.empty(param.shape, dtype=out.dtype, device=out.device)
-                self._copy_out(full[id(param)], rows, offset, out.view(self.world, -1))
-        return {name: full.get(id(tensor), tensor).detach().cpu()
-                for name, tensor in self.module.state_dict(keep_vars=True).items()}
+    def full_tensors(self, names: list[str]) -> Iterator[torch.Tensor | None]:
+        """A parameter gathered from its master shards to rank 0 (in their dtype, whatever the
+        compute dtype): every rank's padded shard, the first rows of which are the whole; a buffer
+        is whole on every rank already. Under hsdp the first replica's shard group gathers."""
+        state = self.module.state_dict(keep_vars=True)
+        for name in names:
+            place = self._shard_of.get(id(state[name]))
+            if place is None:  # a buffer or a frozen parameter: whole on every rank
+                yield state[name].detach() if self.ctx.is_main else None
+            elif self.replica == 0:
+                yield self._gather_to_first(state[name], *place)
+            else:
+                yield None
+
+    def _gather_to_first(self, param: nn.Parameter, shard: nn.Parameter, rows: int) -> torch.Tensor | None:
+        """`param`'s whole value on rank 0 of the shard group, from every rank's `shard` of it."""
+        send = shard.detach().to(self.ctx.device).reshape(-1)
+        parts = None
+        if self.rank == 0:
+            gathered = torch.empty(self.world * send.numel(), dtype=send.dtype, device=send.device)
+            parts = list(gathered.view(self.world, -1))
+        dist.gather(send, parts, group=self.group, group_dst=0)
+        if parts is None:
+            return None
+        return gathered.view(self.world * rows, *param.shape[1:])[: param.shape[0]]
 
     def named_local_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        shard_of = {id(p): shard for unit in self.units for p, shard in zip(unit.params, unit.shards, strict=True)}
-        return [(name, shard_of[id(param)]) for name, param in self.module.named_parameters()]
+        return [(name, self._shard_of[id(param)][0]) for name, param in self.module.named_parameters()]
 
     def as_global(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """This rank's shard as a DTensor sharded along dim 0 over the world, padding dropped:

@@ -41,6 +41,7 @@ class HSDP(ShardedDataParallel):
         self.group = self._mesh.get_group("shard")
         self.replicate_group = self._mesh.get_group("replicate")
         self.world, self.rank = shard, self._mesh.get_local_rank("shard")
+        self.replica = self._mesh.get_local_rank("replicate")
         from torch.distributed.tensor import Replicate, Shard  # not at the top: see fsdp's _init_mesh
 
         self._placements = [Replicate(), Shard(0)]

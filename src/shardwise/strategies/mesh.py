@@ -15,8 +15,8 @@ the mesh.
   of its tp ranks, a replicated parameter (layer norms, embeddings) on tp rank 0 only, a parameter
   held by two stages (a tied embedding and head) on the first only; then the sum goes over
   the tp and pp groups. The norm is then the one a single device computes.
-- State: `full_state_dict` gathers tensor shards within each tp group and sends each stage's
-  tensors to rank 0, which gets the plain model's complete state.
+- State: `full_tensors` gathers a tensor's shards within its stage's first tp group and sends it
+  to rank 0, one tensor at a time (what final weights are written from).
 - Checkpoints: `state_dict` names each entry this rank holds by the plain model's name, a tensor
   shard as a DTensor of the whole parameter on the tp dimension. Whatever is held whole on several
   ranks (a replicated parameter on each tp rank, every entry on each dp replica, the tied weight on
@@ -291,32 +291,38 @@ class MeshStrategy(DeferrableSync):
         shard = self.tensor_shards.get(id(self._local[name]))
         return local if shard is None else shard.as_dtensor(local, self._full[name], self.tp_mesh)
 
-    # --- the plain model's state, gathered on rank 0 --------------------------------------
+    # --- the plain model's state, tensor by tensor on rank 0 --------------------------------
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        state = {}
-        for name, tensor in self._local.items():
-            shard = self.tensor_shards.get(id(tensor))
-            state[name] = tensor.detach() if shard is None else self._gather_shards(tensor.detach(), shard)
-        self._send_stages_to_rank0(state)
-        for name, canonical in self._canonical.items():
-            if canonical in state:
-                state[name] = state[canonical]
-        return {name: t.cpu() for name, t in state.items()}
+    def state_names(self) -> list[str]:
+        return list(self._canonical)
 
-    def _gather_shards(self, shard_tensor: torch.Tensor, shard: TensorShard) -> torch.Tensor:
-        parts = [torch.empty_like(shard_tensor) for _ in range(self.tp)]
-        dist.all_gather(parts, shard_tensor.contiguous(), group=self.tp_group)
-        return shard.join(parts)
+    def full_tensors(self, names: list[str]) -> Iterator[torch.Tensor | None]:
+        """Each tensor from the first replica of the stage that owns it: its tp shards gathered to
+        the stage's first tp rank, which sends it to rank 0 unless it is rank 0."""
+        for name in names:
+            yield self._full_tensor(self._canonical[name])
 
-    def _send_stages_to_rank0(self, state: dict[str, torch.Tensor]) -> None:
-        """Every later stage's entries, from its first replica's first tp rank, to rank 0, name by name."""
-        for stage in range(1, self.pp):
-            source = int(self.mesh.mesh[0, 0, stage, 0])
-            names = [name for name, owner in self._owner.items() if owner == stage]
-            for name in names:
-                if self.ctx.rank == source:
-                    dist.send(state[name].contiguous(), dst=0)
-                elif self.ctx.rank == 0:
-                    state[name] = torch.empty_like(self._full[name], device=self.ctx.device)
-                    dist.recv(state[name], src=source)
+    def _full_tensor(self, name: str) -> torch.Tensor | None:
+        stage = self._owner[name]
+        holds = self.dp_rank == 0 and self.mesh.get_local_rank("cp") == 0 and self.pp_rank == stage
+        tensor = None
+        if holds:
+            tensor = self._local[name].detach()
+            shard = self.tensor_shards.get(id(self._local[name]))
+            if shard is not None:
+                tensor = self._gather_shards(tensor, shard)
+        source = int(self.mesh.mesh[0, 0, stage, 0])
+        if source != 0:
+            if self.ctx.rank == source:
+                dist.send(tensor.contiguous(), dst=0)
+            elif self.ctx.is_main:
+                tensor = torch.empty_like(self._full[name], device=self.ctx.device)
+                dist.recv(tensor, src=source)
+        return tensor if self.ctx.is_main else None
+
+    def _gather_shards(self, shard_tensor: torch.Tensor, shard: TensorShard) -> torch.Tensor | None:
+        """The whole tensor on the first tp rank from every tp rank's shard; None on the others."""
+        send = shard_tensor.contiguous()
+        parts = [torch.empty_like(send) for _ in range(self.tp)] if self.tp_rank == 0 else None
+        dist.gather(send, parts, group=self.tp_group, group_dst=0)
+        return shard.join(parts) if parts is not None else None

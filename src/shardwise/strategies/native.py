@@ -93,6 +93,10 @@ class NativeFSDP(NativeStrategy):
         breakdown.gathered_peak = None  # FSDP2 does not expose how much it holds unsharded at once
         return breakdown
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        state = self.module.state_dict()
-        return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu() for k, v in state.items()}
+    def full_tensors(self, names: list[str]) -> Iterator[torch.Tensor | None]:
+        """Each DTensor's `full_tensor()`: gathered on every rank, kept on rank 0."""
+        state = self.module.state_dict(keep_vars=True)
+        for name in names:
+            tensor = state[name].detach()
+            whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            yield whole if self.ctx.is_main else None

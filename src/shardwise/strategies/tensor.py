@@ -39,7 +39,7 @@ them would save little and add two collectives.
 
 Applied from outside: `parallelize_blocks` swaps the regions' layers for these, keeping parameter
 names, so the state dict reads like the plain model's (shards instead of whole tensors;
-`full_state_dict` joins them). In checkpoints each shard is a DTensor of the whole parameter,
+`full_tensors` joins them). In checkpoints each shard is a DTensor of the whole parameter,
 `Shard(dim)` over the tp ranks (`TensorShard.as_dtensor`).
 """
 
