@@ -269,9 +269,10 @@ class SafeReader(FileSystemReader):
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         for relative_path, items in per_file.items():
             path = Path(self.path) / relative_path
-            storage = torch.UntypedStorage.from_file(str(path), False, path.stat().st_size)  # private mapping
             with open(path, "rb") as stream:
                 for item in items:
+                    # Mapped afresh for each item, so that only its pages are resident at once.
+                    storage = torch.UntypedStorage.from_file(str(path), False, path.stat().st_size)  # private
                     stored = self._mapped_tensor(stream, storage, self.storage_data[item.storage_index])
                     for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
                         stored = stored.narrow(dim, start, length)
@@ -294,10 +295,14 @@ class SafeReader(FileSystemReader):
         return torch.empty(0, dtype=layout.dtype).set_(data, layout.storage_offset(), layout.shape, layout.stride())
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as file:
-            metadata = _AllowListUnpickler(file).load()
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
+        """The checkpoint's metadata, unpickled once per reader (a load reads it again, and
+        `consolidate` loads tensor by tensor through one reader)."""
+        metadata = self.__dict__.get("_metadata")
+        if metadata is None:
+            with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as file:
+                metadata = self._metadata = _AllowListUnpickler(file).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
 

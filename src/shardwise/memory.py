@@ -63,6 +63,19 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
     return sum(seen.values())
 
 
+def exact_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`, a contiguous view into a larger storage (a shard in a packed buffer), as a tensor
+    over the same memory whose storage is exactly its own bytes. DCP's writer copies a tensor whose
+    storage is larger than itself and keeps every copy until the rank's file is written: a rank's
+    whole sharded state, twice over, at every checkpoint. A non-contiguous view is returned as it is."""
+    storage = tensor.untyped_storage()
+    if not tensor.is_contiguous() or storage.nbytes() == tensor.nbytes:
+        return tensor
+    start = tensor.storage_offset() * tensor.element_size()
+    own = storage[start : start + tensor.nbytes]  # shares the memory
+    return torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(own, 0, tensor.shape, tensor.stride())
+
+
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
 

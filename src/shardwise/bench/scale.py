@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -31,10 +32,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from shardwise.bench.common import write_json
 from shardwise.config import Config, load_config
 from shardwise.planner.candidates import Candidate
-from shardwise.planner.memory import predict_memory, predict_setup_bytes
+from shardwise.planner.memory import predict_memory, predict_phases, predict_setup_bytes
 from shardwise.planner.model import model_facts, model_shape
 from shardwise.strategies.registry import spec
 
@@ -46,13 +49,13 @@ RESULT = "SCALE-RESULT "  # the line rank 0 prints its job's measurements on
 GIB = 2**30
 
 
-def scale_config(strategy: str, optimizer: str, width: int, world: int, steps: int) -> Config:
+def scale_config(strategy: str, optimizer: str, width: int, world: int, steps: int, *extra: str) -> Config:
     return load_config(None, [
         f"model.n_layer={N_LAYER}", f"model.d_model={width}", f"model.n_head={width // HEAD_WIDTH}",
         f"model.seq_len={SEQ_LEN}", "model.vocab_size=256", "data.name=synthetic-tokens",
         f"parallel.strategy={strategy}", f"launch.nproc={world}", f"train.optimizer={optimizer}",
         "train.micro_batch=1", f"train.global_batch={world}", f"train.steps={steps}", "train.warmup_steps=0",
-        "train.eval_every=0", "train.lr=1e-4", "run.out=unused"])
+        "train.eval_every=0", "train.lr=1e-4", "run.out=unused", *extra])
 
 
 def ranks_of(strategy: str) -> int:
@@ -75,21 +78,30 @@ def planned(strategy: str, optimizer: str, width: int, steps: int) -> dict[str, 
 # --- one job: `--worker`, on every rank under torchrun ------------------------------------------
 
 def worker(job: dict[str, Any]) -> None:
+    """One job's rank: `steps` steps timed (the search), or with `end` a whole run through
+    `Trainer.fit` (checkpoint, evaluation, final weights; resumed with `resume`)."""
     from shardwise.dist import init_distributed, leave_process, shutdown_distributed
     from shardwise.memory import resident_bytes
     from shardwise.trainer import Trainer
 
     ctx = init_distributed("gloo", timeout_s=1800, threads_per_rank=1)
-    trainer = Trainer(scale_config(job["strategy"], job["optimizer"], job["width"], ctx.world_size, job["steps"]),
-                      ctx)
+    cfg = scale_config(job["strategy"], job["optimizer"], job["width"], ctx.world_size, job["steps"],
+                       *job.get("end", ()))
+    if "end" in job and ctx.is_main:
+        cfg.save(Path(cfg.run.out) / "config.toml")  # as `shardwise train` does: consolidate reads it
+    trainer = Trainer(cfg, ctx)
     started = time.perf_counter()
-    losses = [trainer.run_step(step) for step in range(job["steps"])]
-    seconds = time.perf_counter() - started
+    if "end" in job:
+        summary = trainer.fit()
+        result = {"losses": [summary["final_loss"]], "phases": summary["phases_by_rank"]}
+    else:
+        result = {"losses": [trainer.run_step(step) for step in range(job["steps"])]}
+    result["seconds"] = time.perf_counter() - started
     mine = {"peak_rss": resident_bytes()[1], "runtime_rss": trainer.baseline_rss, "setup_rss": trainer.setup_rss,
             "setup_counted": trainer.strategy.setup_peak_bytes, "counted": trainer.memory().as_dict()}
-    ranks = ctx.all_gather_object(mine)
+    result["ranks"] = ctx.all_gather_object(mine)
     if ctx.is_main:
-        print(RESULT + json.dumps({"losses": losses, "seconds": seconds, "ranks": ranks}), flush=True)
+        print(RESULT + json.dumps(result), flush=True)
     shutdown_distributed()
     leave_process()
 
@@ -131,37 +143,23 @@ def wait_for_memory(budget: int, patience_s: float = 600.0) -> None:
         time.sleep(5)
 
 
-def run_job(strategy: str, optimizer: str, width: int, steps: int, budget: int) -> dict[str, Any]:
-    """One job under the watchdog: its measurements, or why it did not fit."""
+def run_job(job: dict[str, Any], budget: int) -> dict[str, Any]:
+    """One job (`worker`'s) under the watchdog: its measurements, or why it did not fit."""
+    strategy, optimizer, width, steps = job["strategy"], job["optimizer"], job["width"], job["steps"]
     wait_for_memory(budget)
-    job = {"strategy": strategy, "optimizer": optimizer, "width": width, "steps": steps}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks_of(strategy)}",
                "-m", "shardwise.bench.scale", "--worker", json.dumps(job)]
     outcome: dict[str, Any] = {"width": width, "params": parameters(width), "planned": planned(strategy, optimizer,
                                                                                                width, steps)}
-    most = 0
-    with tempfile.TemporaryFile("w+") as out:
-        started = time.perf_counter()
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                                   env={**os.environ, "OMP_NUM_THREADS": "1"})
-        while process.poll() is None:
-            held = sum(resident(pid) for pid in descendants(process.pid))  # the ranks, not torchrun's agent
-            most = max(most, held)
-            if held > budget:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-                break
-            time.sleep(0.1)
-        outcome["wall_s"] = round(time.perf_counter() - started, 1)
-        out.seek(0)
-        text = out.read()
+    text, most, seconds, returncode = watched(command, budget)
+    outcome["wall_s"] = seconds
     outcome["watched_peak_gib"] = round(most / GIB, 3)
     line = next((line for line in text.splitlines() if line.startswith(RESULT)), None)
     if most > budget:
         return {**outcome, "fits": False, "why": f"the ranks held {most / GIB:.2f} GiB at once: killed"}
-    if process.returncode or line is None:
+    if returncode or line is None:
         last = [line for line in text.splitlines() if line.strip()][-3:]
-        return {**outcome, "fits": False, "why": f"exit {process.returncode}: {' | '.join(last)[-400:]}"}
+        return {**outcome, "fits": False, "why": f"exit {returncode}: {' | '.join(last)[-400:]}"}
     result = json.loads(line[len(RESULT):])
     peaks = [rank["peak_rss"] for rank in result["ranks"]]
     outcome.update(fits=sum(peaks) <= budget, peak_rss_gib=[round(p / GIB, 3) for p in peaks],
@@ -170,9 +168,114 @@ def run_job(strategy: str, optimizer: str, width: int, steps: int, budget: int) 
                    setup_counted_gib=[None if rank["setup_counted"] is None else round(rank["setup_counted"] / GIB, 3)
                                       for rank in result["ranks"]],
                    step_s=round(result["seconds"] / steps, 2), losses=result["losses"])
+    if "phases" in result:
+        outcome["phases"] = result["phases"]
     if not outcome["fits"]:
         outcome["why"] = f"peaks add up to {sum(peaks) / GIB:.2f} GiB"
     return outcome
+
+
+def watched(command: list[str], budget: int) -> tuple[str, int, float, int]:
+    """Run `command` in a session of its own, killed if its processes hold more than `budget` bytes
+    at once; its output, the most they held, its wall time and its exit code."""
+    most = 0
+    with tempfile.TemporaryFile("w+") as out:
+        started = time.perf_counter()
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+        while process.poll() is None:
+            held = sum(resident(pid) for pid in descendants(process.pid) or [process.pid])  # torchrun's ranks
+            most = max(most, held)
+            if held > budget:
+                os.killpg(process.pid, signal.SIGKILL)
+                process.wait()
+                break
+            time.sleep(0.1)
+        seconds = round(time.perf_counter() - started, 1)
+        out.seek(0)
+        return out.read(), most, seconds, process.returncode
+
+
+# --- the end of a run: every phase of a 1B+ model's run, and consolidate -------------------------
+
+END_WIDTH, END_SEQ_LEN = 1792, 64  # a GPT of 1.23B parameters, with 64-token sequences
+
+
+def end_of_run(strategy: str, width: int, budget: int, root: Path) -> dict[str, Any]:
+    """A whole run of the GPT of `width` (SGD, fp32, one 64-token sequence per rank) under `strategy`
+    on 4 ranks: 2 steps, a checkpoint after the second, evaluation and final weights; resumed for a
+    third step (its load, evaluation and final weights again); then `shardwise consolidate` of the
+    checkpoint in one process. Each phase's peak resident set by rank beside the planner's
+    prediction (`predict_phases`) on top of the rank's runtime (its resident set before the model)."""
+    run_dir = root / f"{strategy}-{width}"
+    common = (f"model.seq_len={END_SEQ_LEN}", f"run.out={run_dir}", "train.eval_batches=1", "train.checkpoint_every=2")
+    job = {"strategy": strategy, "optimizer": "sgd", "width": width}
+    jobs = {"first": run_job({**job, "steps": 2, "end": common}, budget)}
+    if (run_dir / "model.safetensors").is_file():  # the weights at the checkpoint, for consolidate's
+        os.replace(run_dir / "model.safetensors", run_dir / "saved.safetensors")
+    jobs["resumed"] = run_job({**job, "steps": 3, "end": (*common, "run.resume=true")}, budget)
+    cfg = scale_config(strategy, "sgd", width, ranks_of(strategy), 2, *common)
+    predicted = predict_phases(Candidate(strategy, ranks_of(strategy), 1, 1, "fp32", "none", 1), cfg)
+    outcome: dict[str, Any] = {"strategy": strategy, "width": width, "params": parameters(width),
+                               "ranks": ranks_of(strategy), "seq_len": END_SEQ_LEN,
+                               "predicted_gib": {k: round(v / GIB, 3) for k, v in predicted.items()},
+                               "jobs": {name: {k: v for k, v in j.items() if k != "phases"}
+                                        for name, j in jobs.items()}}
+    if not all("phases" in j for j in jobs.values()):
+        return {**outcome, "fits": False}
+    outcome["phases"] = phase_table(jobs, predicted)
+    outcome["consolidate"] = consolidate_job(run_dir, budget)
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return {**outcome, "fits": True}
+
+
+def phase_table(jobs: dict[str, dict[str, Any]], predicted: dict[str, int]) -> dict[str, dict[str, Any]]:
+    """Per phase: each rank's peak resident set over the jobs (GiB), its runtime's, and the measured
+    peak over the prediction (runtime + predicted bytes)."""
+    table = {}
+    for phase, bytes_ in predicted.items():
+        ranks = []
+        for rank in range(len(jobs["first"]["phases"])):
+            seen = [(j["phases"][rank]["rss"][phase], j["phases"][rank]["baseline_rss"]) for j in jobs.values()
+                    if phase in j["phases"][rank]["rss"]]
+            ranks.append(max(seen))
+        table[phase] = {"peak_rss_gib": [round(peak / GIB, 3) for peak, _ in ranks],
+                        "runtime_gib": [round(runtime / GIB, 3) for _, runtime in ranks],
+                        "measured_over_predicted": [round(peak / (runtime + bytes_), 3) for peak, runtime in ranks]}
+    return table
+
+
+def consolidate_job(run_dir: Path, budget: int) -> dict[str, Any]:
+    """`shardwise consolidate` of the run's checkpoint in a process of its own, watched: its peak
+    resident set, its runtime's, its time, and whether the file holds the run's final weights."""
+    out = run_dir / "consolidated.safetensors"
+    text, most, seconds, returncode = watched(
+        [sys.executable, "-m", "shardwise.bench.scale", "--consolidate", str(run_dir), str(out)], budget)
+    line = next((line for line in text.splitlines() if line.startswith(RESULT)), None)
+    if returncode or line is None:
+        return {"ok": False, "why": text[-400:]}
+    result = json.loads(line[len(RESULT):])
+    return {"ok": True, "wall_s": seconds, "watched_peak_gib": round(most / GIB, 3), **result}
+
+
+def consolidate_measured(run_dir: Path, out: Path) -> dict[str, Any]:
+    """In the consolidating process: consolidate, with the peak resident set, and compare the file
+    with the weights the run wrote when it saved the checkpoint, tensor by tensor, memory-mapped."""
+    from safetensors import safe_open
+
+    from shardwise.checkpoint import consolidate
+    from shardwise.memory import reset_peak_resident, resident_bytes
+
+    runtime = resident_bytes()[0]
+    reset_peak_resident()
+    started = time.perf_counter()
+    consolidate(run_dir, out)
+    seconds = time.perf_counter() - started
+    peak = resident_bytes()[1]
+    with safe_open(str(out), "pt") as got, safe_open(str(run_dir / "saved.safetensors"), "pt") as final:
+        equal = all(torch.equal(got.get_tensor(key), final.get_tensor(key)) for key in final.keys())
+    return {"runtime_rss_gib": round(runtime / GIB, 3), "peak_rss_gib": round(peak / GIB, 3),
+            "seconds": round(seconds, 1), "equals_final_weights": equal}
 
 
 def round_width(width: float) -> int:
@@ -189,7 +292,8 @@ def largest(strategy: str, optimizer: str, steps: int, budget: int, runtime: int
     attempts: dict[int, dict[str, Any]] = {}
 
     def fits(width: int) -> bool:
-        attempts[width] = run_job(strategy, optimizer, width, steps, budget)
+        attempts[width] = run_job({"strategy": strategy, "optimizer": optimizer, "width": width, "steps": steps},
+                                  budget)
         a = attempts[width]
         print(f"  {strategy:<12}{optimizer:<6} width {width:>5} ({a['params'] / 1e6:7.1f} M params): "
               f"{'fits' if a['fits'] else 'does not fit (' + a['why'][:80] + ')'}, {a['wall_s']} s", flush=True)
@@ -216,24 +320,15 @@ def machine_memory() -> dict[str, int]:
     return {key: int(fields[key].split()[0]) * 1024 for key in ("MemTotal", "MemAvailable")}
 
 
-def run(budget_gib: float, steps: int, strategies: list[str], optimizers: list[str]) -> dict[str, Any]:
-    budget = int(budget_gib * GIB)
+def run(budget_gib: float, steps: int, strategies: list[str], optimizers: list[str], parts: list[str],
+        end_runs: list[tuple[str, int]], end_budget_gib: float) -> dict[str, Any]:
     memory = machine_memory()
-    if memory["MemTotal"] < budget:
-        raise SystemExit(f"bench scale: --budget-gib {budget_gib}: the machine has {memory['MemTotal'] / GIB:.1f} GiB")
+    for name, gib in (("--budget-gib", budget_gib), ("--end-budget-gib", end_budget_gib)):
+        if memory["MemTotal"] < gib * GIB:
+            raise SystemExit(f"bench scale: {name} {gib}: the machine has {memory['MemTotal'] / GIB:.1f} GiB")
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
-    runtime = int(0.5 * GIB)  # until a job has measured it
-    searches = []
-    for optimizer in optimizers:
-        for strategy in strategies:
-            search = largest(strategy, optimizer, steps, budget, runtime)
-            measured = [a["runtime_rss_gib"] for a in search["attempts"] if "runtime_rss_gib" in a]
-            runtime = int(max(measured, default=runtime / GIB) * GIB)
-            searches.append(search)
-    by = {(s["strategy"], s["optimizer"]): s["largest_params"] for s in searches}
-    compared = [opt for opt in optimizers if by.get(("ddp", opt)) and ("fsdp", opt) in by]
-    return {
+    result: dict[str, Any] = {
         "bench": "scale",
         "budget_gib": budget_gib,
         "steps": steps,
@@ -241,28 +336,66 @@ def run(budget_gib: float, steps: int, strategies: list[str], optimizers: list[s
                   "micro_batch_per_rank": 1},
         "machine": {"cpus": os.cpu_count(), "mem_total_gib": round(memory["MemTotal"] / GIB, 1),
                     "mem_available_gib_at_start": round(memory["MemAvailable"] / GIB, 1)},
-        "load_average": {"before": load_before, "after": os.getloadavg()[0]},
-        "wall_s": round(time.perf_counter() - started),
-        "fsdp_over_ddp": {opt: round(by["fsdp", opt] / by["ddp", opt], 2) for opt in compared},
-        "searches": searches,
     }
+    if "search" in parts:
+        result.update(search(int(budget_gib * GIB), steps, strategies, optimizers))
+    if "end" in parts:
+        with tempfile.TemporaryDirectory(prefix="scale-end-", dir=".") as root:
+            result["end_budget_gib"] = end_budget_gib
+            result["end_of_run"] = [end_of_run(strategy, width, int(end_budget_gib * GIB), Path(root))
+                                    for strategy, width in end_runs]
+    result["load_average"] = {"before": load_before, "after": os.getloadavg()[0]}
+    result["wall_s"] = round(time.perf_counter() - started)
+    return result
+
+
+def search(budget: int, steps: int, strategies: list[str], optimizers: list[str]) -> dict[str, Any]:
+    runtime = int(0.5 * GIB)  # until a job has measured it
+    searches = []
+    for optimizer in optimizers:
+        for strategy in strategies:
+            found = largest(strategy, optimizer, steps, budget, runtime)
+            measured = [a["runtime_rss_gib"] for a in found["attempts"] if "runtime_rss_gib" in a]
+            runtime = int(max(measured, default=runtime / GIB) * GIB)
+            searches.append(found)
+    by = {(s["strategy"], s["optimizer"]): s["largest_params"] for s in searches}
+    compared = [opt for opt in optimizers if by.get(("ddp", opt)) and ("fsdp", opt) in by]
+    return {"fsdp_over_ddp": {opt: round(by["fsdp", opt] / by["ddp", opt], 2) for opt in compared},
+            "searches": searches}
 
 
 def format_result(result: dict[str, Any]) -> str:
-    lines = [f"bench scale: the largest GPT ({N_LAYER} blocks) that trains {result['steps']} steps within "
-             f"{result['budget_gib']} GiB (load {result['load_average']['before']:.1f} -> "
-             f"{result['load_average']['after']:.1f}, {result['wall_s']} s)",
-             f"{'strategy':<13}{'opt':<7}{'ranks':>5}{'width':>7}{'params':>10}{'peak RSS/rank GiB':>19}"
-             f"{'planned GiB':>13}"]
-    for s in result["searches"]:
-        best = s["largest"]
-        if best is None:
-            lines.append(f"{s['strategy']:<13}{s['optimizer']:<7}{s['ranks']:>5}   none fits")
+    lines = [f"bench scale (load {result['load_average']['before']:.1f} -> {result['load_average']['after']:.1f}, "
+             f"{result['wall_s']} s)"]
+    if "searches" in result:
+        lines += [f"the largest GPT ({N_LAYER} blocks) that trains {result['steps']} steps within "
+                  f"{result['budget_gib']} GiB",
+                  f"{'strategy':<13}{'opt':<7}{'ranks':>5}{'width':>7}{'params':>10}{'peak RSS/rank GiB':>19}"
+                  f"{'planned GiB':>13}"]
+        for s in result["searches"]:
+            best = s["largest"]
+            if best is None:
+                lines.append(f"{s['strategy']:<13}{s['optimizer']:<7}{s['ranks']:>5}   none fits")
+                continue
+            lines.append(f"{s['strategy']:<13}{s['optimizer']:<7}{s['ranks']:>5}{s['largest_width']:>7}"
+                         f"{best['params'] / 1e6:>9.0f}M{max(best['peak_rss_gib']):>19.2f}"
+                         f"{best['planned']['step'] / GIB + best['runtime_rss_gib']:>13.2f}")
+        lines.append("fsdp / ddp, parameters: " + ", ".join(f"{k} {v}x" for k, v in result["fsdp_over_ddp"].items()))
+    for end in result.get("end_of_run", []):
+        lines.append(f"the end of a run: {end['strategy']} on {end['ranks']} ranks, {end['params'] / 1e9:.2f}B "
+                     f"parameters, within {result['end_budget_gib']} GiB")
+        if not end["fits"]:
+            lines.append("  did not fit: " + "; ".join(j.get("why", "") for j in end["jobs"].values()))
             continue
-        lines.append(f"{s['strategy']:<13}{s['optimizer']:<7}{s['ranks']:>5}{s['largest_width']:>7}"
-                     f"{best['params'] / 1e6:>9.0f}M{max(best['peak_rss_gib']):>19.2f}"
-                     f"{best['planned']['step'] / GIB + best['runtime_rss_gib']:>13.2f}")
-    lines.append("fsdp / ddp, parameters: " + ", ".join(f"{k} {v}x" for k, v in result["fsdp_over_ddp"].items()))
+        lines.append(f"  {'phase':<15}{'peak RSS by rank, GiB':>30}{'predicted GiB':>15}{'measured / predicted':>28}")
+        for phase, row in end["phases"].items():
+            predicted = end["predicted_gib"][phase] + max(row["runtime_gib"])
+            lines.append(f"  {phase:<15}{' '.join(f'{x:6.2f}' for x in row['peak_rss_gib']):>30}{predicted:>15.2f}"
+                         f"{' '.join(f'{x:6.3f}' for x in row['measured_over_predicted']):>28}")
+        c = end["consolidate"]
+        lines.append(f"  consolidate: peak RSS {c['peak_rss_gib']:.2f} GiB (runtime {c['runtime_rss_gib']:.2f}), "
+                     f"{c['seconds']} s, equals the final weights: {c['equals_final_weights']}" if c["ok"]
+                     else f"  consolidate failed: {c['why']}")
     return "\n".join(lines)
 
 
@@ -273,13 +406,24 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="steps each job trains")
     parser.add_argument("--strategies", default=",".join(STRATEGIES), help="comma-separated, of the default's")
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="comma-separated, of sgd, adamw")
+    parser.add_argument("--parts", default="search,end", help="search (the largest model per strategy), end (whole "
+                        "runs of a 1B+ model, every phase, and consolidate), or both")
+    parser.add_argument("--end-of-run", action="append", metavar="STRATEGY:WIDTH",
+                        help=f"a whole run to measure (repeatable; default fsdp:{END_WIDTH}, 1.23B parameters)")
+    parser.add_argument("--end-budget-gib", type=float, default=20.0, help="memory of a whole run's ranks together")
     parser.add_argument("--json", action="append", default=[], help="write the result here (repeatable)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # one job's rank, under torchrun
+    parser.add_argument("--consolidate", nargs=2, help=argparse.SUPPRESS)  # RUN OUT: a measured consolidate
     args = parser.parse_args()
     if args.worker:
         worker(json.loads(args.worker))
         return
-    result = run(args.budget_gib, args.steps, args.strategies.split(","), args.optimizers.split(","))
+    if args.consolidate:
+        print(RESULT + json.dumps(consolidate_measured(*map(Path, args.consolidate))), flush=True)
+        return
+    end_runs = [(s, int(w)) for s, w in (each.split(":") for each in args.end_of_run or [f"fsdp:{END_WIDTH}"])]
+    result = run(args.budget_gib, args.steps, args.strategies.split(","), args.optimizers.split(","),
+                 args.parts.split(","), end_runs, args.end_budget_gib)
     write_json(result, args.json)
     print(format_result(result), flush=True)
 

@@ -43,6 +43,7 @@ the optimizer step's temporaries.
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import asdict, dataclass
 
 import torch
@@ -284,6 +285,68 @@ def predict_setup_bytes(candidate: Candidate, cfg: Config) -> int:
     state = model_state(stage, precision, facts, world, cfg)
     largest = world * max(facts.unit_shards(world)) * dtype_bytes(working_dtype(precision))
     return max(facts.params_total * stored, state.params + state.grads) + largest
+
+
+PHASES = ("setup", "load", "steps", "eval", "checkpoint", "final_weights")
+
+
+def predict_phases(candidate: Candidate, cfg: Config, margin: float = DEFAULT_MARGIN) -> dict[str, int]:
+    """The busiest rank's bytes at the peak of each phase of a run, as the trainer's summary
+    measures them (`phases_by_rank`, above the runtime's resident set):
+
+    - setup: `predict_setup_bytes`; steps: `predict_memory`'s total, margin included.
+    - Between steps a rank keeps its parameters, its optimizer state and the gradient buffers that
+      outlive a step (ddp's buckets, zero1's buffer): `kept`. Checkpoints are written from the live
+      tensors, one at a time, so a save holds what is kept.
+    - load: `kept` and a gradient per optimizer parameter: a load makes the optimizer's state
+      (absent until the first step) by one step on zero gradients, dropped after.
+    - eval: `kept`, fsdp's gathered parameters as in a step, and one forward's largest temporaries,
+      which nothing saves: the MLP's hidden activations, or the logits and their softmax.
+    - final_weights: `kept`, and on rank 0 the largest tensor, whole, twice where it is gathered
+      (Gloo stages a gather's result in a buffer of its own; tensor parallel joins the shards it
+      gathers), once where a pipeline stage sends it whole, and once more, in float32, where the
+      storage dtype is narrower than the file's.
+    Margin: the steps' only (allocator fragmentation and the optimizer step's temporaries)."""
+    steps = max(rank.total for rank in predict_memory(candidate, cfg, margin))
+    ranks = predict_memory(candidate, cfg, 0.0, activations=False)
+    shape = model_shape(cfg.model)
+    precision = make_precision(candidate.precision, cfg.parallel.reduce_dtype)
+    persistent = candidate.spec.zero_stage in (0, 1)  # ddp's buckets, zero1's gradient buffer
+    kept = max(r.params + r.optimizer + (r.grads if persistent else 0) for r in ranks)
+    master = max(_optimizer_grads(candidate, cfg, r) for r in ranks)
+    stored = dtype_bytes(precision.param_dtype)
+    largest = max(math.prod(s) for s in (*model_facts(shape).block.shapes, *model_facts(shape).root.shapes))
+    gathers = 1 if candidate.spec.mesh_dim == "pp" and candidate.tp == 1 else 2
+    if candidate.spec.mesh_dim == "dp" and not candidate.spec.zero_stage:
+        gathers = 0  # every rank holds it whole
+    final = gathers * largest * stored + (largest * 4 if stored < 4 else 0)
+    gathered = 0
+    if candidate.spec.zero_stage == 3:
+        facts = model_facts(shape)
+        gathered = fsdp_gathered_numel(facts.units, candidate.shard or candidate.dp * candidate.cp,
+                                       cfg.parallel.prefetch, True) * dtype_bytes(working_dtype(precision))
+    return {"setup": predict_setup_bytes(candidate, cfg), "load": kept + master, "steps": steps,
+            "eval": kept + gathered + _forward_temporaries(candidate, shape), "checkpoint": kept,
+            "final_weights": kept + final}
+
+
+def _optimizer_grads(candidate: Candidate, cfg: Config, rank: RankMemory) -> int:
+    """Bytes of one gradient per parameter the optimizer steps: the master shards' under the
+    sharded strategies, else the rank's parameters'."""
+    stage = candidate.spec.zero_stage
+    if not stage:
+        return rank.params
+    facts = model_facts(model_shape(cfg.model))
+    world = candidate.shard or candidate.dp * candidate.cp
+    return facts.shard_numel(world) * dtype_bytes(make_precision(candidate.precision).param_dtype)
+
+
+def _forward_temporaries(candidate: Candidate, shape: ModelShape) -> int:
+    """The most a forward without autograd holds beyond its input at once: an MLP's hidden
+    activations before and after the nonlinearity, or the logits and their log-softmax."""
+    tokens = candidate.micro_batch * shape.seq_len // candidate.cp
+    element = dtype_bytes(make_precision(candidate.precision).compute_dtype)
+    return tokens * max(2 * shape.d_ff // candidate.tp * element, 2 * shape.vocab_size * 4)
 
 
 @functools.cache

@@ -56,7 +56,14 @@ from shardwise.config import ParallelConfig
 from shardwise.dist import DistContext, broadcast_from_rank0
 from shardwise.gradients import clip_grad_norm_
 from shardwise.materialise import Materialiser
-from shardwise.memory import MemoryBreakdown, count_memory, optimizer_state_tensors, return_free_memory, storage_bytes
+from shardwise.memory import (
+    MemoryBreakdown,
+    count_memory,
+    exact_storage,
+    optimizer_state_tensors,
+    return_free_memory,
+    storage_bytes,
+)
 from shardwise.strategies.base import HookedStrategy, OptimizerFactory
 from shardwise.strategies.registry import spec
 from shardwise.strategies.sync_batchnorm import convert_sync_batchnorm
@@ -538,8 +545,9 @@ class ShardedDataParallel(HookedStrategy):
         from torch.distributed.tensor import DTensor
 
         param, rows = self._layout[name]
-        return DTensor.from_local(local[: self._real_rows(param, rows, self.rank)], self._mesh, self._placements,
-                                  run_check=False, shape=param.shape, stride=param.stride())
+        real = exact_storage(local[: self._real_rows(param, rows, self.rank)])
+        return DTensor.from_local(real, self._mesh, self._placements, run_check=False, shape=param.shape,
+                                  stride=param.stride())
 
     def after_state_loaded(self) -> None:
         if self.stage < 3:

@@ -42,7 +42,7 @@ from shardwise.config import DEFAULT_BLOCK, Config, ConfigError, ParallelConfig
 from shardwise.dist import DistContext, init_mesh
 from shardwise.gradients import all_reduce_packed, clip_grad_norm_
 from shardwise.materialise import named_tensors
-from shardwise.memory import return_free_memory
+from shardwise.memory import exact_storage, return_free_memory
 from shardwise.models.plans import NEEDS, Located, PlanError, locate, plan_for_name, plans
 from shardwise.strategies.base import DeferrableSync
 
@@ -83,7 +83,7 @@ class TensorShard:
         local = shard
         if self.parts > 1:
             rank, part_size = mesh.get_local_rank(), full.shape[self.dim] // self.parts
-            pieces = list(shard.chunk(self.parts, self.dim))
+            pieces = [exact_storage(piece) for piece in shard.chunk(self.parts, self.dim)]
             starts = [j * part_size + rank * piece.shape[self.dim] for j, piece in enumerate(pieces)]
             offsets = [tuple(start if d == self.dim else 0 for d in range(full.dim())) for start in starts]
             local = LocalShardsWrapper(pieces, offsets)
