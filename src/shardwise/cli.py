@@ -105,23 +105,24 @@ def train(args: argparse.Namespace) -> int:
 
 
 def sample(args: argparse.Namespace) -> int:
-    import torch
-    from safetensors.torch import load_model
-
-    from shardwise.models import GPT, build_model
+    from shardwise.config import LaunchConfig
+    from shardwise.launch import WorkerFailed, launch_workers
+    from shardwise.sampling import run_config, sample_here
 
     run = Path(args.run_dir)
-    weights = run / "model.safetensors"
-    if not weights.is_file():
-        raise ConfigError(f"{weights}: not found; train a run into {run} first")
-    cfg = load_config(run / "config.toml")
-    model = build_model(cfg.model)
-    if not isinstance(model, GPT):
-        raise ConfigError(f"model.name = {cfg.model.name!r} in {run}: only a GPT generates text")
-    load_model(model, str(weights))
-    prompt = torch.tensor([list(args.prompt.encode())], dtype=torch.long)
-    out = model.eval().generate(prompt, args.tokens, generator=torch.Generator().manual_seed(args.seed))
-    print(bytes(out[0].tolist()).decode(errors="replace"))
+    if args.nproc is None:
+        if args.strategy is not None:
+            raise ConfigError(f"--strategy {args.strategy}: sampling under a strategy runs on ranks; give --nproc N")
+        print(sample_here(run, args.prompt, args.tokens, args.seed))
+        return 0
+    run_config(run, args.strategy, args.nproc)  # refuses what cannot run before any rank starts
+    entry = ["shardwise.sampling", str(run), "--prompt", args.prompt, "--tokens", str(args.tokens),
+             "--seed", str(args.seed), *(["--strategy", args.strategy] if args.strategy else [])]
+    try:
+        launch_workers(LaunchConfig(nproc=args.nproc), entry)
+    except WorkerFailed as failure:
+        print(f"shardwise sample: {failure}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -293,11 +294,16 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     _add_train_parser(commands)
     _add_plan_parser(commands)
-    p = commands.add_parser("sample", help="generate text from a trained GPT run")
+    p = commands.add_parser("sample", help="generate text from a trained GPT run",
+                            description="Continues a prompt with the run's final weights (RUN_DIR/model.safetensors): "
+                            "in this process, or with --nproc on that many ranks under the run's strategy (or "
+                            "--strategy), each rank holding its part of the model, as in training.")
     p.add_argument("run_dir", help="a run directory written by `shardwise train`")
     p.add_argument("--prompt", default="\n", help="text to continue")
     p.add_argument("--tokens", type=int, default=200, help="bytes to generate")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--nproc", type=int, help="ranks to sample on, under the run's strategy (default: this process)")
+    p.add_argument("--strategy", choices=NAMES, help="with --nproc: the strategy to sample under (default: the run's)")
     p = commands.add_parser("bench", help="ours vs PyTorch native, or an option's variants, alternating in one run",
                             description="ddp, fsdp, pipeline, tensor: ours against PyTorch's own; collectives: our "
                             "ring all-reduce against the backend's, and ddp's gradient compression against plain "

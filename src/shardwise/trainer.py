@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 import signal
 import time
-from collections.abc import Iterable
-from contextlib import nullcontext
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -156,7 +156,7 @@ class Trainer:
 
     def evaluate(self) -> float:
         """Mean loss over the same fixed validation batches every time, whatever the world size."""
-        with self.peaks("eval"), torch.no_grad():
+        with self.between_steps("eval"), torch.no_grad():
             return self._evaluate()
 
     def _evaluate(self) -> float:
@@ -232,7 +232,7 @@ class Trainer:
                     val_loss = self.evaluate()
                     writer.write({"event": "eval", "step": step + 1, "val_loss": val_loss})
             val_loss = self.evaluate()
-            with self.peaks("final_weights"):
+            with self.between_steps("final_weights"):
                 self._save_weights()
             summary = self._summary(records, val_loss)
             writer.write(summary)
@@ -243,8 +243,17 @@ class Trainer:
         return summary
 
     def save_checkpoint(self, step: int) -> None:
-        with self.peaks("checkpoint"):
+        with self.between_steps("checkpoint"):
             save_checkpoint(self, step, self.cfg.train.keep_checkpoints)
+
+    @contextmanager
+    def between_steps(self, phase: str) -> Iterator[None]:
+        """Evaluation, a checkpoint, the final weights: measured as `phase`, and started by handing
+        the allocator's free memory back (`return_free_memory`): a step's activations, freed, would
+        otherwise stay resident in its heaps through them."""
+        with self.peaks(phase):
+            return_free_memory()
+            yield
 
     def _summary(self, records: list[dict[str, Any]], val_loss: float) -> dict[str, Any]:
         # The first steps include warm-up (allocation, thread pools); the median ignores them.

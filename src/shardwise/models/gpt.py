@@ -126,14 +126,3 @@ class GPT(nn.Module):
         score and value matmuls, 12 * layers * width * sequence (PaLM appendix B)."""
         c = self.cfg
         return 6 * self.num_params() + 12 * c.n_layer * c.d_model * c.seq_len
-
-    @torch.no_grad()
-    def generate(self, idx: torch.Tensor, new_tokens: int, temperature: float = 0.8, top_k: int = 40,
-                 generator: torch.Generator | None = None) -> torch.Tensor:
-        for _ in range(new_tokens):
-            logits = self(idx[:, -self.cfg.seq_len:])[:, -1, :] / temperature
-            kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, [-1]]
-            logits[logits < kth] = -float("inf")
-            probs = F.softmax(logits, dim=-1)
-            idx = torch.cat([idx, torch.multinomial(probs, 1, generator=generator)], dim=1)
-        return idx

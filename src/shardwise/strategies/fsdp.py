@@ -72,7 +72,6 @@ if TYPE_CHECKING:
     from torch.distributed.tensor import Placement
 
 HOST = torch.device("cpu")
-REDUCTIONS_IN_FLIGHT = 1  # reduce-scatters left outstanding: the one just issued overlaps the next unit's backward
 
 
 @dataclass
@@ -398,7 +397,10 @@ class ShardedDataParallel(HookedStrategy):
 
     def _start_reduce_scatter(self, unit: Unit) -> None:
         """Average the unit's full gradients over ranks, packed in the reduce dtype, into this rank's
-        shard gradients; the full gradients are spent (zero1) or freed (zero2, fsdp)."""
+        shard gradients; the full gradients are spent (zero1) or freed (zero2, fsdp). The previous
+        unit's reduce-scatter is waited for first: it has had this unit's whole backward to finish,
+        and its packed gradients (a unit's worth) need not live beside these."""
+        self._settle_reductions()
         packed = torch.empty(self.world, unit.shard_numel, dtype=self.precision.reduce_dtype, device=self.ctx.device)
         if unit.grads is not None:  # zero1: its gradient buffer, padded as the shards are
             for region, offset in zip(self._regions(unit, unit.grads), unit.offsets, strict=True):
@@ -424,14 +426,13 @@ class ShardedDataParallel(HookedStrategy):
                                           async_op=True)
         self.bytes_moved += (packed.numel() + unit.shard_numel) * packed.element_size()
         self._reductions.append((work, unit, shard_grad, home))
-        self._settle_reductions(REDUCTIONS_IN_FLIGHT)
 
-    def _settle_reductions(self, in_flight: int) -> None:
-        """Wait for the oldest reduce-scatters until at most `in_flight` are outstanding, and give
-        their shards the gradients. A reduction's input (every rank's part of a unit's whole
-        gradients) lives as long as its Work: left to the end of backward, all of them, a whole
-        model's gradients, would be alive at once."""
-        while len(self._reductions) > in_flight:
+    def _settle_reductions(self) -> None:
+        """Wait for the reduce-scatters outstanding and give their shards the gradients. A
+        reduction's input (every rank's part of a unit's whole gradients) lives as long as its
+        Work: left to the end of backward, all of them, a whole model's gradients, would be alive
+        at once."""
+        while self._reductions:
             work, unit, shard_grad, home = self._reductions.pop(0)
             work.wait()
             if shard_grad is not home:
@@ -452,7 +453,7 @@ class ShardedDataParallel(HookedStrategy):
             for unit in self.units:
                 if unit is self.root or len(unit.ready) < len(unit.params) or self.stage == 1:
                     self._start_reduce_scatter(unit)  # root, units with unused params, or zero1
-            self._settle_reductions(0)
+            self._settle_reductions()
         if self.stage == 3:
             for unit in self.units:
                 self._free(unit)
