@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import REPO
 from distributed import run_ranks
+from safetensors.torch import load_file
 
 import shardwise as sw
 from shardwise.config import ConfigError
@@ -162,19 +163,21 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(two_ranks):
 
 
 def save_sharded(path: Path) -> None:
-    """5 steps under fsdp, checkpointed."""
+    """5 steps under fsdp, checkpointed, and the weights written as one file."""
     run = sw.setup("fsdp", **OPTIONS)
     model, optimizer = run.prepare(GPT(GPTConfig(2, 2, 32, SEQ_LEN, 256)), sgd)
     for inputs, targets in run.loader(shakespeare(), BATCH, steps=5):
         run.backward(loss_fn(model(inputs), targets))
         run.step(optimizer)
     run.save(path)
+    run.save_weights(path / "model.safetensors")
 
 
 def resume_single(path: Path) -> dict:
     run = sw.setup("single", **OPTIONS)
     model, optimizer = run.prepare(GPT(GPTConfig(2, 2, 32, SEQ_LEN, 256)), sgd)
     assert run.load(path) == 5
+    loaded = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     losses, total = [], 0.0
     for i, (inputs, targets) in enumerate(run.loader(shakespeare(), BATCH, steps=STEPS - 5)):
         loss = loss_fn(model(inputs), targets)
@@ -184,7 +187,7 @@ def resume_single(path: Path) -> dict:
         if i % 2:
             losses.append(total / 2)
             total = 0.0
-    return {"losses": losses, "state": run.strategy.full_state_dict(), "step": run.global_step}
+    return {"losses": losses, "state": run.strategy.full_state_dict(), "step": run.global_step, "loaded": loaded}
 
 
 def test_a_checkpoint_saved_by_fsdp_on_2_ranks_resumes_under_single(two_ranks, single):
@@ -192,6 +195,8 @@ def test_a_checkpoint_saved_by_fsdp_on_2_ranks_resumes_under_single(two_ranks, s
     assert sorted(p.name for p in (path / "checkpoints").iterdir()) == ["latest", "step-00000005"]
     resumed = in_one_thread(resume_single, path)
     assert resumed["step"] == STEPS
+    saved = load_file(str(path / "model.safetensors"))  # run.save_weights: what the checkpoint holds
+    assert saved and all(torch.equal(tensor, resumed["loaded"][name]) for name, tensor in saved.items())
     # the loader went on at global batch 5: the same losses as the uninterrupted run's last 5
     assert_same_training({**resumed, "losses": single["losses"][:5] + resumed["losses"]}, single)
 

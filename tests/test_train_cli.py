@@ -68,3 +68,25 @@ def test_the_worker_runs_under_an_external_torchrun(tmp_path, cli_single_compare
     assert result.returncode == 0, result.stderr
     assert load_config(out / "config.toml").launch.nproc == 2  # the world torchrun made, recorded
     assert_same_training(out, cli_single_compared, steps=COMPARED_STEPS, weights=False)
+
+
+def test_sampling_on_ranks_under_fsdp_and_pipeline_writes_the_text_one_process_writes(cli_single_run):
+    run, _ = cli_single_run
+    args = ("sample", str(run), "--prompt", "ROMEO.", "--tokens", "40")
+    alone = shardwise(*args)
+    assert alone.returncode == 0, alone.stderr
+    assert alone.stdout.startswith("ROMEO.") and len(alone.stdout) > 40
+    for strategy in ("fsdp", "pipeline"):  # each rank keeps its part: fsdp's shards, a pipeline's stage
+        ranked = shardwise(*args, "--nproc", "2", "--strategy", strategy)
+        assert ranked.returncode == 0, ranked.stderr
+        assert ranked.stdout == alone.stdout, strategy
+
+
+def test_sampling_refuses_what_cannot_run_before_any_rank_starts(cli_single_run, tmp_path):
+    run, _ = cli_single_run
+    refused = shardwise("sample", str(run), "--nproc", "4", "--strategy", "tensor")  # gpt-tiny has 2 heads
+    assert refused.returncode == 2 and "parallel.tp = 4: must divide model.n_head = 2" in refused.stderr
+    refused = shardwise("sample", str(run), "--strategy", "fsdp")
+    assert refused.returncode == 2 and "give --nproc N" in refused.stderr
+    refused = shardwise("sample", str(tmp_path), "--nproc", "2")
+    assert refused.returncode == 2 and "model.safetensors: not found" in refused.stderr

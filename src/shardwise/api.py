@@ -54,6 +54,7 @@ from shardwise.strategies.base import LossFn, OptimizerFactory, make_strategy
 from shardwise.strategies.registry import spec
 from shardwise.trainer import optimizer_step
 from shardwise.weights import load_weights, tied_names
+from shardwise.weights_file import WeightsLayout, save_weights
 
 # What `run.loader` reads: shardwise's own datasets (`batch(indices)`) or any map-style dataset
 # (`dataset[i]`, collated as torch's DataLoader does).
@@ -155,6 +156,7 @@ class Run:
         if not isinstance(model, nn.Module):
             model = build_on_meta(model, "run.prepare")
         ties = tied_names(model)
+        self._weights_layout = WeightsLayout.of(model)
         wrapped = self.strategy.wrap(model)
         self.optimizer = self.strategy.optimizer(make_optimizer)
         if weights is not None:
@@ -290,6 +292,15 @@ class Run:
         self.out = Path(path)
         self.global_step = load_checkpoint(self)
         return self.global_step
+
+    def save_weights(self, path: str | Path) -> Path:
+        """The plain model's weights (parameters and buffers) as one safetensors file at `path`,
+        the one safetensors' `save_model` writes for the model, for `load_model` without shardwise:
+        gathered a tensor at a time to rank 0, which writes it, so no rank holds the whole model
+        (weights_file.py). Atomic: a failed write leaves what `path` held. Call on every rank."""
+        self._require_model("save_weights")
+        save_weights(self.strategy, self._weights_layout, Path(path))
+        return Path(path)
 
     def close(self) -> None:
         """Leave the process group (explicitly: Gloo can hang or abort if it is left to interpreter exit)."""

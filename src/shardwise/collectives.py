@@ -1,4 +1,5 @@
-"""Collective algorithms written from point-to-point messages, and the bytes they put on the wire.
+"""Collective algorithms written from point-to-point messages, and the bytes they put on the wire:
+the ring all-reduce below, and a gather into the caller's buffers (`gather_in_place`).
 
 Ring all-reduce (Patarasuk & Yuan 2009; what Gloo and NCCL run for large messages). The N ranks
 of a group form a ring: each sends only to its right neighbour (r + 1) and receives only from its
@@ -94,6 +95,20 @@ def _segments(chunk: torch.Tensor, length: int) -> tuple[torch.Tensor, ...]:
     """`chunk` in consecutive views of at most `length` elements; none for an empty chunk (its
     sender and receiver both skip it)."""
     return chunk.split(length) if chunk.numel() else ()
+
+
+def gather_in_place(tensor: torch.Tensor, parts: list[torch.Tensor] | None, group: dist.ProcessGroup | None,
+                    dst: int = 0) -> None:
+    """Every rank's `tensor` into `parts` (rank r's into parts[r]) on rank `dst` of `group` (None
+    elsewhere), received straight into them, one message per rank: Gloo's gather receives the
+    whole result into a buffer of its own first, twice the memory on the rank that gathers."""
+    if dist.get_rank(group) != dst:
+        dist.send(tensor.contiguous(), group=group, group_dst=dst)
+        return
+    works = [dist.irecv(part, group=group, group_src=r) for r, part in enumerate(parts) if r != dst]
+    parts[dst].copy_(tensor)
+    for work in works:
+        work.wait()
 
 
 def ring_bytes_sent(numel: int, element_size: int, world_size: int, rank: int) -> int:

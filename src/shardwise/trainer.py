@@ -31,7 +31,7 @@ from shardwise.metrics import MetricsWriter, Progress, device_peak_flops, mfu
 from shardwise.models import build_model, flops_per_sample, loss_fn
 from shardwise.strategies.base import OptimizerFactory, Strategy, make_strategy
 from shardwise.weights import load_weights, tied_names
-from shardwise.weights_file import save_weights
+from shardwise.weights_file import WeightsLayout, save_weights
 
 
 def optimizer_factory(cfg: TrainConfig) -> OptimizerFactory:
@@ -91,6 +91,7 @@ class Trainer:
         self.flops_per_sample = flops_per_sample(model)
         self.seq_len = cfg.model.seq_len if cfg.model.name in LANGUAGE_MODELS else None
         self.ties = tied_names(model)  # a weights file may name a tied weight by any of its names
+        self.weights_layout = WeightsLayout.of(model)  # what the final weights file holds
         self.strategy: Strategy = make_strategy(cfg.parallel, ctx, cfg.train.seed)
         # Each phase's peak resident set (setup, load, steps, eval, checkpoint, final_weights): the summary's.
         self.peaks = PhasePeaks(ctx.device)
@@ -251,8 +252,8 @@ class Trainer:
         """Evaluation, a checkpoint, the final weights: measured as `phase`, and started by handing
         the allocator's free memory back (`return_free_memory`): a step's activations, freed, would
         otherwise stay resident in its heaps through them."""
+        return_free_memory()
         with self.peaks(phase):
-            return_free_memory()
             yield
 
     def _summary(self, records: list[dict[str, Any]], val_loss: float) -> dict[str, Any]:
@@ -292,9 +293,7 @@ class Trainer:
     def _save_weights(self) -> None:
         """The plain model's weights as OUT/model.safetensors, readable without shardwise (what
         safetensors' save_model writes), streamed tensor by tensor from what the ranks hold."""
-        with init_context():
-            plain = build_model(self.cfg.model)
-        save_weights(self.strategy, plain, self.out / "model.safetensors")
+        save_weights(self.strategy, self.weights_layout, self.out / "model.safetensors")
 
 
 class TerminationFlag:

@@ -140,13 +140,12 @@ class WeightsWriter:
             self.discard()
 
 
-def save_weights(strategy: Strategy, model: nn.Module, path: Path) -> None:
+def save_weights(strategy: Strategy, layout: WeightsLayout, path: Path) -> None:
     """Write the plain model's weights, as `strategy`'s ranks hold them, to `path` (rank 0 writes):
     each tensor gathered whole on rank 0 alone (`Strategy.full_tensors`), written and dropped.
-    `model`: the plain model, built on the meta device (its names, shapes and dtypes). Every rank
-    calls it. A write that fails (a full disk) raises WeightsFileError on every rank, leaving
-    whatever `path` held before."""
-    layout = WeightsLayout.of(model)
+    `layout`: the plain model's (`WeightsLayout.of` the model before the strategy wrapped it, or
+    one built on the meta device). Every rank calls it. A write that fails (a full disk) raises
+    WeightsFileError on every rank, leaving whatever `path` held before."""
     tensors = strategy.full_tensors([entry.name for entry in layout.entries])
     problem = None
     if strategy.ctx.is_main:
@@ -169,13 +168,13 @@ def _write_all(path: Path, layout: WeightsLayout, tensors: Iterator[torch.Tensor
     else:
         problem = None
     for tensor in tensors:
-        if writer is None:
-            continue
-        try:
-            writer.write(tensor)
-        except OSError as error:
-            writer.discard()
-            writer, problem = None, str(error)
+        if writer is not None:
+            try:
+                writer.write(tensor)
+            except OSError as error:
+                writer.discard()
+                writer, problem = None, str(error)
+        del tensor  # before the next is gathered
     if writer is not None:
         try:
             writer.finish()

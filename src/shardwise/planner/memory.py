@@ -302,10 +302,9 @@ def predict_phases(candidate: Candidate, cfg: Config, margin: float = DEFAULT_MA
       (absent until the first step) by one step on zero gradients, dropped after.
     - eval: `kept`, fsdp's gathered parameters as in a step, and one forward's largest temporaries,
       which nothing saves: the MLP's hidden activations, or the logits and their softmax.
-    - final_weights: `kept`, and on rank 0 the largest tensor, whole, twice where it is gathered
-      (Gloo stages a gather's result in a buffer of its own; tensor parallel joins the shards it
-      gathers), once where a pipeline stage sends it whole, and once more, in float32, where the
-      storage dtype is narrower than the file's.
+    - final_weights: `kept`, and on rank 0 the largest tensor, whole: received in place from its
+      shards (or from the stage that holds it), and twice under tensor parallel, which joins the
+      shards it receives; once more, in float32, where the storage dtype is narrower than the file's.
     Margin: the steps' only (allocator fragmentation and the optimizer step's temporaries)."""
     steps = max(rank.total for rank in predict_memory(candidate, cfg, margin))
     ranks = predict_memory(candidate, cfg, 0.0, activations=False)
@@ -316,7 +315,7 @@ def predict_phases(candidate: Candidate, cfg: Config, margin: float = DEFAULT_MA
     master = max(_optimizer_grads(candidate, cfg, r) for r in ranks)
     stored = dtype_bytes(precision.param_dtype)
     largest = max(math.prod(s) for s in (*model_facts(shape).block.shapes, *model_facts(shape).root.shapes))
-    gathers = 1 if candidate.spec.mesh_dim == "pp" and candidate.tp == 1 else 2
+    gathers = 2 if candidate.tp > 1 else 1
     if candidate.spec.mesh_dim == "dp" and not candidate.spec.zero_stage:
         gathers = 0  # every rank holds it whole
     final = gathers * largest * stored + (largest * 4 if stored < 4 else 0)

@@ -52,6 +52,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from shardwise.collectives import gather_in_place
 from shardwise.config import ParallelConfig
 from shardwise.dist import DistContext, broadcast_from_rank0
 from shardwise.gradients import clip_grad_norm_
@@ -528,13 +529,11 @@ class ShardedDataParallel(HookedStrategy):
     def _gather_to_first(self, param: nn.Parameter, shard: nn.Parameter, rows: int) -> torch.Tensor | None:
         """`param`'s whole value on rank 0 of the shard group, from every rank's `shard` of it."""
         send = shard.detach().to(self.ctx.device).reshape(-1)
-        parts = None
-        if self.rank == 0:
-            gathered = torch.empty(self.world * send.numel(), dtype=send.dtype, device=send.device)
-            parts = list(gathered.view(self.world, -1))
-        dist.gather(send, parts, group=self.group, group_dst=0)
-        if parts is None:
+        if self.rank != 0:
+            gather_in_place(send, None, self.group)
             return None
+        gathered = torch.empty(self.world * send.numel(), dtype=send.dtype, device=send.device)
+        gather_in_place(send, list(gathered.view(self.world, -1)), self.group)
         return gathered.view(self.world * rows, *param.shape[1:])[: param.shape[0]]
 
     def named_local_parameters(self) -> list[tuple[str, nn.Parameter]]:

@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from shardwise.collectives import gather_in_place
 from shardwise.config import DEFAULT_BLOCK, Config, ConfigError, ParallelConfig
 from shardwise.dist import DistContext, init_mesh
 from shardwise.gradients import all_reduce_packed, clip_grad_norm_
@@ -322,7 +323,6 @@ class MeshStrategy(DeferrableSync):
 
     def _gather_shards(self, shard_tensor: torch.Tensor, shard: TensorShard) -> torch.Tensor | None:
         """The whole tensor on the first tp rank from every tp rank's shard; None on the others."""
-        send = shard_tensor.contiguous()
-        parts = [torch.empty_like(send) for _ in range(self.tp)] if self.tp_rank == 0 else None
-        dist.gather(send, parts, group=self.tp_group, group_dst=0)
+        parts = [torch.empty_like(shard_tensor) for _ in range(self.tp)] if self.tp_rank == 0 else None
+        gather_in_place(shard_tensor, parts, self.tp_group)
         return shard.join(parts) if parts is not None else None
