@@ -134,13 +134,17 @@ def bench(args: argparse.Namespace) -> int:
     if args.nproc is not None and args.name != "hardware":
         raise ConfigError(f"--nproc {args.nproc}: only `bench hardware` takes a world size; "
                           f"{args.name} runs on {ranks}")
-    if args.budget_gib is not None and args.name != "scale":
-        raise ConfigError(f"--budget-gib {args.budget_gib}: only `bench scale` takes a memory budget")
+    scale_only = {"--budget-gib": args.budget_gib, "--parts": args.parts, "--end-of-run": args.end_of_run,
+                  "--end-budget-gib": args.end_budget_gib}
+    for flag, value in scale_only.items():
+        if value is not None and args.name != "scale":
+            raise ConfigError(f"{flag} {value}: only `bench scale` takes it")
     entry = [module, "--json", f"bench/results/{args.name}.json"]
     if args.steps is not None or args.name != "scale":  # scale's jobs train its own default, 2 steps
         entry += ["--steps", str(12 if args.steps is None else args.steps)]
-    if args.budget_gib is not None:
-        entry += ["--budget-gib", str(args.budget_gib)]
+    for flag, value in scale_only.items():
+        if value is not None:
+            entry += [flag, str(value)]
     if args.json:
         entry += ["--json", args.json]
     if ranks == 0:  # a driver that launches its own jobs
@@ -325,6 +329,12 @@ def main(argv: list[str] | None = None) -> int:
                    "the device profile `shardwise plan --device FILE` reads)")
     p.add_argument("--nproc", type=int, help="hardware: ranks to measure the collectives over (default 2)")
     p.add_argument("--budget-gib", type=float, help="scale: the memory of all of a job's ranks together (default 16)")
+    p.add_argument("--parts", help="scale: search (the largest model per strategy), end (a 1B+ model's whole run, "
+                   "every phase against the planner, and consolidate), or search,end (default)")
+    p.add_argument("--end-of-run", metavar="STRATEGY:WIDTH", help="scale: the whole run to measure (default "
+                   "fsdp:1792, a 1.23B GPT)")
+    p.add_argument("--end-budget-gib", type=float, help="scale: the memory of the whole run's ranks together "
+                   "(default 20)")
     p = commands.add_parser("consolidate", help="write a run's newest checkpoint as one plain safetensors file",
                             description="Reads the newest good checkpoint of RUN_DIR, whatever strategy and world "
                             "size saved it, in one process, and writes its full model state dict.")

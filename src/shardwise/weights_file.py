@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from shardwise.memory import return_free_memory
+
 if TYPE_CHECKING:
     from shardwise.strategies.base import Strategy
 
@@ -146,7 +148,7 @@ def save_weights(strategy: Strategy, layout: WeightsLayout, path: Path) -> None:
     `layout`: the plain model's (`WeightsLayout.of` the model before the strategy wrapped it, or
     one built on the meta device). Every rank calls it. A write that fails (a full disk) raises
     WeightsFileError on every rank, leaving whatever `path` held before."""
-    tensors = strategy.full_tensors([entry.name for entry in layout.entries])
+    tensors = _trimmed(strategy.full_tensors([entry.name for entry in layout.entries]))
     problem = None
     if strategy.ctx.is_main:
         problem = _write_all(path, layout, tensors)
@@ -156,6 +158,18 @@ def save_weights(strategy: Strategy, layout: WeightsLayout, path: Path) -> None:
     problem = strategy.ctx.all_gather_object(problem)[0]
     if problem is not None:
         raise WeightsFileError(f"could not write {path}: {problem}")
+
+
+def _trimmed(tensors: Iterator[torch.Tensor | None]) -> Iterator[torch.Tensor | None]:
+    """`tensors`, the allocator's free memory handed back before each is gathered: the pieces of
+    a tensor smaller than glibc maps on its own (shards, tensor-parallel parts), freed, would
+    otherwise stay in its heaps and add up from one tensor to the next."""
+    while True:
+        return_free_memory()
+        try:
+            yield next(tensors)
+        except StopIteration:
+            return
 
 
 def _write_all(path: Path, layout: WeightsLayout, tensors: Iterator[torch.Tensor | None]) -> str | None:

@@ -32,8 +32,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from shardwise.bench.common import write_json
 from shardwise.config import Config, load_config
 from shardwise.planner.candidates import Candidate
@@ -261,8 +259,6 @@ def consolidate_job(run_dir: Path, budget: int) -> dict[str, Any]:
 def consolidate_measured(run_dir: Path, out: Path) -> dict[str, Any]:
     """In the consolidating process: consolidate, with the peak resident set, and compare the file
     with the weights the run wrote when it saved the checkpoint, tensor by tensor, memory-mapped."""
-    from safetensors import safe_open
-
     from shardwise.checkpoint import consolidate
     from shardwise.memory import reset_peak_resident, resident_bytes
 
@@ -272,10 +268,34 @@ def consolidate_measured(run_dir: Path, out: Path) -> dict[str, Any]:
     consolidate(run_dir, out)
     seconds = time.perf_counter() - started
     peak = resident_bytes()[1]
-    with safe_open(str(out), "pt") as got, safe_open(str(run_dir / "saved.safetensors"), "pt") as final:
-        equal = all(torch.equal(got.get_tensor(key), final.get_tensor(key)) for key in final.keys())
     return {"runtime_rss_gib": round(runtime / GIB, 3), "peak_rss_gib": round(peak / GIB, 3),
-            "seconds": round(seconds, 1), "equals_final_weights": equal}
+            "seconds": round(seconds, 1), "equals_final_weights": same_tensors(run_dir / "saved.safetensors", out)}
+
+
+def same_tensors(expected: Path, got: Path) -> bool:
+    """Whether every tensor of the safetensors file `expected` is in `got`, of the same dtype, shape
+    and bytes: read a tensor at a time (a memory-mapped comparison would make both files resident)."""
+    headers = [safetensors_header(path) for path in (expected, got)]
+    with open(expected, "rb") as a, open(got, "rb") as b:
+        for key, entry in headers[0][0].items():
+            other = headers[1][0].get(key)
+            if other is None or (other["dtype"], other["shape"]) != (entry["dtype"], entry["shape"]):
+                return False
+            (start, stop), (their_start, _) = entry["data_offsets"], other["data_offsets"]
+            a.seek(headers[0][1] + start)
+            b.seek(headers[1][1] + their_start)
+            if a.read(stop - start) != b.read(stop - start):
+                return False
+    return True
+
+
+def safetensors_header(path: Path) -> tuple[dict[str, Any], int]:
+    """A safetensors file's tensors by name (their dtype, shape and byte range) and where the data starts."""
+    with open(path, "rb") as file:
+        length = int.from_bytes(file.read(8), "little")
+        header = json.loads(file.read(length))
+    header.pop("__metadata__", None)
+    return header, 8 + length
 
 
 def round_width(width: float) -> int:

@@ -67,7 +67,7 @@ from shardwise.recompute import parse_policy
 from shardwise.strategies.registry import SPECS
 
 DEFAULT_MARGIN = 0.10  # allocator fragmentation and the optimizer step's temporaries
-UNITS_IN_FLIGHT = 2  # collectives of at most this many units outstanding at once (one working, one next)
+UNITS_IN_FLIGHT = 2  # unit-sized collective buffers at once: a unit's gradients and their packed copy, or 2 gathers
 
 
 @dataclass
@@ -234,9 +234,11 @@ def _sharded_buffers(c: Candidate, cfg: Config, facts: ModelFacts, world: int, s
     kept_whole = 0
     if stage >= 2 and cfg.train.global_batch > c.dp * c.micro_batch:
         kept_whole = facts.params_total * (working if stage == 2 else stored)  # between micro-steps
-    if stage == 1:  # every unit's reduce-scatter at the end of backward; two gathers after the step
-        return max(sum(padded) * reduce, sum(largest) * working)
-    if stage == 2:
+    # A unit's gradients are packed for its reduce-scatter once the previous unit's is done: one
+    # packed unit in flight (zero1: at the end of backward, from its gradient buffer).
+    if stage == 1:  # one unit's reduce-scatter at the end of backward; two gathers after the step
+        return max(max(padded) * reduce, sum(largest) * working)
+    if stage == 2:  # the unit's gradients and their packed copy; two gathers after the step
         return sum(largest) * max(reduce, working) + kept_whole
     gathered = dtype_bytes(precision.compute_dtype if precision.mixed else precision.param_dtype)
     elements = fsdp_gathered_numel(facts.units, world, cfg.parallel.prefetch, cfg.parallel.reshard_after_forward)

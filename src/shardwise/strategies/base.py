@@ -198,8 +198,9 @@ class Strategy:
         model = {name: self.as_global(name, p.detach()) for name, p in params}
         model.update(self.named_local_buffers())
         optimizer = {}
+        state = self.optim.state if self.optim is not None else {}  # none yet: sampling, loading weights
         for name, param in params:
-            for key, value in self.optim.state[param].items():
+            for key, value in state.get(param, {}).items():
                 optimizer[f"{name}.{key}"] = self.as_global(name, value) if value.shape == param.shape else value
         return {"model": model, "optimizer": optimizer}
 

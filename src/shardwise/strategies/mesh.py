@@ -64,9 +64,10 @@ class TensorShard:
         return torch.cat([part.chunk(size, self.dim)[rank] for part in full.chunk(self.parts, self.dim)], self.dim)
 
     def join(self, shards: list[torch.Tensor]) -> torch.Tensor:
-        """The full tensor from every rank's shard, in rank order."""
+        """The full tensor from every rank's shard, in rank order (one copy: each part's pieces in
+        rank order, part after part)."""
         per_rank = [shard.chunk(self.parts, self.dim) for shard in shards]
-        return torch.cat([torch.cat([parts[j] for parts in per_rank], self.dim) for j in range(self.parts)], self.dim)
+        return torch.cat([parts[j] for j in range(self.parts) for parts in per_rank], self.dim)
 
     def as_dtensor(self, shard: torch.Tensor, full: torch.Tensor, mesh: DeviceMesh) -> DTensor:
         """This rank's `shard` as a DTensor, `Shard(dim)` over `mesh`, of a tensor shaped like
