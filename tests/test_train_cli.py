@@ -70,16 +70,15 @@ def test_the_worker_runs_under_an_external_torchrun(tmp_path, cli_single_compare
     assert_same_training(out, cli_single_compared, steps=COMPARED_STEPS, weights=False)
 
 
-def test_sampling_on_ranks_under_fsdp_and_pipeline_writes_the_text_one_process_writes(cli_single_run):
+def test_sampling_on_2_pipeline_stages_writes_the_text_one_process_writes(cli_single_run):
     run, _ = cli_single_run
     args = ("sample", str(run), "--prompt", "ROMEO.", "--tokens", "40")
     alone = shardwise(*args)
     assert alone.returncode == 0, alone.stderr
     assert alone.stdout.startswith("ROMEO.") and len(alone.stdout) > 40
-    for strategy in ("fsdp", "pipeline"):  # each rank keeps its part: fsdp's shards, a pipeline's stage
-        ranked = shardwise(*args, "--nproc", "2", "--strategy", strategy)
-        assert ranked.returncode == 0, ranked.stderr
-        assert ranked.stdout == alone.stdout, strategy
+    ranked = shardwise(*args, "--nproc", "2", "--strategy", "pipeline")  # each rank holds one stage
+    assert ranked.returncode == 0, ranked.stderr
+    assert ranked.stdout == alone.stdout
 
 
 def test_sampling_refuses_what_cannot_run_before_any_rank_starts(cli_single_run, tmp_path):
