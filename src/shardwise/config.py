@@ -216,6 +216,20 @@ class ParallelConfig:
     ps_max_staleness: int = option(4, "`param-server`, `async`: drop a push computed on parameters more than this "
                                    "many updates old")
 
+    def mesh(self, world_size: int, node_size: int | None = None) -> MeshShape:
+        """The run's device mesh (mesh.py): `mesh_shape`'s dp split into the replicas that average
+        their gradients and the ranks the sharded strategies split a replica's state over: all of
+        dp under zero1, zero2, fsdp and fsdp-native; hsdp's dp ranks within a node of `node_size`
+        ranks (default: the whole world); none under the strategies that replicate."""
+        dp, pp, tp = self.mesh_shape(world_size)
+        chosen = spec(self.strategy)
+        shard = 1
+        if chosen.zero_stage:
+            shard = dp
+            if chosen.across_nodes:
+                shard = max(1, min(dp, (node_size or world_size) // (self.cp * pp * tp)))
+        return MeshShape(dp // shard, shard, self.cp, pp, tp)
+
     def mesh_shape(self, world_size: int) -> tuple[int, int, int]:
         """(dp, pp, tp): the device mesh's sizes, unset ones filled in as described above (each of
         the dp replicas spans cp x pp x tp ranks). A parameter-server job's replicas are its workers."""
@@ -228,6 +242,37 @@ class ParallelConfig:
             sizes[own] = max(1, world_size // max(1, others))
         dp, pp, tp = (1 if size is None else size for size in sizes.values())
         return dp, pp, tp
+
+
+MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "pp", "tp")  # outermost first (mesh.py)
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    """The sizes of a run's device mesh, by dimension (mesh.py says what each holds)."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    pp: int = 1
+    tp: int = 1
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(getattr(self, dim) for dim in MESH_DIMS)
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: those that read different shares of the global batch."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world(self) -> int:
+        return math.prod(self.sizes)
+
+    def __str__(self) -> str:
+        return " x ".join(f"{dim} {size}" for dim, size in zip(MESH_DIMS, self.sizes, strict=True) if size > 1) \
+            or "one rank"
 
 
 @dataclass

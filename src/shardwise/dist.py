@@ -11,7 +11,6 @@ from datetime import timedelta
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from shardwise.memory import map_large_blocks
 
@@ -139,24 +138,6 @@ def leave_process() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
-
-
-def init_mesh(ctx: DistContext, dp: int, pp: int, tp: int, cp: int = 1) -> DeviceMesh:
-    """The world as a dp x cp x pp x tp DeviceMesh, one process group per dimension
-    (`mesh.get_group("pp")`).
-
-    tp is innermost, so a model's tensor-parallel ranks are neighbours (one node, the fastest links:
-    they communicate in every layer), then pipeline stages, then the context-parallel ranks that
-    split a replica's sequences, then data-parallel replicas. Rank 0 is replica 0's first sequence
-    part's first stage, tensor shard 0."""
-    return init_device_mesh(ctx.device.type, (dp, cp, pp, tp), mesh_dim_names=("dp", "cp", "pp", "tp"))
-
-
-def context_group(ctx: DistContext, cp: int) -> dist.ProcessGroup:
-    """This rank's context-parallel group: the `cp` consecutive ranks it is one of (the world as a
-    (world / cp) x cp DeviceMesh, cp innermost: a sequence's ranks communicate in every layer, so
-    they are neighbours)."""
-    return init_device_mesh(ctx.device.type, (ctx.world_size // cp, cp), mesh_dim_names=("dp", "cp")).get_group("cp")
 
 
 def broadcast_from_rank0(tensors: list[torch.Tensor]) -> None:

@@ -13,10 +13,11 @@ from torch import nn
 
 from shardwise.attention.context import ContextParallel
 from shardwise.config import DEFAULT_BLOCK, Config, ParallelConfig
-from shardwise.dist import DistContext, context_group, init_distributed
+from shardwise.dist import DistContext, init_distributed
 from shardwise.gradients import clip_grad_norm_
 from shardwise.materialise import Materialiser, check_one_device_kind
 from shardwise.memory import MemoryBreakdown, count_memory, local_tensor
+from shardwise.mesh import Mesh, node_size
 from shardwise.models.hf import decoder_layer_class
 from shardwise.models.plans import find_positions
 from shardwise.precision import LossScaler, make_precision
@@ -48,6 +49,10 @@ class Strategy:
         self.materialiser: Materialiser | None = None  # a meta-built model's groups and initial values
         self.setup_peak_bytes: int | None = None  # counted bytes at wrap's peak, where the strategy counts them
         self.context: ContextParallel | None = None  # the sequence split over parallel.cp ranks, made by `prepare`
+        # The run's device mesh and its process groups (mesh.py); none in one process without a group.
+        self.mesh: Mesh | None = None
+        if ctx.distributed and not spec(cfg.strategy).parameter_servers:
+            self.mesh = Mesh(ctx, cfg.mesh(ctx.world_size, node_size(ctx.world_size)))
 
     @classmethod
     def check_config(cls, cfg: Config, world: int) -> None:
@@ -100,9 +105,9 @@ class Strategy:
         return model
 
     def context_group(self) -> dist.ProcessGroup | None:
-        """The ranks this rank's sequences are split over (parallel.cp of them, neighbours); None for
-        one. Their gradients are averaged as replicas' are: each holds a share of the tokens."""
-        return context_group(self.ctx, self.cfg.cp) if self.cfg.cp > 1 else None
+        """The ranks this rank's sequences are split over (the mesh's cp); None for one. Their
+        gradients are averaged as replicas' are: each holds a share of the tokens."""
+        return self.mesh.group("cp") if self.cfg.cp > 1 else None
 
     def optimizer(self, make: OptimizerFactory) -> torch.optim.Optimizer:
         self.optim = make(self.local_parameters())

@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from shardwise.collectives import gather_in_place
 from shardwise.config import ParallelConfig
@@ -142,13 +142,14 @@ class ShardedDataParallel(HookedStrategy):
         return self.module
 
     def _init_mesh(self) -> None:
-        """Shard over every rank: `group` (None: the world) is what parameters are split over,
-        `world` its size and `rank` this rank's place in it; checkpoints see each shard as a
-        DTensor with `placements` on `_mesh`. (hsdp.py shards within a node instead.)"""
-        self._mesh: DeviceMesh = init_device_mesh(self.ctx.device.type, (self.ctx.world_size,))
-        self.group: dist.ProcessGroup | None = None
-        self.world, self.rank = self.ctx.world_size, self.ctx.rank
-        self.replica = 0  # which copy of the shards this rank's group holds (hsdp: its node)
+        """Shard over the mesh's dp_shard x cp ranks (every rank, unless hsdp replicates across
+        nodes): `group` is what parameters are split over, `world` its size and `rank` this rank's
+        place in it, `replica` which copy of the shards its group holds; checkpoints see each shard
+        as a DTensor with `placements` on `_mesh`."""
+        self.group = self.mesh.group("dp_shard_cp")
+        self.world, self.rank = self.mesh.size("dp_shard_cp"), self.mesh.rank("dp_shard_cp")
+        self.replica = self.mesh.rank("dp_replicate")
+        self._mesh: DeviceMesh = self.mesh["dp_shard_cp"]
         # Imported here and in as_global, not at the top: torch.distributed.tensor takes 0.6 s to
         # import, and `shardwise plan` checks thousands of configs of this class without running one.
         from torch.distributed.tensor import Shard

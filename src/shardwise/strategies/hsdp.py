@@ -1,7 +1,7 @@
 """Hybrid sharded data parallel, ours (`hsdp`): shard within a node, replicate across nodes.
 
-The world is a 2-D device mesh, replicate x shard = nodes x processes per node (torchrun numbers
-a node's processes contiguously, so a mesh row is one node). Within a row this is our `fsdp`
+The world is the mesh's dp_replicate x dp_shard = nodes x processes per node (mesh.py; torchrun
+numbers a node's processes contiguously, so a mesh row is one node). Within a row this is our `fsdp`
 (fsdp.py) over the row's group: parameters, gradients and optimizer state are split in N = the
 node's processes, and every all-gather and reduce-scatter stays on the node's fast links. Each
 node thus holds a whole replica of the model, sharded; after backward the replicas average their
@@ -16,32 +16,27 @@ loadable into any strategy and world size like fsdp's.
 
 from __future__ import annotations
 
-import os
-
-from torch.distributed.device_mesh import init_device_mesh
-
+from shardwise.config import ParallelConfig
+from shardwise.dist import DistContext
 from shardwise.gradients import all_reduce_packed
+from shardwise.mesh import node_size
 from shardwise.strategies.fsdp import ShardedDataParallel
 
 
-def node_size(world_size: int) -> int:
-    """Processes per node: torchrun's LOCAL_WORLD_SIZE (the whole world when not under torchrun)."""
-    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-
-
 class HSDP(ShardedDataParallel):
+    def __init__(self, ctx: DistContext, cfg: ParallelConfig) -> None:
+        if ctx.world_size % node_size(ctx.world_size):
+            raise ValueError(f"hsdp: world size {ctx.world_size} is not a whole number of nodes of "
+                             f"{node_size(ctx.world_size)} processes (LOCAL_WORLD_SIZE); every node must run "
+                             "the same --nproc")
+        super().__init__(ctx, cfg)
+
     def _init_mesh(self) -> None:
-        shard = node_size(self.ctx.world_size)
-        if self.ctx.world_size % shard:
-            raise ValueError(f"hsdp: world size {self.ctx.world_size} is not a whole number of nodes of {shard} "
-                             "processes (LOCAL_WORLD_SIZE); every node must run the same --nproc")
-        self.replicas = self.ctx.world_size // shard
-        self._mesh = init_device_mesh(self.ctx.device.type, (self.replicas, shard),
-                                      mesh_dim_names=("replicate", "shard"))
-        self.group = self._mesh.get_group("shard")
-        self.replicate_group = self._mesh.get_group("replicate")
-        self.world, self.rank = shard, self._mesh.get_local_rank("shard")
-        self.replica = self._mesh.get_local_rank("replicate")
+        """Shard over the mesh's dp_shard ranks (a node's), replicate over dp_replicate (the nodes)."""
+        self.group, self.replicate_group = self.mesh.group("dp_shard"), self.mesh.group("dp_replicate")
+        self.world, self.rank = self.mesh.size("dp_shard"), self.mesh.rank("dp_shard")
+        self.replicas, self.replica = self.mesh.size("dp_replicate"), self.mesh.rank("dp_replicate")
+        self._mesh = self.mesh[("dp_replicate", "dp_shard")]
         from torch.distributed.tensor import Replicate, Shard  # not at the top: see fsdp's _init_mesh
 
         self._placements = [Replicate(), Shard(0)]

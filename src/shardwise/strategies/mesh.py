@@ -40,7 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from shardwise.collectives import gather_in_place
 from shardwise.config import DEFAULT_BLOCK, Config, ConfigError, ParallelConfig
-from shardwise.dist import DistContext, init_mesh
+from shardwise.dist import DistContext
 from shardwise.gradients import all_reduce_packed, clip_grad_norm_
 from shardwise.materialise import named_tensors
 from shardwise.memory import exact_storage, return_free_memory
@@ -156,11 +156,10 @@ class MeshStrategy(DeferrableSync):
 
     def __init__(self, ctx: DistContext, cfg: ParallelConfig) -> None:
         super().__init__(ctx, cfg)
-        self.dp, self.pp, self.tp = cfg.mesh_shape(ctx.world_size)
-        self.mesh = init_mesh(ctx, self.dp, self.pp, self.tp, cfg.cp)
-        self.dp_group, self.pp_group, self.tp_group = (self.mesh.get_group(dim) for dim in ("dp", "pp", "tp"))
-        self.cp_group = self.mesh.get_group("cp")
-        self.dp_rank, self.pp_rank, self.tp_rank = (self.mesh.get_local_rank(dim) for dim in ("dp", "pp", "tp"))
+        self.dp, self.pp, self.tp = (self.mesh.size(dim) for dim in ("dp", "pp", "tp"))
+        self.dp_group, self.pp_group, self.tp_group = (self.mesh.group(dim) for dim in ("dp", "pp", "tp"))
+        self.cp_group = self.mesh.group("cp")
+        self.dp_rank, self.pp_rank, self.tp_rank = (self.mesh.rank(dim) for dim in ("dp", "pp", "tp"))
         self.tp_mesh = self.mesh["tp"]  # what tensor shards are DTensors over, in checkpoints
         self.tensor_shards: dict[int, TensorShard] = {}  # id(parameter) -> how it is split over tp
         self.duplicates: set[int] = set()  # ids of parameters an earlier stage also holds (a tied head)
@@ -306,14 +305,14 @@ class MeshStrategy(DeferrableSync):
 
     def _full_tensor(self, name: str) -> torch.Tensor | None:
         stage = self._owner[name]
-        holds = self.dp_rank == 0 and self.mesh.get_local_rank("cp") == 0 and self.pp_rank == stage
+        holds = self.dp_rank == 0 and self.mesh.rank("cp") == 0 and self.pp_rank == stage
         tensor = None
         if holds:
             tensor = self._local[name].detach()
             shard = self.tensor_shards.get(id(self._local[name]))
             if shard is not None:
                 tensor = self._gather_shards(tensor, shard)
-        source = int(self.mesh.mesh[0, 0, stage, 0])
+        source = self.mesh.global_rank(dp_replicate=0, dp_shard=0, cp=0, pp=stage, tp=0)
         if source != 0:
             if self.ctx.rank == source:
                 dist.send(tensor.contiguous(), dst=0)

@@ -49,6 +49,7 @@ class NativeDDP(NativeStrategy):
             device_ids=[self.ctx.device.index] if self.ctx.device.type == "cuda" else None,
             bucket_cap_mb=self.cfg.bucket_mb,
             find_unused_parameters=self.cfg.find_unused_parameters,
+            process_group=self.mesh.group("dp_cp"),
         )
         return self.ddp
 
@@ -66,10 +67,11 @@ class NativeFSDP(NativeStrategy):
         # Mixed precision gathers parameters in the compute dtype (bf16-true stores them so already).
         policy = MixedPrecisionPolicy(param_dtype=self.precision.compute_dtype if self.precision.mixed else None,
                                       reduce_dtype=self.precision.reduce_dtype)
+        mesh = self.mesh["dp_shard_cp"]
         for module in model.modules():
             if type(module).__name__ == self.cfg.block:
-                fully_shard(module, reshard_after_forward=self.cfg.reshard_after_forward, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
+                fully_shard(module, mesh=mesh, reshard_after_forward=self.cfg.reshard_after_forward, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
         if self.materialiser is not None:
             model.to_empty(device=self.ctx.device)
             for group in self.materialiser.groups:

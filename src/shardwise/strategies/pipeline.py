@@ -481,9 +481,10 @@ class Pipeline(MeshStrategy):
         if not shared or holders[0] == holders[1]:
             return
         # new_group is collective over the world: every rank makes every pair, in the same order.
-        ranks = self.mesh.mesh[:, 0]  # dp x pp x tp (a pipeline does not split sequences: cp is 1)
-        pairs = {(d, t): dist.new_group([int(ranks[d, r, t]) for r in holders])
-                 for d in range(self.dp) for t in range(self.tp)}
+        replicas = [(r, s) for r in range(self.mesh.size("dp_replicate")) for s in range(self.mesh.size("dp_shard"))]
+        pairs = {(d, t): dist.new_group([self.mesh.global_rank(dp_replicate=r, dp_shard=s, cp=0, pp=stage, tp=t)
+                                         for stage in holders])
+                 for d, (r, s) in enumerate(replicas) for t in range(self.tp)}
         if self.pp_rank in holders:
             self._tied = (shared, pairs[self.dp_rank, self.tp_rank])
         if self.pp_rank == holders[1]:

@@ -1,0 +1,83 @@
+"""The device mesh of a run: every rank's place in the run's parallel dimensions, and the process
+groups its collectives run over. Made once per run, by the strategy (`Strategy.mesh`), from the
+config's sizes (`ParallelConfig.mesh`); every strategy and the checkpoints take their groups here.
+
+The dimensions, outermost first; rank = (((r S + s) C + c) P + p) T + t:
+
+- `dp_replicate` (R): replicas that average their gradients and split nothing (`ddp`; the
+  replicas of `tensor` and `pipeline`; `hsdp`'s nodes);
+- `dp_shard` (S): ranks that split one replica's parameters, gradients and optimizer state
+  (`zero1`, `zero2`, `fsdp`; `hsdp` within a node);
+- `cp` (C): ranks that split each sequence (context parallel);
+- `pp` (P): pipeline stages, each a cut of the model's blocks;
+- `tp` (T): ranks that split each block's matrices (tensor parallel).
+
+tp is innermost: its ranks talk in every layer, so they are neighbours, on one node's fastest
+links. Then pp, whose stages pass activations at their borders; then cp, whose ranks pass keys and
+values in every attention; the data-parallel dimensions talk once a step or once a unit.
+
+Flattened groups, for collectives over several dimensions at once:
+
+- `dp` (R x S): ranks that read different shares of the global batch;
+- `dp_shard_cp` (S x C): what the sharded strategies split a replica's state over (a cp rank's
+  gradients are its tokens' share, averaged as a replica's are);
+- `dp_cp` (R x S x C): what a gradient every such rank holds whole is averaged over.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+import torch.distributed as dist
+
+from shardwise.config import MESH_DIMS, MeshShape
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from shardwise.dist import DistContext
+
+def node_size(world_size: int) -> int:
+    """Processes per node: torchrun's LOCAL_WORLD_SIZE (the whole world when not under torchrun)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+
+
+FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp"),
+             "dp_cp": ("dp_replicate", "dp_shard", "cp")}
+
+
+class Mesh:
+    """The run's mesh over the process group torchrun made: sizes, this rank's coordinates, and a
+    process group per dimension and per flattened group above (made by every rank, in one order)."""
+
+    def __init__(self, ctx: DistContext, shape: MeshShape) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if shape.world != ctx.world_size:
+            raise ValueError(f"mesh {shape}: {shape.world} ranks, but the world has {ctx.world_size}")
+        self.shape = shape
+        self.device_mesh = init_device_mesh(ctx.device.type, shape.sizes, mesh_dim_names=MESH_DIMS)
+        for name, dims in FLATTENED.items():
+            self.device_mesh[dims]._flatten(name)
+
+    def __getitem__(self, dims: str | tuple[str, ...]) -> DeviceMesh:
+        """The sub-mesh of `dims` (a dimension, a flattened group, or several dimensions): what a
+        DTensor of this rank's part is laid out on."""
+        return self.device_mesh[dims]
+
+    def group(self, dim: str) -> dist.ProcessGroup:
+        """The ranks that differ from this one only along `dim` (a dimension or a flattened group)."""
+        return self.device_mesh[dim].get_group()
+
+    def size(self, dim: str) -> int:
+        return self.device_mesh[dim].size()
+
+    def rank(self, dim: str) -> int:
+        """This rank's coordinate along `dim`."""
+        return self.device_mesh[dim].get_local_rank()
+
+    def global_rank(self, **coordinates: int) -> int:
+        """The rank at `coordinates` (by dimension; those not given, this rank's own)."""
+        index = tuple(coordinates.get(dim, self.rank(dim)) for dim in MESH_DIMS)
+        return int(self.device_mesh.mesh[index])
