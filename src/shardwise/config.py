@@ -618,8 +618,8 @@ def validate_parallel(p: ParallelConfig) -> None:
         raise ConfigError(f"parallel.offload = {p.offload!r}: only {', '.join(offloading)} offload their optimizer "
                           f"state to the host; parallel.strategy is {p.strategy!r}")
     _validate_gradient_reduction(p)
-    if p.sequence_parallel and not spec(p.strategy).splits_model:
-        splitting = ", ".join(name for name, each in SPECS.items() if each.splits_model)
+    if p.sequence_parallel and not (spec(p.strategy).splits_model or spec(p.strategy).shards_split_model):
+        splitting = ", ".join(name for name, each in SPECS.items() if each.splits_model or each.shards_split_model)
         raise ConfigError(f"parallel.sequence_parallel = true: splits the sequence over tensor-parallel ranks; only "
                           f"{splitting} (with tp > 1) have them, not parallel.strategy = {p.strategy!r}")
     try:
@@ -700,9 +700,13 @@ def _validate_mesh(cfg: Config, world: int) -> None:
     if strategy.splits_model or strategy.parameter_servers:
         return
     dp, pp, tp = p.mesh_shape(world)
+    if strategy.shards_split_model and pp == 1:
+        return  # the sharded strategies over tensor parallel: their check_config checks the split
     if (dp, pp, tp) != (world // p.cp, 1, 1):
         splitting = ", ".join(name for name, each in SPECS.items() if each.splits_model)
+        composing = ", ".join(name for name, each in SPECS.items() if each.shards_split_model)
         raise ConfigError(
             f"parallel.dp x pp x tp = {dp} x {pp} x {tp}: parallel.strategy = {p.strategy!r} is data parallel "
-            f"over all {world} ranks; only {splitting} split the model over a mesh"
+            f"over all {world} ranks; {splitting} split the model over a mesh, and {composing} shard a model "
+            "tensor parallel splits (parallel.tp)"
         )

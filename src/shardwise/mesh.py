@@ -58,24 +58,23 @@ class Mesh:
             raise ValueError(f"mesh {shape}: {shape.world} ranks, but the world has {ctx.world_size}")
         self.shape = shape
         self.device_mesh = init_device_mesh(ctx.device.type, shape.sizes, mesh_dim_names=MESH_DIMS)
-        for name, dims in FLATTENED.items():
-            self.device_mesh[dims]._flatten(name)
+        self.flattened = {name: self.device_mesh[dims]._flatten(name) for name, dims in FLATTENED.items()}
 
     def __getitem__(self, dims: str | tuple[str, ...]) -> DeviceMesh:
         """The sub-mesh of `dims` (a dimension, a flattened group, or several dimensions): what a
         DTensor of this rank's part is laid out on."""
-        return self.device_mesh[dims]
+        return self.flattened[dims] if isinstance(dims, str) and dims in self.flattened else self.device_mesh[dims]
 
     def group(self, dim: str) -> dist.ProcessGroup:
         """The ranks that differ from this one only along `dim` (a dimension or a flattened group)."""
-        return self.device_mesh[dim].get_group()
+        return self[dim].get_group()
 
     def size(self, dim: str) -> int:
-        return self.device_mesh[dim].size()
+        return self[dim].size()
 
     def rank(self, dim: str) -> int:
         """This rank's coordinate along `dim`."""
-        return self.device_mesh[dim].get_local_rank()
+        return self[dim].get_local_rank()
 
     def global_rank(self, **coordinates: int) -> int:
         """The rank at `coordinates` (by dimension; those not given, this rank's own)."""

@@ -115,14 +115,15 @@ class Strategy:
 
     @property
     def data_rank(self) -> int:
-        """Which share of the global batch this rank reads: ranks that split one model between them
-        (pipeline stages, tensor shards) or its sequences (context parallel) read the same share."""
-        return self.ctx.rank // self.cfg.cp
+        """Which share of the global batch this rank reads: its place on the mesh's dp ranks. Ranks
+        that split one model between them (pipeline stages, tensor shards) or its sequences
+        (context parallel) read the same share."""
+        return self.mesh.rank("dp") if self.mesh is not None else 0
 
     @property
     def data_size(self) -> int:
-        """How many shares the global batch is cut into: the number of model replicas."""
-        return self.ctx.world_size // self.cfg.cp
+        """How many shares the global batch is cut into: the mesh's dp ranks."""
+        return self.mesh.size("dp") if self.mesh is not None else 1
 
     def local_parameters(self) -> list[nn.Parameter]:
         """The parameters (or shards) this rank holds and its optimizer steps on."""

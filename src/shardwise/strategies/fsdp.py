@@ -53,9 +53,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardwise.collectives import gather_in_place
-from shardwise.config import ParallelConfig
+from shardwise.config import Config, ConfigError, ParallelConfig
 from shardwise.dist import DistContext, broadcast_from_rank0
-from shardwise.gradients import clip_grad_norm_
+from shardwise.gradients import all_reduce_packed, clip_grad_norm_
 from shardwise.materialise import Materialiser
 from shardwise.memory import (
     MemoryBreakdown,
@@ -65,9 +65,12 @@ from shardwise.memory import (
     return_free_memory,
     storage_bytes,
 )
+from shardwise.models.plans import locate
 from shardwise.strategies.base import HookedStrategy, OptimizerFactory
+from shardwise.strategies.mesh import TensorShard, check_model_split
 from shardwise.strategies.registry import spec
 from shardwise.strategies.sync_batchnorm import convert_sync_batchnorm
+from shardwise.strategies.tensor import BlockSplitter, TensorParallelGroup
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import Placement
@@ -103,6 +106,17 @@ class Unit:
 class ShardedDataParallel(HookedStrategy):
     """zero1, zero2 and fsdp: which of them is the registry's ZeRO stage for the configured name."""
 
+    @classmethod
+    def check_config(cls, cfg: Config, world: int) -> None:
+        """Over tensor parallel (parallel.tp > 1): the model splits as tensor's does."""
+        p = cfg.parallel
+        dp, pp, tp = p.mesh_shape(world)
+        if tp > 1:
+            check_model_split(cfg, world)
+        if spec(p.strategy).across_nodes and cfg.launch.nproc % (p.cp * pp * tp):
+            raise ConfigError(f"parallel.tp = {tp}: {p.strategy} keeps a replica's tensor-parallel ranks within a "
+                              f"node; launch.nproc = {cfg.launch.nproc} must be a multiple of it")
+
     def __init__(self, ctx: DistContext, cfg: ParallelConfig) -> None:
         super().__init__(ctx, cfg)
         self.stage = spec(cfg.strategy).zero_stage
@@ -113,16 +127,23 @@ class ShardedDataParallel(HookedStrategy):
         if self.cfg.sync_batchnorm:
             model = convert_sync_batchnorm(model)
         # zero1 and zero2 keep the full parameters: a meta-built model is materialised whole; fsdp
-        # materialises it one unit at a time (_make_units).
-        self.module = self.prepare(model, materialise=self.stage < 3)
+        # materialises it one unit at a time (_make_units), as all of them do over tensor parallel,
+        # which splits each block as it is made.
+        self.tp, self.tp_rank = self.mesh.size("tp"), self.mesh.rank("tp")
+        self.module = self.prepare(model, materialise=self.stage < 3 and self.tp == 1)
         scalars = [name for name, p in self.module.named_parameters() if p.dim() == 0]
         if scalars:
             raise ValueError(f"{self.cfg.strategy}: parameters {', '.join(scalars)} are 0-dim; sharding splits dim 0")
         self._init_mesh()
         if self.materialiser is None:  # an ordinary model: rank 0's values (meta-built ones agree by construction)
             broadcast_from_rank0([*self.module.parameters(), *self.module.buffers()])
+        self.splitter = self._tensor_splitter()
         self.gathered_bytes = self.peak_gathered_bytes = 0
         self.units = self._make_units()
+        self.tensor_shards: dict[int, TensorShard] = {}  # id(parameter) -> how tensor parallel split it
+        self.sequence_split: list[nn.Parameter] = []  # sequence parallel: gradients partial over tp
+        if self.splitter is not None:
+            self.tensor_shards, self.sequence_split = self.splitter.shards, self.splitter.finish()
         self.root = self.units[-1]
         self._unit_of = {id(p): unit for unit in self.units for p in unit.params}
         rows_of = {id(p): rows for unit in self.units for p, rows in zip(unit.params, unit.rows, strict=True)}
@@ -156,6 +177,16 @@ class ShardedDataParallel(HookedStrategy):
 
         self._placements: list[Placement] = [Shard(0)]
 
+    def _tensor_splitter(self) -> BlockSplitter | None:
+        """Over a mesh with tp ranks: what splits each block over them as its family's plan lays
+        it out (tensor.py), before the block is sharded as a unit over the data-parallel ranks; the
+        plain model's state (`_full`, on meta) noted first. None without tp."""
+        if self.tp == 1:
+            return None
+        located = locate(self.module)
+        self._full = {name: t.detach().to("meta") for name, t in self.module.state_dict(keep_vars=True).items()}
+        return BlockSplitter(located.plan, TensorParallelGroup(self.mesh.group("tp")), self.cfg.sequence_parallel)
+
     # --- sharding layout ------------------------------------------------------------------
 
     def _make_units(self) -> list[Unit]:
@@ -168,9 +199,15 @@ class ShardedDataParallel(HookedStrategy):
         self.setup_peak_bytes = 0
         units = []
         for group in grouping.groups:
-            if self.materialiser is not None and self.stage == 3:
+            if self.materialiser is not None and (self.stage == 3 or self.splitter is not None):
                 self.materialiser.materialise(group, self.ctx.device, self.precision.param_dtype)
-            params = [p for p in grouping.parameters(group) if p.requires_grad]
+            if self.splitter is not None and group.block is not None:
+                self.splitter.split(group.block)  # the block's layers now hold this rank's tp shards
+                if self.materialiser is not None:
+                    self.materialiser.release(group, self.module)
+                params = [p for p in group.block.parameters() if p.requires_grad]
+            else:
+                params = [p for p in grouping.parameters(group) if p.requires_grad]
             if not params and group.block is not None:
                 continue
             if group.block is not None:
@@ -442,6 +479,13 @@ class ShardedDataParallel(HookedStrategy):
             for shard, offset in zip(unit.shards, unit.offsets, strict=True):
                 shard.grad = home[offset : offset + shard.numel()].view_as(shard)
 
+    def _sum_sequence_split(self) -> None:
+        """Sequence parallel: the shard gradients of the blocks' parameters every tp rank holds
+        whole (norms, row-parallel biases) hold this rank's positions' share; sum them over tp."""
+        grads = [self._shard_of[id(p)][0].grad for p in self.sequence_split]
+        if grads:
+            all_reduce_packed([g for g in grads if g is not None], self.mesh.group("tp"), average=False)
+
     def _shard_grad_buffer(self, unit: Unit) -> torch.Tensor:
         """Where this rank's shard gradients of the unit go, packed, in the master dtype: zero1's
         spent gradient buffer (unless offloaded), else a buffer of their own beside the shards."""
@@ -456,6 +500,7 @@ class ShardedDataParallel(HookedStrategy):
                 if unit is self.root or len(unit.ready) < len(unit.params) or self.stage == 1:
                     self._start_reduce_scatter(unit)  # root, units with unused params, or zero1
             self._settle_reductions()
+            self._sum_sequence_split()
         if self.stage == 3:
             for unit in self.units:
                 self._free(unit)
@@ -490,9 +535,15 @@ class ShardedDataParallel(HookedStrategy):
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the global norm: squares summed over this rank's shards (padding is zero),
-        then over ranks; each parameter is one shard per rank, so nothing is counted twice."""
+        then over the data-parallel ranks sharding them; over tensor parallel, a tp shard's on
+        every tp rank and a tensor every tp rank holds whole on tp rank 0's only, then summed over
+        the tp ranks. So each parameter counts once."""
         grads = self.local_grads()
-        return clip_grad_norm_(grads, grads, max_norm, self.ctx.device, (self.group,))
+        if self.tp == 1:
+            return clip_grad_norm_(grads, grads, max_norm, self.ctx.device, (self.group,))
+        counted = [shard.grad for unit in self.units for param, shard in zip(unit.params, unit.shards, strict=True)
+                   if shard.grad is not None and (self.tp_rank == 0 or id(param) in self.tensor_shards)]
+        return clip_grad_norm_(counted, grads, max_norm, self.ctx.device, (self.group, self.mesh.group("tp")))
 
     def memory(self, activations: int) -> MemoryBreakdown:
         """Master shards, whatever full parameters and full gradients are alive right now, and
@@ -516,16 +567,25 @@ class ShardedDataParallel(HookedStrategy):
     def full_tensors(self, names: list[str]) -> Iterator[torch.Tensor | None]:
         """A parameter gathered from its master shards to rank 0 (in their dtype, whatever the
         compute dtype): every rank's padded shard, the first rows of which are the whole; a buffer
-        is whole on every rank already. Under hsdp the first replica's shard group gathers."""
+        is whole on every rank already. Under hsdp the first replica's shard group gathers; over
+        tensor parallel the first data-parallel rank of each tp rank gathers its tp shard, and the
+        tp shards are then gathered and joined (a tensor every tp rank holds whole, from tp rank 0)."""
         state = self.module.state_dict(keep_vars=True)
         for name in names:
             place = self._shard_of.get(id(state[name]))
             if place is None:  # a buffer or a frozen parameter: whole on every rank
                 yield state[name].detach() if self.ctx.is_main else None
-            elif self.replica == 0:
-                yield self._gather_to_first(state[name], *place)
-            else:
+                continue
+            split = self.tensor_shards.get(id(state[name]))
+            if self.replica != 0 or (split is None and self.tp_rank != 0):
                 yield None
+                continue
+            whole = self._gather_to_first(state[name], *place)
+            if split is not None and self.rank == 0:
+                parts = [torch.empty_like(whole) for _ in range(self.tp)] if self.tp_rank == 0 else None
+                gather_in_place(whole, parts, self.mesh.group("tp"))
+                whole = split.join(parts) if parts is not None else None
+            yield whole if self.ctx.is_main else None
 
     def _gather_to_first(self, param: nn.Parameter, shard: nn.Parameter, rows: int) -> torch.Tensor | None:
         """`param`'s whole value on rank 0 of the shard group, from every rank's `shard` of it."""
@@ -541,14 +601,28 @@ class ShardedDataParallel(HookedStrategy):
         return [(name, self._shard_of[id(param)][0]) for name, param in self.module.named_parameters()]
 
     def as_global(self, name: str, local: torch.Tensor) -> torch.Tensor:
-        """This rank's shard as a DTensor sharded along dim 0 over the world, padding dropped:
-        torch.chunk's layout, which is DTensor's, so checkpoints reshard to any world size."""
-        from torch.distributed.tensor import DTensor
+        """This rank's shard as a DTensor sharded along dim 0 over the data-parallel ranks, padding
+        dropped: torch.chunk's layout, which is DTensor's, so checkpoints reshard to any world
+        size. Over tensor parallel, a tp shard's rows are pieces of the whole tensor wherever its
+        split puts them (qkv's rows of q and k, a row-parallel layer's columns): they are named
+        with their offsets there (TensorShard.pieces), and load into any other layout alike."""
+        from torch.distributed.tensor import DTensor, Shard
+        from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
         param, rows = self._layout[name]
-        real = exact_storage(local[: self._real_rows(param, rows, self.rank)])
-        return DTensor.from_local(real, self._mesh, self._placements, run_check=False, shape=param.shape,
-                                  stride=param.stride())
+        real = local[: self._real_rows(param, rows, self.rank)]
+        split = self.tensor_shards.get(id(param))
+        if split is None:
+            return DTensor.from_local(exact_storage(real), self._mesh, self._placements, run_check=False,
+                                      shape=param.shape, stride=param.stride())
+        full = self._full[name]
+        pieces = split.pieces(real, self.rank * rows, full.shape, self.tp_rank, self.tp)
+        if not pieces:
+            raise ValueError(f"{self.cfg.strategy} over tensor parallel: {name} has {param.shape[0]} rows on each of "
+                             f"the {self.tp} tp ranks, fewer than the {self.world} data-parallel ranks sharding them")
+        wrapper = LocalShardsWrapper([exact_storage(piece) for piece, _ in pieces], [offset for _, offset in pieces])
+        return DTensor.from_local(wrapper, self.mesh["tp"], [Shard(split.dim)], run_check=False, shape=full.shape,
+                                  stride=full.stride())
 
     def after_state_loaded(self) -> None:
         if self.stage < 3:

@@ -69,6 +69,30 @@ class TensorShard:
         per_rank = [shard.chunk(self.parts, self.dim) for shard in shards]
         return torch.cat([parts[j] for j in range(self.parts) for parts in per_rank], self.dim)
 
+    def pieces(self, rows: torch.Tensor, start: int, full: torch.Size, rank: int, size: int,
+               ) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+        """`rows`, rows [start, start + len(rows)) of rank `rank`'s shard of a tensor shaped `full`
+        (what a sharded strategy keeps of it: fsdp over tensor parallel), as the pieces of the full
+        tensor they are, each with its offset there. Split along dim 0, the rows may straddle two
+        parts (qkv's q and k); along another dim they are the full tensor's rows, each part's
+        columns a piece."""
+        pieces = []
+        stop = start + rows.shape[0]
+        part_size = full[self.dim] // self.parts  # of the full tensor
+        per_rank = part_size // size  # of a part, on one rank
+        for j in range(self.parts):
+            global_start = j * part_size + rank * per_rank
+            if self.dim == 0:
+                lo, hi = max(start, j * per_rank), min(stop, (j + 1) * per_rank)
+                if lo < hi:
+                    pieces.append((rows[lo - start : hi - start], (global_start + lo - j * per_rank,)
+                                   + (0,) * (len(full) - 1)))
+            elif stop > start:
+                offset = [0] * len(full)
+                offset[0], offset[self.dim] = start, global_start
+                pieces.append((rows.narrow(self.dim, j * per_rank, per_rank), tuple(offset)))
+        return pieces
+
     def as_dtensor(self, shard: torch.Tensor, full: torch.Tensor, mesh: DeviceMesh) -> DTensor:
         """This rank's `shard` as a DTensor, `Shard(dim)` over `mesh`, of a tensor shaped like
         `full` (a meta tensor), sharing `shard`'s storage: what a checkpoint saves and loads in place.
@@ -113,41 +137,49 @@ def with_input(module: nn.Module, args: tuple, kwargs: dict, x: torch.Tensor) ->
     return args, {**kwargs, _input_name(type(module)): x}
 
 
+def check_model_split(cfg: Config, world: int) -> None:
+    """The mesh fits the world, and the model splits the way it asks: a parallel plan for its
+    family, the plan's blocks as units, tp dividing the heads and the MLP (and under sequence
+    parallel the sequence). For every strategy that splits a model: tensor and pipeline, and the
+    sharded strategies over tensor parallel."""
+    m, p = cfg.model, cfg.parallel
+    dp, pp, tp = p.mesh_shape(world)
+    plan = plan_for_name(m.name)
+    if plan is None:
+        covered = ", ".join(name for each in plans() for name in each.models)
+        raise ConfigError(f"parallel.strategy = {p.strategy!r}: splits a model as its family's parallel plan says; "
+                          f"model.name = {m.name!r} has none (plans exist for {covered}). A plan names {NEEDS} "
+                          "(docs/model-families.md)")
+    if p.block != DEFAULT_BLOCK and p.block not in plan.blocks:
+        raise ConfigError(f"parallel.block = {p.block!r}: {p.strategy} cuts and splits the {plan.family} plan's "
+                          f"blocks ({', '.join(plan.blocks)}); another unit would cut inside a block. Leave "
+                          "parallel.block unset")
+    if dp * p.cp * pp * tp != world:
+        sizes, product = (f"dp x cp x pp x tp = {dp} x {p.cp} x {pp} x {tp}" if p.cp > 1
+                          else f"dp x pp x tp = {dp} x {pp} x {tp}"), dp * p.cp * pp * tp
+        raise ConfigError(f"parallel.{sizes} = {product}: must equal the world size {world} "
+                          f"(launch.nproc x launch.nnodes); e.g. --nproc {product}")
+    for key in ("n_head", "n_kv_head", "d_ff"):
+        if getattr(m, key) % tp:
+            raise ConfigError(
+                f"parallel.tp = {tp}: must divide model.{key} = {getattr(m, key)}; each tp rank computes an equal "
+                "share of every block's attention heads, key/value heads and MLP hidden size"
+            )
+    if p.sequence_parallel and tp < 2:
+        raise ConfigError("parallel.sequence_parallel = true: splits the sequence over the tp ranks of each block; "
+                          f"needs parallel.tp >= 2 (it is {tp})")
+    if p.sequence_parallel and m.seq_len // p.cp % tp:
+        of = f"model.seq_len / parallel.cp = {m.seq_len // p.cp}" if p.cp > 1 else f"model.seq_len = {m.seq_len}"
+        raise ConfigError(f"parallel.sequence_parallel = true: parallel.tp = {tp} must divide {of}; each tp rank "
+                          "holds an equal part of the sequence")
+
+
 class MeshStrategy(DeferrableSync):
     @classmethod
     def check_config(cls, cfg: Config, world: int) -> None:
         """The dp x pp x tp mesh fits the world, and the model splits the way it asks."""
-        m, p = cfg.model, cfg.parallel
-        dp, pp, tp = p.mesh_shape(world)
-        plan = plan_for_name(m.name)
-        if plan is None:
-            covered = ", ".join(name for each in plans() for name in each.models)
-            raise ConfigError(f"parallel.strategy = {p.strategy!r}: splits a model as its family's parallel plan says; "
-                              f"model.name = {m.name!r} has none (plans exist for {covered}). A plan names {NEEDS} "
-                              "(docs/model-families.md)")
-        if p.block != DEFAULT_BLOCK and p.block not in plan.blocks:
-            raise ConfigError(f"parallel.block = {p.block!r}: {p.strategy} cuts and splits the {plan.family} plan's "
-                              f"blocks ({', '.join(plan.blocks)}); another unit would cut inside a block. Leave "
-                              "parallel.block unset")
-        if dp * p.cp * pp * tp != world:
-            sizes, product = (f"dp x cp x pp x tp = {dp} x {p.cp} x {pp} x {tp}" if p.cp > 1
-                              else f"dp x pp x tp = {dp} x {pp} x {tp}"), dp * p.cp * pp * tp
-            raise ConfigError(f"parallel.{sizes} = {product}: must equal the world size {world} "
-                              f"(launch.nproc x launch.nnodes); e.g. --nproc {product}")
-        cls.check_split(cfg, dp, pp, tp)
-        for key in ("n_head", "n_kv_head", "d_ff"):
-            if getattr(m, key) % tp:
-                raise ConfigError(
-                    f"parallel.tp = {tp}: must divide model.{key} = {getattr(m, key)}; each tp rank computes an equal "
-                    "share of every block's attention heads, key/value heads and MLP hidden size"
-                )
-        if p.sequence_parallel and tp < 2:
-            raise ConfigError("parallel.sequence_parallel = true: splits the sequence over the tp ranks of each block; "
-                              f"needs parallel.tp >= 2 (it is {tp})")
-        if p.sequence_parallel and m.seq_len // p.cp % tp:
-            of = f"model.seq_len / parallel.cp = {m.seq_len // p.cp}" if p.cp > 1 else f"model.seq_len = {m.seq_len}"
-            raise ConfigError(f"parallel.sequence_parallel = true: parallel.tp = {tp} must divide {of}; each tp rank "
-                              "holds an equal part of the sequence")
+        check_model_split(cfg, world)
+        cls.check_split(cfg, *cfg.parallel.mesh_shape(world))
 
     @classmethod
     def check_split(cls, cfg: Config, dp: int, pp: int, tp: int) -> None:

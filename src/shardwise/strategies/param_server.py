@@ -357,6 +357,15 @@ class ParamServer(Strategy):
         self.norm_sq: float | None = None  # sync: this round's pushed gradient, its squared global norm
         self.clip_coef = 1.0
 
+    @property
+    def data_rank(self) -> int:
+        """A worker's share of the global batch: its rank among the workers (their group's)."""
+        return self.ctx.rank
+
+    @property
+    def data_size(self) -> int:
+        return self.ctx.world_size
+
     def wrap(self, model: nn.Module) -> nn.Module:
         self.module = self.prepare(model)
         params = list(self.module.parameters())

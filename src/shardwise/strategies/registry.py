@@ -43,6 +43,11 @@ class StrategySpec:
         """Whether it cuts one model over several ranks (pipeline stages, tensor shards)."""
         return self.mesh_dim != "dp"
 
+    @property
+    def shards_split_model(self) -> bool:
+        """Whether it shards a model that tensor parallel splits (parallel.tp > 1): ours that shard."""
+        return bool(self.zero_stage) and not self.native
+
     def strategy_class(self) -> type:
         """The Strategy subclass, imported now (importing it here at the top would make config, which
         every strategy imports, import every strategy)."""

@@ -376,6 +376,33 @@ def split_sequence_around(blocks: list[nn.Module], tp: TensorParallelGroup) -> N
     blocks[-1].register_forward_hook(gather)
 
 
+class BlockSplitter:
+    """Splits a model's blocks over the tp ranks one at a time, as a plan lays them out: for a
+    strategy that makes each block real, splits it and keeps its part before the next (tensor and
+    pipeline through `parallelize_blocks`; fsdp, which shards each split block as a unit)."""
+
+    def __init__(self, plan: ParallelPlan, tp: TensorParallelGroup, sequence_parallel: bool) -> None:
+        self.plan, self.tp, self.sequence_parallel = plan, tp, sequence_parallel
+        self.shards: dict[int, TensorShard] = {}  # how each new parameter is split, by id
+        self.blocks: list[nn.Module] = []
+
+    def split(self, block: nn.Module) -> None:
+        """Split every region of `block` in place (its layers replaced by this rank's shards)."""
+        for region in self.plan.regions:
+            self.shards |= split_region(block.get_submodule(region.module), region, self.plan, self.tp,
+                                        self.sequence_parallel)
+        self.blocks.append(block)
+
+    def finish(self) -> list[nn.Parameter]:
+        """After the last block: under sequence parallel, split the sequence before the first block
+        and gather it after the last, and return the blocks' parameters every rank holds whole,
+        whose gradients come from this rank's positions only (empty otherwise)."""
+        if not self.sequence_parallel:
+            return []
+        split_sequence_around(self.blocks, self.tp)
+        return [p for block in self.blocks for p in block.parameters() if id(p) not in self.shards]
+
+
 def parallelize_blocks(blocks: list[nn.Module], plan: ParallelPlan, tp: TensorParallelGroup,
                        sequence_parallel: bool,
                        materialised: Callable[[nn.Module], AbstractContextManager] | None = None,
@@ -386,15 +413,11 @@ def parallelize_blocks(blocks: list[nn.Module], plan: ParallelPlan, tp: TensorPa
     where given (a meta-built model's block made real for its split, the whole freed after). Returns
     how each new parameter is split (by id), and, under sequence parallel, the blocks' parameters
     every rank holds whole, whose gradients come from this rank's positions only."""
-    shards = {}
+    splitter = BlockSplitter(plan, tp, sequence_parallel)
     for block in blocks:
         with materialised(block) if materialised is not None else nullcontext():
-            for region in plan.regions:
-                shards |= split_region(block.get_submodule(region.module), region, plan, tp, sequence_parallel)
-    if not sequence_parallel:
-        return shards, []
-    split_sequence_around(blocks, tp)
-    return shards, [p for block in blocks for p in block.parameters() if id(p) not in shards]
+            splitter.split(block)
+    return splitter.shards, splitter.finish()
 
 
 class TensorParallel(MeshStrategy):
