@@ -61,18 +61,20 @@ def test_sharded_strategies_over_tensor_parallel_match_single_over_10_steps(runs
     assert_same_training(root / name, root / ("single-llama" if "llama" in name else "single"), STEPS)
 
 
-def test_each_rank_holds_its_data_parallel_shard_of_its_tensor_parallel_part(runs):
+def test_each_rank_holds_its_data_parallel_shard_of_its_tensor_parallel_part_as_the_planner_predicts(runs):
     """fsdp over 2 x 2: a rank's parameters are its dim-0 shard (of 2, padded) of what a tensor-parallel
-    rank holds (the blocks' matrices split in 2, the rest whole): the planner's count of that part."""
-    from shardwise.planner.model import model_shape, rank_facts
+    rank holds (the blocks' matrices split in 2, the rest whole), a little over a quarter of the model."""
+    from shardwise.planner.candidates import Candidate
+    from shardwise.planner.memory import predict_memory
 
     _, counted = runs
-    expected = rank_facts(model_shape(cfg_for(Path("."), "single", 1).model), 2).shard_numel(2) * 4  # fp32
+    cfg = cfg_for(Path("."), "fsdp", 4, "parallel.tp=2")
+    predicted = predict_memory(Candidate("fsdp", 2, 1, 2, "fp32", "none", 4), cfg)[0]
     whole = 4 * sum(p.numel() for p in build_gpt().parameters())
-    assert expected < 0.3 * whole  # a quarter of the split blocks and half of the embeddings
+    assert 0.25 * whole < predicted.params < 0.3 * whole
     for rank in counted:
-        assert rank["fsdp-tp2"]["params"] == expected
-        assert rank["fsdp-tp2"]["optimizer"] == expected  # SGD's momentum
+        assert rank["fsdp-tp2"]["params"] == predicted.params
+        assert rank["fsdp-tp2"]["optimizer"] == predicted.optimizer  # SGD's momentum
 
 
 def build_gpt():

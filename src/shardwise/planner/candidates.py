@@ -50,7 +50,7 @@ class Candidate:
 
     def config(self, base: Config, world: int, global_batch: int | None = None) -> Config:
         """`base` set up to train this candidate on `world` ranks (validated: ConfigError if not)."""
-        mesh = self.spec.splits_model
+        mesh = self.spec.splits_model or self.tp > 1  # the sharded strategies over tensor parallel too
         # Shallow copies, not dataclasses.replace: the planner builds one per candidate, thousands.
         parallel = copy.copy(base.parallel)
         parallel.strategy, parallel.precision, parallel.recompute = self.strategy, self.precision, self.recompute

@@ -135,15 +135,20 @@ def predict_memory(candidate: Candidate, cfg: Config, margin: float = DEFAULT_MA
 
 
 def _data_parallel(c: Candidate, cfg: Config, shape: ModelShape, activations: bool) -> RankMemory:
-    facts = model_facts(shape)
+    """A data-parallel rank: the model, or over tensor parallel its tp part (its blocks' matrices
+    split, the rest whole), replicated or sharded over the data-parallel (and cp) ranks."""
+    facts = rank_facts(shape, c.tp)
     world = c.shard or c.dp * c.cp  # the ranks each parameter is split over: hsdp's is one node
     precision = make_precision(c.precision, cfg.parallel.reduce_dtype)
     stored = dtype_bytes(precision.param_dtype)
     shard = facts.shard_numel(world)
     state = model_state(c.spec.zero_stage, precision, facts, world, cfg)  # hsdp holds what fsdp over its node does
-    saved = saved_bytes(trace_key(shape, c)).stage(0, shape.n_layer, True, True, c.recompute, c.micro_batch) \
+    key = trace_key(shape, c, c.tp, cfg.parallel.sequence_parallel)
+    saved = saved_bytes(key).stage(0, shape.n_layer, True, True, c.recompute, c.micro_batch) \
         + all_to_all_outputs(c, shape) if activations else 0
     buffers = _sharded_buffers(c, cfg, facts, world, stored) + context_buffers(c, shape)
+    if c.tp > 1:  # an all-reduce's result is a copy of one activation (ReduceFromTensorParallel clones its input)
+        buffers += c.micro_batch * shape.seq_len // c.cp * shape.d_model * 4
     if c.spec.across_nodes and c.dp > world:
         buffers += shard * stored  # the packed gradient shards all-reduced across nodes
     return RankMemory(state.params, state.grads, state.optimizer, saved, buffers, host=state.host)

@@ -129,7 +129,7 @@ class ShardedDataParallel(HookedStrategy):
         # zero1 and zero2 keep the full parameters: a meta-built model is materialised whole; fsdp
         # materialises it one unit at a time (_make_units), as all of them do over tensor parallel,
         # which splits each block as it is made.
-        self.tp, self.tp_rank = self.mesh.size("tp"), self.mesh.rank("tp")
+        self.tp, self.tp_rank = (self.mesh.size("tp"), self.mesh.rank("tp")) if self.mesh is not None else (1, 0)
         self.module = self.prepare(model, materialise=self.stage < 3 and self.tp == 1)
         scalars = [name for name, p in self.module.named_parameters() if p.dim() == 0]
         if scalars:
