@@ -123,7 +123,8 @@ def test_sequence_parallel_cuts_saved_activations_by_what_the_planner_predicts()
 # --- refused before launch ------------------------------------------------------------------------
 
 @pytest.mark.parametrize("overrides, message", [
-    (("parallel.strategy=fsdp", "launch.nproc=2"), "only pipeline, model-parallel, tensor"),
+    (("parallel.strategy=ddp", "launch.nproc=2"), "only zero1, zero2, fsdp, hsdp, pipeline, model-parallel, tensor"),
+    (("parallel.strategy=fsdp", "launch.nproc=2"), "needs parallel.tp >= 2"),
     (("parallel.strategy=pipeline", "launch.nproc=2"), "needs parallel.tp >= 2"),
     (("parallel.strategy=tensor", "launch.nproc=2", "model.seq_len=63"), "must divide model.seq_len = 63"),
 ])

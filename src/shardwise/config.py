@@ -180,14 +180,14 @@ class ParallelConfig:
                                REDUCE_DTYPES)
     offload: str = option("none", "`zero1`, `zero2`, `fsdp`: `optimizer` keeps the fp32 master shards, their "
                           "gradients and the optimizer state in host memory and steps there (ZeRO-Offload)", OFFLOADS)
-    dp: int | None = option(None, "`pipeline`, `model-parallel`, `tensor`: model replicas on the dp x pp x tp "
-                            "device mesh, dp x pp x tp = world size. Left unset, the strategy's own dimension "
-                            "(pp for the pipelines, tp for tensor) takes the ranks the others leave; the others "
-                            "are 1")
+    dp: int | None = option(None, "data-parallel ranks on the device mesh (docs/strategies/mesh.md): dp x cp x pp x "
+                            "tp = world size. Left unset, the strategy's own dimension (pp for the pipelines, tp "
+                            "for tensor, dp for the others) takes the ranks the others leave; the others are 1")
     pp: int | None = option(None, "`pipeline`, `model-parallel`: pipeline stages per replica (as for dp)")
-    tp: int | None = option(None, "`tensor`, and `pipeline` / `model-parallel` with tensor-parallel stages: "
-                            "tensor-parallel ranks per stage; divides model.n_head, n_kv_head and d_ff (as for dp)")
-    sequence_parallel: bool = option(False, "`tensor`, and `pipeline` / `model-parallel` with tp > 1: split the "
+    tp: int | None = option(None, "`tensor`, `pipeline` / `model-parallel` with tensor-parallel stages, and `zero1`, "
+                            "`zero2`, `fsdp`, `hsdp` sharding a tensor-parallel model: tensor-parallel ranks per "
+                            "stage; divides model.n_head, n_kv_head and d_ff (as for dp)")
+    sequence_parallel: bool = option(False, "with tp > 1 (`tensor`, the pipelines, the sharded strategies): split the "
                                      "norms and the residual stream along the sequence over the tp ranks too "
                                      "(Megatron's sequence parallelism), so each block saves 1/tp of its activations; "
                                      "tp must divide model.seq_len")

@@ -60,9 +60,12 @@ class Candidate:
         parallel.cp, parallel.cp_mode = self.cp, self.cp_mode or parallel.cp_mode
         train = copy.copy(base.train)
         train.micro_batch, train.global_batch = self.micro_batch, global_batch or base.train.global_batch
-        # The other sections are shared with `base`, not copied: nothing changes them.
+        # The other sections are shared with `base`, not copied: nothing else changes them.
         cfg = copy.copy(base)
         cfg.parallel, cfg.train = parallel, train
+        if self.shard:  # hsdp: a node's processes, its shard group of each tp (and cp) rank
+            cfg.launch = copy.copy(base.launch)
+            cfg.launch.nproc = self.shard * self.tp * self.cp
         validate(cfg, world_size=world)
         return cfg
 
@@ -73,16 +76,19 @@ def _divisors(n: int) -> list[int]:
 
 def _meshes(world: int, nodes: int) -> Iterator[tuple[str, int, int, int, int, str | None]]:
     """(strategy, dp, pp, tp, cp, cp_mode) for every planned strategy and factorisation of the world
-    it can use; hsdp only on several nodes (on one it is fsdp); context parallel in both modes over
-    every cp dividing what the other dimensions leave, for the strategies it composes with."""
+    it can use; hsdp only on several nodes (on one it is fsdp); the sharded strategies over tensor
+    parallel within a node; context parallel in both modes over every cp dividing what the other
+    dimensions leave, for the strategies it composes with."""
     planned = [s for s in SPECS.values() if s.planned]
     for s in planned:
         if not s.splits_model and (nodes > 1 or not s.across_nodes):
-            yield s.name, world, 1, 1, 1, None
-            if s.context_parallel:
-                for cp in _divisors(world)[1:]:
-                    for mode in CP_MODES:
-                        yield s.name, world // cp, 1, 1, cp, mode
+            # The sharded strategies over tensor parallel too, its ranks within a node.
+            for tp in _divisors(world // nodes) if s.shards_split_model else [1]:
+                yield s.name, world // tp, 1, tp, 1, None
+                if s.context_parallel:
+                    for cp in _divisors(world // tp)[1:]:
+                        for mode in CP_MODES:
+                            yield s.name, world // tp // cp, 1, tp, cp, mode
     for pp in _divisors(world):
         for tp in _divisors(world // pp):
             dp = world // pp // tp
@@ -118,7 +124,7 @@ def enumerate_candidates(base: Config, world: int, precisions: tuple[str, ...] =
             for policy in policies:
                 for micro_batch in sizes:
                     for m, schedule in _pipeline_runs(strategy, micro_batch):
-                        shard = world // nodes if spec(strategy).across_nodes else None
+                        shard = world // nodes // tp if spec(strategy).across_nodes else None
                         candidate = Candidate(strategy, dp, pp, tp, precision, policy, micro_batch, m, schedule, shard,
                                               cp, cp_mode)
                         try:

@@ -286,6 +286,12 @@ def predict_setup_bytes(candidate: Candidate, cfg: Config) -> int:
     stage = candidate.spec.zero_stage
     if not stage:
         return facts.params_total * stored
+    if candidate.tp > 1:  # every unit made whole, each block split over tp, its tp part sharded
+        held = rank_facts(shape, candidate.tp)
+        shards = held.unit_shards(world)
+        made = [facts.block] * shape.n_layer + [facts.root]
+        return max(sum(shards[: i + 1]) + whole.numel + part.numel
+                   for i, (whole, part) in enumerate(zip(made, held.units, strict=True))) * stored
     if stage == 3:
         shards = facts.unit_shards(world)
         return max(sum(shards[: i + 1]) + unit.numel for i, unit in enumerate(facts.units)) * stored

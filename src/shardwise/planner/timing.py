@@ -58,7 +58,6 @@ from shardwise.planner.memory import dtype_bytes, pipeline_schedule, trace_key, 
 from shardwise.planner.model import (
     ModelShape,
     forward_ops,
-    model_facts,
     model_shape,
     rank_facts,
     saved_bytes,
@@ -185,24 +184,27 @@ def micro_step_s(c: Candidate, shape: ModelShape, device: DeviceProfile, start: 
 
 
 @functools.cache
-def _padded_numel(shape: ModelShape, world: int) -> int:
-    """Elements every rank's padded shards of every unit add up to (what a sharded collective moves)."""
-    return world * model_facts(shape).shard_numel(world)
+def _padded_numel(shape: ModelShape, world: int, tp: int = 1) -> int:
+    """Elements every rank's padded shards of every unit add up to (what a sharded collective moves):
+    of a tensor-parallel rank's part under tensor parallel."""
+    return world * rank_facts(shape, tp).shard_numel(world)
 
 
 def _data_parallel(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceProfile, world: int,
                    traced: bool) -> StepTime:
-    facts = model_facts(shape)
+    """Replicated or sharded over the data-parallel (and cp) ranks; over tensor parallel, each
+    tp rank's part so, and each block's four activation all-reduces over tp on top, exposed."""
+    facts = rank_facts(shape, c.tp)
     precision = make_precision(c.precision, cfg.parallel.reduce_dtype)
     micro_steps = cfg.train.global_batch // (c.dp * c.micro_batch)
     micro_step = micro_step_s(c, shape, device, 0, shape.n_layer, True, True, c.micro_batch, traced)
     compute = micro_steps * micro_step
     backward = 2 / 3 * micro_step  # what the last micro-step's communication may hide behind
     ranks = c.dp * c.cp  # that average gradients: a replica's cp ranks each hold a share of its tokens
-    inter_node = _spans_nodes(ranks, 1, device.gpus_per_node)
+    inter_node = _spans_nodes(ranks, c.tp, device.gpus_per_node)
     latency = device.latency_s
     stored = dtype_bytes(precision.param_dtype)
-    padded = _padded_numel(shape, ranks)
+    padded = _padded_numel(shape, ranks, c.tp)
     reduce_bytes = padded * dtype_bytes(precision.reduce_dtype)
     gathered = dtype_bytes(working_dtype(precision))  # zero1/zero2's updated shards, fsdp's units: 16-bit if mixed
     gather_bandwidth = device.bandwidth(inter_node, "all_gather")
@@ -233,8 +235,19 @@ def _data_parallel(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceP
         exposed += _hidden(reduce, max(0.0, backward - gather), device.overlap)
         stepped = padded // ranks
     context, context_exposed = context_s(c, shape, device)
-    return StepTime(compute, comm + micro_steps * context, exposed + micro_steps * context_exposed, 0.0,
-                    _optimizer_s(stepped, stored, cfg, device))
+    tensor = micro_steps * _tensor_parallel_s(c, shape, device)
+    return StepTime(compute, comm + micro_steps * context + tensor,
+                    exposed + micro_steps * context_exposed + tensor, 0.0, _optimizer_s(stepped, stored, cfg, device))
+
+
+def _tensor_parallel_s(c: Candidate, shape: ModelShape, device: DeviceProfile) -> float:
+    """One micro-step's tensor-parallel communication: four all-reduces of an activation per block
+    (two in forward, two in backward), which nothing hides (the next layer needs them)."""
+    if c.tp == 1:
+        return 0.0
+    tokens = c.micro_batch * shape.seq_len / c.cp  # this rank's
+    bandwidth = device.bandwidth(_spans_nodes(c.tp, 1, device.gpus_per_node))
+    return 4 * shape.n_layer * all_reduce_s(tokens * shape.d_model * 4, c.tp, bandwidth, device.latency_s)
 
 
 def context_s(c: Candidate, shape: ModelShape, device: DeviceProfile) -> tuple[float, float]:
@@ -272,7 +285,7 @@ def _hsdp(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceProfile, w
     within = _data_parallel(dataclasses.replace(c, strategy="fsdp", dp=c.shard, shard=None), node_batch, shape,
                             device, c.shard, traced)
     stored = dtype_bytes(make_precision(c.precision).param_dtype)
-    shards = _padded_numel(shape, c.shard) // c.shard * stored
+    shards = _padded_numel(shape, c.shard, c.tp) // c.shard * stored
     across = all_reduce_s(shards, replicas, device.bandwidth(replicas > 1), device.latency_s)
     return dataclasses.replace(within, communication_s=within.communication_s + across,
                                exposed_communication_s=within.exposed_communication_s + across)
@@ -290,11 +303,8 @@ def _mesh_dp_all_reduce(c: Candidate, numel: int, device: DeviceProfile) -> floa
 def _tensor(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceProfile, traced: bool) -> StepTime:
     facts = rank_facts(shape, c.tp)
     micro_steps = cfg.train.global_batch // (c.dp * c.micro_batch)
-    tokens = c.micro_batch * shape.seq_len / c.cp  # this rank's
     compute = micro_steps * micro_step_s(c, shape, device, 0, shape.n_layer, True, True, c.micro_batch, traced)
-    bandwidth = device.bandwidth(_spans_nodes(c.tp, 1, device.gpus_per_node))
-    activations = all_reduce_s(tokens * shape.d_model * 4, c.tp, bandwidth, device.latency_s)
-    tp_comm = micro_steps * 4 * shape.n_layer * activations
+    tp_comm = micro_steps * _tensor_parallel_s(c, shape, device)
     numel = facts.params_total
     dp_comm = _mesh_dp_all_reduce(c, numel, device)
     context, context_exposed = (micro_steps * t for t in context_s(c, shape, device))

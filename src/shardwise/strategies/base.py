@@ -52,7 +52,7 @@ class Strategy:
         # The run's device mesh and its process groups (mesh.py); none in one process without a group.
         self.mesh: Mesh | None = None
         if ctx.distributed and not spec(cfg.strategy).parameter_servers:
-            self.mesh = Mesh(ctx, cfg.mesh(ctx.world_size, node_size(ctx.world_size)))
+            self.mesh = Mesh.of(ctx, cfg.mesh(ctx.world_size, node_size(ctx.world_size)))
 
     @classmethod
     def check_config(cls, cfg: Config, world: int) -> None:

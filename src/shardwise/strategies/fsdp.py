@@ -111,7 +111,7 @@ class ShardedDataParallel(HookedStrategy):
         """Over tensor parallel (parallel.tp > 1): the model splits as tensor's does."""
         p = cfg.parallel
         dp, pp, tp = p.mesh_shape(world)
-        if tp > 1:
+        if tp > 1 or p.sequence_parallel:
             check_model_split(cfg, world)
         if spec(p.strategy).across_nodes and cfg.launch.nproc % (p.cp * pp * tp):
             raise ConfigError(f"parallel.tp = {tp}: {p.strategy} keeps a replica's tensor-parallel ranks within a "
