@@ -1,12 +1,14 @@
 """The sharded strategies on a mesh that splits the model too: `fsdp`, `zero1`, `zero2` and `hsdp`
-over tensor parallel (and context parallel beside) shard each tensor-parallel shard over the
-data-parallel ranks. They train as one device does, hold their part of the model state as the
-planner predicts, and checkpoint so that another mesh resumes."""
+over tensor parallel (and context parallel beside), and `fsdp`, `zero1` and `zero2` over pipeline
+stages (and tensor parallel), shard each rank's part of the model over its data-parallel ranks.
+They train as one device does, hold their part of the model state as the planner predicts, and
+checkpoint so that another mesh resumes; what cannot compose is refused before any worker starts."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -18,6 +20,7 @@ from safetensors.torch import load_file
 
 from shardwise.config import load_config
 from shardwise.dist import DistContext
+from shardwise.planner.candidates import Candidate
 from shardwise.trainer import Trainer
 
 STEPS, SAVED_AT = 10, 5
@@ -38,25 +41,34 @@ RUNS = {  # on 4 ranks: 2 data-parallel x 2 tensor-parallel
     "zero2-tp2-sp": ("zero2", "parallel.tp=2", "parallel.sequence_parallel=true"),
     "fsdp-tp2-llama": ("fsdp", "parallel.tp=2", *LLAMA),
     "zero1-tp2-bf16-recompute": ("zero1", "parallel.tp=2", *BF16_RECOMPUTE),
+    # 2 data-parallel x 2 pipeline stages: the tied embedding and head on two ranks, sharded on each
+    "zero2-pp2": ("zero2", "parallel.pp=2", "parallel.micro_batches=2"),
+    "fsdp-pp2-zbv": ("fsdp", "parallel.pp=2", "parallel.micro_batches=2", "parallel.schedule=zbv", "model.n_layer=4"),
 }
 EIGHT_RANK_RUNS = {
     # 2 "nodes" of 4 processes: each node's 2 x 2 (dp_shard x tp) holds a replica; a global batch of 8 over 4.
     "hsdp-2x2-tp2": ("hsdp", "parallel.tp=2", "train.micro_batch=2"),
     "fsdp-cp2-tp2-recompute": ("fsdp", "parallel.tp=2", "parallel.cp=2", "parallel.recompute=blocks"),
+    "fsdp-pp2-tp2": ("fsdp", "parallel.pp=2", "parallel.tp=2", "parallel.micro_batches=2",
+                     f"train.checkpoint_every={SAVED_AT}"),
 }
-# What the planner is asked about each run: strategy, dp, tp, precision, recompute, micro-batch, hsdp's
-# shard and cp; the run's config is the candidate's.
+# What the planner is asked about each run (its config is the candidate's).
 PLANNED = {
-    "fsdp-tp2": ("fsdp", 2, 2, "fp32", "none", 4, None, 1),
-    "zero2-tp2-sp": ("zero2", 2, 2, "fp32", "none", 4, None, 1),
-    "fsdp-tp2-llama": ("fsdp", 2, 2, "fp32", "none", 4, None, 1),
-    "zero1-tp2-bf16-recompute": ("zero1", 2, 2, "bf16-mixed", "blocks", 4, None, 1),
-    "hsdp-2x2-tp2": ("hsdp", 4, 2, "fp32", "none", 2, 2, 1),
-    "fsdp-cp2-tp2-recompute": ("fsdp", 2, 2, "fp32", "blocks", 4, None, 2),
+    "fsdp-tp2": Candidate("fsdp", 2, 1, 2, "fp32", "none", 4),
+    "zero2-tp2-sp": Candidate("zero2", 2, 1, 2, "fp32", "none", 4),
+    "fsdp-tp2-llama": Candidate("fsdp", 2, 1, 2, "fp32", "none", 4),
+    "zero1-tp2-bf16-recompute": Candidate("zero1", 2, 1, 2, "bf16-mixed", "blocks", 4),
+    "zero2-pp2": Candidate("zero2", 2, 2, 1, "fp32", "none", 4, 2, "1f1b"),
+    "fsdp-pp2-zbv": Candidate("fsdp", 2, 2, 1, "fp32", "none", 4, 2, "zbv"),
+    "hsdp-2x2-tp2": Candidate("hsdp", 4, 1, 2, "fp32", "none", 2, shard=2),
+    "fsdp-cp2-tp2-recompute": Candidate("fsdp", 2, 1, 2, "fp32", "blocks", 4, cp=2),
+    "fsdp-pp2-tp2": Candidate("fsdp", 2, 2, 2, "fp32", "none", 4, 2, "1f1b"),
 }
 
 
 def reference(name: str) -> str:
+    if "zbv" in name:
+        return "single-4-blocks"
     return "single-llama" if "llama" in name else "single-bf16" if "bf16" in name else "single"
 
 
@@ -79,6 +91,7 @@ def runs(tmp_path_factory) -> tuple[Path, dict[str, list[dict]]]:
     train_in_process(cfg_for(root / "single", "single", 1))
     train_in_process(cfg_for(root / "single-llama", "single", 1, *LLAMA))
     train_in_process(cfg_for(root / "single-bf16", "single", 1, "parallel.precision=bf16-mixed"))
+    train_in_process(cfg_for(root / "single-4-blocks", "single", 1, "model.n_layer=4"))
     counted = {}
     for world, runs in ((4, RUNS), (8, EIGHT_RANK_RUNS)):
         ranks = run_ranks(train_runs, world, root, runs, timeout=600)
@@ -103,19 +116,18 @@ def test_bf16_mixed_with_recomputed_blocks_over_tensor_parallel_trains_as_one_de
 
 @pytest.mark.parametrize("name", list(PLANNED))
 def test_each_rank_holds_the_model_state_the_planner_predicts(runs, name):
-    """Parameters and optimizer state as counted after the last step (its gradients freed), on every rank."""
-    from shardwise.planner.candidates import Candidate
+    """Parameters and optimizer state as counted after the last step (its gradients freed), on
+    every rank; a pipeline's ranks, stage by stage."""
     from shardwise.planner.memory import predict_memory
 
     _, counted = runs
-    strategy, dp, tp, precision, recompute, micro_batch, shard, cp = PLANNED[name]
-    world = dp * tp * cp
-    candidate = Candidate(strategy, dp, 1, tp, precision, recompute, micro_batch, shard=shard, cp=cp)
-    _, *overrides = {**RUNS, **EIGHT_RANK_RUNS}[name]
-    cfg = candidate.config(cfg_for(Path("."), strategy, world, *overrides), world)
-    predicted = predict_memory(candidate, cfg)[0]
-    for rank in counted[name]:
-        assert (rank["params"], rank["optimizer"]) == (predicted.params, predicted.optimizer)
+    candidate = PLANNED[name]
+    world = candidate.dp * candidate.pp * candidate.tp * candidate.cp
+    strategy, *overrides = {**RUNS, **EIGHT_RANK_RUNS}[name]
+    predicted = predict_memory(candidate, candidate.config(cfg_for(Path("."), strategy, world, *overrides), world))
+    for rank, held in enumerate(counted[name]):
+        stage = predicted[rank // candidate.tp % candidate.pp]  # tp innermost, then pp
+        assert (held["params"], held["optimizer"]) == (stage.params, stage.optimizer), rank
 
 
 def test_fsdp_over_2_x_2_holds_a_quarter_of_the_model_and_its_padding(runs):
@@ -134,29 +146,41 @@ def build_gpt():
 
 
 def resume_under_single(ctx: DistContext, run: Path, out: Path) -> None:
-    """The fsdp x tp checkpoint at step 5, on one process."""
+    """A mesh's checkpoint at step 5, on one process."""
     saved = f"step-{SAVED_AT:08d}"
     shutil.copytree(run / "checkpoints" / saved, out / "checkpoints" / saved)
     (out / "checkpoints" / "latest").write_text(saved)
     Trainer(cfg_for(out, "single", 1, "run.resume=true"), ctx).fit()
 
 
-def test_a_checkpoint_of_fsdp_over_tensor_parallel_resumes_on_one_process(runs, tmp_path):
+@pytest.mark.parametrize("name", ["fsdp-tp2", "fsdp-pp2-tp2"])
+def test_a_checkpoint_of_a_sharded_mesh_resumes_on_one_process_and_consolidates(runs, name, tmp_path):
+    """Resumed from step 5 under single: the straight run's losses and weights. Its last checkpoint
+    (step 10) consolidated in one process: the run's final weights, bit for bit (consolidate
+    writes a tied weight under each of its names, the final weights once)."""
+    from shardwise.checkpoint import consolidate
     from shardwise.dist import init_distributed
 
     root, _ = runs
     threads = torch.get_num_threads()
     try:
-        resume_under_single(init_distributed(threads_per_rank=1), root / "fsdp-tp2", tmp_path / "resumed")
+        resume_under_single(init_distributed(threads_per_rank=1), root / name, tmp_path / "resumed")
     finally:
         torch.set_num_threads(threads)
-    got, want = losses(tmp_path / "resumed"), losses(root / "fsdp-tp2")
+    got, want = losses(tmp_path / "resumed"), losses(root / name)
     assert len(got) == STEPS - SAVED_AT
     for step, (a, b) in enumerate(zip(got, want[SAVED_AT:], strict=True)):
         assert abs(a - b) <= 1e-5 * b, step + SAVED_AT + 1
-    resumed, straight = (load_file(str(run / "model.safetensors")) for run in (tmp_path / "resumed", root / "fsdp-tp2"))
+    resumed, straight = (load_file(str(run / "model.safetensors")) for run in (tmp_path / "resumed", root / name))
     for key in straight:
         torch.testing.assert_close(resumed[key], straight[key], rtol=1e-5, atol=1e-6, msg=key)
+    strategy, *overrides = {**RUNS, **EIGHT_RANK_RUNS}[name]
+    cfg_for(root / name, strategy, 4, *overrides).save(root / name / "config.toml")  # as `shardwise train` does
+    consolidate(root / name, tmp_path / "consolidated.safetensors")
+    consolidated = load_file(str(tmp_path / "consolidated.safetensors"))
+    assert straight.keys() <= consolidated.keys()  # and the tied head under its own name too
+    for key, tensor in consolidated.items():
+        assert any(torch.equal(tensor, straight[k]) for k in ([key] if key in straight else straight)), key
 
 
 class Crash(RuntimeError):
@@ -207,3 +231,17 @@ def test_a_checkpoint_of_fsdp_over_tensor_parallel_reshards_to_a_pipeline_and_ba
     resumed, straight = (load_file(str(run / "model.safetensors")) for run in (tmp_path, root / "fsdp-tp2"))
     for key in straight:
         torch.testing.assert_close(resumed[key], straight[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (("parallel.strategy=hsdp", "parallel.pp=2"), "hsdp does not run pipeline stages; fsdp, zero1 and zero2 do"),
+    (("parallel.strategy=fsdp", "parallel.pp=2", "parallel.cp=2"), "a pipeline (parallel.pp = 2) does not split"),
+    (("parallel.strategy=zero2", "parallel.pp=2", "parallel.offload=optimizer"), "not over pipeline stages"),
+    (("parallel.strategy=fsdp", "parallel.pp=2", "parallel.micro_batches=3"), "must divide train.micro_batch = 4"),
+    (("parallel.strategy=zero1", "parallel.pp=3"), "must equal the world size 4"),
+])
+def test_a_sharded_pipeline_that_cannot_run_is_refused_before_any_worker_starts(overrides, message):
+    from shardwise.config import ConfigError
+
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        cfg_for(Path("."), "single", 4, *overrides)  # validated as it loads

@@ -309,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--nproc", type=int, help="ranks to sample on, under the run's strategy (default: this process)")
     p.add_argument("--strategy", choices=NAMES, help="with --nproc: the strategy to sample under (default: the run's)")
     p = commands.add_parser("bench", help="ours vs PyTorch native, or an option's variants, alternating in one run",
-                            description="ddp, fsdp, pipeline, tensor: ours against PyTorch's own; collectives: our "
+                            description="ddp, fsdp, pipeline, tensor: ours against PyTorch's own; mesh: fsdp over "
+                            "tensor parallel (2 x 2) against FSDP2 over DTensor's; collectives: our "
                             "ring all-reduce against the backend's, and ddp's gradient compression against plain "
                             "ddp; recompute, precision: each policy or precision against the plain one; checkpoint: "
                             "save and load against a plain write of the same bytes, and async save; context: context "

@@ -183,7 +183,8 @@ class ParallelConfig:
     dp: int | None = option(None, "data-parallel ranks on the device mesh (docs/strategies/mesh.md): dp x cp x pp x "
                             "tp = world size. Left unset, the strategy's own dimension (pp for the pipelines, tp "
                             "for tensor, dp for the others) takes the ranks the others leave; the others are 1")
-    pp: int | None = option(None, "`pipeline`, `model-parallel`: pipeline stages per replica (as for dp)")
+    pp: int | None = option(None, "`pipeline`, `model-parallel`, and `zero1`, `zero2`, `fsdp` sharding each stage "
+                            "over its dp ranks: pipeline stages per replica (as for dp)")
     tp: int | None = option(None, "`tensor`, `pipeline` / `model-parallel` with tensor-parallel stages, and `zero1`, "
                             "`zero2`, `fsdp`, `hsdp` sharding a tensor-parallel model: tensor-parallel ranks per "
                             "stage; divides model.n_head, n_kv_head and d_ff (as for dp)")
@@ -191,10 +192,11 @@ class ParallelConfig:
                                      "norms and the residual stream along the sequence over the tp ranks too "
                                      "(Megatron's sequence parallelism), so each block saves 1/tp of its activations; "
                                      "tp must divide model.seq_len")
-    micro_batches: int = option(4, "`pipeline`: micro-batches per pipeline run (M); must divide "
-                                "`train.micro_batch`")
-    schedule: str = option("1f1b", "`pipeline`: the schedule micro-batches run by (docs/strategies/pipeline.md): "
-                           "`gpipe`, `1f1b`, `interleaved-1f1b` (`virtual_stages` stages per rank), `zb-h1` (1F1B "
+    micro_batches: int = option(4, "`pipeline` (and the sharded strategies with pp > 1): micro-batches per "
+                                "pipeline run (M); must divide `train.micro_batch`")
+    schedule: str = option("1f1b", "`pipeline` (and the sharded strategies with pp > 1): the schedule "
+                           "micro-batches run by (docs/strategies/pipeline.md): `gpipe`, `1f1b`, `interleaved-1f1b` "
+                           "(`virtual_stages` stages per rank), `zb-h1` (1F1B "
                            "with the weight gradients deferred into the drain), `zbv` and `dualpipev` (2 stages per "
                            "rank on a V)", SCHEDULES)
     virtual_stages: int | None = option(None, "`pipeline`, `interleaved-1f1b`: stages per rank, at least 2 (unset: "
@@ -559,7 +561,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _positive("parallel.ps_max_staleness", p.ps_max_staleness, zero_ok=True)
     strategy = spec(p.strategy)
     _validate_context(cfg, world)
-    strategy.strategy_class().check_config(cfg, world)
+    strategy.strategy_class(cfg.parallel.mesh_shape(world)[1]).check_config(cfg, world)
     if strategy.one_process and world != 1:
         raise ConfigError(
             f"parallel.strategy = {p.strategy!r}: runs on one process, but the world size is {world}; "
@@ -700,8 +702,8 @@ def _validate_mesh(cfg: Config, world: int) -> None:
     if strategy.splits_model or strategy.parameter_servers:
         return
     dp, pp, tp = p.mesh_shape(world)
-    if strategy.shards_split_model and pp == 1:
-        return  # the sharded strategies over tensor parallel: their check_config checks the split
+    if strategy.shards_split_model:
+        return  # the sharded strategies over tensor parallel or pipeline stages: their check_config checks the split
     if (dp, pp, tp) != (world // p.cp, 1, 1):
         splitting = ", ".join(name for name, each in SPECS.items() if each.splits_model)
         composing = ", ".join(name for name, each in SPECS.items() if each.shards_split_model)

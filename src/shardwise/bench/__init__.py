@@ -12,6 +12,7 @@ BENCHES = {  # name -> (module, ranks)
     "precision": ("shardwise.bench.precision", 1),
     "pipeline": ("shardwise.bench.pipeline", 0),  # a driver: one world of 2 ranks, one of 4
     "tensor": ("shardwise.bench.tensor", 2),
+    "mesh": ("shardwise.bench.mesh", 4),  # fsdp x tp against FSDP2 x DTensor on a 2 x 2 mesh
     "collectives": ("shardwise.bench.collectives", 2),
     "checkpoint": ("shardwise.bench.checkpoint", 2),
     "context": ("shardwise.bench.context", 4),  # context parallel: cp 1, 2, 4 in both modes against sequence length

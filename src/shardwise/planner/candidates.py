@@ -50,12 +50,12 @@ class Candidate:
 
     def config(self, base: Config, world: int, global_batch: int | None = None) -> Config:
         """`base` set up to train this candidate on `world` ranks (validated: ConfigError if not)."""
-        mesh = self.spec.splits_model or self.tp > 1  # the sharded strategies over tensor parallel too
+        mesh = self.spec.splits_model or self.tp > 1 or self.pp > 1  # the sharded strategies' meshes too
         # Shallow copies, not dataclasses.replace: the planner builds one per candidate, thousands.
         parallel = copy.copy(base.parallel)
         parallel.strategy, parallel.precision, parallel.recompute = self.strategy, self.precision, self.recompute
         parallel.dp, parallel.pp, parallel.tp = (self.dp, self.pp, self.tp) if mesh else (None, None, None)
-        if self.spec.pipelined:
+        if self.spec.pipelined or self.pp > 1:
             parallel.micro_batches, parallel.schedule = self.micro_batches, self.schedule
         parallel.cp, parallel.cp_mode = self.cp, self.cp_mode or parallel.cp_mode
         train = copy.copy(base.train)

@@ -125,7 +125,7 @@ def predict_memory(candidate: Candidate, cfg: Config, margin: float = DEFAULT_MA
     Without `activations`, a lower bound that traces nothing: every category but the
     activations, which count 0."""
     shape = model_shape(cfg.model)
-    if candidate.spec.mesh_dim == "pp":
+    if candidate.spec.mesh_dim == "pp" or candidate.pp > 1:
         ranks = _pipeline(candidate, cfg, shape, activations)
     elif candidate.spec.mesh_dim == "tp":
         ranks = [_tensor(candidate, cfg, shape, activations)]
@@ -393,8 +393,26 @@ def _pipeline(c: Candidate, cfg: Config, shape: ModelShape, activations: bool) -
         # forward, input gradients back), and a receive is posted one message ahead.
         crossings = sum(0 <= t <= last and layout.rank_of(t) != rank for s in stages for t in (s - 1, s + 1))
         buffers = (runs + 2) * crossings * activation
-        ranks.append(_mesh_rank(c, cfg, numel, count, int(peaks[rank]), buffers))
+        if c.spec.zero_stage:
+            held = facts.stage_facts(0 in stages, last in stages, sum(bounds[s][1] - bounds[s][0] for s in stages))
+            ranks.append(_sharded_stages_rank(c, cfg, held, int(peaks[rank]), buffers))
+        else:
+            ranks.append(_mesh_rank(c, cfg, numel, count, int(peaks[rank]), buffers))
     return ranks
+
+
+def _sharded_stages_rank(c: Candidate, cfg: Config, held: ModelFacts, activations: int, buffers: int) -> RankMemory:
+    """A rank of zero1, zero2 or fsdp over pipeline stages: its stages' units sharded over the dp
+    ranks (the model state as data parallel's over `held`), and within a step fsdp's stages
+    gathered whole and the whole gradients zero2 and fsdp accumulate over the micro-batches (zero1's
+    are its gradient buffer), with one unit packed for its reduce-scatter."""
+    precision = make_precision(c.precision, cfg.parallel.reduce_dtype)
+    state = model_state(c.spec.zero_stage, precision, held, c.dp, cfg)
+    working = dtype_bytes(working_dtype(precision))
+    within_step = max(c.dp * shard for shard in held.unit_shards(c.dp)) * dtype_bytes(precision.reduce_dtype)
+    if c.spec.zero_stage >= 2:
+        within_step += held.params_total * working * (2 if c.spec.zero_stage == 3 else 1)
+    return RankMemory(state.params, state.grads, state.optimizer, activations, buffers + within_step)
 
 
 def _tensor(c: Candidate, cfg: Config, shape: ModelShape, activations: bool) -> RankMemory:

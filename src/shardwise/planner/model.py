@@ -181,6 +181,16 @@ class ModelFacts:
         first stage, the final norm and head on the last, a tied weight on both."""
         return _stage(self, first, last, blocks)
 
+    def stage_facts(self, first: bool, last: bool, blocks: int) -> ModelFacts:
+        """What a pipeline rank holds, as a model of its own: `blocks` blocks, and as its root the
+        first stage's embeddings and the last stage's final norm and head where it holds those
+        stages (what the sharded strategies over pipeline stages make units of)."""
+        ends = self.root if first and last else Tensors(
+            (self.embeddings.shapes if first else ()) + (self.head.shapes if last else ()))
+        return ModelFacts(dataclasses.replace(self.shape, n_layer=blocks), self.block, ends,
+                          self.embeddings if first else Tensors(()), self.head if last else Tensors(()),
+                          self.tied if first and last else 0)
+
     def unit_shards(self, world: int) -> tuple[int, ...]:
         """Elements of one rank's padded shards of each unit over `world` ranks (Tensors.sharded_numel)."""
         return _unit_shards(self, world)

@@ -243,7 +243,7 @@ class Strategy:
 
 def make_strategy(cfg: ParallelConfig, ctx: DistContext, seed: int = 0) -> Strategy:
     """The configured strategy; a meta-built model it wraps is initialised from `seed`."""
-    strategy = spec(cfg.strategy).strategy_class()(ctx, cfg)
+    strategy = spec(cfg.strategy).strategy_class(cfg.mesh_shape(ctx.world_size)[1])(ctx, cfg)
     strategy.seed = seed
     return strategy
 

@@ -41,6 +41,7 @@ Gathering refills the same storage, so those views see the data again.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -138,29 +139,78 @@ class ShardedDataParallel(HookedStrategy):
         if self.materialiser is None:  # an ordinary model: rank 0's values (meta-built ones agree by construction)
             broadcast_from_rank0([*self.module.parameters(), *self.module.buffers()])
         self.splitter = self._tensor_splitter()
-        self.gathered_bytes = self.peak_gathered_bytes = 0
-        self.units = self._make_units()
-        self.tensor_shards: dict[int, TensorShard] = {}  # id(parameter) -> how tensor parallel split it
-        self.sequence_split: list[nn.Parameter] = []  # sequence parallel: gradients partial over tp
+        self._shard({}, [])
         if self.splitter is not None:
             self.tensor_shards, self.sequence_split = self.splitter.shards, self.splitter.finish()
+        for unit in self.units:
+            for param in unit.params:
+                param.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self._init_backward_state()
+        if self.stage == 3:
+            self._install_gather_hooks()
+            self.peak_gathered_bytes = 0  # the peak counts from the first step
+        return self.module
+
+    def _shard(self, tensor_shards: dict[int, TensorShard], sequence_split: list[nn.Parameter],
+               named: dict[str, nn.Parameter] | None = None) -> None:
+        """Make the units of `self.module` and the maps from each parameter (by `named`, its name in
+        checkpoints; by default the module's, once the units are made) to its unit and its shard."""
+        self.gathered_bytes = self.peak_gathered_bytes = 0
+        self.units = self._make_units()
+        self.tensor_shards = tensor_shards  # id(parameter) -> how tensor parallel split it
+        self.sequence_split = sequence_split  # sequence parallel: gradients partial over tp
         self.root = self.units[-1]
         self._unit_of = {id(p): unit for unit in self.units for p in unit.params}
         rows_of = {id(p): rows for unit in self.units for p, rows in zip(unit.params, unit.rows, strict=True)}
         self._shard_of = {id(p): (shard, rows_of[id(p)]) for unit in self.units
                           for p, shard in zip(unit.params, unit.shards, strict=True)}
-        self._layout = {name: (p, rows_of[id(p)]) for name, p in self.module.named_parameters()}
-        for unit in self.units:
-            for param in unit.params:
-                param.register_post_accumulate_grad_hook(self._on_grad_ready)
-        self._init_backward_state()
+        named = dict(self.module.named_parameters()) if named is None else named
+        self._layout = {name: (p, rows_of[id(p)]) for name, p in named.items()}
         self._reductions: list[tuple[dist.Work, Unit, torch.Tensor, torch.Tensor]] = []
         self.bytes_moved = 0  # by all-gathers and reduce-scatters, input + output, for bus bandwidth
         self.bytes_gathered = 0  # the all-gathers' part of it
+
+    def shard_stages(self, stages: nn.Module, block: str, named: dict[str, nn.Parameter], full: dict[str, torch.Tensor],
+                     tensor_shards: dict[int, TensorShard], sequence_split: list[nn.Parameter]) -> None:
+        """Shard a pipeline rank's `stages` (real, split over tp already) over the data-parallel
+        ranks of its stage, a unit per `block` and one for the rest, with no hooks: the pipeline
+        gathers (`gather_units`) before its schedule and reduces (`reduce_units`) after it.
+        `named`: each parameter by its name in the plain model; `full`: the plain model's tensors on
+        meta, by name."""
+        self.module, self.cfg = stages, dataclasses.replace(self.cfg, block=block)
+        self.tp, self.tp_rank = self.mesh.size("tp"), self.mesh.rank("tp")
+        self._init_mesh()
+        self.splitter, self._full = None, full
+        self._shard(tensor_shards, sequence_split, named)
+        self.peak_gathered_bytes = self.gathered_bytes
+
+    def begin_step(self) -> None:
+        """Under a pipeline, before a step's schedule: fsdp's full parameters, for all of the step's
+        micro-batches; zero1's gradient buffers, for them to accumulate into."""
+        self.gather_units()
+        if self.stage == 1:
+            self._attach_full_grads()
+
+    def end_step(self) -> None:
+        """Under a pipeline, after a step's schedule: every unit's gradients reduce-scattered into
+        this rank's shards; fsdp's full parameters freed."""
+        self._finish_backward()
+
+    def gather_units(self) -> None:
+        """fsdp: every unit's full parameters (one all-gather a unit, the next in flight while one
+        is copied out). zero1 and zero2 hold them always."""
         if self.stage == 3:
-            self._install_gather_hooks()
-            self.peak_gathered_bytes = 0  # the peak counts from the first step
-        return self.module
+            self._gather_all()
+
+    def free_units(self) -> None:
+        """fsdp: every unit's full parameters freed."""
+        if self.stage == 3:
+            for unit in self.units:
+                self._free(unit)
+
+    def shard_of(self, param: nn.Parameter) -> nn.Parameter:
+        """This rank's master shard of `param`."""
+        return self._shard_of[id(param)][0]
 
     def _init_mesh(self) -> None:
         """Shard over the mesh's dp_shard x cp ranks (every rank, unless hsdp replicates across
@@ -522,10 +572,12 @@ class ShardedDataParallel(HookedStrategy):
             self._gather_all()
 
     def _gather_all(self) -> None:
-        """zero1 / zero2: bring every rank's updated shards into the full parameters, one unit's
-        all-gather in flight while the previous one is copied out (two gather buffers at most)."""
-        for unit in self.units:
-            unit.gathered = False
+        """Bring every rank's shards into the full parameters (zero1 / zero2 after each step), one
+        unit's all-gather in flight while the previous one is copied out (two gather buffers at
+        most)."""
+        if self.stage < 3:
+            for unit in self.units:
+                unit.gathered = False
         self._start_gather(self.units[0])
         for unit, following in zip(self.units, self.units[1:] + [None], strict=True):
             if following is not None:
@@ -572,20 +624,25 @@ class ShardedDataParallel(HookedStrategy):
         tp shards are then gathered and joined (a tensor every tp rank holds whole, from tp rank 0)."""
         state = self.module.state_dict(keep_vars=True)
         for name in names:
-            place = self._shard_of.get(id(state[name]))
-            if place is None:  # a buffer or a frozen parameter: whole on every rank
+            if id(state[name]) not in self._shard_of:  # a buffer or a frozen parameter: whole on every rank
                 yield state[name].detach() if self.ctx.is_main else None
-                continue
-            split = self.tensor_shards.get(id(state[name]))
-            if self.replica != 0 or (split is None and self.tp_rank != 0):
-                yield None
-                continue
-            whole = self._gather_to_first(state[name], *place)
-            if split is not None and self.rank == 0:
-                parts = [torch.empty_like(whole) for _ in range(self.tp)] if self.tp_rank == 0 else None
-                gather_in_place(whole, parts, self.mesh.group("tp"))
-                whole = split.join(parts) if parts is not None else None
-            yield whole if self.ctx.is_main else None
+            else:
+                whole = self.whole(state[name])
+                yield whole if self.ctx.is_main else None
+
+    def whole(self, param: nn.Parameter) -> torch.Tensor | None:
+        """`param` whole on the first rank of the first replica's shard group at tp rank 0, None on
+        the others: collective over the ranks that hold a shard of it."""
+        shard, rows = self._shard_of[id(param)]
+        split = self.tensor_shards.get(id(param))
+        if self.replica != 0 or (split is None and self.tp_rank != 0):
+            return None
+        whole = self._gather_to_first(param, shard, rows)
+        if split is not None and self.rank == 0:
+            parts = [torch.empty_like(whole) for _ in range(self.tp)] if self.tp_rank == 0 else None
+            gather_in_place(whole, parts, self.mesh.group("tp"))
+            whole = split.join(parts) if parts is not None else None
+        return whole
 
     def _gather_to_first(self, param: nn.Parameter, shard: nn.Parameter, rows: int) -> torch.Tensor | None:
         """`param`'s whole value on rank 0 of the shard group, from every rank's `shard` of it."""

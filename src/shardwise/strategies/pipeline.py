@@ -81,7 +81,6 @@ from shardwise.precision import LossScaler, Precision
 from shardwise.split_backward import WeightGradients, backward_input
 from shardwise.strategies.base import LossFn
 from shardwise.strategies.mesh import MeshStrategy, module_input, with_input
-from shardwise.strategies.registry import spec
 from shardwise.strategies.tensor import TensorParallelGroup, parallelize_blocks
 
 Group = dist.ProcessGroup
@@ -385,10 +384,12 @@ class PipelineModule(nn.Module):
 
 
 class Pipeline(MeshStrategy):
+    runs_schedule = True  # micro-batches through parallel.schedule (model-parallel: one, on GPipe's lists)
+
     @classmethod
     def check_split(cls, cfg: Config, dp: int, pp: int, tp: int) -> None:
         m, p = cfg.model, cfg.parallel
-        pipelined = spec(p.strategy).pipelined
+        pipelined = cls.runs_schedule
         if pp < 2:
             raise ConfigError(f"parallel.pp = {pp}: a pipeline needs at least 2 stages; "
                               "for data parallel alone use --strategy ddp")
@@ -544,6 +545,8 @@ class Pipeline(MeshStrategy):
 class ModelParallel(Pipeline):
     """`model-parallel`: the layer-wise split people try first, the pipeline with one micro-batch
     on GPipe's lists. Each stage waits while the others compute."""
+
+    runs_schedule = False
 
     def __init__(self, ctx: DistContext, cfg: ParallelConfig) -> None:
         super().__init__(ctx, dataclasses.replace(cfg, micro_batches=1, schedule="gpipe", virtual_stages=None))

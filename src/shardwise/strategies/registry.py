@@ -48,9 +48,12 @@ class StrategySpec:
         """Whether it shards a model that tensor parallel splits (parallel.tp > 1): ours that shard."""
         return bool(self.zero_stage) and not self.native
 
-    def strategy_class(self) -> type:
+    def strategy_class(self, pp: int = 1) -> type:
         """The Strategy subclass, imported now (importing it here at the top would make config, which
-        every strategy imports, import every strategy)."""
+        every strategy imports, import every strategy). Ours that shard, over pipeline stages
+        (`pp` > 1): the pipeline whose stages they shard."""
+        if pp > 1 and self.shards_split_model:
+            return importlib.import_module("shardwise.strategies.sharded_pipeline").ShardedPipeline
         return getattr(importlib.import_module(f"shardwise.strategies.{self.module}"), self.cls)
 
 

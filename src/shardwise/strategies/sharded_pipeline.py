@@ -1,0 +1,136 @@
+"""`zero1`, `zero2` and `fsdp` over pipeline stages (`parallel.pp > 1`, with or without `tp`): the
+pipeline of pipeline.py, whose stages' parameters are sharded over the data-parallel ranks of
+their stage by fsdp.py's units (a unit per block, one for the rest of the stage).
+
+A pipeline step runs M micro-batches through its schedule, and a stage's parameters are used in
+every one of them, forward and backward (and a split backward's W runs long after its B), so the
+sharding acts around the whole schedule, not around each use:
+
+- before the schedule, fsdp gathers every unit of the rank's stages (one all-gather a unit, the
+  next in flight while one is copied out) and keeps them for the step: gathering them for each
+  micro-batch would move the stage M times over (torchtitan's FSDP x PP keeps them too);
+- the micro-batches' gradients accumulate in the full gradients (zero1: in its gradient buffers),
+  as a plain pipeline's do;
+- after the schedule (the tied head's gradients summed between the first and the last stage
+  first), every unit's gradients are reduce-scattered into this rank's shard gradients, averaged
+  over the stage's data-parallel ranks; fsdp then frees the full parameters and gradients;
+- the optimizer steps on the shards; zero1 and zero2 all-gather the updated shards into the full
+  parameters after it, fsdp before the next step.
+
+So between steps fsdp holds its shards of the stage, and during one the whole stage (its tp part)
+and its gradients; zero2 holds the same as zero1 here (no gradient can be freed before the last
+micro-batch). Evaluation gathers before the pipeline's forward and frees after it.
+
+Checkpoints name each shard as fsdp over tensor parallel does (pieces of the whole tensor with their
+offsets), so they load into any strategy and mesh; the final weights gather a tensor over its
+stage's data-parallel ranks, then its tp ranks, then send it to rank 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise.config import Config, ConfigError, ParallelConfig
+from shardwise.dist import DistContext
+from shardwise.gradients import clip_grad_norm_
+from shardwise.memory import MemoryBreakdown
+from shardwise.strategies.base import LossFn, OptimizerFactory
+from shardwise.strategies.fsdp import ShardedDataParallel
+from shardwise.strategies.pipeline import Activations, Pipeline
+from shardwise.strategies.registry import spec
+
+
+class ShardedPipeline(Pipeline):
+    @classmethod
+    def check_config(cls, cfg: Config, world: int) -> None:
+        p = cfg.parallel
+        if spec(p.strategy).across_nodes:
+            raise ConfigError(f"parallel.pp = {p.pp}: {p.strategy} does not run pipeline stages; fsdp, zero1 and "
+                              "zero2 do (each stage sharded over its data-parallel ranks)")
+        if p.cp > 1:
+            raise ConfigError(f"parallel.cp = {p.cp}: a pipeline (parallel.pp = {p.pp}) does not split sequences; "
+                              "context parallel composes with fsdp, zero1 and zero2 over tensor parallel alone")
+        if p.offload != "none":
+            raise ConfigError(f"parallel.offload = {p.offload!r}: not over pipeline stages (parallel.pp = {p.pp})")
+        super().check_config(cfg, world)
+
+    def __init__(self, ctx: DistContext, cfg: ParallelConfig) -> None:
+        super().__init__(ctx, cfg)
+        self.sharding = ShardedDataParallel(ctx, cfg)  # the same mesh (Mesh.of), sharding over its dp ranks
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        module = super().wrap(model)
+        stages = nn.ModuleList(stage.model for stage in self.stages.values())
+        self.sharding.shard_stages(stages, self.cfg.block, dict(super().named_local_parameters()), self._full,
+                                   self.tensor_shards, self.sequence_split)
+        # What a stage sends: the working dtype its parameters are gathered in (mixed precision's compute dtype).
+        working = self.sharding.units[0].full_dtype
+        self.activations = self.module.activations = Activations(self.activations.width, working, self.ctx.device)
+        module.register_forward_pre_hook(lambda m, args: self.sharding.gather_units())
+        module.register_forward_hook(lambda m, args, out: self.sharding.free_units())
+        return module
+
+    def local_parameters(self) -> list[nn.Parameter]:
+        return self.sharding.local_parameters()
+
+    def optimizer(self, make: OptimizerFactory) -> torch.optim.Optimizer:
+        self.optim = self.sharding.optimizer(make)
+        return self.optim
+
+    def forward_backward(self, model: nn.Module, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
+                         loss_fn: LossFn, accum: int) -> torch.Tensor:
+        self.sharding.begin_step()
+        return super().forward_backward(model, micro_batches, loss_fn, accum)
+
+    def synchronize_gradients(self) -> None:
+        """After the schedule (and the tied head's sum): reduce-scatter every unit's gradients."""
+        self.sharding.end_step()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """A shard counts where its parameter would in a plain pipeline: a tp shard on every tp rank,
+        what tp ranks hold whole on tp rank 0, a tied weight on the first stage; then summed over the
+        stage's data-parallel ranks, its tp ranks and the stages."""
+        counted = [self.sharding.shard_of(p).grad for _, p in super().named_local_parameters()
+                   if self.sharding.shard_of(p).grad is not None and id(p) not in self.duplicates
+                   and (id(p) in self.tensor_shards or self.tp_rank == 0)]
+        grads = self.local_grads()
+        return clip_grad_norm_(counted, grads, max_norm, self.ctx.device,
+                               (self.sharding.group, self.tp_group, self.pp_group))
+
+    def memory(self, activations: int) -> MemoryBreakdown:
+        return self.sharding.memory(activations)
+
+    # --- state: this rank's shards by the plain model's names ------------------------------
+
+    def named_local_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return [(name, self.sharding.shard_of(p)) for name, p in super().named_local_parameters()]
+
+    def as_global(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        return self.sharding.as_global(name, local)
+
+    def after_state_loaded(self) -> None:
+        self.sharding.after_state_loaded()
+
+    def full_tensors(self, names: list[str]) -> Iterator[torch.Tensor | None]:
+        """Each tensor from the stage that owns it: gathered over its data-parallel ranks and tp
+        ranks to the first of them, which sends it to rank 0 unless it is rank 0."""
+        for name in names:
+            name = self._canonical[name]
+            stage = self._owner[name]
+            tensor = None
+            if self.pp_rank == stage:
+                held = self._local[name]
+                tensor = (self.sharding.whole(held) if isinstance(held, nn.Parameter)
+                          else held.detach() if self.dp_rank == 0 and self.tp_rank == 0 else None)
+            source = self.mesh.global_rank(dp_replicate=0, dp_shard=0, cp=0, pp=stage, tp=0)
+            if source != 0:
+                if self.ctx.rank == source:
+                    dist.send(tensor.contiguous(), dst=0)
+                elif self.ctx.is_main:
+                    tensor = torch.empty_like(self._full[name], device=self.ctx.device)
+                    dist.recv(tensor, src=source)
+            yield tensor if self.ctx.is_main else None
