@@ -41,7 +41,7 @@ class Candidate:
     def label(self) -> str:
         mesh = f"dp{self.dp}" + (f" pp{self.pp}" if self.pp > 1 else "") + (f" tp{self.tp}" if self.tp > 1 else "")
         mesh += f" cp{self.cp} {self.cp_mode}" if self.cp > 1 else ""
-        pipe = f" M{self.micro_batches} {self.schedule}" if self.spec.pipelined else ""
+        pipe = f" M{self.micro_batches} {self.schedule}" if self.schedule else ""
         pipe += f" shard{self.shard}" if self.shard else ""
         return f"{self.strategy} {mesh}{pipe} {self.precision} rc={self.recompute} mb={self.micro_batch}"
 
@@ -55,7 +55,7 @@ class Candidate:
         parallel = copy.copy(base.parallel)
         parallel.strategy, parallel.precision, parallel.recompute = self.strategy, self.precision, self.recompute
         parallel.dp, parallel.pp, parallel.tp = (self.dp, self.pp, self.tp) if mesh else (None, None, None)
-        if self.spec.pipelined or self.pp > 1:
+        if self.schedule is not None:  # the pipelines, and the sharded strategies over stages
             parallel.micro_batches, parallel.schedule = self.micro_batches, self.schedule
         parallel.cp, parallel.cp_mode = self.cp, self.cp_mode or parallel.cp_mode
         train = copy.copy(base.train)
@@ -77,8 +77,8 @@ def _divisors(n: int) -> list[int]:
 def _meshes(world: int, nodes: int) -> Iterator[tuple[str, int, int, int, int, str | None]]:
     """(strategy, dp, pp, tp, cp, cp_mode) for every planned strategy and factorisation of the world
     it can use; hsdp only on several nodes (on one it is fsdp); the sharded strategies over tensor
-    parallel within a node; context parallel in both modes over every cp dividing what the other
-    dimensions leave, for the strategies it composes with."""
+    parallel within a node, and over pipeline stages; context parallel in both modes over every cp
+    dividing what the other dimensions leave, for the strategies it composes with."""
     planned = [s for s in SPECS.values() if s.planned]
     for s in planned:
         if not s.splits_model and (nodes > 1 or not s.across_nodes):
@@ -94,6 +94,9 @@ def _meshes(world: int, nodes: int) -> Iterator[tuple[str, int, int, int, int, s
             dp = world // pp // tp
             own = "pp" if pp > 1 else "tp" if tp > 1 else None  # the strategy's own dimension takes what is left
             for s in planned:
+                # Over pipeline stages, the sharded strategies (not hsdp) too, without context parallel.
+                if own == "pp" and s.shards_split_model and not s.across_nodes:
+                    yield s.name, dp, pp, tp, 1, None
                 if s.mesh_dim == own:
                     yield s.name, dp, pp, tp, 1, None
                     if s.context_parallel:
@@ -123,7 +126,7 @@ def enumerate_candidates(base: Config, world: int, precisions: tuple[str, ...] =
         for precision in precisions:
             for policy in policies:
                 for micro_batch in sizes:
-                    for m, schedule in _pipeline_runs(strategy, micro_batch):
+                    for m, schedule in _pipeline_runs(strategy, pp, micro_batch):
                         shard = world // nodes // tp if spec(strategy).across_nodes else None
                         candidate = Candidate(strategy, dp, pp, tp, precision, policy, micro_batch, m, schedule, shard,
                                               cp, cp_mode)
@@ -138,8 +141,8 @@ def enumerate_candidates(base: Config, world: int, precisions: tuple[str, ...] =
     return found, refused
 
 
-def _pipeline_runs(strategy: str, micro_batch: int) -> list[tuple[int, str | None]]:
+def _pipeline_runs(strategy: str, pp: int, micro_batch: int) -> list[tuple[int, str | None]]:
     """(micro-batches per run, schedule) options: a pipeline's M divides its micro-batch."""
-    if not spec(strategy).pipelined:
+    if not (spec(strategy).pipelined or pp > 1 and spec(strategy).shards_split_model):
         return [(1, None)]
     return [(m, schedule) for m in _divisors(micro_batch) if m > 1 for schedule in SCHEDULES]

@@ -271,12 +271,14 @@ def predict_setup_bytes(candidate: Candidate, cfg: Config) -> int:
     keep it (whole parameters in the working dtype, master shards, zero1's gradient buffer): the
     larger of the two, and one unit's layout beside. pipeline, model-parallel and tensor make
     their stage's blocks one at a time, each whole until its tp split: at the peak, the stage
-    they keep and one whole block beside its shard. Every other strategy makes the whole model."""
+    they keep and one whole block beside its shard, as do the sharded strategies over pipeline
+    stages before they shard the stage (within what a step holds). Every other strategy makes the
+    whole model."""
     shape = model_shape(cfg.model)
     facts = model_facts(shape)
     precision = make_precision(candidate.precision, cfg.parallel.reduce_dtype)
     stored = dtype_bytes(precision.param_dtype)
-    if candidate.spec.splits_model:
+    if candidate.spec.splits_model or candidate.pp > 1:
         held = rank_facts(shape, candidate.tp)
         passing = facts.block.numel - held.block.numel  # the whole block being split, beyond its shard
         stages = stage_bounds(shape, candidate.pp)

@@ -55,7 +55,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
 def _mesh(e: Evaluated) -> str:
     c = e.candidate
     mesh = f"{c.dp}x{c.pp}x{c.tp}" + (f" cp{c.cp} {c.cp_mode}" if c.cp > 1 else "")
-    return mesh + (f" M{c.micro_batches} {c.schedule}" if c.spec.pipelined else "")
+    return mesh + (f" M{c.micro_batches} {c.schedule}" if c.schedule else "")
 
 
 PRUNED = {  # why candidates were not costed, as the table says it

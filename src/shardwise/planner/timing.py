@@ -141,7 +141,7 @@ def predict_step_time(c: Candidate, cfg: Config, device: DeviceProfile, world: i
     `traced`, a lower bound that traces no activations: `selective`'s re-done elementwise work is
     left out (the operators are still counted, once per model)."""
     shape = model_shape(cfg.model)
-    if c.spec.mesh_dim == "pp":
+    if c.spec.mesh_dim == "pp" or c.pp > 1:
         return _pipeline(c, cfg, shape, device, traced)
     if c.spec.mesh_dim == "tp":
         return _tensor(c, cfg, shape, device, traced)
@@ -350,8 +350,12 @@ def _pipeline(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceProfil
     tied = 0.0
     if facts.tied and layout.rank_of(0) != layout.rank_of(layout.stages - 1):  # first + last stage
         tied = all_reduce_s(facts.tied * 4, 2, bandwidth, device.latency_s)
+    # The sharded strategies over stages move what the replicas' all-reduce does, a reduce-scatter
+    # after the schedule and an all-gather (before the next one under fsdp), as exposed; their
+    # optimizer steps on a dp shard.
     comm = sends + tp_comm + tied + _mesh_dp_all_reduce(c, stage_numel, device)
-    return StepTime(compute, comm, comm, bubble, _optimizer_s(stage_numel, 4, cfg, device))
+    stepped = stage_numel // c.dp if c.spec.zero_stage else stage_numel
+    return StepTime(compute, comm, comm, bubble, _optimizer_s(stepped, 4, cfg, device))
 
 
 @functools.lru_cache(maxsize=4096)
