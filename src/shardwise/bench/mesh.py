@@ -29,7 +29,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 from shardwise.bench.common import StepFn, alternate, bench_config, bench_main
-from shardwise.bench.tensor import MODELS, describe, dtensor_plan, our_step
+from shardwise.bench.tensor import MODELS, describe, dtensor_plan
 from shardwise.config import Config, validate
 from shardwise.dist import DistContext, seed_everything
 from shardwise.memory import optimizer_state_tensors, storage_bytes
@@ -51,6 +51,23 @@ def native_model(cfg: Config, ctx: DistContext, mesh: DeviceMesh) -> nn.Module:
     return fully_shard(model, mesh=mesh["dp"])
 
 
+def mean_over_dp(loss: torch.Tensor, mesh: DeviceMesh) -> float:
+    """The global batch's mean loss from this dp rank's (each side's steps give their rank's)."""
+    mean = loss.detach().clone()
+    dist.all_reduce(mean, op=dist.ReduceOp.AVG, group=mesh["dp"].get_group())
+    return mean.item()
+
+
+def our_step(trainer: Trainer, mesh: DeviceMesh, losses: list[float]) -> StepFn:
+    def step(k: int) -> None:  # the optimizer's lr stays cfg.lr, as the native's does
+        loss = trainer.forward_backward(k)
+        trainer.optimizer_step()
+        trainer.optimizer.zero_grad(set_to_none=True)
+        losses.append(mean_over_dp(loss, mesh))
+
+    return step
+
+
 def native_step(like: Trainer, model: nn.Module, optimizer: torch.optim.Optimizer, mesh: DeviceMesh,
                 losses: list[float]) -> StepFn:
     """One step of the native 2D model on this dp rank's share of global batch k (the batch our
@@ -64,9 +81,7 @@ def native_step(like: Trainer, model: nn.Module, optimizer: torch.optim.Optimize
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        mean = loss.detach().clone()
-        dist.all_reduce(mean, op=dist.ReduceOp.AVG, group=mesh["dp"].get_group())
-        losses.append(mean.item())
+        losses.append(mean_over_dp(loss, mesh))
 
     return step
 
@@ -84,7 +99,7 @@ def run(ctx: DistContext, steps: int, rounds: int, micro_batch: int) -> dict[str
         natives[model] = native_model(cfg, ctx, mesh)
         optimizers[model] = optimizer_factory(cfg.train)(natives[model].parameters())
         losses[model] = {"ours": [], "native": []}
-        steps_of[f"{model}-fsdp-tp"] = our_step(trainers[model], losses[model]["ours"])
+        steps_of[f"{model}-fsdp-tp"] = our_step(trainers[model], mesh, losses[model]["ours"])
         steps_of[f"{model}-fsdp2-dtensor"] = native_step(trainers[model], natives[model], optimizers[model], mesh,
                                                          losses[model]["native"])
     times = alternate(steps_of, steps, rounds)
