@@ -29,11 +29,11 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 from shardwise.bench.common import StepFn, alternate, bench_config, bench_main
-from shardwise.bench.tensor import MODELS, describe, dtensor_plan
+from shardwise.bench.tensor import MODELS, describe, dtensor_plan, initial_model
 from shardwise.config import Config, validate
-from shardwise.dist import DistContext, seed_everything
+from shardwise.dist import DistContext
 from shardwise.memory import optimizer_state_tensors, storage_bytes
-from shardwise.models import build_model, loss_fn
+from shardwise.models import loss_fn
 from shardwise.models.plans import locate
 from shardwise.trainer import Trainer, optimizer_factory
 
@@ -41,10 +41,9 @@ DP, TP = 2, 2
 
 
 def native_model(cfg: Config, ctx: DistContext, mesh: DeviceMesh) -> nn.Module:
-    """The model `cfg` names (same seed as ours), split over `mesh`'s tp ranks by DTensor, then each
-    block and the root sharded over its dp ranks by FSDP2."""
-    seed_everything(cfg.train.seed)
-    model = build_model(cfg.model).to(ctx.device)
+    """The model `cfg` names (the trainer's initial values), split over `mesh`'s tp ranks by
+    DTensor, then each block and the root sharded over its dp ranks by FSDP2."""
+    model = initial_model(cfg, ctx.device)
     model = parallelize_module(model, mesh["tp"], dtensor_plan(model, TP))
     for block in locate(model).blocks:
         fully_shard(block, mesh=mesh["dp"])

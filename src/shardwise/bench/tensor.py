@@ -28,7 +28,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from shardwise.bench.common import StepFn, alternate, bench_config, bench_main
 from shardwise.config import Config, validate
-from shardwise.dist import DistContext, seed_everything
+from shardwise.dist import DistContext
+from shardwise.materialise import Materialiser, init_context
 from shardwise.memory import storage_bytes
 from shardwise.models import build_model, loss_fn
 from shardwise.models.plans import locate
@@ -60,10 +61,18 @@ def dtensor_plan(model: nn.Module, size: int) -> dict[str, ParallelStyle]:
     return plan
 
 
+def initial_model(cfg: Config, device: torch.device) -> nn.Module:
+    """The model `cfg` names with the initial values the trainer gives it (built on meta, each
+    tensor initialised from train.seed and its name: materialise.py), whole on `device`."""
+    with init_context():
+        model = build_model(cfg.model)
+    Materialiser(model, None, cfg.train.seed).materialise_all(device, None)
+    return model
+
+
 def dtensor_model(cfg: Config, ctx: DistContext) -> nn.Module:
-    """The model `cfg` names (same seed as ours), tensor-parallel through parallelize_module."""
-    seed_everything(cfg.train.seed)
-    model = build_model(cfg.model).to(ctx.device)
+    """The model `cfg` names (the trainer's initial values), split through parallelize_module."""
+    model = initial_model(cfg, ctx.device)
     mesh = init_device_mesh(ctx.device.type, (ctx.world_size,), mesh_dim_names=("tp",))
     return parallelize_module(model, mesh, dtensor_plan(model, ctx.world_size))
 
