@@ -220,14 +220,6 @@ def test_compositions_match_single_device_over_10_steps_on_4_ranks(four_rank_run
     assert_matches_single(four_rank_runs / run, singles / "single")
 
 
-@pytest.mark.slow
-def test_dp2_pp2_tp2_matches_single_device_on_8_ranks(tmp_path, singles):
-    runs = {"dp2-pp2-tp2": ("pipeline", "parallel.dp=2", "parallel.tp=2", "train.micro_batch=4",
-                            "parallel.micro_batches=2")}
-    run_ranks(train_runs, 8, tmp_path, runs)
-    assert_matches_single(tmp_path / "dp2-pp2-tp2", singles / "single")
-
-
 def test_cli_pipeline_on_2_processes_is_2_stages_and_matches_single(tmp_path):
     """`shardwise train --strategy pipeline --nproc 2` through torchrun: 2 stages by default (1F1B,
     M = 4, two pipeline runs accumulated per step), the same training as one device, and its weights

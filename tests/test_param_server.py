@@ -84,7 +84,7 @@ def test_async_param_server_trains_within_its_staleness_bound(tmp_path):
 @pytest.mark.slow
 def test_killing_an_async_worker_leaves_the_server_and_the_other_worker_training(tmp_path):
     out = tmp_path / "async-kill"
-    steps = 60
+    steps = 30
     job = train(out, 3, "--set", "parallel.ps_mode=async", "--set", "train.global_batch=8",
                 "--set", "train.micro_batch=4", steps=steps)
     wait_for_step(job, out, 5)
