@@ -43,7 +43,8 @@ RUNS = {  # on 4 ranks: 2 data-parallel x 2 tensor-parallel
     "zero1-tp2-bf16-recompute": ("zero1", "parallel.tp=2", *BF16_RECOMPUTE),
     # 2 data-parallel x 2 pipeline stages: the tied embedding and head on two ranks, sharded on each
     "zero2-pp2": ("zero2", "parallel.pp=2", "parallel.micro_batches=2"),
-    "fsdp-pp2-zbv": ("fsdp", "parallel.pp=2", "parallel.micro_batches=2", "parallel.schedule=zbv", "model.n_layer=4"),
+    "fsdp-pp2-zbv-llama": ("fsdp", "parallel.pp=2", "parallel.micro_batches=2", "parallel.schedule=zbv",
+                           "model.n_layer=4", *LLAMA),
 }
 EIGHT_RANK_RUNS = {
     # 2 "nodes" of 4 processes: each node's 2 x 2 (dp_shard x tp) holds a replica; a global batch of 8 over 4.
@@ -51,6 +52,8 @@ EIGHT_RANK_RUNS = {
     "fsdp-cp2-tp2-recompute": ("fsdp", "parallel.tp=2", "parallel.cp=2", "parallel.recompute=blocks"),
     "fsdp-pp2-tp2": ("fsdp", "parallel.pp=2", "parallel.tp=2", "parallel.micro_batches=2",
                      f"train.checkpoint_every={SAVED_AT}"),
+    # 2 nodes of (2 x pp 2): each node a replica whose stages are sharded over its 2 dp ranks
+    "hsdp-2x2-pp2": ("hsdp", "parallel.pp=2", "parallel.micro_batches=2", "train.micro_batch=2"),
 }
 # What the planner is asked about each run (its config is the candidate's).
 PLANNED = {
@@ -59,16 +62,17 @@ PLANNED = {
     "fsdp-tp2-llama": Candidate("fsdp", 2, 1, 2, "fp32", "none", 4),
     "zero1-tp2-bf16-recompute": Candidate("zero1", 2, 1, 2, "bf16-mixed", "blocks", 4),
     "zero2-pp2": Candidate("zero2", 2, 2, 1, "fp32", "none", 4, 2, "1f1b"),
-    "fsdp-pp2-zbv": Candidate("fsdp", 2, 2, 1, "fp32", "none", 4, 2, "zbv"),
+    "fsdp-pp2-zbv-llama": Candidate("fsdp", 2, 2, 1, "fp32", "none", 4, 2, "zbv"),
     "hsdp-2x2-tp2": Candidate("hsdp", 4, 1, 2, "fp32", "none", 2, shard=2),
     "fsdp-cp2-tp2-recompute": Candidate("fsdp", 2, 1, 2, "fp32", "blocks", 4, cp=2),
     "fsdp-pp2-tp2": Candidate("fsdp", 2, 2, 2, "fp32", "none", 4, 2, "1f1b"),
+    "hsdp-2x2-pp2": Candidate("hsdp", 4, 2, 1, "fp32", "none", 2, 2, "1f1b", shard=2),
 }
 
 
 def reference(name: str) -> str:
     if "zbv" in name:
-        return "single-4-blocks"
+        return "single-llama-4-blocks"
     return "single-llama" if "llama" in name else "single-bf16" if "bf16" in name else "single"
 
 
@@ -91,7 +95,7 @@ def runs(tmp_path_factory) -> tuple[Path, dict[str, list[dict]]]:
     train_in_process(cfg_for(root / "single", "single", 1))
     train_in_process(cfg_for(root / "single-llama", "single", 1, *LLAMA))
     train_in_process(cfg_for(root / "single-bf16", "single", 1, "parallel.precision=bf16-mixed"))
-    train_in_process(cfg_for(root / "single-4-blocks", "single", 1, "model.n_layer=4"))
+    train_in_process(cfg_for(root / "single-llama-4-blocks", "single", 1, "model.n_layer=4", *LLAMA))
     counted = {}
     for world, runs in ((4, RUNS), (8, EIGHT_RANK_RUNS)):
         ranks = run_ranks(train_runs, world, root, runs, timeout=600)
@@ -234,7 +238,7 @@ def test_a_checkpoint_of_fsdp_over_tensor_parallel_reshards_to_a_pipeline_and_ba
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (("parallel.strategy=hsdp", "parallel.pp=2"), "hsdp does not run pipeline stages; fsdp, zero1 and zero2 do"),
+    (("parallel.strategy=hsdp", "parallel.pp=2", "launch.nproc=3"), "launch.nproc = 3 must be a multiple of pp x tp"),
     (("parallel.strategy=fsdp", "parallel.pp=2", "parallel.cp=2"), "a pipeline (parallel.pp = 2) does not split"),
     (("parallel.strategy=zero2", "parallel.pp=2", "parallel.offload=optimizer"), "not over pipeline stages"),
     (("parallel.strategy=fsdp", "parallel.pp=2", "parallel.micro_batches=3"), "must divide train.micro_batch = 4"),

@@ -404,14 +404,15 @@ def _pipeline(c: Candidate, cfg: Config, shape: ModelShape, activations: bool) -
 
 
 def _sharded_stages_rank(c: Candidate, cfg: Config, held: ModelFacts, activations: int, buffers: int) -> RankMemory:
-    """A rank of zero1, zero2 or fsdp over pipeline stages: its stages' units sharded over the dp
-    ranks (the model state as data parallel's over `held`), and within a step fsdp's stages
+    """A rank of zero1, zero2, fsdp or hsdp over pipeline stages: its stages' units sharded over the
+    dp ranks (hsdp's of a node; the model state as data parallel's over `held`), and within a step fsdp's stages
     gathered whole and the whole gradients zero2 and fsdp accumulate over the micro-batches (zero1's
     are its gradient buffer), with one unit packed for its reduce-scatter."""
     precision = make_precision(c.precision, cfg.parallel.reduce_dtype)
-    state = model_state(c.spec.zero_stage, precision, held, c.dp, cfg)
+    world = c.shard or c.dp  # hsdp: a node's dp ranks
+    state = model_state(c.spec.zero_stage, precision, held, world, cfg)
     working = dtype_bytes(working_dtype(precision))
-    within_step = max(c.dp * shard for shard in held.unit_shards(c.dp)) * dtype_bytes(precision.reduce_dtype)
+    within_step = max(world * shard for shard in held.unit_shards(world)) * dtype_bytes(precision.reduce_dtype)
     if c.spec.zero_stage >= 2:
         within_step += held.params_total * working * (2 if c.spec.zero_stage == 3 else 1)
     return RankMemory(state.params, state.grads, state.optimizer, activations, buffers + within_step)

@@ -1,6 +1,7 @@
-"""`zero1`, `zero2` and `fsdp` over pipeline stages (`parallel.pp > 1`, with or without `tp`): the
-pipeline of pipeline.py, whose stages' parameters are sharded over the data-parallel ranks of
-their stage by fsdp.py's units (a unit per block, one for the rest of the stage).
+"""`zero1`, `zero2`, `fsdp` and `hsdp` over pipeline stages (`parallel.pp > 1`, with or without
+`tp`): the pipeline of pipeline.py, whose stages' parameters are sharded over the data-parallel
+ranks of their stage by fsdp.py's units (a unit per block, one for the rest of the stage); under
+hsdp over those of its node, the shards' gradients then averaged across nodes (hsdp.py).
 
 A pipeline step runs M micro-batches through its schedule, and a stage's parameters are used in
 every one of them, forward and backward (and a split backward's W runs long after its B), so the
@@ -48,9 +49,10 @@ class ShardedPipeline(Pipeline):
     @classmethod
     def check_config(cls, cfg: Config, world: int) -> None:
         p = cfg.parallel
-        if spec(p.strategy).across_nodes:
-            raise ConfigError(f"parallel.pp = {p.pp}: {p.strategy} does not run pipeline stages; fsdp, zero1 and "
-                              "zero2 do (each stage sharded over its data-parallel ranks)")
+        if spec(p.strategy).across_nodes and cfg.launch.nproc % (p.pp * (p.tp or 1)):
+            raise ConfigError(f"parallel.pp = {p.pp}: {p.strategy} keeps a replica's pipeline stages (and their "
+                              f"tensor-parallel ranks) within a node; launch.nproc = {cfg.launch.nproc} must be a "
+                              "multiple of pp x tp")
         if p.cp > 1:
             raise ConfigError(f"parallel.cp = {p.cp}: a pipeline (parallel.pp = {p.pp}) does not split sequences; "
                               "context parallel composes with fsdp, zero1 and zero2 over tensor parallel alone")
@@ -60,7 +62,8 @@ class ShardedPipeline(Pipeline):
 
     def __init__(self, ctx: DistContext, cfg: ParallelConfig) -> None:
         super().__init__(ctx, cfg)
-        self.sharding = ShardedDataParallel(ctx, cfg)  # the same mesh (Mesh.of), sharding over its dp ranks
+        # fsdp.py's (hsdp.py's: sharded within a node, replicated across) on the same mesh (Mesh.of).
+        self.sharding: ShardedDataParallel = spec(cfg.strategy).strategy_class()(ctx, cfg)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         module = super().wrap(model)
