@@ -104,7 +104,7 @@ def runs(tmp_path_factory) -> tuple[Path, dict[str, list[dict]]]:
 
 
 @pytest.mark.parametrize("name", [name for name in [*RUNS, *EIGHT_RANK_RUNS] if "bf16" not in name])
-def test_sharded_strategies_over_tensor_parallel_match_single_over_10_steps(runs, name):
+def test_sharded_strategies_on_a_mesh_match_single_over_10_steps(runs, name):
     root, _ = runs
     assert_same_training(root / name, root / reference(name), STEPS)
 
