@@ -17,6 +17,7 @@ import torch
 from conftest import CONFIGS, SGD, assert_same_training, losses, read_records, train_in_process
 from distributed import run_ranks
 from safetensors.torch import load_file
+from test_checkpoint import Crash, crash_at
 
 from shardwise.config import load_config
 from shardwise.dist import DistContext
@@ -187,23 +188,6 @@ def test_a_checkpoint_of_a_sharded_mesh_resumes_on_one_process_and_consolidates(
         assert any(torch.equal(tensor, straight[k]) for k in ([key] if key in straight else straight)), key
 
 
-class Crash(RuntimeError):
-    pass
-
-
-def crash_after(trainer: Trainer, steps: int) -> Trainer:
-    """The trainer fails as it starts step `steps` + 1, as a killed run would."""
-    original = trainer.train_step
-
-    def train_step(k: int) -> torch.Tensor:
-        if k == steps:
-            raise Crash(f"crashed after {steps} steps")
-        return original(k)
-
-    trainer.train_step = train_step
-    return trainer
-
-
 RESHARDED_AT = 7  # steps 6-7 under pipeline x tp, then 8-10 under fsdp x tp again
 
 
@@ -218,7 +202,7 @@ def to_pipeline_and_back(ctx: DistContext, run: Path, out: Path) -> None:
     pipeline = Trainer(cfg_for(out, "pipeline", 4, "parallel.tp=2", "parallel.micro_batches=2", "run.resume=true",
                                f"train.checkpoint_every={RESHARDED_AT}"), ctx)
     with pytest.raises(Crash):
-        crash_after(pipeline, RESHARDED_AT).fit()
+        crash_at(pipeline, RESHARDED_AT).fit()
     Trainer(cfg_for(out, "fsdp", 4, "parallel.tp=2", "run.resume=true"), ctx).fit()
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -84,6 +85,7 @@ def train(args: argparse.Namespace) -> int:
     from shardwise.launch import Stopped, WorkerFailed, launch_local, launch_workers
 
     cfg = _train_config(args)
+    _prepare_own_data(cfg)  # before anything is written or any worker starts: bad data fails here
     config_path = Path(cfg.run.out) / "config.toml"
     cfg.save(config_path)
     entry = ["shardwise.worker", str(config_path)]
@@ -101,6 +103,31 @@ def train(args: argparse.Namespace) -> int:
     except Stopped as stopped:
         print(f"shardwise train: {stopped}; continue with --resume", file=sys.stderr)
         return 143
+    return 0
+
+
+def _prepare_own_data(cfg: Config) -> Path | None:
+    """data.path's corpus tokenized into the cache (a no-op once it is there), or None without one."""
+    if cfg.data.path is None:
+        return None
+    from shardwise.data import prepare
+
+    prepare.check_vocabulary(cfg)
+    out = prepare.prepare(cfg.data, cfg.data.path, progress=sys.stderr.isatty())
+    if cfg.data.val_path is not None:
+        prepare.prepare(cfg.data, cfg.data.val_path, progress=sys.stderr.isatty())
+    return out
+
+
+def prepare_data(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.set)
+    out = _prepare_own_data(cfg)
+    if out is None:
+        raise ConfigError(f"data.path is unset in {args.config}: the built-in corpus {cfg.data.name!r} needs no "
+                          "preparing (set data.path, or --set data.path=FILE)")
+    facts = json.loads((out / "manifest.json").read_text())
+    print(f"{facts['path']}: {facts['documents']:,} documents, {facts['tokens']:,} tokens "
+          f"({facts['tokenizer']}, vocabulary {facts['vocab_size']:,}) in {out}")
     return 0
 
 
@@ -304,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
                             "--strategy), each rank holding its part of the model, as in training.")
     p.add_argument("run_dir", help="a run directory written by `shardwise train`")
     p.add_argument("--prompt", default="\n", help="text to continue")
-    p.add_argument("--tokens", type=int, default=200, help="bytes to generate")
+    p.add_argument("--tokens", type=int, default=200,
+                   help="tokens to generate (bytes, unless the run trained with a data.tokenizer)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--nproc", type=int, help="ranks to sample on, under the run's strategy (default: this process)")
     p.add_argument("--strategy", choices=NAMES, help="with --nproc: the strategy to sample under (default: the run's)")
@@ -336,6 +364,15 @@ def main(argv: list[str] | None = None) -> int:
                    "fsdp:1792, a 1.23B GPT)")
     p.add_argument("--end-budget-gib", type=float, help="scale: the memory of the whole run's ranks together "
                    "(default 20)")
+    p = commands.add_parser("prepare-data", help="tokenize a config's own corpus (data.path) into the cache",
+                            description="Reads data.path (a .txt or .jsonl file, a directory of them or a glob) and "
+                            "writes its token ids with data.tokenizer into a memory-mapped file in the cache "
+                            "($SHARDWISE_CACHE, default ~/.cache/shardwise), with a manifest of its inputs; again, a "
+                            "no-op until an input changes. `shardwise train` does this itself before its workers "
+                            "start (docs/data.md).")
+    p.add_argument("config", help="TOML config file with data.path")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override a config value, e.g. --set data.path=corpus.jsonl (repeatable)")
     p = commands.add_parser("consolidate", help="write a run's newest checkpoint as one plain safetensors file",
                             description="Reads the newest good checkpoint of RUN_DIR, whatever strategy and world "
                             "size saved it, in one process, and writes its full model state dict.")
@@ -352,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
                    "e.g. runs/report.html for runs/demo)")
     args = parser.parse_args(argv)
     handlers = {"train": train, "sample": sample, "bench": bench, "consolidate": consolidate, "plan": plan,
-                "report": report}
+                "report": report, "prepare-data": prepare_data}
     try:
         return handlers[args.command](args)
     except ConfigError as error:

@@ -112,10 +112,19 @@ class DataConfig:
                        "CNN / MLP: `digits` (scikit-learn), `synthetic-images`", TEXT_DATASETS + IMAGE_DATASETS)
     val_fraction: float = option(0.05, "the last fraction of the corpus validates; between 0 and 1")
     synthetic_size: int = option(1 << 20, "bytes (or images) of synthetic data")
-    documents: str = option("none", "`shakespeare`, `stdlib`: pack documents with a document mask (no token attends "
-                            "to another document's): `files` (each play or module), `paragraphs` (each block after "
-                            "a blank line); `none`: one stream, attention across everything in a window "
+    documents: str = option("none", "`shakespeare`, `stdlib`, `data.path`: pack documents with a document mask (no "
+                            "token attends to another document's): `files` (each play or module; each text file or "
+                            "JSON line of data.path), `paragraphs` (each block after a blank line; built-ins only); "
+                            "`none`: one stream, attention across everything in a window "
                             "(docs/strategies/context.md)", DOCUMENTS)
+    path: str | None = option(None, "your own corpus instead of data.name (docs/data.md): a .txt or .jsonl file, a "
+                              "directory of them or a glob, tokenized once into the cache (`shardwise prepare-data`)")
+    val_path: str | None = option(None, "with data.path: a corpus of its own to validate on (as data.path), "
+                                  "instead of the last data.val_fraction of data.path's")
+    text_field: str = option("text", "with data.path: the field of each JSON line that holds its text")
+    tokenizer: str = option("bytes", "with data.path: `bytes` (each UTF-8 byte a token), or a Hugging Face "
+                            "tokenizer read offline: a tokenizer.json or a directory holding one; its vocabulary "
+                            "must fit model.vocab_size")
 
 
 @dataclass
@@ -508,6 +517,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _choice("launch.backend", launch.backend, BACKENDS)
     _choice("train.optimizer", t.optimizer, OPTIMIZERS)
     datasets = TEXT_DATASETS if m.name in LANGUAGE_MODELS else IMAGE_DATASETS
+    _validate_own_data(cfg)
     if d.name not in datasets:
         raise ConfigError(
             f"data.name = {d.name!r}: not usable with model.name = {m.name!r}; allowed: {', '.join(datasets)}"
@@ -654,6 +664,22 @@ def _validate_gradient_reduction(p: ParallelConfig) -> None:
         )
 
 
+def _validate_own_data(cfg: Config) -> None:
+    """data.path and what goes with it (the files themselves are read by data/prepare.py)."""
+    d = cfg.data
+    if d.path is None:
+        defaults = DataConfig()
+        for key in ("val_path", "tokenizer", "text_field"):
+            if getattr(d, key) != getattr(defaults, key):
+                raise ConfigError(f"data.{key} = {getattr(d, key)!r}: only with data.path (your own corpus)")
+        return
+    if cfg.model.name not in LANGUAGE_MODELS:
+        raise ConfigError(f"data.path = {d.path!r}: a text corpus; model.name = {cfg.model.name!r} takes images")
+    if d.documents == "paragraphs":
+        raise ConfigError("data.documents = 'paragraphs': only for the built-in corpora; with data.path, `files` "
+                          "makes each text file or JSON line a document")
+
+
 def _validate_context(cfg: Config, world: int) -> None:
     """Context parallelism and document masks: what they ask of the strategy, the model and the data."""
     m, d, p = cfg.model, cfg.data, cfg.parallel
@@ -668,7 +694,7 @@ def _validate_context(cfg: Config, world: int) -> None:
     if m.name not in LANGUAGE_MODELS:
         raise ConfigError(f"{what}: model.name = {m.name!r} has no token sequences; use one of "
                           f"{', '.join(LANGUAGE_MODELS)}")
-    if d.documents != "none" and d.name not in CORPORA:
+    if d.documents != "none" and d.name not in CORPORA and d.path is None:
         raise ConfigError(f"data.documents = {d.documents!r}: data.name = {d.name!r} has no documents; use one of "
                           f"{', '.join(CORPORA)}")
     if p.cp == 1:

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from shardwise.config import Config, ConfigError, load_config, validate
+from shardwise.data.prepare import BYTES, Tokenizer
 from shardwise.models import build_model
 
 WEIGHTS = "model.safetensors"
@@ -66,16 +67,22 @@ def sample_here(run: Path, prompt: str, tokens: int, seed: int) -> str:
     model = build_model(cfg.model)
     load_model(model, str(run / WEIGHTS))
     with torch.no_grad():
-        out = generate(model.eval(), encode(prompt), tokens, cfg.model.seq_len, torch.Generator().manual_seed(seed))
-    return decode(out)
+        out = generate(model.eval(), encode(prompt, cfg), tokens, cfg.model.seq_len,
+                       torch.Generator().manual_seed(seed))
+    return decode(out, cfg)
 
 
-def encode(prompt: str) -> torch.Tensor:
-    return torch.tensor([list(prompt.encode())], dtype=torch.long)
+def tokenizer_of(cfg: Config) -> Tokenizer:
+    """What the run was trained with: bytes, or data.path's data.tokenizer."""
+    return Tokenizer(cfg.data.tokenizer if cfg.data.path is not None else BYTES)
 
 
-def decode(idx: torch.Tensor) -> str:
-    return bytes(idx[0].tolist()).decode(errors="replace")
+def encode(prompt: str, cfg: Config) -> torch.Tensor:
+    return torch.tensor([tokenizer_of(cfg).ids(prompt).tolist()], dtype=torch.long)
+
+
+def decode(idx: torch.Tensor, cfg: Config) -> str:
+    return tokenizer_of(cfg).decode(idx[0].tolist())
 
 
 def sample_on_ranks(run: Path, prompt: str, tokens: int, seed: int, strategy: str | None) -> str | None:
@@ -107,10 +114,10 @@ def sample_on_ranks(run: Path, prompt: str, tokens: int, seed: int, strategy: st
         return token.cpu()
 
     with torch.no_grad():
-        out = generate(forward, encode(prompt), tokens, cfg.model.seq_len, torch.Generator().manual_seed(seed),
+        out = generate(forward, encode(prompt, cfg), tokens, cfg.model.seq_len, torch.Generator().manual_seed(seed),
                        agree=agree)
     shutdown_distributed()
-    return decode(out) if ctx.is_main else None
+    return decode(out, cfg) if ctx.is_main else None
 
 
 def main(argv: list[str] | None = None) -> None:

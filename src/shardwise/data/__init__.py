@@ -7,7 +7,8 @@ from typing import Protocol
 
 import torch
 
-from shardwise.config import Config
+from shardwise.config import Config, ConfigError
+from shardwise.data import prepare
 from shardwise.data.corpus import TokenWindows, load_corpus, split_tokens, synthetic_tokens
 from shardwise.data.documents import DocumentWindows, document_starts, split_starts
 from shardwise.data.images import load_digits_split, synthetic_images
@@ -30,6 +31,8 @@ def make_datasets(cfg: Config) -> tuple[Dataset, Dataset]:
         train = synthetic_images(d.synthetic_size, cfg.train.seed, cfg.model.num_classes)
         return train, synthetic_images(max(64, int(d.synthetic_size * d.val_fraction)), cfg.train.seed + 1,
                                        cfg.model.num_classes)
+    if d.path is not None:
+        return _own_datasets(cfg)
     if d.name == "synthetic-tokens":
         tokens = synthetic_tokens(d.synthetic_size, cfg.train.seed, cfg.model.vocab_size)
     else:
@@ -39,3 +42,22 @@ def make_datasets(cfg: Config) -> tuple[Dataset, Dataset]:
         return TokenWindows(train, cfg.model.seq_len), TokenWindows(val, cfg.model.seq_len)
     train_starts, val_starts = split_starts(document_starts(d.name, d.documents, tokens), len(train))
     return DocumentWindows(train, cfg.model.seq_len, train_starts), DocumentWindows(val, cfg.model.seq_len, val_starts)
+
+
+def _own_datasets(cfg: Config) -> tuple[Dataset, Dataset]:
+    """data.path's corpus (prepare.py), split as a built-in one, or validated on data.val_path's."""
+    d, seq_len = cfg.data, cfg.model.seq_len
+    corpus = prepare.load(d, d.path, cfg.model.vocab_size)
+    if d.val_path is not None:
+        held_out = prepare.load(d, d.val_path, cfg.model.vocab_size)
+        parts = [(corpus.tokens, corpus.starts), (held_out.tokens, held_out.starts)]
+    else:
+        train, val = split_tokens(corpus.tokens, d.val_fraction)
+        parts = list(zip((train, val), split_starts(corpus.starts, len(train)), strict=True))
+    for (tokens, _), what in zip(parts, ("train on", "validate on"), strict=True):
+        if len(tokens) < seq_len + 1:
+            raise ConfigError(f"data.path = {d.path!r}: {len(tokens)} tokens to {what}, fewer than one sequence of "
+                              f"model.seq_len + 1 = {seq_len + 1}")
+    if d.documents == "none":
+        return tuple(TokenWindows(tokens, seq_len) for tokens, _ in parts)
+    return tuple(DocumentWindows(tokens, seq_len, starts) for tokens, starts in parts)

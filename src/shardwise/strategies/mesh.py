@@ -337,13 +337,7 @@ class MeshStrategy(DeferrableSync):
 
     def _full_tensor(self, name: str) -> torch.Tensor | None:
         stage = self._owner[name]
-        holds = self.dp_rank == 0 and self.mesh.rank("cp") == 0 and self.pp_rank == stage
-        tensor = None
-        if holds:
-            tensor = self._local[name].detach()
-            shard = self.tensor_shards.get(id(self._local[name]))
-            if shard is not None:
-                tensor = self._gather_shards(tensor, shard)
+        tensor = self._whole_in_stage(name) if self.pp_rank == stage else None
         source = self.mesh.global_rank(dp_replicate=0, dp_shard=0, cp=0, pp=stage, tp=0)
         if source != 0:
             if self.ctx.rank == source:
@@ -352,6 +346,15 @@ class MeshStrategy(DeferrableSync):
                 tensor = torch.empty_like(self._full[name], device=self.ctx.device)
                 dist.recv(tensor, src=source)
         return tensor if self.ctx.is_main else None
+
+    def _whole_in_stage(self, name: str) -> torch.Tensor | None:
+        """Tensor `name` whole on its stage's first rank (None on the others): collective over the
+        stage's ranks that hold a part of it (here the first replica's tp ranks)."""
+        if self.dp_rank != 0 or self.mesh.rank("cp") != 0:
+            return None
+        tensor = self._local[name].detach()
+        shard = self.tensor_shards.get(id(self._local[name]))
+        return tensor if shard is None else self._gather_shards(tensor, shard)
 
     def _gather_shards(self, shard_tensor: torch.Tensor, shard: TensorShard) -> torch.Tensor | None:
         """The whole tensor on the first tp rank from every tp rank's shard; None on the others."""

@@ -24,15 +24,14 @@ micro-batch). Evaluation gathers before the pipeline's forward and frees after i
 
 Checkpoints name each shard as fsdp over tensor parallel does (pieces of the whole tensor with their
 offsets), so they load into any strategy and mesh; the final weights gather a tensor over its
-stage's data-parallel ranks, then its tp ranks, then send it to rank 0.
+stage's data-parallel ranks, then its tp ranks, and the pipeline sends it to rank 0.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from shardwise.config import Config, ConfigError, ParallelConfig
@@ -118,22 +117,10 @@ class ShardedPipeline(Pipeline):
     def after_state_loaded(self) -> None:
         self.sharding.after_state_loaded()
 
-    def full_tensors(self, names: list[str]) -> Iterator[torch.Tensor | None]:
-        """Each tensor from the stage that owns it: gathered over its data-parallel ranks and tp
-        ranks to the first of them, which sends it to rank 0 unless it is rank 0."""
-        for name in names:
-            name = self._canonical[name]
-            stage = self._owner[name]
-            tensor = None
-            if self.pp_rank == stage:
-                held = self._local[name]
-                tensor = (self.sharding.whole(held) if isinstance(held, nn.Parameter)
-                          else held.detach() if self.dp_rank == 0 and self.tp_rank == 0 else None)
-            source = self.mesh.global_rank(dp_replicate=0, dp_shard=0, cp=0, pp=stage, tp=0)
-            if source != 0:
-                if self.ctx.rank == source:
-                    dist.send(tensor.contiguous(), dst=0)
-                elif self.ctx.is_main:
-                    tensor = torch.empty_like(self._full[name], device=self.ctx.device)
-                    dist.recv(tensor, src=source)
-            yield tensor if self.ctx.is_main else None
+    def _whole_in_stage(self, name: str) -> torch.Tensor | None:
+        """A parameter gathered over the stage's data-parallel ranks, then its tp ranks; a buffer,
+        whole on every rank, from the first."""
+        held = self._local[name]
+        if isinstance(held, nn.Parameter):
+            return self.sharding.whole(held)
+        return held.detach() if self.dp_rank == 0 and self.tp_rank == 0 else None
