@@ -176,10 +176,9 @@ _pools: dict[int, RankPool] = {}
 
 
 def _pool(world_size: int) -> RankPool:
-    """The live pool of this world size; at most three are kept (2 and 4 ranks alternate in most files,
-    and an 8- or 3-rank world between them would otherwise restart one of them)."""
+    """The live pool of this world size; at most two are kept (2 and 4 ranks alternate in some files)."""
     if world_size not in _pools:
-        while len(_pools) >= 3:
+        while len(_pools) >= 2:
             _pools.pop(next(iter(_pools))).stop()
         _pools[world_size] = RankPool(world_size, {})
     _pools[world_size] = _pools.pop(world_size)  # most recently used last

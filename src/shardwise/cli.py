@@ -349,7 +349,9 @@ def main(argv: list[str] | None = None) -> int:
                             "parameter server (sync, async), dp and ddp, whole jobs on the same model and workers; "
                             "multinode: ddp, fsdp and hsdp over 2 nodes (network namespaces; needs root) at 3 link "
                             "rates, communication share measured and predicted; scale: the largest GPT single, ddp, "
-                            "zero2, fsdp and fsdp-native train within a memory budget, as whole jobs. Writes "
+                            "zero2, fsdp and fsdp-native train within a memory budget, as whole jobs; data: your own "
+                            "corpus (data.path) prepared and read at 1 MiB and 1 GiB, against the demo model's step. "
+                            "Writes "
                             "bench/results/NAME.json (and --json FILE).")
     p.add_argument("name", choices=list(BENCHES), help="which benchmark")
     p.add_argument("--steps", type=int, help="measured steps per variant, default 12 (checkpoint: rounds; scale: "

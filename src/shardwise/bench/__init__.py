@@ -20,5 +20,6 @@ BENCHES = {  # name -> (module, ranks)
     "planner": ("shardwise.bench.planner", 0),  # the planner's predictions against real runs (namespaces as root)
     "ps": ("shardwise.bench.ps", 0),  # parameter server (sync, async), dp and ddp as whole jobs
     "scale": ("shardwise.bench.scale", 0),  # the largest GPT each strategy trains in a memory budget, as whole jobs
+    "data": ("shardwise.bench.data", 0),  # your own corpus: preparation, reads against a step, RSS at 1 MiB and 1 GiB
     "multinode": ("shardwise.bench.multinode", 0),  # makes its own nodes (namespaces, as root) and ranks
 }

@@ -7,8 +7,10 @@ or a glob. A `.txt` file is one document; each line of a `.jsonl` file is one, i
 or a Hugging Face tokenizer read offline: a `tokenizer.json`, or a directory holding one (a
 model's from_pretrained directory).
 
-`prepare` tokenizes every document in order into one flat file of token ids (`tokens.bin`: uint16
-where the vocabulary fits, else uint32), with where each document starts (`starts.npy`: for
+`prepare` tokenizes every document in order (a Hugging Face tokenizer 1024 documents at a time,
+on all cores through its own threads; the files are read and parsed in this process) into one
+flat file of token ids (`tokens.bin`: the smallest unsigned integers that hold the vocabulary),
+with where each document starts (`starts.npy`: for
 `data.documents = "files"` masks) and a manifest (`manifest.json`: each input's size, modification
 time and SHA-256, the tokenizer's hash, the counts). It lives in a directory of the cache named by
 a hash of the inputs' paths, sizes and times and of the tokenizer, so preparing again is a no-op
@@ -27,7 +29,7 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +39,7 @@ from shardwise.config import Config, ConfigError, DataConfig
 
 SUFFIXES = (".txt", ".jsonl")
 BYTES = "bytes"
+BATCH = 1024  # documents a tokenizer encodes at once
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,6 @@ class Prepared:
 
     tokens: np.ndarray
     starts: np.ndarray
-    vocab_size: int
 
 
 def input_files(path: str) -> list[Path]:
@@ -99,6 +101,12 @@ class Tokenizer:
             return np.frombuffer(text.encode(), dtype=np.uint8)
         return np.asarray(self._hf.encode(text, add_special_tokens=False).ids)
 
+    def batch_ids(self, texts: list[str]) -> list[np.ndarray]:
+        """Each text's ids: a Hugging Face tokenizer encodes the batch on all cores (its own threads)."""
+        if self._hf is None:
+            return [self.ids(text) for text in texts]
+        return [np.asarray(e.ids) for e in self._hf.encode_batch(texts, add_special_tokens=False)]
+
     @property
     def dtype(self) -> np.dtype:
         """The smallest unsigned integer that holds every id."""
@@ -142,6 +150,17 @@ def documents(files: list[Path], text_field: str) -> Iterator[str]:
                 yield text
 
 
+def _batches(texts: Iterable[str], size: int) -> Iterator[list[str]]:
+    batch = []
+    for text in texts:
+        batch.append(text)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
 def corpus_dir(d: DataConfig, path: str, files: list[Path], tokenizer: Tokenizer) -> Path:
     """Where the corpus `path` names is prepared, in the cache: named by what it is made from."""
     from shardwise.data.corpus import cache_dir
@@ -170,12 +189,12 @@ def prepare(d: DataConfig, path: str, progress: bool = False) -> Path:
         texts = tqdm(documents(files, d.text_field), unit=" documents", disable=not progress,
                      desc=f"tokenizing {len(files)} file(s), {total:.1f} MiB")
         with open(tmp / "tokens.bin", "wb") as sink:
-            for text in texts:
-                ids = tokenizer.ids(text).astype(tokenizer.dtype, copy=False)
-                if ids.size:
-                    starts.append(count)
-                    sink.write(ids.tobytes())
-                    count += ids.size
+            for batch in _batches(texts, BATCH):
+                for ids in tokenizer.batch_ids(batch):
+                    if ids.size:
+                        starts.append(count)
+                        sink.write(ids.astype(tokenizer.dtype, copy=False).tobytes())
+                        count += ids.size
         if count == 0:
             raise ConfigError(f"data.path = {path!r}: the corpus has no text ({len(files)} file(s), 0 tokens)")
         np.save(tmp / "starts.npy", np.asarray(starts, dtype=np.int64))
@@ -204,7 +223,7 @@ def load(d: DataConfig, path: str, model_vocab: int) -> Prepared:
     manifest = json.loads((out / "manifest.json").read_text())
     _check_vocabulary(d, manifest["vocab_size"], model_vocab)
     tokens = np.memmap(out / "tokens.bin", dtype=np.dtype(manifest["dtype"]), mode="r")
-    return Prepared(tokens, np.load(out / "starts.npy"), manifest["vocab_size"])
+    return Prepared(tokens, np.load(out / "starts.npy"))
 
 
 def check_vocabulary(cfg: Config) -> None:

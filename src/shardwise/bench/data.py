@@ -1,0 +1,165 @@
+"""`shardwise bench data`: your own corpus (data/prepare.py) at 1 MiB and at 1 GiB of JSON Lines:
+how fast it is prepared, how long a micro-batch takes to read from the memory-mapped tokens
+against a training step of the demo model, and what the reading costs a rank in memory.
+
+A driver: it writes each corpus (1 KiB lines of text, byte tokenizer), prepares it in this
+process, then starts one fresh process per corpus that reads `--steps` x `--reads` of the demo
+config's micro-batches (16 windows of 129 tokens) through the trainer's own sampler and
+`TokenWindows`, as a rank does, and reports the median read time and its peak RSS above what it
+held before the first read; and one process that times the demo model's training step (`single`,
+one thread, the same micro-batch). The loader must never be the bottleneck: its read is compared
+with the step, and its RSS between the two corpora.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardwise.bench.common import write_json
+
+LINE_BYTES = 1024
+DEMO = Path(__file__).resolve().parents[3] / "configs" / "demo.toml"
+
+
+def write_corpus(path: Path, mib: int) -> None:
+    """`mib` MiB of JSON lines of ~1 KiB of words each (a 1 MiB block written again with other ids)."""
+    words = "the of and to a in that is was he for it with as his on be at by i this had not are but from".split()
+    text = " ".join(words[(i * 7 + i // 3) % len(words)] for i in range(LINE_BYTES // 4))[: LINE_BYTES - 40]
+    block = "".join(json.dumps({"id": i, "text": text}) + "\n" for i in range((1 << 20) // LINE_BYTES))
+    with open(path, "w") as f:
+        for _ in range(mib):
+            f.write(block)
+
+
+def config_overrides(corpus: Path) -> list[str]:
+    return [f"data.path={corpus}", "run.out=unused"]
+
+
+def read_batches(corpus: str, reads: int) -> dict[str, float]:
+    """In a fresh process: `reads` micro-batches read as a rank reads them; the median read time
+    and the peak RSS above the process's before the first read."""
+    from shardwise.config import load_config
+    from shardwise.data import GlobalBatchSampler, make_datasets
+
+    cfg = load_config(DEMO, config_overrides(Path(corpus)))
+    before = _peak_rss()
+    train, _ = make_datasets(cfg)
+    sampler = GlobalBatchSampler(len(train), cfg.train.global_batch, cfg.train.seed)
+    times = []
+    for step in range(reads):
+        started = time.perf_counter()
+        for indices in sampler.micro_batches(step, 0, 2, cfg.train.micro_batch):  # rank 0 of the demo's 2
+            train.batch(indices)
+        times.append(time.perf_counter() - started)
+    times.sort()
+    return {"read_s": times[len(times) // 2], "rss_rise_mib": (_peak_rss() - before) / 2**20,
+            "windows": len(train)}
+
+
+def step_time(steps: int) -> float:
+    """In a fresh process: the demo model's median training step on one thread, one micro-batch."""
+    from shardwise.config import load_config
+    from shardwise.dist import init_distributed
+    from shardwise.trainer import Trainer
+
+    torch.set_num_threads(1)
+    cfg = load_config(DEMO, ["parallel.strategy=single", "launch.nproc=1", "train.global_batch=16", "run.out=unused"])
+    trainer = Trainer(cfg, init_distributed(threads_per_rank=1))
+    times = []
+    for step in range(steps + 2):
+        started = time.perf_counter()
+        trainer.run_step(step)
+        times.append(time.perf_counter() - started)
+    times = sorted(times[2:])
+    return times[len(times) // 2]
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _in_child(*args: str) -> Any:
+    out = subprocess.run([sys.executable, "-m", "shardwise.bench.data", "--child", *args], capture_output=True,
+                         text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run(sizes_mib: list[int], steps: int, reads: int) -> dict[str, Any]:
+    from shardwise.config import load_config
+    from shardwise.data import prepare
+
+    load_before = os.getloadavg()[0]
+    corpora = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        os.environ["SHARDWISE_CACHE"] = str(Path(tmp) / "cache")
+        for mib in sizes_mib:
+            corpus = Path(tmp) / f"corpus-{mib}mib.jsonl"
+            write_corpus(corpus, mib)
+            cfg = load_config(DEMO, config_overrides(corpus))
+            started = time.perf_counter()
+            prepare.prepare(cfg.data, cfg.data.path)
+            prepared_s = time.perf_counter() - started
+            started = time.perf_counter()
+            prepare.prepare(cfg.data, cfg.data.path)  # again: the manifest is there
+            again_s = time.perf_counter() - started
+            read = _in_child("read", str(corpus), str(reads))
+            corpora[f"{mib} MiB"] = {"bytes": corpus.stat().st_size, "prepare_s": prepared_s,
+                                     "prepare_mib_per_s": mib / prepared_s, "prepare_again_s": again_s, **read}
+            corpus.unlink()
+        step = _in_child("step", str(steps))
+    rss = [entry["rss_rise_mib"] for entry in corpora.values()]
+    return {
+        "bench": "data",
+        "machine": f"{platform.machine()}, torch {torch.__version__}",
+        "load_average_before_after": [load_before, os.getloadavg()[0]],
+        "demo_step_s": step,
+        "corpora": corpora,
+        "read_over_step": {name: entry["read_s"] / step for name, entry in corpora.items()},
+        "rss_rise_spread_mib": max(rss) - min(rss),
+    }
+
+
+def format_result(result: dict[str, Any]) -> str:
+    lines = [f"data bench: demo model step {result['demo_step_s'] * 1000:.1f} ms (one thread); load average "
+             f"{result['load_average_before_after'][0]:.1f} -> {result['load_average_before_after'][1]:.1f}"]
+    for name, entry in result["corpora"].items():
+        lines.append(f"  {name:>9}: prepared in {entry['prepare_s']:7.2f} s ({entry['prepare_mib_per_s']:6.1f} MiB/s; "
+                     f"again {entry['prepare_again_s'] * 1000:.1f} ms), {entry['windows']:,} windows; a step's "
+                     f"micro-batch read in {entry['read_s'] * 1000:.3f} ms ({result['read_over_step'][name]:.5f} of "
+                     f"a step), peak RSS +{entry['rss_rise_mib']:.1f} MiB")
+    lines.append(f"  RSS rise spread between the corpora: {result['rss_rise_spread_mib']:.1f} MiB")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m shardwise.bench.data", description=__doc__)
+    parser.add_argument("--steps", type=int, default=12, help="demo training steps timed")
+    parser.add_argument("--reads", type=int, default=200, help="steps' micro-batches read per corpus")
+    parser.add_argument("--sizes-mib", default="1,1024", help="corpus sizes, MiB, comma-separated")
+    parser.add_argument("--json", action="append", default=[], help="write the result here (repeatable)")
+    parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        kind, *rest = args.child
+        value = read_batches(rest[0], int(rest[1])) if kind == "read" else step_time(int(rest[0]))
+        print(json.dumps(value))
+        return
+    result = run([int(s) for s in args.sizes_mib.split(",")], args.steps, args.reads)
+    write_json(result, args.json)
+    print(format_result(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
