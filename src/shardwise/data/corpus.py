@@ -12,11 +12,15 @@ import os
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from shardwise.config import CORPORA
+
+if TYPE_CHECKING:
+    from shardwise.data.prepare import TokenFile
 
 
 def cache_dir() -> Path:
@@ -93,7 +97,7 @@ class TokenWindows:
     """Non-overlapping windows of `seq_len + 1` bytes: sample i is inputs tokens[i*T : i*T+T] and
     targets shifted by one."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int) -> None:
+    def __init__(self, tokens: np.ndarray | TokenFile, seq_len: int) -> None:
         if len(tokens) < seq_len + 1:
             raise ValueError(f"corpus of {len(tokens)} bytes is shorter than one sequence of {seq_len + 1}")
         self.tokens = tokens
@@ -103,7 +107,10 @@ class TokenWindows:
         return (len(self.tokens) - 1) // self.seq_len
 
     def batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        starts = indices.numpy()[:, None] * self.seq_len
-        rows = np.asarray(self.tokens[starts + np.arange(self.seq_len + 1)], dtype=np.int64)
+        starts = indices.numpy() * self.seq_len
+        if hasattr(self.tokens, "windows"):  # a prepared corpus's file (prepare.TokenFile)
+            rows = self.tokens.windows(starts, self.seq_len + 1)
+        else:
+            rows = np.asarray(self.tokens[starts[:, None] + np.arange(self.seq_len + 1)], dtype=np.int64)
         window = torch.from_numpy(rows)
         return window[:, :-1], window[:, 1:]

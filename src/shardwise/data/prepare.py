@@ -17,9 +17,10 @@ a hash of the inputs' paths, sizes and times and of the tokenizer, so preparing 
 until an input changes; it is written under a temporary name and renamed, so a failure (a missing
 field, a line that is not JSON) leaves nothing behind, and ranks never see half of it.
 
-Training reads the token file memory-mapped: each rank's windows are read from it as its
-micro-batches need them, and the sampler (sampler.py) decides which windows a step takes from the
-step alone, so a resumed or resharded run continues at exactly the next sample.
+Training reads the token file as it goes (`TokenFile`: positioned reads, so a rank holds what it
+reads, not the pages around it): each rank's windows are read as its micro-batches need them, and
+the sampler (sampler.py) decides which windows a step takes from the step alone, so a resumed or
+resharded run continues at exactly the next sample.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ BATCH = 1024  # documents a tokenizer encodes at once
 class Prepared:
     """A prepared corpus: its token ids (memory-mapped) and where each document starts."""
 
-    tokens: np.ndarray
+    tokens: TokenFile
     starts: np.ndarray
 
 
@@ -222,8 +223,40 @@ def load(d: DataConfig, path: str, model_vocab: int) -> Prepared:
     out = prepare(d, path)
     manifest = json.loads((out / "manifest.json").read_text())
     _check_vocabulary(d, manifest["vocab_size"], model_vocab)
-    tokens = np.memmap(out / "tokens.bin", dtype=np.dtype(manifest["dtype"]), mode="r")
-    return Prepared(tokens, np.load(out / "starts.npy"))
+    return Prepared(TokenFile(out / "tokens.bin", np.dtype(manifest["dtype"])), np.load(out / "starts.npy"))
+
+
+class TokenFile:
+    """The token ids of a prepared corpus, read from the file as they are asked for (positioned
+    reads, not a memory map: a mapped window maps the cached pages around it too, so a rank's RSS
+    would grow with the corpus rather than with what it reads). Sliced, a part of the same file."""
+
+    def __init__(self, path: Path, dtype: np.dtype, start: int = 0, stop: int | None = None) -> None:
+        self.path, self.dtype = path, dtype
+        self.start = start
+        self.stop = path.stat().st_size // dtype.itemsize if stop is None else stop
+        self._fd = os.open(path, os.O_RDONLY)
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def __getitem__(self, part: slice) -> TokenFile:
+        start, stop, step = part.indices(len(self))
+        if step != 1:
+            raise ValueError("a token file slices contiguously")
+        return TokenFile(self.path, self.dtype, self.start + start, self.start + stop)
+
+    def __del__(self) -> None:
+        os.close(self._fd)
+
+    def read(self, start: int, count: int) -> np.ndarray:
+        """Tokens [start, start + count) of this part."""
+        data = os.pread(self._fd, count * self.dtype.itemsize, (self.start + start) * self.dtype.itemsize)
+        return np.frombuffer(data, dtype=self.dtype)
+
+    def windows(self, starts: np.ndarray, width: int) -> np.ndarray:
+        """[len(starts), width] int64: the `width` tokens from each of `starts`."""
+        return np.stack([self.read(int(start), width) for start in starts]).astype(np.int64)
 
 
 def check_vocabulary(cfg: Config) -> None:

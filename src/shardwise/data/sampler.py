@@ -24,7 +24,9 @@ class GlobalBatchSampler:
     def _permutation(self, epoch: int) -> torch.Tensor:
         if epoch != self._epoch:
             generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._order = torch.randperm(self.num_samples, generator=generator)
+            # int32 where it holds every index: half the memory of a large corpus's order, the same values.
+            dtype = torch.int32 if self.num_samples < 2**31 else torch.int64
+            self._order = torch.randperm(self.num_samples, generator=generator, dtype=dtype)
             self._epoch = epoch
         return self._order
 
@@ -34,7 +36,7 @@ class GlobalBatchSampler:
         out = torch.empty(self.global_batch, dtype=torch.int64)
         for epoch in positions.div(self.num_samples, rounding_mode="floor").unique().tolist():
             mask = positions // self.num_samples == epoch
-            out[mask] = self._permutation(epoch)[positions[mask] % self.num_samples]
+            out[mask] = self._permutation(epoch)[positions[mask] % self.num_samples].long()
         return out
 
     def rank_indices(self, step: int, rank: int, world_size: int) -> torch.Tensor:
