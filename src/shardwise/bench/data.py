@@ -5,8 +5,8 @@ against a training step of the demo model, and what the reading costs a rank in 
 A driver: it writes each corpus (1 KiB lines of text, byte tokenizer), prepares it in this
 process, then starts one fresh process per corpus that reads `--steps` x `--reads` of the demo
 config's micro-batches (16 windows of 129 tokens) through the trainer's own sampler and
-`TokenWindows`, as a rank does, and reports the median read time and its peak RSS above what it
-held before the first read; and one process that times the demo model's training step (`single`,
+`TokenWindows`, as a rank does, and reports the median read time and its RSS after them above what
+it held before the datasets were made; and one process that times the demo model's training step (`single`,
 one thread, the same micro-batch). The loader must never be the bottleneck: its read is compared
 with the step, and its RSS between the two corpora.
 """
@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import platform
-import resource
 import subprocess
 import sys
 import tempfile
@@ -49,12 +48,12 @@ def config_overrides(corpus: Path) -> list[str]:
 
 def read_batches(corpus: str, reads: int) -> dict[str, float]:
     """In a fresh process: `reads` micro-batches read as a rank reads them; the median read time
-    and the peak RSS above the process's before the first read."""
+    and the RSS then above the process's before the datasets were made."""
     from shardwise.config import load_config
     from shardwise.data import GlobalBatchSampler, make_datasets
 
     cfg = load_config(DEMO, config_overrides(Path(corpus)))
-    before = _peak_rss()
+    before = _rss()
     train, _ = make_datasets(cfg)
     sampler = GlobalBatchSampler(len(train), cfg.train.global_batch, cfg.train.seed)
     times = []
@@ -64,7 +63,7 @@ def read_batches(corpus: str, reads: int) -> dict[str, float]:
             train.batch(indices)
         times.append(time.perf_counter() - started)
     times.sort()
-    return {"read_s": times[len(times) // 2], "rss_rise_mib": (_peak_rss() - before) / 2**20,
+    return {"read_s": times[len(times) // 2], "rss_rise_mib": (_rss() - before) / 2**20,
             "windows": len(train)}
 
 
@@ -86,8 +85,10 @@ def step_time(steps: int) -> float:
     return times[len(times) // 2]
 
 
-def _peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def _rss() -> int:
+    """This process's resident bytes now (what a peak would hide: importing torch passes higher)."""
+    status = Path("/proc/self/status").read_text()
+    return int(status.split("VmRSS:")[1].split()[0]) * 1024
 
 
 def _in_child(*args: str) -> Any:
@@ -138,7 +139,7 @@ def format_result(result: dict[str, Any]) -> str:
         lines.append(f"  {name:>9}: prepared in {entry['prepare_s']:7.2f} s ({entry['prepare_mib_per_s']:6.1f} MiB/s; "
                      f"again {entry['prepare_again_s'] * 1000:.1f} ms), {entry['windows']:,} windows; a step's "
                      f"micro-batch read in {entry['read_s'] * 1000:.3f} ms ({result['read_over_step'][name]:.5f} of "
-                     f"a step), peak RSS +{entry['rss_rise_mib']:.1f} MiB")
+                     f"a step), RSS +{entry['rss_rise_mib']:.1f} MiB")
     lines.append(f"  RSS rise spread between the corpora: {result['rss_rise_spread_mib']:.1f} MiB")
     return "\n".join(lines)
 
