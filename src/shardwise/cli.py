@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
                    "(default 20)")
     p = commands.add_parser("prepare-data", help="tokenize a config's own corpus (data.path) into the cache",
                             description="Reads data.path (a .txt or .jsonl file, a directory of them or a glob) and "
-                            "writes its token ids with data.tokenizer into a memory-mapped file in the cache "
+                            "writes its token ids with data.tokenizer into a file in the cache "
                             "($SHARDWISE_CACHE, default ~/.cache/shardwise), with a manifest of its inputs; again, a "
                             "no-op until an input changes. `shardwise train` does this itself before its workers "
                             "start (docs/data.md).")

@@ -1,5 +1,5 @@
-"""The user's own corpus (`data.path`): text files and JSON Lines, tokenized once into a
-memory-mapped token file, then read like a built-in corpus.
+"""The user's own corpus (`data.path`): text files and JSON Lines, tokenized once into a file of
+token ids, then read a window at a time like a built-in corpus.
 
 `data.path` names a file, a directory (every `.txt` and `.jsonl` file under it, in sorted order)
 or a glob. A `.txt` file is one document; each line of a `.jsonl` file is one, its
@@ -45,7 +45,7 @@ BATCH = 1024  # documents a tokenizer encodes at once
 
 @dataclass(frozen=True)
 class Prepared:
-    """A prepared corpus: its token ids (memory-mapped) and where each document starts."""
+    """A prepared corpus: its token ids (read as they are asked for) and where each document starts."""
 
     tokens: TokenFile
     starts: np.ndarray
@@ -218,7 +218,7 @@ def prepare(d: DataConfig, path: str, progress: bool = False) -> Path:
 
 
 def load(d: DataConfig, path: str, model_vocab: int) -> Prepared:
-    """The prepared corpus `path` names (prepared now if it is not yet), memory-mapped; its
+    """The prepared corpus `path` names (prepared now if it is not yet), opened for reading; its
     vocabulary checked against the model's."""
     out = prepare(d, path)
     manifest = json.loads((out / "manifest.json").read_text())
