@@ -1,6 +1,7 @@
 """The user's own corpus (`data.path`, data/prepare.py): JSON Lines tokenized once with a local
 Hugging Face tokenizer (MiniLM's, packaged), trained under ddp and fsdp as one process trains it,
-resumed at exactly the next sample, and bad input refused in one line with nothing written."""
+resumed on another world size at exactly the next sample, and bad input refused in one line with
+nothing written."""
 
 from __future__ import annotations
 
@@ -90,39 +91,50 @@ def test_a_jsonl_corpus_with_a_local_tokenizer_trains_under_ddp_and_fsdp_as_one_
         assert_same_training(tmp_path / strategy, tmp_path / "single", STEPS)
 
 
-def test_a_resumed_run_sees_exactly_the_samples_the_uninterrupted_one_does(tmp_path, cache):
-    """Killed after a random step and resumed from its last checkpoint: every step's samples, as
-    the ranks' micro-batches' window ids, are the uninterrupted run's, none repeated, none skipped."""
+def recording(trainer: Trainer, into: dict[int, list[int]]) -> Trainer:
+    """`trainer`, noting in `into` each step's window ids this rank reads."""
+    original = trainer.forward_backward
+
+    def forward_backward(step: int) -> torch.Tensor:
+        micro = trainer.sampler.micro_batches(step, trainer.strategy.data_rank, trainer.strategy.data_size,
+                                              trainer.cfg.train.micro_batch)
+        into[step] = torch.cat(micro).tolist()
+        return original(step)
+
+    trainer.forward_backward = forward_backward
+    return trainer
+
+
+def killed_under_ddp(ctx: DistContext, out: Path, corpus: Path, cache: Path, killed_after: int) -> dict:
+    """ddp on this world, checkpointing every step, killed after `killed_after` steps: what each rank read."""
+    os.environ["SHARDWISE_CACHE"] = str(cache)
+    seen: dict[int, list[int]] = {}
+    trainer = Trainer(cfg_for(out, corpus, "ddp", ctx.world_size, "train.checkpoint_every=1"), ctx)
+    with pytest.raises(Crash):
+        crash_at(recording(trainer, seen), killed_after).fit()
+    return seen
+
+
+def test_a_run_killed_on_2_ranks_and_resumed_on_1_sees_exactly_the_uninterrupted_runs_samples(tmp_path, cache):
+    """Killed after a random step under ddp on 2 ranks, resumed from its last checkpoint on one
+    process (resharded): every step's samples, as window ids, are the uninterrupted run's; none
+    repeated, none skipped."""
     corpus = tmp_path / "corpus.jsonl"
     write_corpus(corpus)
-    seen: dict[str, dict[int, list[int]]] = {"straight": {}, "resumed": {}}
-
-    def recording(trainer: Trainer, into: dict[int, list[int]]) -> Trainer:
-        original = trainer.forward_backward
-
-        def forward_backward(step: int) -> torch.Tensor:
-            micro = trainer.sampler.micro_batches(step, trainer.strategy.data_rank, trainer.strategy.data_size,
-                                                  trainer.cfg.train.micro_batch)
-            into[step] = torch.cat(micro).tolist()
-            return original(step)
-
-        trainer.forward_backward = forward_backward
-        return trainer
-
     killed_after = int(torch.randint(3, STEPS - 1, (1,), generator=torch.Generator().manual_seed(7)))
+    ranks = run_ranks(killed_under_ddp, 2, tmp_path / "resumed", corpus, cache, killed_after)
+    straight: dict[int, list[int]] = {}
+    resumed = {step: ranks[0][step] + ranks[1][step] for step in ranks[0]}  # rank 0's slice, then rank 1's
     threads = torch.get_num_threads()
     try:
         ctx = init_distributed(threads_per_rank=1)
-        recording(Trainer(cfg_for(tmp_path / "straight", corpus, "single", 1), ctx), seen["straight"]).fit()
-        every = ("train.checkpoint_every=1",)
-        with pytest.raises(Crash):
-            crash_at(recording(Trainer(cfg_for(tmp_path / "resumed", corpus, "single", 1, *every), ctx),
-                               seen["resumed"]), killed_after).fit()
-        recording(Trainer(cfg_for(tmp_path / "resumed", corpus, "single", 1, *every, "run.resume=true"), ctx),
-                  seen["resumed"]).fit()
+        recording(Trainer(cfg_for(tmp_path / "straight", corpus, "single", 1), ctx), straight).fit()
+        every = ("train.checkpoint_every=1", "run.resume=true")
+        recording(Trainer(cfg_for(tmp_path / "resumed", corpus, "single", 1, *every), ctx), resumed).fit()
     finally:
         torch.set_num_threads(threads)
-    assert seen["resumed"] == seen["straight"] and sorted(seen["straight"]) == list(range(STEPS))
+    assert sorted(ranks[0]) == list(range(killed_after))
+    assert resumed == straight and sorted(straight) == list(range(STEPS))
 
 
 @pytest.mark.parametrize("setup, overrides, message", [

@@ -12,15 +12,11 @@ import os
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from shardwise.config import CORPORA
-
-if TYPE_CHECKING:
-    from shardwise.data.prepare import TokenFile
 
 
 def cache_dir() -> Path:
@@ -94,10 +90,11 @@ def split_tokens(tokens: np.ndarray, val_fraction: float) -> tuple[np.ndarray, n
 
 
 class TokenWindows:
-    """Non-overlapping windows of `seq_len + 1` bytes: sample i is inputs tokens[i*T : i*T+T] and
-    targets shifted by one."""
+    """Non-overlapping windows of `seq_len + 1` tokens: sample i is inputs tokens[i*T : i*T+T] and
+    targets shifted by one. `tokens`: an array, or a prepared corpus's file (prepare.TokenFile,
+    which reads its windows itself)."""
 
-    def __init__(self, tokens: np.ndarray | TokenFile, seq_len: int) -> None:
+    def __init__(self, tokens: np.ndarray, seq_len: int) -> None:
         if len(tokens) < seq_len + 1:
             raise ValueError(f"corpus of {len(tokens)} bytes is shorter than one sequence of {seq_len + 1}")
         self.tokens = tokens

@@ -37,6 +37,7 @@ from pathlib import Path
 import numpy as np
 
 from shardwise.config import Config, ConfigError, DataConfig
+from shardwise.data.corpus import cache_dir
 
 SUFFIXES = (".txt", ".jsonl")
 BYTES = "bytes"
@@ -164,8 +165,6 @@ def _batches(texts: Iterable[str], size: int) -> Iterator[list[str]]:
 
 def corpus_dir(d: DataConfig, path: str, files: list[Path], tokenizer: Tokenizer) -> Path:
     """Where the corpus `path` names is prepared, in the cache: named by what it is made from."""
-    from shardwise.data.corpus import cache_dir
-
     stats = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
     key = json.dumps([stats, tokenizer.name, tokenizer.fingerprint(), d.text_field])
     return cache_dir() / "corpora" / hashlib.sha256(key.encode()).hexdigest()[:16]
