@@ -25,6 +25,7 @@ resharded run continues at exactly the next sample.
 
 from __future__ import annotations
 
+import functools
 import glob
 import hashlib
 import json
@@ -119,7 +120,9 @@ class Tokenizer:
             return bytes(ids).decode(errors="replace")
         return self._hf.decode(ids)
 
+    @functools.cached_property
     def fingerprint(self) -> str:
+        """`bytes`, or the tokenizer file's SHA-256 (read once: the cache key and the manifest both name it)."""
         return BYTES if self.file is None else _sha256(self.file)
 
 
@@ -166,7 +169,7 @@ def _batches(texts: Iterable[str], size: int) -> Iterator[list[str]]:
 def corpus_dir(d: DataConfig, path: str, files: list[Path], tokenizer: Tokenizer) -> Path:
     """Where the corpus `path` names is prepared, in the cache: named by what it is made from."""
     stats = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
-    key = json.dumps([stats, tokenizer.name, tokenizer.fingerprint(), d.text_field])
+    key = json.dumps([stats, tokenizer.name, tokenizer.fingerprint, d.text_field])
     return cache_dir() / "corpora" / hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -200,7 +203,7 @@ def prepare(d: DataConfig, path: str, progress: bool = False) -> Path:
         np.save(tmp / "starts.npy", np.asarray(starts, dtype=np.int64))
         manifest = {
             "path": path, "text_field": d.text_field, "tokenizer": tokenizer.name,
-            "tokenizer_sha256": tokenizer.fingerprint(), "vocab_size": tokenizer.vocab_size,
+            "tokenizer_sha256": tokenizer.fingerprint, "vocab_size": tokenizer.vocab_size,
             "dtype": tokenizer.dtype.name, "tokens": count, "documents": len(starts),
             "inputs": [{"path": str(p), "bytes": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns,
                         "sha256": _sha256(p)} for p in files],

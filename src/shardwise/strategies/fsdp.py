@@ -174,7 +174,7 @@ class ShardedDataParallel(HookedStrategy):
                      tensor_shards: dict[int, TensorShard], sequence_split: list[nn.Parameter]) -> None:
         """Shard a pipeline rank's `stages` (real, split over tp already) over the data-parallel
         ranks of its stage, a unit per `block` and one for the rest, with no hooks: the pipeline
-        gathers (`gather_units`) before its schedule and reduces (`reduce_units`) after it.
+        calls `begin_step` before its schedule and `end_step` after it.
         `named`: each parameter by its name in the plain model; `full`: the plain model's tensors on
         meta, by name."""
         self.module, self.cfg = stages, dataclasses.replace(self.cfg, block=block)
