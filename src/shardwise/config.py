@@ -47,7 +47,11 @@ HF_SIZE_KEYS: dict[str, dict[str, str]] = {
                     seq_len="n_positions"),
 }
 # Models of token sequences: sized by a GPT preset, trained on text.
-LANGUAGE_MODELS = ("gpt", *HF_MODELS)
+LANGUAGE_MODELS = ("gpt", "gpt-moe", *HF_MODELS)
+MOE_MODELS = ("gpt-moe",)  # models whose blocks have Mixture-of-Experts layers (models/moe.py)
+ROUTER_SCORES = ("softmax", "sigmoid")
+BALANCES = ("aux-loss", "bias", "none")
+EP_STRATEGIES = ("ddp",)  # the strategies that split experts over parallel.ep ranks (expert_parallel.py)
 MODELS = (*LANGUAGE_MODELS, "cnn", "mlp")
 GPT_PRESETS = ("tiny", "small", "gpt2-124m")
 OPTIMIZERS = ("adamw", "sgd")
@@ -75,7 +79,8 @@ class ModelConfig:
     """The model to train. A GPT's (and an hf-* model's) sizes come from `preset`; any size set here
     overrides the preset's."""
 
-    name: str = option("gpt", "`gpt` (decoder-only transformer), `hf-llama` / `hf-qwen2` / `hf-gpt2` (a randomly "
+    name: str = option("gpt", "`gpt` (decoder-only transformer), `gpt-moe` (the GPT with a Mixture-of-Experts "
+                       "layer for each MLP, docs/strategies/moe.md), `hf-llama` / `hf-qwen2` / `hf-gpt2` (a randomly "
                        "initialised transformers Llama, Qwen2 or GPT-2 of the preset's sizes), `cnn` (with BatchNorm) "
                        "or `mlp`", MODELS)
     preset: str = option("tiny", "GPT and hf-* size: `tiny` (2 blocks x width 64, 64-token context), `small` "
@@ -100,6 +105,19 @@ class ModelConfig:
                                  "directory of them (what from_pretrained reads), matched to the model by name "
                                  "(`lm.` and the like found by itself), each rank reading only its part "
                                  "(docs/huggingface.md); unset: initialised from train.seed")
+    n_experts: int = option(8, "gpt-moe: experts in each MoE layer")
+    top_k: int = option(2, "gpt-moe: experts each token is routed to, at most n_experts")
+    d_expert: int | None = option(None, "gpt-moe: each expert's hidden width (unset: d_ff)")
+    router_score: str = option("softmax", "gpt-moe: the router's scores, `softmax` over the experts (Mixtral, "
+                               "Qwen3-MoE) or each expert's `sigmoid` (DeepSeek-V3)", ROUTER_SCORES)
+    balance: str = option("aux-loss", "gpt-moe: load balancing: `aux-loss` (aux_loss_coef x E x sum of each "
+                          "expert's token fraction times its mean score, added to the loss), `bias` "
+                          "(DeepSeek-V3's auxiliary-loss-free choice bias, moved by balance_rate each step), "
+                          "`none`", BALANCES)
+    aux_loss_coef: float = option(0.01, "gpt-moe, balance = aux-loss: the auxiliary loss's coefficient")
+    balance_rate: float = option(0.001, "gpt-moe, balance = bias: how far each step moves an expert's bias")
+    shared_expert: bool = option(False, "gpt-moe: an MLP of width d_expert every token also goes through "
+                                 "(DeepSeek)")
     width: int = option(32, "CNN / MLP: hidden width")
     num_classes: int = option(10, "CNN / MLP: output classes")
 
@@ -213,6 +231,9 @@ class ParallelConfig:
                                         "into pp x virtual_stages stages of at least one block each")
     split_points: list[int] | None = option(None, "`pipeline`: the first block of stages 2..P, e.g. [3]; unset, "
                                             "stages are balanced by parameter count")
+    ep: int = option(1, "expert parallel: ranks each MoE layer's experts are split over (`gpt-moe`; "
+                     "docs/strategies/moe.md), taken from the data-parallel ranks: they read different data and "
+                     "send each token to the rank of its experts; must divide model.n_experts and dp")
     cp: int = option(1, "context parallel: ranks each sequence is split over (docs/strategies/context.md), with "
                      "the strategies whose page says so; the data-parallel replicas are then world / (cp x pp x tp)")
     cp_mode: str = option("ring", "context parallel's attention: `ring` passes keys and values around the cp ranks "
@@ -239,7 +260,7 @@ class ParallelConfig:
             shard = dp
             if chosen.across_nodes:
                 shard = max(1, min(dp, (node_size or world_size) // (self.cp * pp * tp)))
-        return MeshShape(dp // shard, shard, self.cp, pp, tp)
+        return MeshShape(dp // shard, shard, self.cp, pp, tp, ep=self.ep)
 
     def mesh_shape(self, world_size: int) -> tuple[int, int, int]:
         """(dp, pp, tp): the device mesh's sizes, unset ones filled in as described above (each of
@@ -267,6 +288,8 @@ class MeshShape:
     cp: int = 1
     pp: int = 1
     tp: int = 1
+    # Expert parallel: not a dimension of its own but a split of dp (mesh.py); the mesh's sizes leave it out.
+    ep: int = 1
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -282,8 +305,8 @@ class MeshShape:
         return math.prod(self.sizes)
 
     def __str__(self) -> str:
-        return " x ".join(f"{dim} {size}" for dim, size in zip(MESH_DIMS, self.sizes, strict=True) if size > 1) \
-            or "one rank"
+        dims = [f"{dim} {size}" for dim, size in zip(MESH_DIMS, self.sizes, strict=True) if size > 1]
+        return " x ".join(dims) + (f" (ep {self.ep} of dp)" if self.ep > 1 else "") if dims else "one rank"
 
 
 @dataclass
@@ -496,6 +519,8 @@ def resolve_presets(cfg: Config) -> None:
             m.n_kv_head = m.n_head
         if m.d_ff is None:
             m.d_ff = 4 * m.d_model
+    if m.name in MOE_MODELS and m.d_expert is None:
+        m.d_expert = m.d_ff
 
 
 def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -583,6 +608,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if m.weights is not None:
         _validate_weights(m.weights, p.strategy)
     _validate_mesh(cfg, world)
+    _validate_experts(cfg, world)
     dp = p.mesh_shape(world)[0]
     per_step = dp * t.micro_batch
     if t.global_batch % per_step:
@@ -594,6 +620,41 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             f"train.global_batch = {t.global_batch}: must be divisible by {replicas} x "
             f"train.micro_batch {t.micro_batch} = {per_step} (the rest is gradient accumulation)"
         )
+
+
+def _validate_experts(cfg: Config, world: int) -> None:
+    """A gpt-moe's experts and routing, and how parallel.ep splits them over the world."""
+    m, p = cfg.model, cfg.parallel
+    _positive("parallel.ep", p.ep)
+    if m.name in MOE_MODELS:
+        for key in ("n_experts", "top_k", "d_expert"):
+            _positive(f"model.{key}", getattr(m, key))
+        if m.top_k > m.n_experts:
+            raise ConfigError(f"model.top_k = {m.top_k}: each token is routed to top_k of the model.n_experts = "
+                              f"{m.n_experts} experts; must be at most n_experts")
+        _choice("model.router_score", m.router_score, ROUTER_SCORES)
+        _choice("model.balance", m.balance, BALANCES)
+        _positive("model.aux_loss_coef", m.aux_loss_coef, zero_ok=True)
+        _positive("model.balance_rate", m.balance_rate, zero_ok=True)
+        if m.balance == "aux-loss" and p.cp > 1:
+            raise ConfigError(f"model.balance = 'aux-loss' with parallel.cp = {p.cp}: the auxiliary loss is computed "
+                              "over a rank's tokens, under context parallel only part of each sequence; use "
+                              "model.balance = 'bias' (its counts are summed over every rank)")
+    if p.ep == 1:
+        return
+    if m.name not in MOE_MODELS:
+        raise ConfigError(f"parallel.ep = {p.ep}: splits the experts of Mixture-of-Experts layers; model.name = "
+                          f"{m.name!r} has none (models with experts: {', '.join(MOE_MODELS)})")
+    if p.strategy not in EP_STRATEGIES:
+        raise ConfigError(f"parallel.ep = {p.ep}: parallel.strategy = {p.strategy!r} does not split experts yet; "
+                          f"expert parallel runs under {', '.join(EP_STRATEGIES)}")
+    if m.n_experts % p.ep:
+        raise ConfigError(f"parallel.ep = {p.ep}: must divide model.n_experts = {m.n_experts}; each ep rank holds "
+                          "an equal share of every layer's experts")
+    dp = p.mesh_shape(world)[0]
+    if dp % p.ep:
+        raise ConfigError(f"parallel.ep = {p.ep}: the expert-parallel ranks are data-parallel ranks, so ep must "
+                          f"divide dp = {dp} (world size {world}); e.g. --nproc {p.ep}")
 
 
 def _validate_weights(weights: str, strategy: str) -> None:

@@ -16,6 +16,10 @@ tp is innermost: its ranks talk in every layer, so they are neighbours, on one n
 links. Then pp, whose stages pass activations at their borders; then cp, whose ranks pass keys and
 values in every attention; the data-parallel dimensions talk once a step or once a unit.
 
+Expert parallel (`ep`, expert_parallel.py) is not a dimension of its own: it splits dp into
+dp / ep x ep, so each layer's experts are split over `ep` consecutive dp ranks (within a node where
+dp_shard holds them), and `edp` are the dp ranks that hold the same experts.
+
 Flattened groups, for collectives over several dimensions at once:
 
 - `dp` (R x S): ranks that read different shares of the global batch;
@@ -73,6 +77,19 @@ class Mesh:
         self.shape = shape
         self.device_mesh = init_device_mesh(ctx.device.type, shape.sizes, mesh_dim_names=MESH_DIMS)
         self.flattened = {name: self.device_mesh[dims]._flatten(name) for name, dims in FLATTENED.items()}
+        if shape.ep > 1:
+            self._split_dp_for_experts(ctx, shape)
+
+    def _split_dp_for_experts(self, ctx: DistContext, shape: MeshShape) -> None:
+        """The `ep` and `edp` groups: dp's ranks (same cp, pp and tp coordinates) as dp / ep x ep."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        grid = self.device_mesh.mesh.reshape(shape.dp // shape.ep, shape.ep, shape.cp, shape.pp, shape.tp)
+        for name, dim in (("edp", 0), ("ep", 1)):
+            members = grid.movedim(dim, -1).reshape(-1, grid.shape[dim]).tolist()
+            group, _ = dist.new_subgroups_by_enumeration(members)
+            mine = next(ranks for ranks in members if ctx.rank in ranks)
+            self.flattened[name] = DeviceMesh.from_group(group, ctx.device.type, mesh=mine, mesh_dim_names=(name,))
 
     def __getitem__(self, dims: str | tuple[str, ...]) -> DeviceMesh:
         """The sub-mesh of `dims` (a dimension, a flattened group, or several dimensions): what a

@@ -63,16 +63,19 @@ def learning_rate(step: int, cfg: TrainConfig) -> float:
 def optimizer_step(strategy: Strategy, optimizer: torch.optim.Optimizer, grad_clip: float) -> bool:
     """Clip (if grad_clip > 0) and step on the synchronised gradients; return whether it stepped.
     Under fp16 the gradients are unscaled first, and if any rank found an inf or NaN every rank
-    skips the step. The trainer and the Python API (api.py) both step through this."""
+    skips the step. Then MoE routers balance on the step's counts (`Strategy.update_routers`). The
+    trainer and the Python API (api.py) both step through this."""
+    stepped = True
     if strategy.scaler:
         found_inf = strategy.scaler.unscale_(strategy.local_grads(), strategy.ctx.device)
         strategy.scaler.update(found_inf)
-        if found_inf:
-            return False
-    if grad_clip > 0:
-        strategy.clip_grad_norm_(grad_clip)
-    optimizer.step()
-    return True
+        stepped = not found_inf
+    if stepped:
+        if grad_clip > 0:
+            strategy.clip_grad_norm_(grad_clip)
+        optimizer.step()
+    strategy.update_routers()
+    return stepped
 
 
 class Trainer:
@@ -193,6 +196,7 @@ class Trainer:
             "memory": memory.as_dict(),
             "memory_by_rank": self.ctx.all_gather_object(memory.as_dict()),
             **({"loss_scale": self.scaler.scale, "skipped": self.last_step_skipped} if self.scaler else {}),
+            **({"router": self.strategy.router_stats} if self.strategy.router_stats else {}),
         }
 
     def fit(self) -> dict[str, Any]:

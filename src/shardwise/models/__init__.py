@@ -11,14 +11,20 @@ from shardwise.models.cnn import CNN
 from shardwise.models.gpt import GPT, GPTConfig
 from shardwise.models.hf import HF_MODELS, build_causal_lm
 from shardwise.models.mlp import MLP
+from shardwise.models.moe import MoEConfig
 
 __all__ = ["CNN", "GPT", "GPTConfig", "MLP", "build_model", "flops_per_sample", "loss_fn"]
 
 
 def build_model(cfg: ModelConfig, image_pixels: int = 64) -> nn.Module:
     """The model a config names, on the CPU, initialised from the current torch seed."""
-    if cfg.name == "gpt":
-        return GPT(GPTConfig(cfg.n_layer, cfg.n_head, cfg.d_model, cfg.seq_len, cfg.vocab_size, cfg.bias, cfg.d_ff))
+    if cfg.name in ("gpt", "gpt-moe"):
+        moe = None
+        if cfg.name == "gpt-moe":
+            moe = MoEConfig(cfg.n_experts, cfg.top_k, cfg.d_expert, cfg.router_score, cfg.balance, cfg.aux_loss_coef,
+                            cfg.balance_rate, cfg.shared_expert)
+        return GPT(GPTConfig(cfg.n_layer, cfg.n_head, cfg.d_model, cfg.seq_len, cfg.vocab_size, cfg.bias, cfg.d_ff,
+                             moe))
     if cfg.name in HF_MODELS:
         return build_causal_lm(cfg)
     if cfg.name == "cnn":

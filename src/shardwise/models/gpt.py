@@ -1,5 +1,6 @@
 """A decoder-only transformer (GPT-2 shape): token + position embeddings, pre-LayerNorm blocks of
-causal self-attention and a GELU MLP, a weight-tied head. No parallelism code lives here."""
+causal self-attention and a GELU MLP, a weight-tied head. With `moe` set (`gpt-moe`), each block's
+MLP is a Mixture-of-Experts layer (moe.py). No parallelism code lives here."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from shardwise.models.moe import Experts, MoE, MoEConfig, moe_layers
 
 
 @dataclass(frozen=True)
@@ -22,6 +25,7 @@ class GPTConfig:
     # comparisons between summation orders meaningless under Adam (see FACTS-torch-cpu.md).
     bias: bool = False
     d_ff: int | None = None  # the MLP's hidden width; None: 4 x d_model, GPT-2's
+    moe: MoEConfig | None = None  # each block's MLP a Mixture-of-Experts layer of these experts
 
 
 class LayerNorm(nn.LayerNorm):
@@ -71,7 +75,7 @@ class Block(nn.Module):
         self.ln_1 = LayerNorm(cfg.d_model)
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = LayerNorm(cfg.d_model)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg.d_model, cfg.moe, cfg.bias) if cfg.moe else MLP(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -94,18 +98,28 @@ class GPT(nn.Module):
     def init_module(self, module: nn.Module, name: str) -> None:
         """Initialise `module`'s own parameters (module `name` of this GPT): matrices and embeddings
         normal(0, 0.02), the residual projections' scaled down by depth so the residual stream's
-        variance stays put (GPT-2), biases zero, norms one. The head is the token embedding (tied),
+        variance stays put (GPT-2), biases zero, norms one; experts as the MLPs they are, and the
+        choice biases of bias balancing zero. The head is the token embedding (tied),
         initialised once, as the embedding. Called for every module when the GPT is built, and by
         shardwise.materialise for each module of a meta-built GPT, under its own generator."""
         if isinstance(module, nn.Linear) and name != "head":
-            residual = name.endswith(("attn.proj", "mlp.down"))
-            nn.init.normal_(module.weight, mean=0.0, std=0.02 / math.sqrt(2 * self.cfg.n_layer) if residual else 0.02)
+            residual = name.endswith(("attn.proj", "mlp.down", "shared.down"))
+            nn.init.normal_(module.weight, mean=0.0, std=self._residual_std if residual else 0.02)
             if module.bias is not None:
                 nn.init.zeros_(module.bias)
+        elif isinstance(module, Experts):
+            nn.init.normal_(module.w_up, mean=0.0, std=0.02)
+            nn.init.normal_(module.w_down, mean=0.0, std=self._residual_std)
+        elif isinstance(module, MoE):
+            nn.init.zeros_(module.balance_bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
         elif isinstance(module, nn.LayerNorm):
             module.reset_parameters()
+
+    @property
+    def _residual_std(self) -> float:
+        return 0.02 / math.sqrt(2 * self.cfg.n_layer)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids [batch, seq] -> logits [batch, seq, vocab]."""
@@ -121,8 +135,14 @@ class GPT(nn.Module):
         total = sum(p.numel() for p in self.parameters())
         return total - self.pos_emb.weight.numel() if non_embedding else total
 
+    def active_params(self) -> int:
+        """`num_params()` less the experts a token does not go through: those a token computes with."""
+        idle = sum((layer.cfg.n_experts - layer.cfg.top_k) * layer.experts.w_up[0].numel() * 2
+                   for layer in moe_layers(self))
+        return self.num_params() - idle
+
     def flops_per_token(self) -> int:
-        """Training FLOPs per token: 6 per parameter (forward 2, backward 4) plus attention's
+        """Training FLOPs per token: 6 per active parameter (forward 2, backward 4) plus attention's
         score and value matmuls, 12 * layers * width * sequence (PaLM appendix B)."""
         c = self.cfg
-        return 6 * self.num_params() + 12 * c.n_layer * c.d_model * c.seq_len
+        return 6 * self.active_params() + 12 * c.n_layer * c.d_model * c.seq_len

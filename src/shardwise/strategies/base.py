@@ -14,10 +14,12 @@ from torch import nn
 from shardwise.attention.context import ContextParallel
 from shardwise.config import DEFAULT_BLOCK, Config, ParallelConfig
 from shardwise.dist import DistContext, init_distributed
+from shardwise.expert_parallel import ExpertParallel
 from shardwise.gradients import clip_grad_norm_
 from shardwise.materialise import Materialiser, check_one_device_kind
 from shardwise.memory import MemoryBreakdown, count_memory, local_tensor
 from shardwise.mesh import Mesh, node_size
+from shardwise.models import moe
 from shardwise.models.hf import decoder_layer_class
 from shardwise.models.plans import find_positions
 from shardwise.precision import LossScaler, make_precision
@@ -51,6 +53,9 @@ class Strategy:
         self.context: ContextParallel | None = None  # the sequence split over parallel.cp ranks, made by `prepare`
         # The run's device mesh and its process groups (mesh.py); none in one process without a group.
         self.mesh: Mesh | None = None
+        self.experts: ExpertParallel | None = None  # which experts this rank holds, under parallel.ep > 1
+        # The last step's routing by MoE layer (pairs per expert, max / mean): what metrics.jsonl records.
+        self.router_stats: dict[str, list] | None = None
         if ctx.distributed and not spec(cfg.strategy).parameter_servers:
             self.mesh = Mesh.of(ctx, cfg.mesh(ctx.world_size, node_size(ctx.world_size)))
 
@@ -90,18 +95,22 @@ class Strategy:
         parameters' storage dtype. A meta-built model (shardwise.init_context()) is materialised
         there whole, every tensor initialised as `single` initialises it (materialise.py); a
         strategy that keeps less passes `materialise=False` and materialises what it keeps from
-        `self.materialiser` itself (the model then stays on meta, in the storage dtype)."""
+        `self.materialiser` itself (the model then stays on meta, in the storage dtype). Under expert
+        parallel (`parallel.ep`), a materialised model then keeps only this rank's experts."""
         self.cfg = dataclasses.replace(self.cfg, block=block_class(model, self.cfg.block))
         apply_recompute(model, self.cfg.recompute, self.cfg.block, once=self.recompute_once)
         self.context = ContextParallel(self.cfg.cp_mode, self.context_group())
         if self.cfg.cp > 1:
             self.context.feed_positions(*find_positions(model))
         if not check_one_device_kind(model, f"parallel.strategy = {self.cfg.strategy!r}"):
-            return model.to(self.ctx.device, self.precision.param_dtype)
-        self.materialiser = Materialiser(model, self.cfg.block, self.seed)
-        if not materialise:
-            return model.to(dtype=self.precision.param_dtype)
-        self.materialiser.materialise_all(self.ctx.device, self.precision.param_dtype)
+            model.to(self.ctx.device, self.precision.param_dtype)
+        else:
+            self.materialiser = Materialiser(model, self.cfg.block, self.seed)
+            if not materialise:
+                return model.to(dtype=self.precision.param_dtype)
+            self.materialiser.materialise_all(self.ctx.device, self.precision.param_dtype)
+        if self.cfg.ep > 1:
+            self.experts = ExpertParallel(self.mesh, model)
         return model
 
     def context_group(self) -> dist.ProcessGroup | None:
@@ -135,8 +144,10 @@ class Strategy:
         synchronised after the last one; return the sum of their mean losses. A pipeline overrides
         this to run its schedule."""
         loss_sum = torch.zeros((), device=self.ctx.device)
+        scale = (self.scaler.scale if self.scaler else 1.0) / accum
         for i, batch in enumerate(micro_batches):
-            with nullcontext() if i == accum - 1 else self.no_sync(), self.split_sequence(batch) as (inputs, targets):
+            with nullcontext() if i == accum - 1 else self.no_sync(), self.split_sequence(batch) as (inputs, targets), \
+                    moe.loss_scale(scale):
                 with self.precision.autocast(self.ctx.device):
                     loss = loss_fn(model(inputs), targets)
                 scaled = loss / accum
@@ -172,9 +183,29 @@ class Strategy:
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Scale gradients so their global L2 norm is at most max_norm; return the norm before.
-        Here every rank holds every gradient whole (replicas agree after synchronising)."""
+        Here every rank holds every gradient whole (replicas agree after synchronising), but for
+        experts split over ep."""
         grads = self.local_grads()
+        if self.experts is not None:
+            return self.experts.clip_grad_norm_(grads, max_norm, self.ctx.device)
         return clip_grad_norm_(grads, grads, max_norm, self.ctx.device)
+
+    def update_routers(self) -> None:
+        """After an optimizer step: each MoE layer's pairs per expert over the step, summed over
+        the ranks that read different tokens (dp and cp), balance its router (moe.py) and become
+        `router_stats`. Collective where there is a mesh."""
+        layers = moe.moe_layers(self.module)
+        if not layers:
+            return
+        routed = torch.stack([torch.zeros(layer.cfg.n_experts, dtype=torch.int64, device=self.ctx.device)
+                              if layer.routed is None else layer.routed for layer in layers])
+        if self.mesh is not None:
+            dist.all_reduce(routed, group=self.mesh.group("dp_cp"))
+        for layer, counts in zip(layers, routed, strict=True):
+            layer.update_balance(counts)
+        load = routed.float()
+        self.router_stats = {"tokens_per_expert": routed.tolist(),
+                             "imbalance": (load.max(1).values / load.mean(1).clamp(min=1)).tolist()}
 
     def stage_timeline(self) -> list[dict[str, Any]] | None:
         """A pipeline's last step, stage by stage, for metrics (a collective where there is one);
@@ -195,6 +226,8 @@ class Strategy:
     def as_global(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """`local`, a tensor shaped like this rank's part of parameter `name`, as the whole
         parameter's tensor: itself where the rank holds it whole, a DTensor where it holds a shard."""
+        if self.experts is not None and self.experts.holds(name):
+            return self.experts.as_global(name, local)
         return local
 
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
@@ -228,10 +261,13 @@ class Strategy:
         rank 0 (None on the others), one at a time and in the order given: what final weights are
         written from (weights_file.py), so no rank ever holds more than its part and one tensor.
         Collective where the model is sharded or split: every rank iterates over the same names.
-        Here every rank holds the whole model."""
+        Here every rank holds the whole model, but for experts split over ep."""
         state = self.module.state_dict(keep_vars=True)
         for name in names:
-            yield state[name].detach() if self.ctx.is_main else None
+            tensor = state[name].detach()
+            if self.experts is not None and self.experts.holds(name):
+                tensor = self.experts.gather(tensor)
+            yield tensor if self.ctx.is_main else None
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The plain model's complete state dict on rank 0, on CPU (empty on the others): the whole

@@ -63,8 +63,13 @@ class DDP(HookedStrategy):
         if self.cfg.sync_batchnorm:
             model = convert_sync_batchnorm(model)
         self.module = self.prepare(model)
-        broadcast_from_rank0([*self.module.parameters(), *self.module.buffers()])
-        trainable = [p for p in self.module.parameters() if p.requires_grad]
+        experts = self.experts
+        broadcast_from_rank0([*(p for p in self.module.parameters() if not (experts and experts.is_expert(p))),
+                              *self.module.buffers()])
+        if experts is not None:
+            experts.broadcast()
+        # Experts split over ep are averaged on their own, after backward (expert_parallel.py).
+        trainable = [p for p in self.module.parameters() if p.requires_grad and not (experts and experts.is_expert(p))]
         self._names = {id(p): n for n, p in self.module.named_parameters()}
         # Backward produces gradients roughly in reverse registration order.
         groups = plan_buckets(list(reversed(trainable)), int(self.cfg.bucket_mb * 2**20))
@@ -149,6 +154,8 @@ class DDP(HookedStrategy):
         started = time.perf_counter()
         for bucket in self.buckets:
             bucket.work.wait()
+        if self.experts is not None:
+            self.experts.average_gradients()
         self.last_wait_s = time.perf_counter() - started
         self._reset()
 

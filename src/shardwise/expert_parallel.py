@@ -1,0 +1,159 @@
+"""Expert parallel: every MoE layer's experts split over `parallel.ep` ranks, each token sent to
+the rank that holds its expert and its output sent back.
+
+The ep ranks are data-parallel ranks (mesh.py splits dp into ep x edp): they read different data,
+hold the same dense layers, and each holds E / ep of every layer's experts. A layer's forward, on
+each of them (`ExpertDispatch`):
+1. the router has chosen experts for this rank's tokens; the (token, expert) pairs are sorted by
+   expert, so the pairs for each ep rank are one run of rows;
+2. an all-to-all of the counts tells each rank how many rows it gets from every other, per expert;
+3. an all-to-all of the rows (variable splits) sends each to its expert's rank;
+4. there the rows are regrouped by expert and computed, then put back in arrival order;
+5. an all-to-all with the splits reversed returns every output to the rank its token came from.
+Backward runs the two row all-to-alls in reverse (`AllToAll`), so every rank takes part in every
+layer's collectives even when none of its tokens chose a remote expert or none reached its own.
+
+Gradients: a dense parameter's are averaged over dp as any replica's are (the strategy's own
+reduction). An expert's gradient on its rank already sums what every ep rank's tokens contributed
+(the all-to-all's backward brought them); it is summed over the edp ranks that hold the same
+experts and divided by dp, the same mean over the global batch. Clipping counts each expert once:
+the squares of the expert gradients are summed over ep.
+
+Checkpoints hold each layer's expert weights as one tensor [E, ...], a DTensor sharded on dim 0
+over ep: a checkpoint loads into any ep size, and into strategies without experts split.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardwise.gradients import all_reduce_packed, clip_coefficient, squared_norm
+from shardwise.mesh import Mesh
+from shardwise.models.moe import Experts, moe_layers
+
+
+class AllToAll(torch.autograd.Function):
+    """Rows of `x` sent in runs of `sent[r]` rows to rank r of `group`; returns the rows received,
+    `received[r]` from rank r, in rank order. Backward sends the gradients back the same way."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, received: list[int], sent: list[int],
+                group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.splits, ctx.group = (received, sent), group
+        return _exchange(x, received, sent, group)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple:
+        received, sent = ctx.splits
+        return _exchange(grad, sent, received, ctx.group), None, None, None
+
+
+def _exchange(x: torch.Tensor, received: list[int], sent: list[int], group: dist.ProcessGroup) -> torch.Tensor:
+    out = x.new_empty((sum(received), *x.shape[1:]))
+    dist.all_to_all_single(out, x.contiguous(), received, sent, group=group)
+    return out
+
+
+class ExpertDispatch:
+    """A MoE layer's dispatch when its experts are split over `group` (this rank holds experts
+    [rank x E / ep, (rank + 1) x E / ep))."""
+
+    def __init__(self, group: dist.ProcessGroup, size: int) -> None:
+        self.group, self.size = group, size
+
+    def __call__(self, rows: torch.Tensor, counts: torch.Tensor, experts: Experts) -> torch.Tensor:
+        local = experts.w_up.shape[0]
+        arriving = torch.empty_like(counts)  # [sender, local expert]: rows each rank sends each of ours
+        dist.all_to_all_single(arriving, counts, group=self.group)
+        arriving = arriving.view(self.size, local)
+        sent = counts.view(self.size, local).sum(1).tolist()
+        received = arriving.sum(1).tolist()
+        arrived = AllToAll.apply(rows, received, sent, self.group)
+        # Arrived rows come sender by sender, each sender's by expert: regroup them by expert.
+        expert = torch.arange(local, device=counts.device).repeat(self.size).repeat_interleave(arriving.flatten())
+        by_expert = expert.argsort(stable=True)
+        computed = experts(arrived[by_expert], arriving.sum(0))
+        return AllToAll.apply(computed[by_expert.argsort()], sent, received, self.group)
+
+
+class ExpertParallel:
+    """The experts of a strategy's model split over the mesh's ep ranks: which parameters are
+    experts, and what the strategy does differently for them."""
+
+    def __init__(self, mesh: Mesh, model: nn.Module) -> None:
+        """Keep this rank's share of every MoE layer's experts (of a model already materialised,
+        every rank's the same), and route the layers through `ExpertDispatch`."""
+        self.mesh = mesh
+        self.size, self.rank, self.dp = mesh.size("ep"), mesh.rank("ep"), mesh.size("dp")
+        self.group, self.replicas = mesh.group("ep"), mesh.group("edp")
+        self.full_shapes: dict[str, torch.Size] = {}  # expert parameter name -> its shape with every expert
+        names = {id(p): name for name, p in model.named_parameters()}
+        for layer in moe_layers(model):
+            experts = layer.experts
+            for key, param in list(experts.named_parameters(recurse=False)):
+                share = param.shape[0] // self.size
+                self.full_shapes[names[id(param)]] = param.shape
+                kept = param.detach()[self.rank * share : (self.rank + 1) * share].clone()
+                setattr(experts, key, nn.Parameter(kept, requires_grad=param.requires_grad))
+            layer.dispatch = ExpertDispatch(self.group, self.size)
+        held = dict(model.named_parameters())
+        self.params = [held[name] for name in self.full_shapes]
+        self._ids = {id(p) for p in self.params}
+
+    def is_expert(self, param: torch.Tensor) -> bool:
+        return id(param) in self._ids
+
+    def holds(self, name: str) -> bool:
+        """Whether parameter `name` is split over ep."""
+        return name in self.full_shapes
+
+    def broadcast(self) -> None:
+        """Every expert as the first of its edp replicas holds it (what a replica's broadcast from
+        rank 0 is for the dense parameters)."""
+        with torch.no_grad():
+            for param in self.params:
+                dist.broadcast(param, group=self.replicas, group_src=0)
+
+    def average_gradients(self) -> None:
+        """Each expert's gradient, summed over its edp replicas, over dp: the mean over the global
+        batch. An expert no token reached on any rank has a zero gradient, not none."""
+        grads = []
+        for param in self.params:
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            grads.append(param.grad)
+        if self.dp > self.size:
+            all_reduce_packed(grads, self.replicas, average=False)
+        torch._foreach_div_(grads, float(self.dp))
+
+    def clip_grad_norm_(self, grads: Sequence[torch.Tensor], max_norm: float, device: torch.device) -> torch.Tensor:
+        """Scale `grads` (this rank's, experts among them) to a global norm of at most `max_norm`;
+        the dense ones are the same on every ep rank and count once, the experts' are summed over ep."""
+        experts = [g for g in grads if any(g is p.grad for p in self.params)]
+        dense = [g for g in grads if not any(g is e for e in experts)]
+        expert_squares = squared_norm(experts, device).to(device)
+        dist.all_reduce(expert_squares, group=self.group)
+        norm = (squared_norm(dense, device).to(device) + expert_squares).sqrt()
+        coefficient = clip_coefficient(norm, max_norm)
+        for grad in grads:
+            grad.mul_(coefficient.to(grad.device))
+        return norm
+
+    def as_global(self, name: str, local: torch.Tensor) -> torch.Tensor:
+        """`local`, this rank's experts of parameter `name` (or its optimizer state), as a DTensor
+        of every expert, sharded on dim 0 over ep."""
+        from torch.distributed.tensor import DTensor, Shard
+
+        full = self.full_shapes[name]
+        stride = torch.empty(full, device="meta").stride()
+        return DTensor.from_local(local, self.mesh["ep"], [Shard(0)], run_check=False, shape=full, stride=stride)
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """Every expert of a parameter, from each ep rank's share (collective over ep)."""
+        shares = [torch.empty_like(local) for _ in range(self.size)]
+        dist.all_gather(shares, local.contiguous(), group=self.group)
+        return torch.cat(shares)
