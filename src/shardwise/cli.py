@@ -46,6 +46,7 @@ def _add_train_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--dp", type=int, help="parallel.dp: model replicas (pipeline, model-parallel, tensor)")
     p.add_argument("--pp", type=int, help="parallel.pp: pipeline stages per replica")
     p.add_argument("--tp", type=int, help="parallel.tp: tensor-parallel ranks per stage")
+    p.add_argument("--ep", type=int, help="parallel.ep: expert-parallel ranks each MoE layer's experts are split over")
     p.add_argument("--nnodes", type=int, help="launch.nnodes: nodes in the job")
     p.add_argument("--node-rank", type=int, help="launch.node_rank: this node's rank")
     p.add_argument("--rdzv-endpoint", help="launch.rdzv_endpoint: HOST:PORT of node 0's rendezvous")
@@ -73,6 +74,7 @@ def _train_config(args: argparse.Namespace) -> Config:
         "parallel.dp": args.dp,
         "parallel.pp": args.pp,
         "parallel.tp": args.tp,
+        "parallel.ep": args.ep,
         "launch.nnodes": args.nnodes,
         "launch.node_rank": args.node_rank,
         "launch.rdzv_endpoint": args.rdzv_endpoint,

@@ -1,0 +1,269 @@
+"""Mixture-of-Experts: the layer computes what routing each token through its experts one by one
+computes; its auxiliary loss and bias balancing do what they say; and expert parallel (experts
+split over ep data-parallel ranks, tokens sent to them by all-to-all) trains as one device does,
+holds 1/ep of the experts, and checkpoints to any ep size and to `single`."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import CONFIGS, SGD, assert_same_training, losses, read_records, train_in_process
+from distributed import run_ranks
+
+from shardwise.config import ConfigError, MeshShape, load_config
+from shardwise.dist import DistContext
+from shardwise.models import build_model
+from shardwise.models.moe import MoE, MoEConfig, loss_scale
+from shardwise.trainer import Trainer
+
+STEPS, SAVED_AT = 10, 5
+MOE = ("model.name=gpt-moe", "model.n_experts=8", "model.top_k=2", "model.d_expert=64")
+BIAS = ("model.balance=bias", "model.balance_rate=0.01")
+
+
+def cfg_for(out: Path, strategy: str, world: int, *overrides: str):
+    """gpt-moe tiny (2 blocks of 8 experts, top-2) on Shakespeare; global batch 8 in micro-batches of
+    2 (accumulated on fewer than 4 ranks); clipping at 0.5 (active)."""
+    return load_config(CONFIGS / "gpt-tiny.toml", [
+        f"run.out={out}", f"train.steps={STEPS}", "train.global_batch=8", "train.micro_batch=2",
+        "train.eval_every=0", *SGD, "train.grad_clip=0.5", f"parallel.strategy={strategy}",
+        f"launch.nproc={world}", *MOE, *overrides])
+
+
+def layer(cfg: MoEConfig, seed: int = 0) -> MoE:
+    torch.manual_seed(seed)
+    moe = MoE(16, cfg)
+    for param in moe.parameters():
+        torch.nn.init.normal_(param, std=0.3)
+    return moe
+
+
+def token_by_token(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """Each token through each of its chosen experts in turn, weighted: the layer's definition."""
+    chosen, weights, _ = moe.route(x)
+    rows = []
+    for token, experts, weight in zip(x, chosen, weights, strict=True):
+        row = sum(w * (F.gelu(token @ moe.experts.w_up[e]) @ moe.experts.w_down[e])
+                  for e, w in zip(experts.tolist(), weight, strict=True))
+        rows.append(row + (moe.shared(token) if moe.shared is not None else 0))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("score,shared", [("softmax", False), ("sigmoid", True)])
+def test_the_layer_computes_each_token_through_its_chosen_experts(score, shared):
+    """Output and every gradient as the token-by-token definition's: in float64, whose rounding in
+    another summation order is far below the tolerance."""
+    moe = layer(MoEConfig(6, 2, 24, score, "none", shared_expert=shared)).double()
+    x = torch.randn(40, 16, dtype=torch.float64, requires_grad=True)
+    got = moe(x)
+    got.square().sum().backward()
+    grads = [x.grad, *(p.grad for p in moe.parameters())]
+    x.grad = None
+    moe.zero_grad()
+    want = token_by_token(moe, x)
+    want.square().sum().backward()
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+    for g, w in zip(grads, [x.grad, *(p.grad for p in moe.parameters())], strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-12)
+
+
+def test_the_auxiliary_loss_gets_the_gradient_it_would_have_had_in_the_loss():
+    """Under loss_scale(s), backward of s x L gives the router the gradient of s x (L + aux), aux =
+    coef x E x sum_e f_e P_e over the micro-batch's tokens, with f_e counted (no gradient)."""
+    cfg = MoEConfig(4, 2, 8, "softmax", "aux-loss", aux_loss_coef=0.5)
+    moe, x = layer(cfg), torch.randn(30, 16)
+    with loss_scale(0.25):
+        (0.25 * moe(x).sum()).backward()
+    injected = moe.router.weight.grad.clone()
+    moe.zero_grad()
+    chosen, _, scores = moe.route(x)
+    fraction = torch.bincount(chosen.flatten(), minlength=4).float() / chosen.numel()
+    aux = 0.5 * 4 * (fraction * scores.mean(0)).sum()
+    moe.eval()  # no auxiliary loss of its own
+    (0.25 * (moe(x).sum() + aux)).backward()
+    torch.testing.assert_close(injected, moe.router.weight.grad, rtol=1e-5, atol=1e-7)
+    assert injected.abs().sum() > 0
+
+
+def test_bias_balancing_moves_choices_towards_the_least_used_experts():
+    """One update moves each bias by the rate against its load's side of the mean; repeated, it
+    spreads tokens that all chose expert 0 over all four."""
+    moe = layer(MoEConfig(4, 1, 8, "sigmoid", "bias", balance_rate=0.02))
+    with torch.no_grad():
+        moe.router.weight[0] = 0.5  # every token's first choice, by far
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(0)) + 1
+    moe(x)
+    routed = moe.routed.clone()
+    assert routed.tolist() == [64, 0, 0, 0]
+    moe.update_balance(routed)
+    torch.testing.assert_close(moe.balance_bias, torch.tensor([-0.02, 0.02, 0.02, 0.02]))
+    assert moe.routed is None
+    for _ in range(100):
+        moe(x)
+        moe.update_balance(moe.routed)
+    assert torch.bincount(moe.route(x)[0].flatten(), minlength=4).max() <= 2 * 64 / 4
+
+
+def test_recomputed_blocks_count_their_tokens_once(tmp_path):
+    """A checkpointed block's forward runs again in backward; the router's counts are not doubled."""
+    counts = []
+    for recompute in ("none", "blocks"):
+        torch.manual_seed(0)
+        model = build_model(cfg_for(tmp_path, "single", 1).model)
+        if recompute == "blocks":
+            from shardwise.recompute import apply_recompute
+
+            apply_recompute(model, "blocks", "Block")
+        model(torch.randint(0, 256, (2, 64))).float().mean().backward()
+        counts.append([block.mlp.routed.tolist() for block in model.blocks])
+    assert counts[0] == counts[1]
+    assert sum(counts[0][0]) == 2 * 64 * 2
+
+
+def test_gpt_moe_counts_its_active_parameters():
+    """Of 8 experts, a token goes through 2: the FLOPs count 2 of 8 experts' weights."""
+    model = build_model(cfg_for(Path("."), "single", 1).model)
+    expert = 2 * 64 * 64  # w_up and w_down of one expert
+    assert model.num_params() - model.active_params() == 2 * 6 * expert  # 2 layers x 6 idle experts
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (("model.top_k=9",), "model.top_k = 9: each token is routed to top_k of the model.n_experts = 8"),
+    (("parallel.ep=3",), "parallel.ep = 3: must divide model.n_experts = 8"),
+    (("parallel.ep=4",), "parallel.ep = 4: the expert-parallel ranks are data-parallel ranks, so ep must divide dp = 2"
+     ),
+    (("model.name=gpt", "parallel.ep=2"), "parallel.ep = 2: splits the experts of Mixture-of-Experts layers"),
+    (("parallel.strategy=fsdp", "parallel.ep=2"), "parallel.strategy = 'fsdp' does not split experts yet"),
+    (("parallel.cp=2",), "model.balance = 'aux-loss' with parallel.cp = 2"),
+])
+def test_bad_expert_settings_are_refused_before_any_worker_starts(overrides, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        cfg_for(Path("."), "ddp", 2, *overrides)
+
+
+# --- expert parallel on real ranks -------------------------------------------------------------
+
+def ep_layer_with_idle_experts(ctx: DistContext) -> dict[str, torch.Tensor]:
+    """A layer of 4 experts split over 2 ranks, routed so that rank 1's experts (2, 3) get no token
+    from anyone: outputs and gradients on every rank, to compare with the whole layer's."""
+    from shardwise.expert_parallel import ExpertParallel
+    from shardwise.mesh import Mesh
+
+    moe = layer(MoEConfig(4, 2, 8, "softmax", "none"))
+    with torch.no_grad():
+        moe.router.weight[2:] = -100.0 * moe.router.weight[:2].abs().sum(0)  # never chosen
+    model = torch.nn.Sequential(moe)
+    experts = ExpertParallel(Mesh.of(ctx, MeshShape(dp_replicate=2, ep=2)), model)
+    x = torch.rand(8, 16, generator=torch.Generator().manual_seed(ctx.rank)).add(0.1).requires_grad_()
+    y = model(x)
+    y.square().sum().backward()
+    experts.average_gradients()
+    return {"y": y.detach(), "x_grad": x.grad, "router": moe.router.weight.grad,
+            "w_up": moe.experts.w_up.grad * 2, "w_down": moe.experts.w_down.grad * 2}  # undo the mean over dp 2
+
+
+def test_an_expert_no_token_reaches_neither_hangs_nor_breaks_the_result():
+    got = run_ranks(ep_layer_with_idle_experts, 2)
+    moe = layer(MoEConfig(4, 2, 8, "softmax", "none"))
+    with torch.no_grad():
+        moe.router.weight[2:] = -100.0 * moe.router.weight[:2].abs().sum(0)
+    for rank in range(2):
+        x = torch.rand(8, 16, generator=torch.Generator().manual_seed(rank)).add(0.1).requires_grad_()
+        y = moe(x)
+        y.square().sum().backward()
+        torch.testing.assert_close(got[rank]["y"], y.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got[rank]["x_grad"], x.grad, rtol=1e-5, atol=1e-6)
+    for rank in range(2):  # expert gradients sum both ranks' tokens
+        torch.testing.assert_close(got[rank]["w_up"], moe.experts.w_up.grad[2 * rank : 2 * rank + 2], rtol=1e-5,
+                                   atol=1e-6)
+    assert got[1]["w_up"].abs().sum() == 0 and got[0]["w_up"].abs().sum() > 0
+
+
+TWO_RANK_RUNS = {
+    "ddp-ep2": ("ddp", "parallel.ep=2", f"train.checkpoint_every={SAVED_AT}"),
+    "ddp-ep2-bias": ("ddp", "parallel.ep=2", *BIAS),
+}
+FOUR_RANK_RUNS = {
+    "ddp-ep4": ("ddp", "parallel.ep=4"),
+    "ddp-ep2-dp4": ("ddp", "parallel.ep=2"),  # each expert on 2 ranks: its gradient summed over them
+}
+
+
+def train_runs(ctx: DistContext, root: Path, runs: dict[str, tuple[str, ...]]) -> dict[str, int]:
+    """Each run; this rank's parameter count after it."""
+    held = {}
+    for name, (strategy, *overrides) in runs.items():
+        trainer = Trainer(cfg_for(root / name, strategy, ctx.world_size, *overrides), ctx)
+        trainer.fit()
+        held[name] = sum(p.numel() for p in trainer.strategy.local_parameters())
+    if ctx.world_size == 4:  # ep 2's checkpoint at step 5, resumed on ep 4
+        resume(ctx, root / "ddp-ep2", root / "ep2-to-ep4", "ddp", "parallel.ep=4")
+    return held
+
+
+def resume(ctx: DistContext, run: Path, out: Path, strategy: str, *overrides: str) -> None:
+    saved = f"step-{SAVED_AT:08d}"
+    if ctx.is_main:
+        shutil.copytree(run / "checkpoints" / saved, out / "checkpoints" / saved)
+        (out / "checkpoints" / "latest").write_text(saved)
+    if ctx.distributed:
+        torch.distributed.barrier()
+    Trainer(cfg_for(out, strategy, ctx.world_size, "run.resume=true", *overrides), ctx).fit()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> tuple[Path, dict[str, list[int]]]:
+    root = tmp_path_factory.mktemp("moe")
+    train_in_process(cfg_for(root / "single", "single", 1))
+    train_in_process(cfg_for(root / "single-bias", "single", 1, *BIAS))
+    held = {}
+    for world, runs in ((2, TWO_RANK_RUNS), (4, FOUR_RANK_RUNS)):
+        ranks = run_ranks(train_runs, world, root, runs, timeout=300)
+        held.update({name: [rank[name] for rank in ranks] for name in runs})
+    return root, held
+
+
+@pytest.mark.parametrize("name", [*TWO_RANK_RUNS, *FOUR_RANK_RUNS])
+def test_expert_parallel_trains_as_one_device_does(runs, name):
+    """Losses within 1e-5 relative and final weights (every expert, gathered) within rtol 1e-5 of
+    single's, over 10 steps; with bias balancing, the biases too (they are buffers of the state)."""
+    root, _ = runs
+    assert_same_training(root / name, root / ("single-bias" if "bias" in name else "single"), STEPS)
+
+
+def test_bias_balancing_changes_the_routing(runs):
+    root, _ = runs
+    plain, biased = (read_records(root / name)[-1]["router"]["tokens_per_expert"] for name in ("single", "single-bias"))
+    assert plain != biased
+    assert sum(plain[0]) == sum(biased[0]) == 8 * 64 * 2  # every pair of the global batch, counted once
+
+
+@pytest.mark.parametrize("name,ep", [("ddp-ep2", 2), ("ddp-ep4", 4), ("ddp-ep2-dp4", 2)])
+def test_each_rank_holds_its_share_of_the_experts(runs, name, ep):
+    root, held = runs
+    model = build_model(cfg_for(Path("."), "single", 1).model)
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    whole = sum(p.numel() for p in model.parameters())
+    assert held[name] == [whole - experts + experts // ep] * len(held[name])
+
+
+def test_a_checkpoint_reshards_to_another_ep_size_and_to_one_process(runs, tmp_path):
+    """ep 2's checkpoint at step 5 resumed on 4 ranks under ep 4, and on one process under single:
+    both continue as the straight single run does."""
+    from shardwise.dist import init_distributed
+
+    root, _ = runs
+    threads = torch.get_num_threads()
+    try:
+        resume(init_distributed(threads_per_rank=1), root / "ddp-ep2", tmp_path / "single", "single")
+    finally:
+        torch.set_num_threads(threads)
+    for resumed in (root / "ep2-to-ep4", tmp_path / "single"):
+        got, want = losses(resumed), losses(root / "single")[SAVED_AT:]
+        assert len(got) == STEPS - SAVED_AT
+        for step, (a, b) in enumerate(zip(got, want, strict=True)):
+            assert abs(a - b) <= 1e-5 * b, (resumed.name, step + SAVED_AT + 1)
