@@ -139,6 +139,7 @@ def test_gpt_moe_counts_its_active_parameters():
     (("model.name=gpt", "parallel.ep=2"), "parallel.ep = 2: splits the experts of Mixture-of-Experts layers"),
     (("parallel.strategy=fsdp", "parallel.ep=2"), "parallel.strategy = 'fsdp' does not split experts yet"),
     (("parallel.cp=2",), "model.balance = 'aux-loss' with parallel.cp = 2"),
+    (("parallel.strategy=dp", "launch.nproc=1"), "dp's replicas would each route their part of a micro-batch"),
 ])
 def test_bad_expert_settings_are_refused_before_any_worker_starts(overrides, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -184,6 +185,7 @@ def test_an_expert_no_token_reaches_neither_hangs_nor_breaks_the_result():
 
 
 TWO_RANK_RUNS = {
+    "fsdp": ("fsdp",),  # experts sharded with the rest of their block, ep 1
     "ddp-ep2": ("ddp", "parallel.ep=2", f"train.checkpoint_every={SAVED_AT}"),
     "ddp-ep2-bias": ("ddp", "parallel.ep=2", *BIAS),
 }

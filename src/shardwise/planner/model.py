@@ -45,7 +45,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shardwise.config import DEFAULT_BLOCK, HF_MODELS, LANGUAGE_MODELS, ModelConfig
+from shardwise.config import DEFAULT_BLOCK, HF_MODELS, LANGUAGE_MODELS, MOE_MODELS, ModelConfig
 from shardwise.memory import ActivationCounter
 from shardwise.models import build_model, loss_fn
 from shardwise.models.hf import decoder_layer_class
@@ -110,6 +110,9 @@ def model_shape(cfg: ModelConfig) -> ModelShape:
     """The planner's key for the model `cfg` names; PlanError for a model it cannot plan."""
     if cfg.name not in LANGUAGE_MODELS:
         raise PlanError(f"model.name = {cfg.name!r}: the planner plans language models ({', '.join(LANGUAGE_MODELS)})")
+    if cfg.name in MOE_MODELS:
+        raise PlanError(f"model.name = {cfg.name!r}: the planner does not count experts, their routing or expert "
+                        "parallel's all-to-alls yet; plan the dense model of the same shape (model.name = 'gpt')")
     return ModelShape(cfg.name, cfg.n_layer, cfg.n_head, cfg.n_kv_head, cfg.d_model, cfg.d_ff, cfg.seq_len,
                       cfg.vocab_size, cfg.bias, cfg.hf_config)
 

@@ -25,7 +25,7 @@ from contextlib import ExitStack
 import torch
 from torch import nn
 
-from shardwise.config import Config, ConfigError, ParallelConfig
+from shardwise.config import MOE_MODELS, Config, ConfigError, ParallelConfig
 from shardwise.dist import DistContext
 from shardwise.memory import active_counters
 from shardwise.precision import Precision
@@ -100,6 +100,10 @@ class DataParallel(Strategy):
         if p.replicas > cfg.train.micro_batch:
             raise ConfigError(f"parallel.replicas = {p.replicas}: more replicas than the train.micro_batch = "
                               f"{cfg.train.micro_batch} samples dp scatters among them")
+        if cfg.model.name in MOE_MODELS:
+            raise ConfigError(f"model.name = {cfg.model.name!r}: dp's replicas would each route their part of a "
+                              "micro-batch, balancing on it alone and counting it apart from the model's own "
+                              "router statistics; train Mixture-of-Experts models under ddp (one rank per device)")
         if p.sync_batchnorm:
             raise ConfigError("parallel.sync_batchnorm = true: dp keeps replica 0's batch statistics, as "
                               "torch.nn.DataParallel does; batch statistics over all replicas are ddp's")
