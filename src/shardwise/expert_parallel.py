@@ -25,6 +25,7 @@ over ep: a checkpoint loads into any ep size, and into strategies without expert
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -52,10 +53,23 @@ class AllToAll(torch.autograd.Function):
         return _exchange(grad, sent, received, ctx.group), None, None, None
 
 
-def _exchange(x: torch.Tensor, received: list[int], sent: list[int], group: dist.ProcessGroup) -> torch.Tensor:
-    out = x.new_empty((sum(received), *x.shape[1:]))
+_exchange_seconds = [0.0]  # spent in this process's all-to-alls since `take_exchange_seconds` last ran
+
+
+def _exchange(x: torch.Tensor, received: list[int] | None, sent: list[int] | None,
+              group: dist.ProcessGroup) -> torch.Tensor:
+    started = time.perf_counter()
+    out = x.new_empty((sum(received), *x.shape[1:])) if received is not None else torch.empty_like(x)
     dist.all_to_all_single(out, x.contiguous(), received, sent, group=group)
+    _exchange_seconds[0] += time.perf_counter() - started
     return out
+
+
+def take_exchange_seconds() -> float:
+    """Seconds this process has spent in expert parallel's all-to-alls (forward and backward, the
+    counts' and the rows') since the last call: their share of a step."""
+    seconds, _exchange_seconds[0] = _exchange_seconds[0], 0.0
+    return seconds
 
 
 class ExpertDispatch:
@@ -67,9 +81,8 @@ class ExpertDispatch:
 
     def __call__(self, rows: torch.Tensor, counts: torch.Tensor, experts: Experts) -> torch.Tensor:
         local = experts.w_up.shape[0]
-        arriving = torch.empty_like(counts)  # [sender, local expert]: rows each rank sends each of ours
-        dist.all_to_all_single(arriving, counts, group=self.group)
-        arriving = arriving.view(self.size, local)
+        # [sender, local expert]: the rows each rank sends each of ours
+        arriving = _exchange(counts, None, None, self.group).view(self.size, local)
         sent = counts.view(self.size, local).sum(1).tolist()
         received = arriving.sum(1).tolist()
         arrived = AllToAll.apply(rows, received, sent, self.group)

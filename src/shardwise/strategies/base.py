@@ -14,7 +14,7 @@ from torch import nn
 from shardwise.attention.context import ContextParallel
 from shardwise.config import DEFAULT_BLOCK, Config, ParallelConfig
 from shardwise.dist import DistContext, init_distributed
-from shardwise.expert_parallel import ExpertParallel
+from shardwise.expert_parallel import ExpertParallel, take_exchange_seconds
 from shardwise.gradients import clip_grad_norm_
 from shardwise.materialise import Materialiser, check_one_device_kind
 from shardwise.memory import MemoryBreakdown, count_memory, local_tensor
@@ -193,7 +193,8 @@ class Strategy:
     def update_routers(self) -> None:
         """After an optimizer step: each MoE layer's pairs per expert over the step, summed over
         the ranks that read different tokens (dp and cp), balance its router (moe.py) and become
-        `router_stats`. Collective where there is a mesh."""
+        `router_stats` (under expert parallel, with the pairs each ep rank computed and the seconds
+        this rank spent in all-to-alls over the step). Collective where there is a mesh."""
         layers = moe.moe_layers(self.module)
         if not layers:
             return
@@ -206,6 +207,12 @@ class Strategy:
         load = routed.float()
         self.router_stats = {"tokens_per_expert": routed.tolist(),
                              "imbalance": (load.max(1).values / load.mean(1).clamp(min=1)).tolist()}
+        if self.experts is not None:
+            by_rank = routed.view(len(layers), self.experts.size, -1).sum(-1)
+            rank_load = by_rank.float()
+            self.router_stats.update(tokens_per_ep_rank=by_rank.tolist(),
+                                     ep_imbalance=(rank_load.max(1).values / rank_load.mean(1).clamp(min=1)).tolist(),
+                                     all_to_all_s=take_exchange_seconds())
 
     def stage_timeline(self) -> list[dict[str, Any]] | None:
         """A pipeline's last step, stage by stage, for metrics (a collective where there is one);
