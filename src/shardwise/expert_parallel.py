@@ -98,24 +98,30 @@ class ExpertParallel:
     experts, and what the strategy does differently for them."""
 
     def __init__(self, mesh: Mesh, model: nn.Module) -> None:
-        """Keep this rank's share of every MoE layer's experts (of a model already materialised,
-        every rank's the same), and route the layers through `ExpertDispatch`."""
         self.mesh = mesh
         self.size, self.rank, self.dp = mesh.size("ep"), mesh.rank("ep"), mesh.size("dp")
         self.group, self.replicas = mesh.group("ep"), mesh.group("edp")
+        self.model = model  # what parameters are named by
         self.full_shapes: dict[str, torch.Size] = {}  # expert parameter name -> its shape with every expert
-        names = {id(p): name for name, p in model.named_parameters()}
-        for layer in moe_layers(model):
+        self.params: list[nn.Parameter] = []  # this rank's experts, as split so far
+        self._ids: set[int] = set()
+
+    def split(self, module: nn.Module) -> None:
+        """Keep this rank's share of the experts of every MoE layer in `module` (real now, the same
+        on every rank: the model, or a block being made), and route the layers through
+        `ExpertDispatch`."""
+        names = {id(p): name for name, p in self.model.named_parameters()}
+        for layer in moe_layers(module):
             experts = layer.experts
             for key, param in list(experts.named_parameters(recurse=False)):
                 share = param.shape[0] // self.size
-                self.full_shapes[names[id(param)]] = param.shape
+                name = names[id(param)]
+                self.full_shapes[name] = param.shape
                 kept = param.detach()[self.rank * share : (self.rank + 1) * share].clone()
                 setattr(experts, key, nn.Parameter(kept, requires_grad=param.requires_grad))
+                self.params.append(getattr(experts, key))
+                self._ids.add(id(self.params[-1]))
             layer.dispatch = ExpertDispatch(self.group, self.size)
-        held = dict(model.named_parameters())
-        self.params = [held[name] for name in self.full_shapes]
-        self._ids = {id(p) for p in self.params}
 
     def is_expert(self, param: torch.Tensor) -> bool:
         return id(param) in self._ids

@@ -96,12 +96,15 @@ class Strategy:
         there whole, every tensor initialised as `single` initialises it (materialise.py); a
         strategy that keeps less passes `materialise=False` and materialises what it keeps from
         `self.materialiser` itself (the model then stays on meta, in the storage dtype). Under expert
-        parallel (`parallel.ep`), a materialised model then keeps only this rank's experts."""
+        parallel (`parallel.ep`), a materialised model then keeps only this rank's experts; a strategy
+        that materialises parts itself splits their experts (`self.experts.split`)."""
         self.cfg = dataclasses.replace(self.cfg, block=block_class(model, self.cfg.block))
         apply_recompute(model, self.cfg.recompute, self.cfg.block, once=self.recompute_once)
         self.context = ContextParallel(self.cfg.cp_mode, self.context_group())
         if self.cfg.cp > 1:
             self.context.feed_positions(*find_positions(model))
+        if self.cfg.ep > 1:
+            self.experts = ExpertParallel(self.mesh, model)
         if not check_one_device_kind(model, f"parallel.strategy = {self.cfg.strategy!r}"):
             model.to(self.ctx.device, self.precision.param_dtype)
         else:
@@ -109,8 +112,8 @@ class Strategy:
             if not materialise:
                 return model.to(dtype=self.precision.param_dtype)
             self.materialiser.materialise_all(self.ctx.device, self.precision.param_dtype)
-        if self.cfg.ep > 1:
-            self.experts = ExpertParallel(self.mesh, model)
+        if self.experts is not None:
+            self.experts.split(model)
         return model
 
     def context_group(self) -> dist.ProcessGroup | None:
