@@ -137,7 +137,10 @@ def test_gpt_moe_counts_its_active_parameters():
     (("parallel.ep=4",), "parallel.ep = 4: the expert-parallel ranks are data-parallel ranks, so ep must divide dp = 2"
      ),
     (("model.name=gpt", "parallel.ep=2"), "parallel.ep = 2: splits the experts of Mixture-of-Experts layers"),
-    (("parallel.strategy=fsdp", "parallel.ep=2"), "parallel.strategy = 'fsdp' does not split experts yet"),
+    (("parallel.strategy=hsdp", "parallel.ep=2"), "parallel.strategy = 'hsdp' does not split experts yet"),
+    (("parallel.strategy=fsdp", "parallel.ep=2", "model.n_experts=2", "launch.nproc=4"),
+     "fsdp shards each ep rank's 1 experts over the dp / ep = 2 ranks"),
+    (("parallel.ep=2", "parallel.cp=2", "model.balance=bias"), "parallel.ep = 2 with parallel.cp = 2"),
     (("parallel.cp=2",), "model.balance = 'aux-loss' with parallel.cp = 2"),
     (("parallel.strategy=dp", "launch.nproc=1"), "dp's replicas would each route their part of a micro-batch"),
 ])
@@ -188,23 +191,27 @@ def test_an_expert_no_token_reaches_neither_hangs_nor_breaks_the_result():
 TWO_RANK_RUNS = {
     "fsdp": ("fsdp",),  # experts sharded with the rest of their block, ep 1
     "ddp-ep2": ("ddp", "parallel.ep=2", f"train.checkpoint_every={SAVED_AT}"),
-    "ddp-ep2-bias": ("ddp", "parallel.ep=2", *BIAS),
+    "zero1-ep2-bias": ("zero1", "parallel.ep=2", *BIAS),
 }
 FOUR_RANK_RUNS = {
-    "ddp-ep4": ("ddp", "parallel.ep=4"),
     "ddp-ep2-dp4": ("ddp", "parallel.ep=2"),  # each expert on 2 ranks: its gradient summed over them
+    # each ep rank's experts sharded over 2
+    "fsdp-ep2": ("fsdp", "parallel.ep=2", f"train.checkpoint_every={SAVED_AT}"),
+    "zero2-ep4-bf16-recompute": ("zero2", "parallel.ep=4", "parallel.precision=bf16-mixed",
+                                 "parallel.recompute=blocks"),
 }
+EXPERTS_HELD = {"ddp-ep2": 2, "zero1-ep2-bias": 2, "ddp-ep2-dp4": 2, "fsdp-ep2": 4, "zero2-ep4-bf16-recompute": 4}
 
 
 def train_runs(ctx: DistContext, root: Path, runs: dict[str, tuple[str, ...]]) -> dict[str, int]:
-    """Each run; this rank's parameter count after it."""
+    """Each run; the expert elements this rank holds after it (whole, or its shards)."""
     held = {}
     for name, (strategy, *overrides) in runs.items():
         trainer = Trainer(cfg_for(root / name, strategy, ctx.world_size, *overrides), ctx)
         trainer.fit()
-        held[name] = sum(p.numel() for p in trainer.strategy.local_parameters())
-    if ctx.world_size == 4:  # ep 2's checkpoint at step 5, resumed on ep 4
-        resume(ctx, root / "ddp-ep2", root / "ep2-to-ep4", "ddp", "parallel.ep=4")
+        held[name] = sum(p.numel() for n, p in trainer.strategy.named_local_parameters() if ".experts." in n)
+    if ctx.world_size == 4:  # ddp ep 2's checkpoint at step 5 (2 ranks), resumed under fsdp, ep 2 x 2 shards
+        resume(ctx, root / "ddp-ep2", root / "ddp-ep2-to-fsdp-ep2", "fsdp", "parallel.ep=2")
     return held
 
 
@@ -223,6 +230,7 @@ def runs(tmp_path_factory) -> tuple[Path, dict[str, list[int]]]:
     root = tmp_path_factory.mktemp("moe")
     train_in_process(cfg_for(root / "single", "single", 1))
     train_in_process(cfg_for(root / "single-bias", "single", 1, *BIAS))
+    train_in_process(cfg_for(root / "single-bf16", "single", 1, "parallel.precision=bf16-mixed"))
     held = {}
     for world, runs in ((2, TWO_RANK_RUNS), (4, FOUR_RANK_RUNS)):
         ranks = run_ranks(train_runs, world, root, runs, timeout=300)
@@ -230,12 +238,20 @@ def runs(tmp_path_factory) -> tuple[Path, dict[str, list[int]]]:
     return root, held
 
 
-@pytest.mark.parametrize("name", [*TWO_RANK_RUNS, *FOUR_RANK_RUNS])
+@pytest.mark.parametrize("name", [name for name in [*TWO_RANK_RUNS, *FOUR_RANK_RUNS] if "bf16" not in name])
 def test_expert_parallel_trains_as_one_device_does(runs, name):
     """Losses within 1e-5 relative and final weights (every expert, gathered) within rtol 1e-5 of
     single's, over 10 steps; with bias balancing, the biases too (they are buffers of the state)."""
     root, _ = runs
     assert_same_training(root / name, root / ("single-bias" if "bias" in name else "single"), STEPS)
+
+
+def test_expert_parallel_in_bf16_with_recomputed_blocks_trains_as_one_device_does(runs):
+    """bf16 rounds differently on other batches of rows: the bound the other bf16 tests use. The
+    recomputed blocks run their all-to-alls again in backward, on every rank alike."""
+    root, _ = runs
+    got, want = losses(root / "zero2-ep4-bf16-recompute"), losses(root / "single-bf16")
+    assert len(got) == STEPS and max(abs(a - b) / b for a, b in zip(got, want, strict=True)) < 5e-4
 
 
 def test_bias_balancing_changes_the_routing(runs):
@@ -245,27 +261,38 @@ def test_bias_balancing_changes_the_routing(runs):
     assert sum(plain[0]) == sum(biased[0]) == 8 * 64 * 2  # every pair of the global batch, counted once
 
 
-@pytest.mark.parametrize("name,ep", [("ddp-ep2", 2), ("ddp-ep4", 4), ("ddp-ep2-dp4", 2)])
-def test_each_rank_holds_its_share_of_the_experts(runs, name, ep):
+def test_the_ranks_report_the_load_of_each_ep_rank(runs):
+    """Each step's pairs per ep rank are those of its experts, and the all-to-alls took time."""
+    root, _ = runs
+    for record in read_records(root / "fsdp-ep2"):
+        router = record["router"]
+        for experts, ranks in zip(router["tokens_per_expert"], router["tokens_per_ep_rank"], strict=True):
+            assert ranks == [sum(experts[:4]), sum(experts[4:])]
+        assert router["all_to_all_s"] > 0
+
+
+@pytest.mark.parametrize("name", list(EXPERTS_HELD))
+def test_each_rank_holds_its_share_of_the_experts(runs, name):
+    """1/ep of the experts, and under the sharded strategies 1/(dp / ep) of those: counted."""
     root, held = runs
     model = build_model(cfg_for(Path("."), "single", 1).model)
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
-    whole = sum(p.numel() for p in model.parameters())
-    assert held[name] == [whole - experts + experts // ep] * len(held[name])
+    assert held[name] == [experts // EXPERTS_HELD[name]] * len(held[name])
 
 
 def test_a_checkpoint_reshards_to_another_ep_size_and_to_one_process(runs, tmp_path):
-    """ep 2's checkpoint at step 5 resumed on 4 ranks under ep 4, and on one process under single:
-    both continue as the straight single run does."""
+    """ddp ep 2's checkpoint at step 5 (2 ranks) resumed on 4 ranks under fsdp with ep 2 x 2 shards;
+    fsdp ep 2's (4 ranks, each expert's rows in pieces) resumed on one process under single: both
+    continue as the straight single run does."""
     from shardwise.dist import init_distributed
 
     root, _ = runs
     threads = torch.get_num_threads()
     try:
-        resume(init_distributed(threads_per_rank=1), root / "ddp-ep2", tmp_path / "single", "single")
+        resume(init_distributed(threads_per_rank=1), root / "fsdp-ep2", tmp_path / "single", "single")
     finally:
         torch.set_num_threads(threads)
-    for resumed in (root / "ep2-to-ep4", tmp_path / "single"):
+    for resumed in (root / "ddp-ep2-to-fsdp-ep2", tmp_path / "single"):
         got, want = losses(resumed), losses(root / "single")[SAVED_AT:]
         assert len(got) == STEPS - SAVED_AT
         for step, (a, b) in enumerate(zip(got, want, strict=True)):

@@ -51,7 +51,8 @@ LANGUAGE_MODELS = ("gpt", "gpt-moe", *HF_MODELS)
 MOE_MODELS = ("gpt-moe",)  # models whose blocks have Mixture-of-Experts layers (models/moe.py)
 ROUTER_SCORES = ("softmax", "sigmoid")
 BALANCES = ("aux-loss", "bias", "none")
-EP_STRATEGIES = ("ddp",)  # the strategies that split experts over parallel.ep ranks (expert_parallel.py)
+# The strategies that split experts over parallel.ep ranks (expert_parallel.py).
+EP_STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
 MODELS = (*LANGUAGE_MODELS, "cnn", "mlp")
 GPT_PRESETS = ("tiny", "small", "gpt2-124m")
 OPTIMIZERS = ("adamw", "sgd")
@@ -651,10 +652,18 @@ def _validate_experts(cfg: Config, world: int) -> None:
     if m.n_experts % p.ep:
         raise ConfigError(f"parallel.ep = {p.ep}: must divide model.n_experts = {m.n_experts}; each ep rank holds "
                           "an equal share of every layer's experts")
-    dp = p.mesh_shape(world)[0]
+    dp, pp, tp = p.mesh_shape(world)
+    for key, size in (("cp", p.cp), ("pp", pp), ("tp", tp)):
+        if size > 1:
+            raise ConfigError(f"parallel.ep = {p.ep} with parallel.{key} = {size}: expert parallel does not compose "
+                              f"with {key} yet; it splits the experts over data-parallel ranks only")
     if dp % p.ep:
         raise ConfigError(f"parallel.ep = {p.ep}: the expert-parallel ranks are data-parallel ranks, so ep must "
                           f"divide dp = {dp} (world size {world}); e.g. --nproc {p.ep}")
+    if spec(p.strategy).zero_stage and m.n_experts // p.ep % (dp // p.ep):
+        raise ConfigError(f"parallel.ep = {p.ep}: {p.strategy} shards each ep rank's {m.n_experts // p.ep} experts "
+                          f"over the dp / ep = {dp // p.ep} ranks that hold the same ones; they must divide evenly "
+                          "(raise model.n_experts or parallel.ep)")
 
 
 def _validate_weights(weights: str, strategy: str) -> None:

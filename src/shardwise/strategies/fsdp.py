@@ -79,10 +79,26 @@ if TYPE_CHECKING:
 HOST = torch.device("cpu")
 
 
+@dataclass(frozen=True)
+class ShardGroup:
+    """The ranks a unit's parameters are sharded over: its process group, their number, this rank's
+    place among them, and the DTensor layout checkpoints see a shard in. Experts split over expert
+    parallel are sharded over the ranks that hold the same experts (`edp`), and their averaged
+    gradients scaled by 1/ep: each already sums what every ep rank's tokens contributed."""
+
+    group: dist.ProcessGroup
+    world: int
+    rank: int
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+    grad_scale: float = 1.0
+
+
 @dataclass
 class Unit:
     """Parameters gathered, freed and reduced together, and their shards packed in one buffer."""
 
+    over: ShardGroup
     params: list[nn.Parameter]
     rows: list[int]  # rows of each parameter's shard (its padded dim 0 / world size)
     offsets: list[int]  # where each parameter's shard starts among this rank's packed shards
@@ -137,7 +153,10 @@ class ShardedDataParallel(HookedStrategy):
             raise ValueError(f"{self.cfg.strategy}: parameters {', '.join(scalars)} are 0-dim; sharding splits dim 0")
         self._init_mesh()
         if self.materialiser is None:  # an ordinary model: rank 0's values (meta-built ones agree by construction)
-            broadcast_from_rank0([*self.module.parameters(), *self.module.buffers()])
+            broadcast_from_rank0([*(p for p in self.module.parameters() if not self._is_expert(p)),
+                                  *self.module.buffers()])
+            if self.experts is not None:
+                self.experts.broadcast()
         self.splitter = self._tensor_splitter()
         self._shard({}, [])
         if self.splitter is not None:
@@ -227,6 +246,16 @@ class ShardedDataParallel(HookedStrategy):
 
         self._placements: list[Placement] = [Shard(0)]
 
+    def _shard_groups(self) -> tuple[ShardGroup, ShardGroup | None]:
+        """What dense units are sharded over (`_init_mesh`'s group), and experts split over ep (the
+        edp ranks); None without expert parallel."""
+        dense = ShardGroup(self.group, self.world, self.rank, self._mesh, tuple(self._placements))
+        if self.experts is None:
+            return dense, None
+        edp = self.mesh["edp"]
+        return dense, ShardGroup(edp.get_group(), edp.size(), edp.get_local_rank(), edp, tuple(self._placements),
+                                 1 / self.experts.size)
+
     def _tensor_splitter(self) -> BlockSplitter | None:
         """Over a mesh with tp ranks: what splits each block over them as its family's plan lays
         it out (tensor.py), before the block is sharded as a unit over the data-parallel ranks; the
@@ -245,12 +274,15 @@ class ShardedDataParallel(HookedStrategy):
         meta-built model unit by unit, keeping each unit's shards only, so setup holds at most the
         shards made so far and one whole unit (`setup_peak_bytes`, counted)."""
         grouping = self.materialiser or Materialiser(self.module, self.cfg.block, self.seed)
-        self._unit_modules = []
+        dense, experts = self._shard_groups()
+        self._unit_modules, self._block_units = [], []
         self.setup_peak_bytes = 0
         units = []
         for group in grouping.groups:
             if self.materialiser is not None and (self.stage == 3 or self.splitter is not None):
                 self.materialiser.materialise(group, self.ctx.device, self.precision.param_dtype)
+                if self.experts is not None and group.block is not None:
+                    self.experts.split(group.block)
             if self.splitter is not None and group.block is not None:
                 self.splitter.split(group.block)  # the block's layers now hold this rank's tp shards
                 if self.materialiser is not None:
@@ -260,15 +292,24 @@ class ShardedDataParallel(HookedStrategy):
                 params = [p for p in grouping.parameters(group) if p.requires_grad]
             if not params and group.block is not None:
                 continue
+            # Experts split over ep are a unit of their own, sharded over the ranks holding the same experts.
+            by_group = [(dense, [p for p in params if not self._is_expert(p)]),
+                        (experts, [p for p in params if self._is_expert(p)])]
+            made = [self._make_unit(over, held) for over, held in by_group if held]
             if group.block is not None:
                 self._unit_modules.append(group.block)
-            units.append(self._make_unit(params))
-            self.setup_peak_bytes = max(self.setup_peak_bytes, self._live_bytes(units))
-            if self.stage == 3:
-                self._keep_shards_only(units[-1])
-            else:
-                self._count_gathered(units[-1].full_bytes)
+                self._block_units.append(made)
+            for unit in made:
+                units.append(unit)
+                self.setup_peak_bytes = max(self.setup_peak_bytes, self._live_bytes(units))
+                if self.stage == 3:
+                    self._keep_shards_only(unit)
+                else:
+                    self._count_gathered(unit.full_bytes)
         return units
+
+    def _is_expert(self, param: nn.Parameter) -> bool:
+        return self.experts is not None and self.experts.is_expert(param)
 
     def _keep_shards_only(self, unit: Unit) -> None:
         """fsdp: free the unit's full parameters, which exist only while it computes (gathered in
@@ -291,24 +332,24 @@ class ShardedDataParallel(HookedStrategy):
         buffers = [b for unit in units for b in (unit.shard_buffer, unit.grads) if b is not None]
         return storage_bytes(tensors + buffers)
 
-    def _make_unit(self, params: list[nn.Parameter]) -> Unit:
-        rows = [math.ceil(p.shape[0] / self.world) for p in params]
+    def _make_unit(self, over: ShardGroup, params: list[nn.Parameter]) -> Unit:
+        rows = [math.ceil(p.shape[0] / over.world) for p in params]
         lengths = [r * p[0].numel() for r, p in zip(rows, params, strict=True)]
         offsets = [sum(lengths[:i]) for i in range(len(lengths))]
         master = self.precision.param_dtype
         working = self.precision.compute_dtype if self.precision.mixed else master
-        unit = Unit(params, rows, offsets, sum(lengths), working, shards=[], shard_buffer=None)
+        unit = Unit(over, params, rows, offsets, sum(lengths), working, shards=[], shard_buffer=None)
         if self.stage == 3 or working != master or self.offload:
             unit.shard_buffer = torch.zeros(unit.shard_numel, dtype=master, device=self.master_device)
             for param, r, offset, length in zip(params, rows, offsets, lengths, strict=True):
                 view = unit.shard_buffer[offset : offset + length].view(r, *param.shape[1:])
-                chunk = param.detach()[self.rank * r : (self.rank + 1) * r]
+                chunk = param.detach()[over.rank * r : (over.rank + 1) * r]
                 view[: chunk.shape[0]].copy_(chunk)
                 unit.shards.append(nn.Parameter(view))
         if self.stage < 3:
-            unit.full = self._flatten(params, rows, working)
+            unit.full = self._flatten(params, rows, working, over.world)
             if unit.shard_buffer is None:  # the master shards are this rank's rows of the whole parameters
-                unit.shards = [nn.Parameter(region[self.rank].view(r, *p.shape[1:]))
+                unit.shards = [nn.Parameter(region[over.rank].view(r, *p.shape[1:]))
                                for region, r, p in zip(self._regions(unit, unit.full), rows, params, strict=True)]
         if self.stage == 1:
             # Large enough to hold the shard gradients too, in the master dtype (only one rank needs more).
@@ -316,10 +357,10 @@ class ShardedDataParallel(HookedStrategy):
             unit.grads = torch.zeros(max(unit.full.numel(), as_working), dtype=working, device=self.ctx.device)
         return unit
 
-    def _flatten(self, params: list[nn.Parameter], rows: list[int], dtype: torch.dtype) -> torch.Tensor:
-        """One buffer holding `params` in `dtype`, each padded to world x its shard's rows, and each
+    def _flatten(self, params: list[nn.Parameter], rows: list[int], dtype: torch.dtype, world: int) -> torch.Tensor:
+        """One buffer holding `params` in `dtype`, each padded to `world` x its shard's rows, and each
         parameter made a view into it."""
-        padded = [self.world * r * p[0].numel() for r, p in zip(rows, params, strict=True)]
+        padded = [world * r * p[0].numel() for r, p in zip(rows, params, strict=True)]
         full = torch.zeros(sum(padded), dtype=dtype, device=self.ctx.device)
         start = 0
         for param, length in zip(params, padded, strict=True):
@@ -332,11 +373,11 @@ class ShardedDataParallel(HookedStrategy):
     def _regions(self, unit: Unit, buffer: torch.Tensor) -> list[torch.Tensor]:
         """Each parameter's place in `buffer` (laid out as `Unit.full`) as [world, shard elements]:
         row r is rank r's shard of it."""
-        regions, start = [], 0
+        regions, start, world = [], 0, unit.over.world
         for param, rows in zip(unit.params, unit.rows, strict=True):
             length = rows * param[0].numel()
-            regions.append(buffer[start : start + self.world * length].view(self.world, length))
-            start += self.world * length
+            regions.append(buffer[start : start + world * length].view(world, length))
+            start += world * length
         return regions
 
     @staticmethod
@@ -344,11 +385,11 @@ class ShardedDataParallel(HookedStrategy):
         """Rows of `rank`'s shard that hold `param`'s data; the rest are padding."""
         return max(0, min(rows, param.shape[0] - rank * rows))
 
-    def _rank_spans(self, param: torch.Tensor, rows: int) -> list[tuple[int, int]]:
-        """For each rank, (start, length) of its chunk in `param` flattened."""
+    def _rank_spans(self, param: torch.Tensor, rows: int, world: int) -> list[tuple[int, int]]:
+        """For each of `world` ranks, (start, length) of its chunk in `param` flattened."""
         row_numel = param[0].numel()
         return [(rank * rows * row_numel, self._real_rows(param, rows, rank) * row_numel)
-                for rank in range(self.world)]
+                for rank in range(world)]
 
     # --- gather / free --------------------------------------------------------------------
 
@@ -357,8 +398,8 @@ class ShardedDataParallel(HookedStrategy):
         if unit.gathered or unit.pending_gather is not None:
             return
         send = self._packed_shards(unit, unit.full_dtype)
-        out = torch.empty(self.world * send.numel(), dtype=send.dtype, device=send.device)
-        work = dist.all_gather_single(out, send, group=self.group, async_op=True)
+        out = torch.empty(unit.over.world * send.numel(), dtype=send.dtype, device=send.device)
+        work = dist.all_gather_single(out, send, group=unit.over.group, async_op=True)
         moved = (out.numel() + send.numel()) * out.element_size()
         self.bytes_moved += moved
         self.bytes_gathered += moved
@@ -371,7 +412,7 @@ class ShardedDataParallel(HookedStrategy):
             return unit.shard_buffer.to(self.ctx.device, dtype)
         packed = torch.empty(unit.shard_numel, dtype=dtype, device=self.ctx.device)
         for region, offset in zip(self._regions(unit, unit.full), unit.offsets, strict=True):
-            packed[offset : offset + region.shape[1]].copy_(region[self.rank])
+            packed[offset : offset + region.shape[1]].copy_(region[unit.over.rank])
         return packed
 
     def _finish_gather(self, unit: Unit) -> None:
@@ -381,7 +422,7 @@ class ShardedDataParallel(HookedStrategy):
         self._start_gather(unit)
         work, out = unit.pending_gather
         work.wait()
-        per_rank = out.view(self.world, -1)
+        per_rank = out.view(unit.over.world, -1)
         if unit.full is not None:  # zero1, zero2: one copy per parameter, padding included
             for region, offset in zip(self._regions(unit, unit.full), unit.offsets, strict=True):
                 region.copy_(per_rank[:, offset : offset + region.shape[1]])
@@ -405,7 +446,7 @@ class ShardedDataParallel(HookedStrategy):
     def _copy_out(self, full: torch.Tensor, rows: int, offset: int, per_rank: torch.Tensor) -> None:
         """Fill `full` (a parameter's whole value) from every rank's packed shards."""
         flat = full.view(-1)
-        for rank, (start, n) in enumerate(self._rank_spans(full, rows)):
+        for rank, (start, n) in enumerate(self._rank_spans(full, rows, per_rank.shape[0])):
             flat[start : start + n].copy_(per_rank[rank, offset : offset + n])
 
     def _free(self, unit: Unit) -> None:
@@ -419,7 +460,7 @@ class ShardedDataParallel(HookedStrategy):
     # --- fsdp hooks: gather before use, free after, prefetch ahead -------------------------
 
     def _install_gather_hooks(self) -> None:
-        blocks = self.units[:-1]
+        blocks = self._block_units
         self.module.register_forward_pre_hook(self._before_root_forward)
         self.module.register_forward_hook(self._after_root_forward)
         for index, module in enumerate(self._unit_modules):
@@ -428,17 +469,20 @@ class ShardedDataParallel(HookedStrategy):
 
     def _before_root_forward(self, module: nn.Module, args: object) -> None:
         self._finish_gather(self.root)
-        if self.units[:-1]:
-            self._start_gather(self.units[0])
+        for unit in self._block_units[0] if self._block_units else []:
+            self._start_gather(unit)
 
-    def _before_unit_forward(self, blocks: list[Unit], index: int) -> None:
-        self._finish_gather(blocks[index])
+    def _before_unit_forward(self, blocks: list[list[Unit]], index: int) -> None:
+        for unit in blocks[index]:
+            self._finish_gather(unit)
         for ahead in blocks[index + 1 : index + 1 + self.cfg.prefetch]:
-            self._start_gather(ahead)
+            for unit in ahead:
+                self._start_gather(unit)
 
-    def _after_unit_forward(self, blocks: list[Unit], index: int, output: object) -> None:
+    def _after_unit_forward(self, blocks: list[list[Unit]], index: int, output: object) -> None:
         if self.cfg.reshard_after_forward:
-            self._free(blocks[index])
+            for unit in blocks[index]:
+                self._free(unit)
         # A unit may return a tuple or a dict (many transformers layers do): the first gradient to
         # reach any of its tensors gathers it again, the others find it gathered.
         for tensor in pytree.tree_leaves(output):
@@ -449,10 +493,12 @@ class ShardedDataParallel(HookedStrategy):
         if not torch.is_grad_enabled():  # no backward will follow (evaluation)
             self._free(self.root)
 
-    def _before_unit_backward(self, blocks: list[Unit], index: int) -> None:
-        self._finish_gather(blocks[index])
+    def _before_unit_backward(self, blocks: list[list[Unit]], index: int) -> None:
+        for unit in blocks[index]:
+            self._finish_gather(unit)
         for behind in blocks[max(0, index - self.cfg.prefetch) : index][::-1]:
-            self._start_gather(behind)
+            for unit in behind:
+                self._start_gather(unit)
 
     # --- backward: reduce-scatter gradients ----------------------------------------------
 
@@ -490,7 +536,8 @@ class ShardedDataParallel(HookedStrategy):
         unit's reduce-scatter is waited for first: it has had this unit's whole backward to finish,
         and its packed gradients (a unit's worth) need not live beside these."""
         self._settle_reductions()
-        packed = torch.empty(self.world, unit.shard_numel, dtype=self.precision.reduce_dtype, device=self.ctx.device)
+        world = unit.over.world
+        packed = torch.empty(world, unit.shard_numel, dtype=self.precision.reduce_dtype, device=self.ctx.device)
         if unit.grads is not None:  # zero1: its gradient buffer, padded as the shards are
             for region, offset in zip(self._regions(unit, unit.grads), unit.offsets, strict=True):
                 packed[:, offset : offset + region.shape[1]].copy_(region)
@@ -499,19 +546,19 @@ class ShardedDataParallel(HookedStrategy):
             for param, rows, offset in zip(unit.params, unit.rows, unit.offsets, strict=True):
                 part = packed[:, offset : offset + rows * param[0].numel()]
                 if param.grad is not None and param.numel() == part.numel():  # no padding: one copy
-                    part.copy_(param.grad.view(self.world, -1))
+                    part.copy_(param.grad.view(world, -1))
                     continue
                 part.zero_()  # padding, or no gradient on this rank: it contributes zeros
                 if param.grad is not None:
                     flat = param.grad.view(-1)
-                    for rank, (start, n) in enumerate(self._rank_spans(param, rows)):
+                    for rank, (start, n) in enumerate(self._rank_spans(param, rows, world)):
                         packed[rank, offset : offset + n].copy_(flat[start : start + n])
         for param in unit.params:
             param.grad = None
         home = self._shard_grad_buffer(unit)
         same = home.dtype == packed.dtype and home.device == packed.device
         shard_grad = home if same else torch.empty(unit.shard_numel, dtype=packed.dtype, device=packed.device)
-        work = dist.reduce_scatter_single(shard_grad, packed.view(-1), op=dist.ReduceOp.AVG, group=self.group,
+        work = dist.reduce_scatter_single(shard_grad, packed.view(-1), op=dist.ReduceOp.AVG, group=unit.over.group,
                                           async_op=True)
         self.bytes_moved += (packed.numel() + unit.shard_numel) * packed.element_size()
         self._reductions.append((work, unit, shard_grad, home))
@@ -524,6 +571,8 @@ class ShardedDataParallel(HookedStrategy):
         while self._reductions:
             work, unit, shard_grad, home = self._reductions.pop(0)
             work.wait()
+            if unit.over.grad_scale != 1.0:
+                shard_grad.mul_(unit.over.grad_scale)
             if shard_grad is not home:
                 home.copy_(shard_grad)
             for shard, offset in zip(unit.shards, unit.offsets, strict=True):
@@ -634,25 +683,29 @@ class ShardedDataParallel(HookedStrategy):
         """`param` whole on the first rank of the first replica's shard group at tp rank 0, None on
         the others: collective over the ranks that hold a shard of it."""
         shard, rows = self._shard_of[id(param)]
+        over = self._unit_of[id(param)].over
         split = self.tensor_shards.get(id(param))
         if self.replica != 0 or (split is None and self.tp_rank != 0):
             return None
-        whole = self._gather_to_first(param, shard, rows)
-        if split is not None and self.rank == 0:
+        whole = self._gather_to_first(param, shard, rows, over)
+        if self._is_expert(param):  # the first of each expert group's edp ranks holds its experts: join them
+            return self.experts.gather(whole) if over.rank == 0 else None
+        if split is not None and over.rank == 0:
             parts = [torch.empty_like(whole) for _ in range(self.tp)] if self.tp_rank == 0 else None
             gather_in_place(whole, parts, self.mesh.group("tp"))
             whole = split.join(parts) if parts is not None else None
         return whole
 
-    def _gather_to_first(self, param: nn.Parameter, shard: nn.Parameter, rows: int) -> torch.Tensor | None:
-        """`param`'s whole value on rank 0 of the shard group, from every rank's `shard` of it."""
+    def _gather_to_first(self, param: nn.Parameter, shard: nn.Parameter, rows: int,
+                         over: ShardGroup) -> torch.Tensor | None:
+        """`param`'s whole value on rank 0 of its shard group, from every rank's `shard` of it."""
         send = shard.detach().to(self.ctx.device).reshape(-1)
-        if self.rank != 0:
-            gather_in_place(send, None, self.group)
+        if over.rank != 0:
+            gather_in_place(send, None, over.group)
             return None
-        gathered = torch.empty(self.world * send.numel(), dtype=send.dtype, device=send.device)
-        gather_in_place(send, list(gathered.view(self.world, -1)), self.group)
-        return gathered.view(self.world * rows, *param.shape[1:])[: param.shape[0]]
+        gathered = torch.empty(over.world * send.numel(), dtype=send.dtype, device=send.device)
+        gather_in_place(send, list(gathered.view(over.world, -1)), over.group)
+        return gathered.view(over.world * rows, *param.shape[1:])[: param.shape[0]]
 
     def named_local_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return [(name, self._shard_of[id(param)][0]) for name, param in self.module.named_parameters()]
@@ -667,13 +720,20 @@ class ShardedDataParallel(HookedStrategy):
         from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
         param, rows = self._layout[name]
-        real = local[: self._real_rows(param, rows, self.rank)]
+        over = self._unit_of[id(param)].over
+        real = local[: self._real_rows(param, rows, over.rank)]
+        if self._is_expert(param):  # rows of this ep rank's experts: where they lie among all the experts
+            full = torch.empty(self.experts.full_shapes[name], device="meta")
+            start = self.experts.rank * param.shape[0] + over.rank * rows
+            wrapper = LocalShardsWrapper([exact_storage(real)], [(start,) + (0,) * (param.dim() - 1)])
+            return DTensor.from_local(wrapper, self.mesh["ep"], [Shard(0)], run_check=False, shape=full.shape,
+                                      stride=full.stride())
         split = self.tensor_shards.get(id(param))
         if split is None:
-            return DTensor.from_local(exact_storage(real), self._mesh, self._placements, run_check=False,
+            return DTensor.from_local(exact_storage(real), over.mesh, over.placements, run_check=False,
                                       shape=param.shape, stride=param.stride())
         full = self._full[name]
-        pieces = split.pieces(real, self.rank * rows, full.shape, self.tp_rank, self.tp)
+        pieces = split.pieces(real, over.rank * rows, full.shape, self.tp_rank, self.tp)
         if not pieces:
             raise ValueError(f"{self.cfg.strategy} over tensor parallel: {name} has {param.shape[0]} rows on each of "
                              f"the {self.tp} tp ranks, fewer than the {self.world} data-parallel ranks sharding them")
