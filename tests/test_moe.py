@@ -23,6 +23,9 @@ from shardwise.trainer import Trainer
 STEPS, SAVED_AT = 10, 5
 MOE = ("model.name=gpt-moe", "model.n_experts=8", "model.top_k=2", "model.d_expert=64")
 BIAS = ("model.balance=bias", "model.balance_rate=0.01")
+# transformers' own MoE models, their code unchanged: experts of width d_ff (Mixtral), 64 (Qwen3-MoE)
+MIXTRAL = ("model.name=hf-mixtral", "model.n_kv_head=1")
+QWEN3_MOE = ("model.name=hf-qwen3-moe", "model.n_kv_head=1")
 
 
 def cfg_for(out: Path, strategy: str, world: int, *overrides: str):
@@ -192,6 +195,8 @@ TWO_RANK_RUNS = {
     "fsdp": ("fsdp",),  # experts sharded with the rest of their block, ep 1
     "ddp-ep2": ("ddp", "parallel.ep=2", f"train.checkpoint_every={SAVED_AT}"),
     "zero1-ep2-bias": ("zero1", "parallel.ep=2", *BIAS),
+    "mixtral-ddp-ep2": ("ddp", "parallel.ep=2", *MIXTRAL),
+    "qwen3-moe-fsdp-ep2": ("fsdp", "parallel.ep=2", *QWEN3_MOE),
 }
 FOUR_RANK_RUNS = {
     "ddp-ep2-dp4": ("ddp", "parallel.ep=2"),  # each expert on 2 ranks: its gradient summed over them
@@ -200,7 +205,9 @@ FOUR_RANK_RUNS = {
     "zero2-ep4-bf16-recompute": ("zero2", "parallel.ep=4", "parallel.precision=bf16-mixed",
                                  "parallel.recompute=blocks"),
 }
-EXPERTS_HELD = {"ddp-ep2": 2, "zero1-ep2-bias": 2, "ddp-ep2-dp4": 2, "fsdp-ep2": 4, "zero2-ep4-bf16-recompute": 4}
+# What share of every expert each rank holds: 1/ep, and under the sharded strategies 1/dp.
+EXPERTS_HELD = {"ddp-ep2": 2, "zero1-ep2-bias": 2, "mixtral-ddp-ep2": 2, "qwen3-moe-fsdp-ep2": 2, "ddp-ep2-dp4": 2,
+                "fsdp-ep2": 4, "zero2-ep4-bf16-recompute": 4}
 
 
 def train_runs(ctx: DistContext, root: Path, runs: dict[str, tuple[str, ...]]) -> dict[str, int]:
@@ -231,6 +238,8 @@ def runs(tmp_path_factory) -> tuple[Path, dict[str, list[int]]]:
     train_in_process(cfg_for(root / "single", "single", 1))
     train_in_process(cfg_for(root / "single-bias", "single", 1, *BIAS))
     train_in_process(cfg_for(root / "single-bf16", "single", 1, "parallel.precision=bf16-mixed"))
+    train_in_process(cfg_for(root / "single-mixtral", "single", 1, *MIXTRAL))
+    train_in_process(cfg_for(root / "single-qwen3-moe", "single", 1, *QWEN3_MOE))
     held = {}
     for world, runs in ((2, TWO_RANK_RUNS), (4, FOUR_RANK_RUNS)):
         ranks = run_ranks(train_runs, world, root, runs, timeout=300)
@@ -243,7 +252,8 @@ def test_expert_parallel_trains_as_one_device_does(runs, name):
     """Losses within 1e-5 relative and final weights (every expert, gathered) within rtol 1e-5 of
     single's, over 10 steps; with bias balancing, the biases too (they are buffers of the state)."""
     root, _ = runs
-    assert_same_training(root / name, root / ("single-bias" if "bias" in name else "single"), STEPS)
+    reference = next((f"single-{family}" for family in ("bias", "mixtral", "qwen3-moe") if family in name), "single")
+    assert_same_training(root / name, root / reference, STEPS)
 
 
 def test_expert_parallel_in_bf16_with_recomputed_blocks_trains_as_one_device_does(runs):
@@ -275,7 +285,8 @@ def test_the_ranks_report_the_load_of_each_ep_rank(runs):
 def test_each_rank_holds_its_share_of_the_experts(runs, name):
     """1/ep of the experts, and under the sharded strategies 1/(dp / ep) of those: counted."""
     root, held = runs
-    model = build_model(cfg_for(Path("."), "single", 1).model)
+    family = MIXTRAL if "mixtral" in name else QWEN3_MOE if "qwen3" in name else ()
+    model = build_model(cfg_for(Path("."), "single", 1, *family).model)
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     assert held[name] == [experts // EXPERTS_HELD[name]] * len(held[name])
 

@@ -32,10 +32,13 @@ REDUCE_DTYPES = ("fp32", "bf16")
 OFFLOADS = ("none", "optimizer")
 ALL_REDUCES = ("backend", "ring")
 GRAD_COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
-HF_MODELS = ("hf-llama", "hf-qwen2", "hf-gpt2")  # transformers models of the GPT presets' sizes (models/hf.py)
-GROUPED_QUERY_MODELS = ("hf-llama", "hf-qwen2")  # families whose key/value heads may be fewer than their heads
+# transformers models of the GPT presets' sizes (models/hf.py)
+HF_MODELS = ("hf-llama", "hf-qwen2", "hf-gpt2", "hf-mixtral", "hf-qwen3-moe")
+# families whose key/value heads may be fewer than their heads
+GROUPED_QUERY_MODELS = ("hf-llama", "hf-qwen2", "hf-mixtral", "hf-qwen3-moe")
 # A transformers config.json's `model_type` -> the family that builds it (Mistral has Llama's modules).
-HF_MODEL_TYPES = {"llama": "hf-llama", "mistral": "hf-llama", "qwen2": "hf-qwen2", "gpt2": "hf-gpt2"}
+HF_MODEL_TYPES = {"llama": "hf-llama", "mistral": "hf-llama", "qwen2": "hf-qwen2", "gpt2": "hf-gpt2",
+                  "mixtral": "hf-mixtral", "qwen3_moe": "hf-qwen3-moe"}
 # Where each family's transformers config keeps the sizes a ModelConfig names.
 _LLAMA_SIZE_KEYS = dict(n_layer="num_hidden_layers", n_head="num_attention_heads", n_kv_head="num_key_value_heads",
                         d_model="hidden_size", d_ff="intermediate_size", vocab_size="vocab_size",
@@ -45,10 +48,15 @@ HF_SIZE_KEYS: dict[str, dict[str, str]] = {
     "hf-qwen2": _LLAMA_SIZE_KEYS,
     "hf-gpt2": dict(n_layer="n_layer", n_head="n_head", d_model="n_embd", d_ff="n_inner", vocab_size="vocab_size",
                     seq_len="n_positions"),
+    # Mixtral's experts are its MLPs (intermediate_size); Qwen3-MoE's have a width of their own.
+    "hf-mixtral": {**_LLAMA_SIZE_KEYS, "n_experts": "num_local_experts", "top_k": "num_experts_per_tok"},
+    "hf-qwen3-moe": {**_LLAMA_SIZE_KEYS, "n_experts": "num_experts", "top_k": "num_experts_per_tok",
+                     "d_expert": "moe_intermediate_size"},
 }
 # Models of token sequences: sized by a GPT preset, trained on text.
 LANGUAGE_MODELS = ("gpt", "gpt-moe", *HF_MODELS)
-MOE_MODELS = ("gpt-moe",)  # models whose blocks have Mixture-of-Experts layers (models/moe.py)
+# Models whose blocks have Mixture-of-Experts layers: ours (models/moe.py), transformers' (their own).
+MOE_MODELS = ("gpt-moe", "hf-mixtral", "hf-qwen3-moe")
 ROUTER_SCORES = ("softmax", "sigmoid")
 BALANCES = ("aux-loss", "bias", "none")
 # The strategies that split experts over parallel.ep ranks (expert_parallel.py).
@@ -81,9 +89,9 @@ class ModelConfig:
     overrides the preset's."""
 
     name: str = option("gpt", "`gpt` (decoder-only transformer), `gpt-moe` (the GPT with a Mixture-of-Experts "
-                       "layer for each MLP, docs/strategies/moe.md), `hf-llama` / `hf-qwen2` / `hf-gpt2` (a randomly "
-                       "initialised transformers Llama, Qwen2 or GPT-2 of the preset's sizes), `cnn` (with BatchNorm) "
-                       "or `mlp`", MODELS)
+                       "layer for each MLP, docs/strategies/moe.md), `hf-llama` / `hf-qwen2` / `hf-gpt2` / "
+                       "`hf-mixtral` / `hf-qwen3-moe` (a randomly initialised transformers Llama, Qwen2, GPT-2, "
+                       "Mixtral or Qwen3-MoE of the preset's sizes), `cnn` (with BatchNorm) or `mlp`", MODELS)
     preset: str = option("tiny", "GPT and hf-* size: `tiny` (2 blocks x width 64, 64-token context), `small` "
                          "(6 x 384, 256), `gpt2-124m` (12 x 768, 1024, vocabulary 50304); fills every size below "
                          "left unset", GPT_PRESETS)
@@ -106,9 +114,12 @@ class ModelConfig:
                                  "directory of them (what from_pretrained reads), matched to the model by name "
                                  "(`lm.` and the like found by itself), each rank reading only its part "
                                  "(docs/huggingface.md); unset: initialised from train.seed")
-    n_experts: int = option(8, "gpt-moe: experts in each MoE layer")
-    top_k: int = option(2, "gpt-moe: experts each token is routed to, at most n_experts")
-    d_expert: int | None = option(None, "gpt-moe: each expert's hidden width (unset: d_ff)")
+    n_experts: int | None = option(None, "gpt-moe, hf-mixtral, hf-qwen3-moe: experts in each MoE layer (unset: "
+                                   "model.hf_config's, else 8)")
+    top_k: int | None = option(None, "gpt-moe, hf-mixtral, hf-qwen3-moe: experts each token is routed to, at most "
+                               "n_experts (unset: model.hf_config's, else 2)")
+    d_expert: int | None = option(None, "gpt-moe, hf-qwen3-moe: each expert's hidden width (unset: model.hf_config's, "
+                                  "else d_ff); hf-mixtral's experts are its MLPs, of width d_ff")
     router_score: str = option("softmax", "gpt-moe: the router's scores, `softmax` over the experts (Mixtral, "
                                "Qwen3-MoE) or each expert's `sigmoid` (DeepSeek-V3)", ROUTER_SCORES)
     balance: str = option("aux-loss", "gpt-moe: load balancing: `aux-loss` (aux_loss_coef x E x sum of each "
@@ -520,8 +531,11 @@ def resolve_presets(cfg: Config) -> None:
             m.n_kv_head = m.n_head
         if m.d_ff is None:
             m.d_ff = 4 * m.d_model
-    if m.name in MOE_MODELS and m.d_expert is None:
-        m.d_expert = m.d_ff
+    if m.name in MOE_MODELS:
+        m.n_experts = 8 if m.n_experts is None else m.n_experts
+        m.top_k = 2 if m.top_k is None else m.top_k
+        if m.d_expert is None or m.name == "hf-mixtral":
+            m.d_expert = m.d_ff
 
 
 def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:

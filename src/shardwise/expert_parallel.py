@@ -26,7 +26,7 @@ over ep: a checkpoint loads into any ep size, and into strategies without expert
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,7 @@ from torch import nn
 
 from shardwise.gradients import all_reduce_packed, clip_coefficient, squared_norm
 from shardwise.mesh import Mesh
-from shardwise.models.moe import Experts, moe_layers
+from shardwise.models.moe import moe_layers
 
 
 class AllToAll(torch.autograd.Function):
@@ -79,8 +79,9 @@ class ExpertDispatch:
     def __init__(self, group: dist.ProcessGroup, size: int) -> None:
         self.group, self.size = group, size
 
-    def __call__(self, rows: torch.Tensor, counts: torch.Tensor, experts: Experts) -> torch.Tensor:
-        local = experts.w_up.shape[0]
+    def __call__(self, rows: torch.Tensor, counts: torch.Tensor,
+                 experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        local = counts.numel() // self.size
         # [sender, local expert]: the rows each rank sends each of ours
         arriving = _exchange(counts, None, None, self.group).view(self.size, local)
         sent = counts.view(self.size, local).sum(1).tolist()
@@ -90,7 +91,40 @@ class ExpertDispatch:
         expert = torch.arange(local, device=counts.device).repeat(self.size).repeat_interleave(arriving.flatten())
         by_expert = expert.argsort(stable=True)
         computed = experts(arrived[by_expert], arriving.sum(0))
+        if arrived.requires_grad and not computed.requires_grad:  # no row for any expert here: still in the graph,
+            computed = computed + arrived * 0  # so that this rank's backward runs both all-to-alls as the others do
         return AllToAll.apply(computed[by_expert.argsort()], sent, received, self.group)
+
+
+class TheirExperts:
+    """A transformers experts module's forward under expert parallel. Such a module (Mixtral's,
+    Qwen3-MoE's: `*Experts`, with `num_experts` and every parameter stacked by expert on dim 0) is
+    called with the tokens, their chosen experts [N, k] and weights [N, k], and returns the tokens'
+    weighted sums. Here the (token, expert) pairs are sorted and dispatched as ours are, and on the
+    experts' rank the module's own forward computes each arrived row with its one expert at weight 1:
+    their code, unchanged, on their weights."""
+
+    def __init__(self, forward: Callable[..., torch.Tensor], dispatch: ExpertDispatch, n_experts: int) -> None:
+        self.forward, self.dispatch, self.n_experts = forward, dispatch, n_experts
+
+    def __call__(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        chosen = top_k_index.flatten()
+        order = chosen.argsort(stable=True)
+        token = order // top_k_index.shape[1]
+        counts = torch.bincount(chosen, minlength=self.n_experts)
+        out = self.dispatch(hidden[token], counts, self._compute)
+        weighted = out * top_k_weights.flatten()[order].unsqueeze(-1).to(out.dtype)
+        return torch.zeros_like(hidden, dtype=weighted.dtype).index_add_(0, token, weighted).to(hidden.dtype)
+
+    def _compute(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        expert = torch.repeat_interleave(torch.arange(counts.numel(), device=rows.device), counts).unsqueeze(1)
+        return self.forward(rows, expert, torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device))
+
+
+def their_experts(module: nn.Module) -> list[nn.Module]:
+    """The transformers experts modules in `module` (see `TheirExperts`)."""
+    return [m for m in module.modules() if type(m).__name__.endswith("Experts") and isinstance(
+        getattr(m, "num_experts", None), int) and all(p.shape[0] == m.num_experts for p in m.parameters())]
 
 
 class ExpertParallel:
@@ -108,20 +142,27 @@ class ExpertParallel:
 
     def split(self, module: nn.Module) -> None:
         """Keep this rank's share of the experts of every MoE layer in `module` (real now, the same
-        on every rank: the model, or a block being made), and route the layers through
-        `ExpertDispatch`."""
+        on every rank: the model, or a block being made), ours or transformers', and route the
+        layers through `ExpertDispatch`."""
         names = {id(p): name for name, p in self.model.named_parameters()}
         for layer in moe_layers(module):
-            experts = layer.experts
-            for key, param in list(experts.named_parameters(recurse=False)):
-                share = param.shape[0] // self.size
-                name = names[id(param)]
-                self.full_shapes[name] = param.shape
-                kept = param.detach()[self.rank * share : (self.rank + 1) * share].clone()
-                setattr(experts, key, nn.Parameter(kept, requires_grad=param.requires_grad))
-                self.params.append(getattr(experts, key))
-                self._ids.add(id(self.params[-1]))
+            self._keep_share(layer.experts, names)
             layer.dispatch = ExpertDispatch(self.group, self.size)
+        for experts in their_experts(module):
+            n_experts = experts.num_experts
+            self._keep_share(experts, names)
+            experts.num_experts = n_experts // self.size
+            experts.forward = TheirExperts(experts.forward, ExpertDispatch(self.group, self.size), n_experts)
+
+    def _keep_share(self, experts: nn.Module, names: dict[int, str]) -> None:
+        """Replace each of `experts`' parameters (stacked by expert on dim 0) by this rank's rows."""
+        for key, param in list(experts.named_parameters(recurse=False)):
+            share = param.shape[0] // self.size
+            self.full_shapes[names[id(param)]] = param.shape
+            kept = param.detach()[self.rank * share : (self.rank + 1) * share].clone()
+            setattr(experts, key, nn.Parameter(kept, requires_grad=param.requires_grad))
+            self.params.append(getattr(experts, key))
+            self._ids.add(id(self.params[-1]))
 
     def is_expert(self, param: torch.Tensor) -> bool:
         return id(param) in self._ids

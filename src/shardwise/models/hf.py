@@ -6,8 +6,9 @@ free together and that recomputation checkpoints: `decoder_layer_class` finds it
 `_no_split_modules` that every transformers model declares (the classes that must not be split
 across devices: its decoder layer, sometimes its embeddings too).
 
-For the config (`model.name = "hf-llama"`, `"hf-qwen2"` or `"hf-gpt2"`), `build_causal_lm` builds a
-Llama, a Qwen2 or a GPT-2 of the config's sizes (and, with `model.hf_config`, of a published model's
+For the config (`model.name = "hf-llama"`, `"hf-qwen2"`, `"hf-gpt2"`, `"hf-mixtral"` or
+`"hf-qwen3-moe"`), `build_causal_lm` builds a Llama, a Qwen2, a GPT-2, a Mixtral or a Qwen3-MoE of
+the config's sizes (and, with `model.hf_config`, of a published model's
 architecture: tied embeddings, biases, RoPE), randomly initialised from the torch seed, nothing downloaded; its
 `CausalLM` wrapper takes token ids and returns logits, as the trainer calls every model.
 `transformers` is imported only here and only when such a model is built (`pip install
@@ -50,16 +51,17 @@ class CausalLM(nn.Module):
 
 
 def build_causal_lm(cfg: ModelConfig) -> CausalLM:
-    """A randomly initialised Llama (`hf-llama`), Qwen2 (`hf-qwen2`) or GPT-2 (`hf-gpt2`) of the
-    config's (resolved) sizes, from the current torch seed: the family's defaults, or with
-    `model.hf_config` that file's architecture. Dropout is off, as in shardwise's GPT: ranks would
-    draw different masks than one device does."""
+    """A randomly initialised Llama (`hf-llama`), Qwen2 (`hf-qwen2`), GPT-2 (`hf-gpt2`), Mixtral
+    (`hf-mixtral`) or Qwen3-MoE (`hf-qwen3-moe`) of the config's (resolved) sizes, from the current
+    torch seed: the family's defaults, or with `model.hf_config` that file's architecture. Dropout
+    is off, as in shardwise's GPT: ranks would draw different masks than one device does."""
     try:
         import transformers
     except ImportError:
         raise ImportError(f"model.name = {cfg.name!r} needs transformers: pip install 'shardwise[hf]'") from None
     families = {"hf-llama": transformers.LlamaConfig, "hf-qwen2": transformers.Qwen2Config,
-                "hf-gpt2": transformers.GPT2Config}
+                "hf-gpt2": transformers.GPT2Config, "hf-mixtral": transformers.MixtralConfig,
+                "hf-qwen3-moe": transformers.Qwen3MoeConfig}
     if cfg.name not in families:
         raise ValueError(f"model.name = {cfg.name!r}: not a Hugging Face model; allowed: {', '.join(HF_MODELS)}")
     values = json.loads(Path(cfg.hf_config).read_text()) if cfg.hf_config else {}

@@ -18,6 +18,10 @@ How a step goes:
 
 Inside `no_sync()` the hooks do nothing and gradients accumulate locally in the buckets; the
 next synchronised backward all-reduces the accumulated sum.
+
+Under expert parallel (`parallel.ep`) each rank holds other experts: they are left out of the
+buckets and of rank 0's broadcast, and averaged after backward over the ranks that hold the same
+experts (expert_parallel.py).
 """
 
 from __future__ import annotations

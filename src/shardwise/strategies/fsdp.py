@@ -32,7 +32,9 @@ the working dtype, as the all-gather's input.
 
 Units are the modules whose class is `parallel.block` (the GPT's `Block`), plus the root:
 every parameter not in a unit (embeddings, final norm). The root is gathered for the whole of
-forward and backward.
+forward and backward. Under expert parallel (`parallel.ep`) a block's experts, which differ from
+one ep rank to the next, are a unit of their own, sharded over the ranks that hold the same
+experts instead (`ShardGroup`; expert_parallel.py).
 
 Freeing releases storage (`untyped_storage().resize_(0)`), not just a reference: autograd keeps
 views of parameters (`weight.t()`) for backward, which would otherwise keep the memory alive.
@@ -79,6 +81,11 @@ if TYPE_CHECKING:
 HOST = torch.device("cpu")
 
 
+def _row_numel(param: torch.Tensor) -> int:
+    """Elements in one dim-0 row of `param` (from its shape: its storage may be freed)."""
+    return math.prod(param.shape[1:])
+
+
 @dataclass(frozen=True)
 class ShardGroup:
     """The ranks a unit's parameters are sharded over: its process group, their number, this rank's
@@ -92,6 +99,7 @@ class ShardGroup:
     mesh: DeviceMesh
     placements: tuple[Placement, ...]
     grad_scale: float = 1.0
+    experts: bool = False
 
 
 @dataclass
@@ -254,7 +262,7 @@ class ShardedDataParallel(HookedStrategy):
             return dense, None
         edp = self.mesh["edp"]
         return dense, ShardGroup(edp.get_group(), edp.size(), edp.get_local_rank(), edp, tuple(self._placements),
-                                 1 / self.experts.size)
+                                 1 / self.experts.size, experts=True)
 
     def _tensor_splitter(self) -> BlockSplitter | None:
         """Over a mesh with tp ranks: what splits each block over them as its family's plan lays
@@ -334,7 +342,7 @@ class ShardedDataParallel(HookedStrategy):
 
     def _make_unit(self, over: ShardGroup, params: list[nn.Parameter]) -> Unit:
         rows = [math.ceil(p.shape[0] / over.world) for p in params]
-        lengths = [r * p[0].numel() for r, p in zip(rows, params, strict=True)]
+        lengths = [r * _row_numel(p) for r, p in zip(rows, params, strict=True)]
         offsets = [sum(lengths[:i]) for i in range(len(lengths))]
         master = self.precision.param_dtype
         working = self.precision.compute_dtype if self.precision.mixed else master
@@ -360,7 +368,7 @@ class ShardedDataParallel(HookedStrategy):
     def _flatten(self, params: list[nn.Parameter], rows: list[int], dtype: torch.dtype, world: int) -> torch.Tensor:
         """One buffer holding `params` in `dtype`, each padded to `world` x its shard's rows, and each
         parameter made a view into it."""
-        padded = [world * r * p[0].numel() for r, p in zip(rows, params, strict=True)]
+        padded = [world * r * _row_numel(p) for r, p in zip(rows, params, strict=True)]
         full = torch.zeros(sum(padded), dtype=dtype, device=self.ctx.device)
         start = 0
         for param, length in zip(params, padded, strict=True):
@@ -375,7 +383,7 @@ class ShardedDataParallel(HookedStrategy):
         row r is rank r's shard of it."""
         regions, start, world = [], 0, unit.over.world
         for param, rows in zip(unit.params, unit.rows, strict=True):
-            length = rows * param[0].numel()
+            length = rows * _row_numel(param)
             regions.append(buffer[start : start + world * length].view(world, length))
             start += world * length
         return regions
@@ -387,7 +395,7 @@ class ShardedDataParallel(HookedStrategy):
 
     def _rank_spans(self, param: torch.Tensor, rows: int, world: int) -> list[tuple[int, int]]:
         """For each of `world` ranks, (start, length) of its chunk in `param` flattened."""
-        row_numel = param[0].numel()
+        row_numel = _row_numel(param)
         return [(rank * rows * row_numel, self._real_rows(param, rows, rank) * row_numel)
                 for rank in range(world)]
 
@@ -510,7 +518,9 @@ class ShardedDataParallel(HookedStrategy):
             self._unit_backward_done(unit)
 
     def _unit_backward_done(self, unit: Unit) -> None:
-        if self._sync and self.stage >= 2:
+        # Experts' units wait for the end of backward: an expert no token reached on a rank may get
+        # no gradient there, and their reduce-scatters must come in the same order on every rank.
+        if self._sync and self.stage >= 2 and not unit.over.experts:
             self._start_reduce_scatter(unit)
         if self.stage == 3:
             self._free(unit)
@@ -544,7 +554,7 @@ class ShardedDataParallel(HookedStrategy):
             unit.grads_spent = True
         else:
             for param, rows, offset in zip(unit.params, unit.rows, unit.offsets, strict=True):
-                part = packed[:, offset : offset + rows * param[0].numel()]
+                part = packed[:, offset : offset + rows * _row_numel(param)]
                 if param.grad is not None and param.numel() == part.numel():  # no padding: one copy
                     part.copy_(param.grad.view(world, -1))
                     continue
@@ -596,8 +606,8 @@ class ShardedDataParallel(HookedStrategy):
     def _finish_backward(self) -> None:
         if self._sync:
             for unit in self.units:
-                if unit is self.root or len(unit.ready) < len(unit.params) or self.stage == 1:
-                    self._start_reduce_scatter(unit)  # root, units with unused params, or zero1
+                if unit is self.root or len(unit.ready) < len(unit.params) or self.stage == 1 or unit.over.experts:
+                    self._start_reduce_scatter(unit)  # root, units with unused params, zero1, or experts
             self._settle_reductions()
             self._sum_sequence_split()
         if self.stage == 3:
