@@ -308,3 +308,22 @@ def test_a_checkpoint_reshards_to_another_ep_size_and_to_one_process(runs, tmp_p
         assert len(got) == STEPS - SAVED_AT
         for step, (a, b) in enumerate(zip(got, want, strict=True)):
             assert abs(a - b) <= 1e-5 * b, (resumed.name, step + SAVED_AT + 1)
+
+
+# Published figures (model cards): Mixtral-8x7B 46.7B total, 12.9B active; Qwen3-30B-A3B 30.5B total and
+# "3.3B activated", which its shapes make 3.353B (the card gives two digits).
+PUBLISHED = {"mixtral-8x7b": (46.7e9, 12.9e9, 0.005), "qwen3-30b-a3b": (30.5e9, 3.35e9, 0.005)}
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_the_shipped_moe_configs_count_the_published_parameters(name):
+    """Built on the meta device as a run builds them: total parameters, and those a token computes
+    with (top_k of n_experts experts, everything else whole)."""
+    from shardwise.models.moe import active_parameters
+
+    cfg = load_config(CONFIGS / f"{name}.toml")
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    total, active, tolerance = PUBLISHED[name]
+    assert sum(p.numel() for p in model.parameters()) == pytest.approx(total, rel=tolerance)
+    assert active_parameters(model, cfg.model.top_k) == pytest.approx(active, rel=tolerance)

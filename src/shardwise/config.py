@@ -51,7 +51,7 @@ HF_SIZE_KEYS: dict[str, dict[str, str]] = {
     # Mixtral's experts are its MLPs (intermediate_size); Qwen3-MoE's have a width of their own.
     "hf-mixtral": {**_LLAMA_SIZE_KEYS, "n_experts": "num_local_experts", "top_k": "num_experts_per_tok"},
     "hf-qwen3-moe": {**_LLAMA_SIZE_KEYS, "n_experts": "num_experts", "top_k": "num_experts_per_tok",
-                     "d_expert": "moe_intermediate_size"},
+                     "d_expert": "moe_intermediate_size", "head_dim": "head_dim"},
 }
 # Models of token sequences: sized by a GPT preset, trained on text.
 LANGUAGE_MODELS = ("gpt", "gpt-moe", *HF_MODELS)
@@ -114,6 +114,8 @@ class ModelConfig:
                                  "directory of them (what from_pretrained reads), matched to the model by name "
                                  "(`lm.` and the like found by itself), each rank reading only its part "
                                  "(docs/huggingface.md); unset: initialised from train.seed")
+    head_dim: int | None = option(None, "hf-qwen3-moe: each attention head's width (Qwen3's 128 is not d_model / "
+                                  "n_head; unset: model.hf_config's, else d_model / n_head)")
     n_experts: int | None = option(None, "gpt-moe, hf-mixtral, hf-qwen3-moe: experts in each MoE layer (unset: "
                                    "model.hf_config's, else 8)")
     top_k: int | None = option(None, "gpt-moe, hf-mixtral, hf-qwen3-moe: experts each token is routed to, at most "
@@ -531,6 +533,8 @@ def resolve_presets(cfg: Config) -> None:
             m.n_kv_head = m.n_head
         if m.d_ff is None:
             m.d_ff = 4 * m.d_model
+    if m.name == "hf-qwen3-moe" and m.head_dim is None:
+        m.head_dim = m.d_model // m.n_head
     if m.name in MOE_MODELS:
         m.n_experts = 8 if m.n_experts is None else m.n_experts
         m.top_k = 2 if m.top_k is None else m.top_k
@@ -641,6 +645,11 @@ def _validate_experts(cfg: Config, world: int) -> None:
     """A gpt-moe's experts and routing, and how parallel.ep splits them over the world."""
     m, p = cfg.model, cfg.parallel
     _positive("parallel.ep", p.ep)
+    if m.head_dim is not None and m.name != "hf-qwen3-moe":
+        raise ConfigError(f"model.head_dim = {m.head_dim}: only hf-qwen3-moe's heads have a width of their own; "
+                          f"model.name = {m.name!r} has heads of d_model / n_head")
+    if m.head_dim is not None:
+        _positive("model.head_dim", m.head_dim)
     if m.name in MOE_MODELS:
         for key in ("n_experts", "top_k", "d_expert"):
             _positive(f"model.{key}", getattr(m, key))

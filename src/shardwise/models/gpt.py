@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardwise.models.moe import Experts, MoE, MoEConfig, moe_layers
+from shardwise.models.moe import Experts, MoE, MoEConfig, active_parameters
 
 
 @dataclass(frozen=True)
@@ -137,8 +137,9 @@ class GPT(nn.Module):
 
     def active_params(self) -> int:
         """`num_params()` less the experts a token does not go through: those a token computes with."""
-        idle = sum((layer.cfg.n_experts - layer.cfg.top_k) * layer.experts.w_up[0].numel() * 2
-                   for layer in moe_layers(self))
+        if self.cfg.moe is None:
+            return self.num_params()
+        idle = sum(p.numel() for p in self.parameters()) - active_parameters(self, self.cfg.moe.top_k)
         return self.num_params() - idle
 
     def flops_per_token(self) -> int:

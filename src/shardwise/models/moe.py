@@ -195,3 +195,15 @@ class SharedExpert(nn.Module):
 def moe_layers(model: nn.Module) -> list[MoE]:
     """The model's MoE layers, in model order."""
     return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+def active_parameters(model: nn.Module, top_k: int) -> int:
+    """The parameters a token computes with: all of them, less the experts it is not routed to
+    (`n - top_k` of each layer's `n`). Experts are ours (`Experts`) or transformers' (a module
+    `*Experts` with `num_experts`, its parameters stacked by expert)."""
+    total = sum(p.numel() for p in model.parameters())
+    for module in model.modules():
+        n = module.w_up.shape[0] if isinstance(module, Experts) else getattr(module, "num_experts", None)
+        if isinstance(n, int) and (isinstance(module, Experts) or type(module).__name__.endswith("Experts")):
+            total -= sum(p.numel() for p in module.parameters()) * (n - top_k) // n
+    return total
