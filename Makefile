@@ -45,6 +45,7 @@ bench: setup
 	$(BIN)/shardwise bench collectives
 	$(BIN)/shardwise bench checkpoint
 	$(BIN)/shardwise bench ps
+	$(BIN)/shardwise bench moe
 	$(BIN)/shardwise bench scale --steps 2
 	$(BIN)/shardwise bench hardware
 	$(BIN)/shardwise bench planner
