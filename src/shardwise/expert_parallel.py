@@ -84,16 +84,19 @@ class ExpertDispatch:
         local = counts.numel() // self.size
         # [sender, local expert]: the rows each rank sends each of ours
         arriving = _exchange(counts, None, None, self.group).view(self.size, local)
-        sent = counts.view(self.size, local).sum(1).tolist()
-        received = arriving.sum(1).tolist()
+        # The splits, on the host for the all-to-alls: one copy of both.
+        splits = torch.stack([counts.view(self.size, local).sum(1), arriving.sum(1)]).tolist()
+        sent, received = splits
         arrived = AllToAll.apply(rows, received, sent, self.group)
         # Arrived rows come sender by sender, each sender's by expert: regroup them by expert.
-        expert = torch.arange(local, device=counts.device).repeat(self.size).repeat_interleave(arriving.flatten())
+        expert = torch.arange(local, device=counts.device).repeat(self.size).repeat_interleave(
+            arriving.flatten(), output_size=arrived.shape[0])
         by_expert = expert.argsort(stable=True)
         computed = experts(arrived[by_expert], arriving.sum(0))
         if arrived.requires_grad and not computed.requires_grad:  # no row for any expert here: still in the graph,
             computed = computed + arrived * 0  # so that this rank's backward runs both all-to-alls as the others do
-        return AllToAll.apply(computed[by_expert.argsort()], sent, received, self.group)
+        in_arrival_order = torch.empty_like(computed).index_copy(0, by_expert, computed)
+        return AllToAll.apply(in_arrival_order, sent, received, self.group)
 
 
 class TheirExperts:
@@ -193,8 +196,9 @@ class ExpertParallel:
     def clip_grad_norm_(self, grads: Sequence[torch.Tensor], max_norm: float, device: torch.device) -> torch.Tensor:
         """Scale `grads` (this rank's, experts among them) to a global norm of at most `max_norm`;
         the dense ones are the same on every ep rank and count once, the experts' are summed over ep."""
-        experts = [g for g in grads if any(g is p.grad for p in self.params)]
-        dense = [g for g in grads if not any(g is e for e in experts)]
+        held = {id(p.grad) for p in self.params}
+        experts = [g for g in grads if id(g) in held]
+        dense = [g for g in grads if id(g) not in held]
         expert_squares = squared_norm(experts, device).to(device)
         dist.all_reduce(expert_squares, group=self.group)
         norm = (squared_norm(dense, device).to(device) + expert_squares).sqrt()
