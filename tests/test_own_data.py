@@ -1,8 +1,8 @@
 """The user's own corpus (`data.path`, data/prepare.py and sources.py): JSON Lines tokenized once
 with a local Hugging Face tokenizer (MiniLM's, packaged), the same documents read from Parquet,
 Arrow and Hugging Face datasets saved to disk, tokenized on 2 processes into the same bytes as on
-one, trained under ddp and fsdp as one process trains it, resumed on another world size at exactly
-the next sample, and bad input refused in one line with nothing written."""
+one, trained under ddp and fsdp as one process trains it, resumed on the same and on another world
+size at exactly the next sample, and bad input refused in one line with nothing written."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from conftest import CONFIGS, REPO, SGD, assert_same_training, train_in_process
 from distributed import run_ranks
 from test_checkpoint import Crash, crash_at
@@ -198,26 +199,38 @@ def recording(trainer: Trainer, into: dict[int, list[int]]) -> Trainer:
     return trainer
 
 
-def killed_under_ddp(ctx: DistContext, out: Path, corpus: Path, cache: Path, killed_after: int) -> dict:
-    """ddp on this world, checkpointing every step, killed after `killed_after` steps: what each rank read."""
+def killed_and_resumed_under_ddp(ctx: DistContext, root: Path, corpus: Path, cache: Path, killed_after: int
+                                 ) -> tuple[dict, dict]:
+    """ddp on this world, checkpointing every step, killed after `killed_after` steps, then resumed
+    from its last checkpoint on the same world (in a copy of its run directory: the killed run's
+    stays for one process to resume): what this rank read before the kill, and after the resume."""
     os.environ["SHARDWISE_CACHE"] = str(cache)
-    seen: dict[int, list[int]] = {}
-    trainer = Trainer(cfg_for(out, corpus, "ddp", ctx.world_size, "train.checkpoint_every=1"), ctx)
+    killed: dict[int, list[int]] = {}
+    resumed: dict[int, list[int]] = {}
+    trainer = Trainer(cfg_for(root / "resumed", corpus, "ddp", ctx.world_size, "train.checkpoint_every=1"), ctx)
     with pytest.raises(Crash):
-        crash_at(recording(trainer, seen), killed_after).fit()
-    return seen
+        crash_at(recording(trainer, killed), killed_after).fit()
+    if ctx.rank == 0:
+        shutil.copytree(root / "resumed", root / "resumed-on-2")
+    dist.barrier()
+    every = ("train.checkpoint_every=1", "run.resume=true")
+    recording(Trainer(cfg_for(root / "resumed-on-2", corpus, "ddp", ctx.world_size, *every), ctx), resumed).fit()
+    return killed, resumed
 
 
-def test_a_run_killed_on_2_ranks_and_resumed_on_1_sees_exactly_the_uninterrupted_runs_samples(tmp_path, cache):
-    """Killed after a random step under ddp on 2 ranks, resumed from its last checkpoint on one
-    process (resharded): every step's samples, as window ids, are the uninterrupted run's; none
-    repeated, none skipped."""
+def test_a_run_killed_on_2_ranks_and_resumed_on_2_or_on_1_sees_exactly_the_uninterrupted_runs_samples(
+        tmp_path, cache):
+    """Killed after a random step under ddp on 2 ranks, resumed from its last checkpoint on 2 ranks
+    again, and on one process (resharded): every step's samples, as window ids, are the
+    uninterrupted run's; none repeated, none skipped."""
     corpus = tmp_path / "corpus.jsonl"
     write_corpus(corpus)
     killed_after = int(torch.randint(3, STEPS - 1, (1,), generator=torch.Generator().manual_seed(7)))
-    ranks = run_ranks(killed_under_ddp, 2, tmp_path / "resumed", corpus, cache, killed_after)
+    ranks = run_ranks(killed_and_resumed_under_ddp, 2, tmp_path, corpus, cache, killed_after)
+    (killed0, again0), (killed1, again1) = ranks
     straight: dict[int, list[int]] = {}
-    resumed = {step: ranks[0][step] + ranks[1][step] for step in ranks[0]}  # rank 0's slice, then rank 1's
+    resumed = {step: killed0[step] + killed1[step] for step in killed0}  # rank 0's slice, then rank 1's
+    resumed_on_2 = {**resumed, **{step: again0[step] + again1[step] for step in again0}}
     threads = torch.get_num_threads()
     try:
         ctx = init_distributed(threads_per_rank=1)
@@ -226,8 +239,8 @@ def test_a_run_killed_on_2_ranks_and_resumed_on_1_sees_exactly_the_uninterrupted
         recording(Trainer(cfg_for(tmp_path / "resumed", corpus, "single", 1, *every), ctx), resumed).fit()
     finally:
         torch.set_num_threads(threads)
-    assert sorted(ranks[0]) == list(range(killed_after))
-    assert resumed == straight and sorted(straight) == list(range(STEPS))
+    assert sorted(killed0) == list(range(killed_after)) and sorted(again0) == list(range(killed_after, STEPS))
+    assert resumed_on_2 == straight and resumed == straight and sorted(straight) == list(range(STEPS))
 
 
 @pytest.mark.parametrize("setup, overrides, message", [
