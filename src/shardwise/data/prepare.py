@@ -224,13 +224,13 @@ def _parts(cut: list[Piece], part_bytes: int) -> list[list[Piece]]:
 def _tokenize_part(part: list[Piece], tokenizer: Tokenizer, text_field: str, sink: IO[bytes], bar: Any = None
                    ) -> np.ndarray:
     """Write the token ids of `part`'s documents to `sink`; each (non-empty) document's length."""
-    lengths = []
+    lengths, dtype = [], tokenizer.dtype
     texts = (text for piece in part for text in documents(piece, text_field))
     for batch in _batches(texts, BATCH):
-        for ids in tokenizer.batch_ids(batch):
-            if ids.size:
-                sink.write(ids.astype(tokenizer.dtype, copy=False).tobytes())
-                lengths.append(ids.size)
+        kept = [ids for ids in tokenizer.batch_ids(batch) if ids.size]
+        if kept:
+            sink.write(np.concatenate(kept).astype(dtype, copy=False).tobytes())
+            lengths += [ids.size for ids in kept]
     if bar is not None:
         bar.update(sum(piece.size for piece in part))
     return np.asarray(lengths, dtype=np.int64)
