@@ -113,9 +113,9 @@ class DataConfig:
     val_fraction: float = option(0.05, "the last fraction of the corpus validates; between 0 and 1")
     synthetic_size: int = option(1 << 20, "bytes (or images) of synthetic data")
     documents: str = option("none", "`shakespeare`, `stdlib`, `data.path`: pack documents with a document mask (no "
-                            "token attends to another document's): `files` (each play or module; each text file or "
-                            "JSON line of data.path), `paragraphs` (each block after a blank line; built-ins only); "
-                            "`none`: one stream, attention across everything in a window "
+                            "token attends to another document's): `files` (each play or module; each text file, "
+                            "JSON line or table row of data.path), `paragraphs` (each block after a blank line; "
+                            "built-ins only); `none`: one stream, attention across everything in a window "
                             "(docs/strategies/context.md)", DOCUMENTS)
     path: str | None = option(None, "your own corpus instead of data.name (docs/data.md): a .txt, .jsonl, .parquet, "
                               ".arrow or .feather file, a directory of them or a glob, or a Hugging Face dataset saved "
