@@ -244,15 +244,19 @@ def _tokenize_in_processes(parts: list[list[Piece]], tokenizer: Tokenizer, text_
     process (the processes are the parallelism): they start with TOKENIZERS_PARALLELISM=false."""
     jobs = [(part, tokenizer.name, text_field, tmp / f"part-{i:06d}.bin") for i, part in enumerate(parts)]
     lengths = []
-    with _environment(TOKENIZERS_PARALLELISM="false"), _start_processes(processes) as pool:
-        hashes = [pool.submit(_sha256, p) for p in files]
-        for (part, *_, written), each in zip(jobs, pool.map(_tokenize_part_to_file, jobs), strict=True):
-            with open(written, "rb") as f:
-                shutil.copyfileobj(f, sink, 1 << 20)
-            written.unlink()
-            lengths.append(each)
-            bar.update(sum(piece.size for piece in part))
-        return lengths, [h.result() for h in hashes]
+    with _environment(TOKENIZERS_PARALLELISM="false"):
+        pool = _start_processes(processes)
+        try:
+            hashes = [pool.submit(_sha256, p) for p in files]
+            for (part, *_, written), each in zip(jobs, pool.map(_tokenize_part_to_file, jobs), strict=True):
+                with open(written, "rb") as f:
+                    shutil.copyfileobj(f, sink, 1 << 20)
+                written.unlink()
+                lengths.append(each)
+                bar.update(sum(piece.size for piece in part))
+            return lengths, [h.result() for h in hashes]
+        finally:  # on an error, the parts not yet begun are dropped: the error is not kept waiting for them
+            pool.shutdown(cancel_futures=True)
 
 
 def _start_processes(processes: int) -> ProcessPoolExecutor:
