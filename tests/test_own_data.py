@@ -64,10 +64,18 @@ def write_tables(root: Path, paragraphs: list[str]) -> dict[str, Path]:
 
 
 def save_to_disk(table, out: Path, shards: int) -> None:
-    """`table` laid out as `datasets` saves a Dataset: Arrow stream shards data-0000i-of-0000n.arrow,
-    state.json listing them in order, dataset_info.json."""
+    """`table` saved as `datasets.Dataset.save_to_disk` saves it, by `datasets` where it is installed
+    (the Makefile does not install it), else laid out by hand as datasets 5.2 lays it out: Arrow
+    stream shards data-0000i-of-0000n.arrow, state.json listing them in order, dataset_info.json."""
     import pyarrow as pa
 
+    try:
+        import datasets
+    except ImportError:
+        datasets = None
+    if datasets is not None:
+        datasets.Dataset(table).save_to_disk(str(out), num_shards=shards)
+        return
     out.mkdir(parents=True)
     names = [f"data-{i:05d}-of-{shards:05d}.arrow" for i in range(shards)]
     size = -(-len(table) // shards)
@@ -116,10 +124,10 @@ def test_prepare_tokenizes_every_document_once_and_again_only_when_an_input_chan
     assert again != out and json.loads((again / "manifest.json").read_text())["documents"] == len(paragraphs) + 1
 
 
-def prepared_bytes(path: Path, *overrides: str, workers: int | None = None) -> tuple[bytes, bytes]:
+def prepared_bytes(path: Path, *overrides: str) -> tuple[bytes, bytes]:
     """tokens.bin and starts.npy of the corpus at `path`, prepared with the byte tokenizer."""
     cfg = load_config(CONFIGS / "gpt-tiny.toml", [f"data.path={path}", "run.out=unused", *overrides])
-    out = prepare.prepare(cfg.data, cfg.data.path, workers=workers)
+    out = prepare.prepare(cfg.data, cfg.data.path)
     return (out / "tokens.bin").read_bytes(), (out / "starts.npy").read_bytes()
 
 
