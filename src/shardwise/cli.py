@@ -353,9 +353,8 @@ def main(argv: list[str] | None = None) -> int:
                             "multinode: ddp, fsdp and hsdp over 2 nodes (network namespaces; needs root) at 3 link "
                             "rates, communication share measured and predicted; scale: the largest GPT single, ddp, "
                             "zero2, fsdp and fsdp-native train within a memory budget, as whole jobs; data: your own "
-                            "corpus (data.path) prepared and read at 1 MiB and 1 GiB, against the demo model's step. "
-                            "Writes "
-                            "bench/results/NAME.json (and --json FILE).")
+                            "corpus (data.path) prepared (on 1 process and on one per core) and read at 1 MiB and "
+                            "1 GiB, against the demo model's step. Writes bench/results/NAME.json (and --json FILE).")
     p.add_argument("name", choices=list(BENCHES), help="which benchmark")
     p.add_argument("--steps", type=int, help="measured steps per variant, default 12 (checkpoint: rounds; scale: "
                    "steps each job trains, default 2)")
