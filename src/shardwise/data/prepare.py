@@ -49,7 +49,8 @@ from shardwise.data.sources import Piece, Source, documents, input_sources, piec
 BYTES = "bytes"
 BATCH = 1024  # documents a tokenizer encodes at once
 MAX_WORKERS = 8  # processes that tokenize a corpus, at most (the default: one per core up to this)
-# A corpus is cut into about 4 parts per process, each of this many input bytes or between these bounds.
+# A corpus is cut into about 4 parts per process, of between these many bytes of text each (a JSON
+# Lines file in pieces of the least, each piece the lines that begin in it).
 MIN_PART_BYTES, MAX_PART_BYTES = 1 << 20, 64 << 20
 
 
@@ -169,9 +170,10 @@ def prepare(d: DataConfig, path: str, progress: bool = False, workers: int | Non
     from tqdm import tqdm
 
     workers = default_workers() if workers is None else workers
-    total = sum(p.stat().st_size for p in files)
+    cut = pieces(sources, d.text_field, MIN_PART_BYTES)  # the tables checked here
+    total = sum(piece.size for piece in cut)
     part_bytes = min(MAX_PART_BYTES, max(MIN_PART_BYTES, total // (4 * workers)))
-    parts = _parts(pieces(sources, d.text_field, part_bytes), part_bytes)  # tables checked here
+    parts = _parts(cut, part_bytes)
     processes = min(workers, len(parts))
     tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)

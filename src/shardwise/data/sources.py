@@ -50,7 +50,8 @@ class Source:
 class Piece:
     """Part of one file: bytes [start, stop) of a JSON Lines file (the lines that begin there), row
     groups [start, stop) of a Parquet file, record batches [start, stop) of an Arrow one, or a
-    whole text file (0, 1). `size`: the input bytes it stands for (for tables, by its rows)."""
+    whole text file (0, 1). `size`: its bytes, of a table its text column's (uncompressed): the
+    measure of its work, by which parts are made and progress is counted."""
 
     source: Source
     start: int
@@ -130,8 +131,9 @@ def _json(file: Path, what: str) -> dict[str, Any]:
 
 
 def pieces(sources: list[Source], text_field: str, piece_bytes: int) -> list[Piece]:
-    """Every source cut into pieces of about `piece_bytes` (a text file whole), in document order;
-    each table checked: readable, with a text column `text_field`."""
+    """Every source cut into pieces of about `piece_bytes` (a text file whole; a Parquet row group
+    or an Arrow record batch at least), in document order; each table checked: readable, with a
+    text column `text_field`."""
     cut = []
     for source in sources:
         size = source.path.stat().st_size
@@ -141,25 +143,26 @@ def pieces(sources: list[Source], text_field: str, piece_bytes: int) -> list[Pie
             cut += [Piece(source, a, min(a + piece_bytes, size), min(piece_bytes, size - a))
                     for a in range(0, size, piece_bytes)]
         else:
-            source, rows = _table(source, text_field)
-            cut += _group(source, rows, size, piece_bytes)
+            source, sizes = _table(source, text_field)
+            cut += _group(source, sizes, piece_bytes)
     return cut
 
 
-def _group(source: Source, rows: list[int], size: int, piece_bytes: int) -> list[Piece]:
-    """Consecutive row groups or record batches (`rows` each) as pieces of about `piece_bytes`."""
-    total, grouped, start, held = max(sum(rows), 1), [], 0, 0
-    for i, count in enumerate(rows):
-        held += count
-        if held * size >= piece_bytes * total or i == len(rows) - 1:
-            grouped.append(Piece(source, start, i + 1, held * size // total))
+def _group(source: Source, sizes: list[int], piece_bytes: int) -> list[Piece]:
+    """Consecutive row groups or record batches (of `sizes` bytes of text) as pieces of about `piece_bytes`."""
+    grouped, start, held = [], 0, 0
+    for i, size in enumerate(sizes):
+        held += size
+        if held >= piece_bytes or i == len(sizes) - 1:
+            grouped.append(Piece(source, start, i + 1, held))
             start, held = i + 1, 0
     return grouped
 
 
 def _table(source: Source, text_field: str) -> tuple[Source, list[int]]:
-    """A Parquet or Arrow file's kind (an Arrow file or stream) and rows per row group or record
-    batch, its column `text_field` checked to be text. Reads only metadata."""
+    """A Parquet or Arrow file's kind (an Arrow file or stream) and the bytes of text (column
+    `text_field`, uncompressed) in each row group or record batch, the column checked to be text.
+    Reads only metadata (an Arrow file's batches where they lie, memory-mapped)."""
     pa = _pyarrow()
     path = source.path
     try:
@@ -168,15 +171,17 @@ def _table(source: Source, text_field: str) -> tuple[Source, list[int]]:
 
             with pq.ParquetFile(path) as table:
                 schema = table.schema_arrow
-                rows = [table.metadata.row_group(i).num_rows for i in range(table.num_row_groups)]
+                groups = [table.metadata.row_group(i) for i in range(table.num_row_groups)]
+                sizes = [sum(group.column(j).total_uncompressed_size for j in range(group.num_columns)
+                             if group.column(j).path_in_schema == text_field) for group in groups]
         else:
             with open(path, "rb") as f:
                 is_file = f.read(len(ARROW_MAGIC)) == ARROW_MAGIC
             source = Source(path, ARROW_FILE if is_file else ARROW_STREAM)
             with _arrow_reader(source) as reader:
                 schema = reader.schema
-                rows = ([reader.get_batch(i).num_rows for i in range(reader.num_record_batches)] if is_file
-                        else [batch.num_rows for batch in reader])
+                batches = (reader.get_batch(i) for i in range(reader.num_record_batches)) if is_file else reader
+                sizes = [_column_bytes(batch, text_field) for batch in batches]
     except (pa.ArrowException, OSError) as error:
         what = "a Parquet file" if source.kind == PARQUET else "an Arrow IPC file or stream"
         raise ConfigError(f"data.path: {path} is not {what} that can be read ({_first_line(error)})") from None
@@ -187,7 +192,12 @@ def _table(source: Source, text_field: str) -> tuple[Source, list[int]]:
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or _is_string_view(pa, kind)):
         raise ConfigError(f"data.text_field = {text_field!r}: {path}'s column of that name holds {kind}, not text "
                           "(a string column)")
-    return source, rows
+    return source, sizes
+
+
+def _column_bytes(batch: Any, name: str) -> int:
+    """The bytes of a record batch's column `name` (its buffers' sizes: none of it is read), else 0."""
+    return batch.column(name).nbytes if name in batch.schema.names else 0
 
 
 def _is_string_view(pa: Any, kind: Any) -> bool:
