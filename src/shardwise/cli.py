@@ -114,9 +114,11 @@ def _prepare_own_data(cfg: Config, workers: int | None = None) -> Path | None:
     from shardwise.data import prepare
 
     prepare.check_vocabulary(cfg)
+    if cfg.data.val_path is not None:  # what it names, checked before data.path's corpus is prepared
+        prepare.sources_of(cfg.data, cfg.data.val_path, held_out=True)
     out = prepare.prepare(cfg.data, cfg.data.path, progress=sys.stderr.isatty(), workers=workers)
     if cfg.data.val_path is not None:
-        prepare.prepare(cfg.data, cfg.data.val_path, progress=sys.stderr.isatty(), workers=workers)
+        prepare.prepare(cfg.data, cfg.data.val_path, progress=sys.stderr.isatty(), workers=workers, held_out=True)
     return out
 
 

@@ -141,11 +141,10 @@ def _batches(texts: Iterable[str], size: int) -> Iterator[list[str]]:
         yield batch
 
 
-def sources_of(d: DataConfig, path: str) -> list[Source]:
-    """The files of `path`: data.path (a dataset dict's split data.split) or data.val_path."""
-    if path == d.path:
-        return input_sources(path, d.split, "data.path")
-    return input_sources(path, None, "data.val_path")
+def sources_of(d: DataConfig, path: str, held_out: bool = False) -> list[Source]:
+    """The files of `path`: data.path (a dataset dict's split data.split), or with `held_out`
+    data.val_path (a dataset dict refused: its split is named by its directory)."""
+    return input_sources(path, None, "data.val_path") if held_out else input_sources(path, d.split, "data.path")
 
 
 def corpus_dir(d: DataConfig, files: list[Path], tokenizer: Tokenizer) -> Path:
@@ -155,13 +154,15 @@ def corpus_dir(d: DataConfig, files: list[Path], tokenizer: Tokenizer) -> Path:
     return cache_dir() / "corpora" / hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def prepare(d: DataConfig, path: str, progress: bool = False, workers: int | None = None) -> Path:
-    """Tokenize the corpus `path` names into the cache, unless it is there already, on `workers`
-    processes (default: default_workers()); return its directory. Bad input (no files, a table
+def prepare(d: DataConfig, path: str, progress: bool = False, workers: int | None = None,
+            held_out: bool = False) -> Path:
+    """Tokenize the corpus `path` names (data.path, or with `held_out` data.val_path) into the
+    cache, unless it is there already, on `workers` processes (default: default_workers()); return
+    its directory. Bad input (no files, a table
     without the text column, a line without the text field, nothing to train on) raises
     ConfigError and leaves nothing behind; what can be checked without reading the text is checked
     before any process starts."""
-    sources = sources_of(d, path)
+    sources = sources_of(d, path, held_out)
     files = [source.path for source in sources]
     tokenizer = Tokenizer(d.tokenizer)
     out = corpus_dir(d, files, tokenizer)
@@ -294,10 +295,10 @@ def _tokenizer(name: str) -> Tokenizer:
     return Tokenizer(name)
 
 
-def load(d: DataConfig, path: str, model_vocab: int) -> Prepared:
-    """The prepared corpus `path` names (prepared now if it is not yet), opened for reading; its
-    vocabulary checked against the model's."""
-    out = prepare(d, path)
+def load(d: DataConfig, path: str, model_vocab: int, held_out: bool = False) -> Prepared:
+    """The prepared corpus `path` names (data.path, or with `held_out` data.val_path; prepared now
+    if it is not yet), opened for reading; its vocabulary checked against the model's."""
+    out = prepare(d, path, held_out=held_out)
     manifest = json.loads((out / "manifest.json").read_text())
     _check_vocabulary(d, manifest["vocab_size"], model_vocab)
     return Prepared(TokenFile(out / "tokens.bin", np.dtype(manifest["dtype"])), np.load(out / "starts.npy"))
