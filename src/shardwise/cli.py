@@ -108,22 +108,27 @@ def train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _prepare_own_data(cfg: Config) -> Path | None:
-    """data.path's corpus tokenized into the cache (a no-op once it is there), or None without one."""
+def _prepare_own_data(cfg: Config, workers: int | None = None) -> Path | None:
+    """data.path's corpus tokenized into the cache (a no-op once it is there) on `workers` processes
+    (default: one per core, at most 8), or None without one."""
     if cfg.data.path is None:
         return None
     from shardwise.data import prepare
 
     prepare.check_vocabulary(cfg)
-    out = prepare.prepare(cfg.data, cfg.data.path, progress=sys.stderr.isatty())
+    if cfg.data.val_path is not None:  # what it names, checked before data.path's corpus is prepared
+        prepare.sources_of(cfg.data, cfg.data.val_path, held_out=True)
+    out = prepare.prepare(cfg.data, cfg.data.path, progress=sys.stderr.isatty(), workers=workers)
     if cfg.data.val_path is not None:
-        prepare.prepare(cfg.data, cfg.data.val_path, progress=sys.stderr.isatty())
+        prepare.prepare(cfg.data, cfg.data.val_path, progress=sys.stderr.isatty(), workers=workers, held_out=True)
     return out
 
 
 def prepare_data(args: argparse.Namespace) -> int:
+    if args.workers is not None and args.workers < 1:
+        raise ConfigError(f"--workers {args.workers}: must be at least 1")
     cfg = load_config(args.config, args.set)
-    out = _prepare_own_data(cfg)
+    out = _prepare_own_data(cfg, args.workers)
     if out is None:
         raise ConfigError(f"data.path is unset in {args.config}: the built-in corpus {cfg.data.name!r} needs no "
                           "preparing (set data.path, or --set data.path=FILE)")
@@ -352,9 +357,8 @@ def main(argv: list[str] | None = None) -> int:
                             "multinode: ddp, fsdp and hsdp over 2 nodes (network namespaces; needs root) at 3 link "
                             "rates, communication share measured and predicted; scale: the largest GPT single, ddp, "
                             "zero2, fsdp and fsdp-native train within a memory budget, as whole jobs; data: your own "
-                            "corpus (data.path) prepared and read at 1 MiB and 1 GiB, against the demo model's step. "
-                            "Writes "
-                            "bench/results/NAME.json (and --json FILE).")
+                            "corpus (data.path) prepared (on 1 process and on one per core) and read at 1 MiB and "
+                            "1 GiB, against the demo model's step. Writes bench/results/NAME.json (and --json FILE).")
     p.add_argument("name", choices=list(BENCHES), help="which benchmark")
     p.add_argument("--steps", type=int, help="measured steps per variant, default 12 (checkpoint: rounds; scale: "
                    "steps each job trains, default 2)")
@@ -369,14 +373,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--end-budget-gib", type=float, help="scale: the memory of the whole run's ranks together "
                    "(default 20)")
     p = commands.add_parser("prepare-data", help="tokenize a config's own corpus (data.path) into the cache",
-                            description="Reads data.path (a .txt or .jsonl file, a directory of them or a glob) and "
-                            "writes its token ids with data.tokenizer into a file in the cache "
-                            "($SHARDWISE_CACHE, default ~/.cache/shardwise), with a manifest of its inputs; again, a "
+                            description="Reads data.path (.txt, .jsonl, .parquet, .arrow or .feather files, a "
+                            "directory of them or a glob, or a Hugging Face dataset saved to disk) and writes its "
+                            "token ids with data.tokenizer into a file in the cache ($SHARDWISE_CACHE, default "
+                            "~/.cache/shardwise), with a manifest of its inputs, on a pool of processes; again, a "
                             "no-op until an input changes. `shardwise train` does this itself before its workers "
                             "start (docs/data.md).")
     p.add_argument("config", help="TOML config file with data.path")
     p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                    help="override a config value, e.g. --set data.path=corpus.jsonl (repeatable)")
+    p.add_argument("--workers", type=int, metavar="N", help="processes that tokenize (default: one per core, at "
+                   "most 8); the token file is the same for any N")
     p = commands.add_parser("consolidate", help="write a run's newest checkpoint as one plain safetensors file",
                             description="Reads the newest good checkpoint of RUN_DIR, whatever strategy and world "
                             "size saved it, in one process, and writes its full model state dict.")

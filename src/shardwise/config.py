@@ -145,15 +145,20 @@ class DataConfig:
     val_fraction: float = option(0.05, "the last fraction of the corpus validates; between 0 and 1")
     synthetic_size: int = option(1 << 20, "bytes (or images) of synthetic data")
     documents: str = option("none", "`shakespeare`, `stdlib`, `data.path`: pack documents with a document mask (no "
-                            "token attends to another document's): `files` (each play or module; each text file or "
-                            "JSON line of data.path), `paragraphs` (each block after a blank line; built-ins only); "
-                            "`none`: one stream, attention across everything in a window "
+                            "token attends to another document's): `files` (each play or module; each text file, "
+                            "JSON line or table row of data.path), `paragraphs` (each block after a blank line; "
+                            "built-ins only); `none`: one stream, attention across everything in a window "
                             "(docs/strategies/context.md)", DOCUMENTS)
-    path: str | None = option(None, "your own corpus instead of data.name (docs/data.md): a .txt or .jsonl file, a "
-                              "directory of them or a glob, tokenized once into the cache (`shardwise prepare-data`)")
-    val_path: str | None = option(None, "with data.path: a corpus of its own to validate on (as data.path), "
-                                  "instead of the last data.val_fraction of data.path's")
-    text_field: str = option("text", "with data.path: the field of each JSON line that holds its text")
+    path: str | None = option(None, "your own corpus instead of data.name (docs/data.md): a .txt, .jsonl, .parquet, "
+                              ".arrow or .feather file, a directory of them or a glob, or a Hugging Face dataset saved "
+                              "to disk; tokenized once into the cache (`shardwise prepare-data`)")
+    val_path: str | None = option(None, "with data.path: a corpus of its own to validate on (as data.path; a dataset "
+                                  "dict's split by its directory), instead of the last data.val_fraction of "
+                                  "data.path's")
+    text_field: str = option("text", "with data.path: the field of each JSON line, or the column of a Parquet or Arrow "
+                             "file or saved dataset, that holds its text")
+    split: str = option("train", "with data.path naming a Hugging Face dataset dict saved to disk (dataset_dict.json): "
+                        "the split to train on")
     tokenizer: str = option("bytes", "with data.path: `bytes` (each UTF-8 byte a token), or a Hugging Face "
                             "tokenizer read offline: a tokenizer.json or a directory holding one; its vocabulary "
                             "must fit model.vocab_size")
@@ -762,7 +767,7 @@ def _validate_own_data(cfg: Config) -> None:
     d = cfg.data
     if d.path is None:
         defaults = DataConfig()
-        for key in ("val_path", "tokenizer", "text_field"):
+        for key in ("val_path", "tokenizer", "text_field", "split"):
             if getattr(d, key) != getattr(defaults, key):
                 raise ConfigError(f"data.{key} = {getattr(d, key)!r}: only with data.path (your own corpus)")
         return

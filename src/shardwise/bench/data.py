@@ -1,9 +1,11 @@
 """`shardwise bench data`: your own corpus (data/prepare.py) at 1 MiB and at 1 GiB of JSON Lines:
-how fast it is prepared, how long a micro-batch takes to read from the memory-mapped tokens
-against a training step of the demo model, and what the reading costs a rank in memory.
+how fast it is prepared (on one process and on the default pool, one process per core), how long a
+micro-batch takes to read from the prepared tokens against a training step of the demo model, and
+what the reading costs a rank in memory.
 
-A driver: it writes each corpus (1 KiB lines of text, byte tokenizer), prepares it in this
-process, then starts one fresh process per corpus that reads `--steps` x `--reads` of the demo
+A driver: it writes each corpus (1 KiB lines of text, byte tokenizer), prepares it from this
+process on one process and then on the default pool (into caches of their own, the same bytes),
+then starts one fresh process per corpus that reads `--steps` x `--reads` of the demo
 config's micro-batches (16 windows of 129 tokens) through the trainer's own sampler and
 `TokenWindows`, as a rank does, and reports the median read time and its RSS after them above what
 it held before the datasets were made; and one process that times the demo model's training step (`single`,
@@ -17,6 +19,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -85,6 +88,12 @@ def step_time(steps: int) -> float:
     return times[len(times) // 2]
 
 
+def _timed(fn: Any, *args: Any, **kwargs: Any) -> float:
+    started = time.perf_counter()
+    fn(*args, **kwargs)
+    return time.perf_counter() - started
+
+
 def _rss() -> int:
     """This process's resident bytes now (what a peak would hide: importing torch passes higher)."""
     status = Path("/proc/self/status").read_text()
@@ -103,20 +112,21 @@ def run(sizes_mib: list[int], steps: int, reads: int) -> dict[str, Any]:
 
     load_before = os.getloadavg()[0]
     corpora = {}
+    workers = prepare.default_workers()
     with tempfile.TemporaryDirectory() as tmp:
-        os.environ["SHARDWISE_CACHE"] = str(Path(tmp) / "cache")
         for mib in sizes_mib:
             corpus = Path(tmp) / f"corpus-{mib}mib.jsonl"
             write_corpus(corpus, mib)
             cfg = load_config(DEMO, config_overrides(corpus))
-            started = time.perf_counter()
-            prepare.prepare(cfg.data, cfg.data.path)
-            prepared_s = time.perf_counter() - started
-            started = time.perf_counter()
-            prepare.prepare(cfg.data, cfg.data.path)  # again: the manifest is there
-            again_s = time.perf_counter() - started
+            os.environ["SHARDWISE_CACHE"] = str(Path(tmp) / "cache-1-process")
+            one_process_s = _timed(prepare.prepare, cfg.data, cfg.data.path, workers=1)
+            shutil.rmtree(Path(tmp) / "cache-1-process")
+            os.environ["SHARDWISE_CACHE"] = str(Path(tmp) / "cache")
+            prepared_s = _timed(prepare.prepare, cfg.data, cfg.data.path, workers=workers)
+            again_s = _timed(prepare.prepare, cfg.data, cfg.data.path)  # again: the manifest is there
             read = _in_child("read", str(corpus), str(reads))
-            corpora[f"{mib} MiB"] = {"bytes": corpus.stat().st_size, "prepare_s": prepared_s,
+            corpora[f"{mib} MiB"] = {"bytes": corpus.stat().st_size, "prepare_1_process_s": one_process_s,
+                                     "prepare_s": prepared_s, "prepare_speedup": one_process_s / prepared_s,
                                      "prepare_mib_per_s": mib / prepared_s, "prepare_again_s": again_s, **read}
             corpus.unlink()
         step = _in_child("step", str(steps))
@@ -125,6 +135,7 @@ def run(sizes_mib: list[int], steps: int, reads: int) -> dict[str, Any]:
         "bench": "data",
         "machine": f"{platform.machine()}, torch {torch.__version__}",
         "load_average_before_after": [load_before, os.getloadavg()[0]],
+        "prepare_processes": workers,
         "demo_step_s": step,
         "corpora": corpora,
         "read_over_step": {name: entry["read_s"] / step for name, entry in corpora.items()},
@@ -136,8 +147,10 @@ def format_result(result: dict[str, Any]) -> str:
     lines = [f"data bench: demo model step {result['demo_step_s'] * 1000:.1f} ms (one thread); load average "
              f"{result['load_average_before_after'][0]:.1f} -> {result['load_average_before_after'][1]:.1f}"]
     for name, entry in result["corpora"].items():
-        lines.append(f"  {name:>9}: prepared in {entry['prepare_s']:7.2f} s ({entry['prepare_mib_per_s']:6.1f} MiB/s; "
-                     f"again {entry['prepare_again_s'] * 1000:.1f} ms), {entry['windows']:,} windows; a step's "
+        lines.append(f"  {name:>9}: prepared in {entry['prepare_1_process_s']:7.2f} s on 1 process, "
+                     f"{entry['prepare_s']:7.2f} s on {result['prepare_processes']} ({entry['prepare_speedup']:.2f}x, "
+                     f"{entry['prepare_mib_per_s']:6.1f} MiB/s; again {entry['prepare_again_s'] * 1000:.1f} ms), "
+                     f"{entry['windows']:,} windows; a step's "
                      f"micro-batch read in {entry['read_s'] * 1000:.3f} ms ({result['read_over_step'][name]:.5f} of "
                      f"a step), RSS +{entry['rss_rise_mib']:.1f} MiB")
     lines.append(f"  RSS rise spread between the corpora: {result['rss_rise_spread_mib']:.1f} MiB")

@@ -49,7 +49,7 @@ def _own_datasets(cfg: Config) -> tuple[Dataset, Dataset]:
     d, seq_len = cfg.data, cfg.model.seq_len
     corpus = prepare.load(d, d.path, cfg.model.vocab_size)
     if d.val_path is not None:
-        held_out = prepare.load(d, d.val_path, cfg.model.vocab_size)
+        held_out = prepare.load(d, d.val_path, cfg.model.vocab_size, held_out=True)
         parts = [(corpus.tokens, corpus.starts), (held_out.tokens, held_out.starts)]
     else:
         train, val = split_tokens(corpus.tokens, d.val_fraction)

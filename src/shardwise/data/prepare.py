@@ -1,21 +1,23 @@
-"""The user's own corpus (`data.path`): text files and JSON Lines, tokenized once into a file of
-token ids, then read a window at a time like a built-in corpus.
+"""The user's own corpus (`data.path`): text, JSON Lines, Parquet and Arrow files and Hugging Face
+datasets saved to disk (sources.py), tokenized once into a file of token ids, then read a window
+at a time like a built-in corpus.
 
-`data.path` names a file, a directory (every `.txt` and `.jsonl` file under it, in sorted order)
-or a glob. A `.txt` file is one document; each line of a `.jsonl` file is one, its
-`data.text_field`. `data.tokenizer` is `bytes` (every UTF-8 byte a token, as the built-in corpora)
-or a Hugging Face tokenizer read offline: a `tokenizer.json`, or a directory holding one (a
-model's from_pretrained directory).
+`data.tokenizer` is `bytes` (every UTF-8 byte a token, as the built-in corpora) or a Hugging Face
+tokenizer read offline: a `tokenizer.json`, or a directory holding one (a model's from_pretrained
+directory).
 
-`prepare` tokenizes every document in order (a Hugging Face tokenizer 1024 documents at a time,
-on all cores through its own threads; the files are read and parsed in this process) into one
-flat file of token ids (`tokens.bin`: the smallest unsigned integers that hold the vocabulary),
-with where each document starts (`starts.npy`: for
-`data.documents = "files"` masks) and a manifest (`manifest.json`: each input's size, modification
-time and SHA-256, the tokenizer's hash, the counts). It lives in a directory of the cache named by
-a hash of the inputs' paths, sizes and times and of the tokenizer, so preparing again is a no-op
-until an input changes; it is written under a temporary name and renamed, so a failure (a missing
-field, a line that is not JSON) leaves nothing behind, and ranks never see half of it.
+`prepare` cuts the corpus into parts (sources.pieces: lines of a JSON Lines file by byte offset,
+row groups, record batches, whole text files) and tokenizes them on a pool of processes, one
+per core (at most MAX_WORKERS; a Hugging Face tokenizer on one thread in each), each part into a
+file of its own, appended to one flat file of token ids in the corpus's order as they finish
+(`tokens.bin`: the smallest unsigned integers that hold the vocabulary), so the result is the
+same byte for byte on any number of processes; a corpus of one part is tokenized in this process.
+Beside it, where each document starts (`starts.npy`: for `data.documents = "files"` masks) and a
+manifest (`manifest.json`: each input's size, modification time and SHA-256, the tokenizer's
+hash, the counts). It lives in a directory of the cache named by a hash of the inputs' paths,
+sizes and times and of the tokenizer, so preparing again is a no-op until an input changes; it is
+written under a temporary name and renamed, so a failure (a missing field, a line that is not
+JSON) leaves nothing behind, and ranks never see half of it.
 
 Training reads the token file as it goes (`TokenFile`: positioned reads, so a rank holds what it
 reads, not the pages around it): each rank's windows are read as its micro-batches need them, and
@@ -25,24 +27,31 @@ resharded run continues at exactly the next sample.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import glob
 import hashlib
 import json
+import multiprocessing
 import os
 import shutil
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO, Any
 
 import numpy as np
 
 from shardwise.config import Config, ConfigError, DataConfig
 from shardwise.data.corpus import cache_dir
+from shardwise.data.sources import Piece, Source, documents, input_sources, pieces
 
-SUFFIXES = (".txt", ".jsonl")
 BYTES = "bytes"
 BATCH = 1024  # documents a tokenizer encodes at once
+MAX_WORKERS = 8  # processes that tokenize a corpus, at most (the default: one per core up to this)
+# A corpus is cut into about 4 parts per process, of between these many bytes of text each (a JSON
+# Lines file in pieces of the least, each piece the lines that begin in it).
+MIN_PART_BYTES, MAX_PART_BYTES = 1 << 20, 64 << 20
 
 
 @dataclass(frozen=True)
@@ -53,23 +62,10 @@ class Prepared:
     starts: np.ndarray
 
 
-def input_files(path: str) -> list[Path]:
-    """The files `data.path` names, in the order their documents are read."""
-    given = Path(path).expanduser()
-    if given.is_file():
-        files = [given]
-    elif given.is_dir():
-        files = sorted(p for p in given.rglob("*") if p.suffix in SUFFIXES and p.is_file())
-    else:
-        files = sorted(Path(p) for p in glob.glob(str(given), recursive=True) if Path(p).is_file())
-        if not files:
-            raise ConfigError(f"data.path = {path!r}: no such file, directory or glob match")
-    unknown = [p for p in files if p.suffix not in SUFFIXES]
-    if unknown:
-        raise ConfigError(f"data.path = {path!r}: {unknown[0]} is neither .txt nor .jsonl")
-    if not files:
-        raise ConfigError(f"data.path = {path!r}: no .txt or .jsonl files in it")
-    return files
+def default_workers() -> int:
+    """The processes that tokenize a corpus: one per core this process may use, at most MAX_WORKERS."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(cores, MAX_WORKERS)
 
 
 class Tokenizer:
@@ -134,27 +130,6 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def documents(files: list[Path], text_field: str) -> Iterator[str]:
-    """Every document's text, in order: a .txt file whole, a .jsonl file's lines' `text_field`."""
-    for path in files:
-        if path.suffix == ".txt":
-            yield path.read_text(errors="replace")
-            continue
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as error:
-                    raise ConfigError(f"data.path: {path}, line {number}: not JSON ({error.msg})") from None
-                text = record.get(text_field) if isinstance(record, dict) else None
-                if not isinstance(text, str):
-                    raise ConfigError(f"data.text_field = {text_field!r}: {path}, line {number} has no such "
-                                      "text field")
-                yield text
-
-
 def _batches(texts: Iterable[str], size: int) -> Iterator[list[str]]:
     batch = []
     for text in texts:
@@ -166,47 +141,64 @@ def _batches(texts: Iterable[str], size: int) -> Iterator[list[str]]:
         yield batch
 
 
-def corpus_dir(d: DataConfig, path: str, files: list[Path], tokenizer: Tokenizer) -> Path:
-    """Where the corpus `path` names is prepared, in the cache: named by what it is made from."""
+def sources_of(d: DataConfig, path: str, held_out: bool = False) -> list[Source]:
+    """The files of `path`: data.path (a dataset dict's split data.split), or with `held_out`
+    data.val_path (a dataset dict refused: its split is named by its directory)."""
+    return input_sources(path, None, "data.val_path") if held_out else input_sources(path, d.split, "data.path")
+
+
+def corpus_dir(d: DataConfig, files: list[Path], tokenizer: Tokenizer) -> Path:
+    """Where the corpus of `files` is prepared, in the cache: named by what it is made from."""
     stats = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
     key = json.dumps([stats, tokenizer.name, tokenizer.fingerprint, d.text_field])
     return cache_dir() / "corpora" / hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def prepare(d: DataConfig, path: str, progress: bool = False) -> Path:
-    """Tokenize the corpus `path` names into the cache, unless it is there already; return its
-    directory. Bad input (no files, a line without the text field, nothing to train on) raises
-    ConfigError and leaves nothing behind."""
-    files = input_files(path)
+def prepare(d: DataConfig, path: str, progress: bool = False, workers: int | None = None,
+            held_out: bool = False) -> Path:
+    """Tokenize the corpus `path` names (data.path, or with `held_out` data.val_path) into the
+    cache, unless it is there already, on `workers` processes (default: default_workers()); return
+    its directory. Bad input (no files, a table
+    without the text column, a line without the text field, nothing to train on) raises
+    ConfigError and leaves nothing behind; what can be checked without reading the text is checked
+    before any process starts."""
+    sources = sources_of(d, path, held_out)
+    files = [source.path for source in sources]
     tokenizer = Tokenizer(d.tokenizer)
-    out = corpus_dir(d, path, files, tokenizer)
+    out = corpus_dir(d, files, tokenizer)
     if (out / "manifest.json").is_file():
         return out
     from tqdm import tqdm
 
+    workers = default_workers() if workers is None else workers
+    cut = pieces(sources, d.text_field, MIN_PART_BYTES)  # the tables checked here
+    total = sum(piece.size for piece in cut)
+    part_bytes = min(MAX_PART_BYTES, max(MIN_PART_BYTES, total // (4 * workers)))
+    parts = _parts(cut, part_bytes)
+    processes = min(workers, len(parts))
     tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
     try:
-        starts, count = [], 0
-        total = sum(p.stat().st_size for p in files) / 2**20
-        texts = tqdm(documents(files, d.text_field), unit=" documents", disable=not progress,
-                     desc=f"tokenizing {len(files)} file(s), {total:.1f} MiB")
-        with open(tmp / "tokens.bin", "wb") as sink:
-            for batch in _batches(texts, BATCH):
-                for ids in tokenizer.batch_ids(batch):
-                    if ids.size:
-                        starts.append(count)
-                        sink.write(ids.astype(tokenizer.dtype, copy=False).tobytes())
-                        count += ids.size
+        bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress,
+                   desc=f"tokenizing {len(files)} file(s) on {processes} process(es)")
+        with bar, open(tmp / "tokens.bin", "wb") as sink:
+            if processes > 1:
+                lengths, hashes = _tokenize_in_processes(parts, tokenizer, d.text_field, files, processes, tmp, sink,
+                                                         bar)
+            else:
+                lengths = [_tokenize_part(part, tokenizer, d.text_field, sink, bar) for part in parts]
+                hashes = [_sha256(p) for p in files]
+        lengths = np.concatenate([np.zeros(0, np.int64), *lengths])
+        count = int(lengths.sum())
         if count == 0:
             raise ConfigError(f"data.path = {path!r}: the corpus has no text ({len(files)} file(s), 0 tokens)")
-        np.save(tmp / "starts.npy", np.asarray(starts, dtype=np.int64))
+        np.save(tmp / "starts.npy", np.cumsum(lengths) - lengths)
         manifest = {
             "path": path, "text_field": d.text_field, "tokenizer": tokenizer.name,
             "tokenizer_sha256": tokenizer.fingerprint, "vocab_size": tokenizer.vocab_size,
-            "dtype": tokenizer.dtype.name, "tokens": count, "documents": len(starts),
+            "dtype": tokenizer.dtype.name, "tokens": count, "documents": len(lengths),
             "inputs": [{"path": str(p), "bytes": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns,
-                        "sha256": _sha256(p)} for p in files],
+                        "sha256": digest} for p, digest in zip(files, hashes, strict=True)],
         }
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
         try:
@@ -219,10 +211,94 @@ def prepare(d: DataConfig, path: str, progress: bool = False) -> Path:
     return out
 
 
-def load(d: DataConfig, path: str, model_vocab: int) -> Prepared:
-    """The prepared corpus `path` names (prepared now if it is not yet), opened for reading; its
-    vocabulary checked against the model's."""
-    out = prepare(d, path)
+def _parts(cut: list[Piece], part_bytes: int) -> list[list[Piece]]:
+    """Consecutive pieces gathered into parts of at least `part_bytes` (the last may be less)."""
+    parts: list[list[Piece]] = []
+    held = part_bytes
+    for piece in cut:
+        if held >= part_bytes:
+            parts.append([])
+            held = 0
+        parts[-1].append(piece)
+        held += piece.size
+    return parts
+
+
+def _tokenize_part(part: list[Piece], tokenizer: Tokenizer, text_field: str, sink: IO[bytes], bar: Any = None
+                   ) -> np.ndarray:
+    """Write the token ids of `part`'s documents to `sink`; each (non-empty) document's length."""
+    lengths, dtype = [], tokenizer.dtype
+    texts = (text for piece in part for text in documents(piece, text_field))
+    for batch in _batches(texts, BATCH):
+        kept = [ids for ids in tokenizer.batch_ids(batch) if ids.size]
+        if kept:
+            sink.write(np.concatenate(kept).astype(dtype, copy=False).tobytes())
+            lengths += [ids.size for ids in kept]
+    if bar is not None:
+        bar.update(sum(piece.size for piece in part))
+    return np.asarray(lengths, dtype=np.int64)
+
+
+def _tokenize_in_processes(parts: list[list[Piece]], tokenizer: Tokenizer, text_field: str, files: list[Path],
+                           processes: int, tmp: Path, sink: IO[bytes], bar: Any) -> tuple[list[np.ndarray], list[str]]:
+    """Each part tokenized by one of `processes` into a file of its own under `tmp`, appended to
+    `sink` in order as it finishes; the inputs hashed by the same processes meanwhile. Each part's
+    document lengths, and the inputs' SHA-256. A Hugging Face tokenizer runs on one thread in each
+    process (the processes are the parallelism): they start with TOKENIZERS_PARALLELISM=false."""
+    jobs = [(part, tokenizer.name, text_field, tmp / f"part-{i:06d}.bin") for i, part in enumerate(parts)]
+    lengths = []
+    with _environment(TOKENIZERS_PARALLELISM="false"):
+        pool = _start_processes(processes)
+        try:
+            hashes = [pool.submit(_sha256, p) for p in files]
+            for (part, *_, written), each in zip(jobs, pool.map(_tokenize_part_to_file, jobs), strict=True):
+                with open(written, "rb") as f:
+                    shutil.copyfileobj(f, sink, 1 << 20)
+                written.unlink()
+                lengths.append(each)
+                bar.update(sum(piece.size for piece in part))
+            return lengths, [h.result() for h in hashes]
+        finally:  # on an error, the parts not yet begun are dropped: the error is not kept waiting for them
+            pool.shutdown(cancel_futures=True)
+
+
+def _start_processes(processes: int) -> ProcessPoolExecutor:
+    """A pool of `processes`, forked where the system can (nothing to import again), else spawned."""
+    methods = multiprocessing.get_all_start_methods()
+    return ProcessPoolExecutor(processes, multiprocessing.get_context("fork" if "fork" in methods else "spawn"))
+
+
+@contextlib.contextmanager
+def _environment(**values: str) -> Iterator[None]:
+    before = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _tokenize_part_to_file(job: tuple[list[Piece], str, str, Path]) -> np.ndarray:
+    """In a pool's process: `_tokenize_part` into a file of its own."""
+    part, tokenizer_name, text_field, out = job
+    with open(out, "wb") as sink:
+        return _tokenize_part(part, _tokenizer(tokenizer_name), text_field, sink)
+
+
+@functools.cache
+def _tokenizer(name: str) -> Tokenizer:
+    """A pool process's tokenizer: read once per process."""
+    return Tokenizer(name)
+
+
+def load(d: DataConfig, path: str, model_vocab: int, held_out: bool = False) -> Prepared:
+    """The prepared corpus `path` names (data.path, or with `held_out` data.val_path; prepared now
+    if it is not yet), opened for reading; its vocabulary checked against the model's."""
+    out = prepare(d, path, held_out=held_out)
     manifest = json.loads((out / "manifest.json").read_text())
     _check_vocabulary(d, manifest["vocab_size"], model_vocab)
     return Prepared(TokenFile(out / "tokens.bin", np.dtype(manifest["dtype"])), np.load(out / "starts.npy"))
