@@ -16,11 +16,16 @@ layer's collectives even when none of its tokens chose a remote expert or none r
 Gradients: a dense parameter's are averaged over dp as any replica's are (the strategy's own
 reduction). An expert's gradient on its rank already sums what every ep rank's tokens contributed
 (the all-to-all's backward brought them); it is summed over the edp ranks that hold the same
-experts and divided by dp, the same mean over the global batch. Clipping counts each expert once:
-the squares of the expert gradients are summed over ep.
+experts and divided by dp, the same mean over the global batch: under ddp here
+(`average_gradients`), under zero1, zero2 and fsdp by their own reduce-scatter over edp (fsdp.py's
+`ShardGroup`). Clipping counts each expert once: under ddp the squares of the expert gradients
+are summed over ep.
 
 Checkpoints hold each layer's expert weights as one tensor [E, ...], a DTensor sharded on dim 0
 over ep: a checkpoint loads into any ep size, and into strategies without experts split.
+
+The experts are ours (models/moe.py's MoE layers) or transformers' (`TheirExperts`: Mixtral's,
+Qwen3-MoE's experts modules, their forward called as written on the rows that reach them).
 """
 
 from __future__ import annotations
