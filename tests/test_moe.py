@@ -199,6 +199,7 @@ TWO_RANK_RUNS = {
     "qwen3-moe-fsdp-ep2": ("fsdp", "parallel.ep=2", *QWEN3_MOE),
 }
 FOUR_RANK_RUNS = {
+    "ddp-ep4": ("ddp", "parallel.ep=4"),
     "ddp-ep2-dp4": ("ddp", "parallel.ep=2"),  # each expert on 2 ranks: its gradient summed over them
     # each ep rank's experts sharded over 2
     "fsdp-ep2": ("fsdp", "parallel.ep=2", f"train.checkpoint_every={SAVED_AT}"),
@@ -206,8 +207,8 @@ FOUR_RANK_RUNS = {
                                  "parallel.recompute=blocks"),
 }
 # What share of every expert each rank holds: 1/ep, and under the sharded strategies 1/dp.
-EXPERTS_HELD = {"ddp-ep2": 2, "zero1-ep2-bias": 2, "mixtral-ddp-ep2": 2, "qwen3-moe-fsdp-ep2": 2, "ddp-ep2-dp4": 2,
-                "fsdp-ep2": 4, "zero2-ep4-bf16-recompute": 4}
+EXPERTS_HELD = {"ddp-ep2": 2, "zero1-ep2-bias": 2, "mixtral-ddp-ep2": 2, "qwen3-moe-fsdp-ep2": 2, "ddp-ep4": 4,
+                "ddp-ep2-dp4": 2, "fsdp-ep2": 4, "zero2-ep4-bf16-recompute": 4}
 
 
 def train_runs(ctx: DistContext, root: Path, runs: dict[str, tuple[str, ...]]) -> dict[str, int]:
