@@ -144,6 +144,8 @@ def test_gpt_moe_counts_its_active_parameters():
     (("parallel.strategy=fsdp", "parallel.ep=2", "model.n_experts=2", "launch.nproc=4"),
      "fsdp shards each ep rank's 1 experts over the dp / ep = 2 ranks"),
     (("parallel.ep=2", "parallel.cp=2", "model.balance=bias"), "parallel.ep = 2 with parallel.cp = 2"),
+    (("parallel.strategy=fsdp", "parallel.tp=2", "parallel.sequence_parallel=true"),
+     "each tp rank would route only its part of the sequence"),
     (("parallel.cp=2",), "model.balance = 'aux-loss' with parallel.cp = 2"),
     (("parallel.strategy=dp", "launch.nproc=1"), "dp's replicas would each route their part of a micro-batch"),
 ])
@@ -197,18 +199,23 @@ TWO_RANK_RUNS = {
     "zero1-ep2-bias": ("zero1", "parallel.ep=2", *BIAS),
     "mixtral-ddp-ep2": ("ddp", "parallel.ep=2", *MIXTRAL),
     "qwen3-moe-fsdp-ep2": ("fsdp", "parallel.ep=2", *QWEN3_MOE),
+    # the auxiliary loss injected on each stage, scaled as the pipeline scales a micro-batch's loss; it
+    # is over a micro-batch's tokens, so the pipeline's micro-batches are single's (4 / 2 = 2 samples)
+    "pipeline-pp2": ("pipeline", "parallel.micro_batches=2", "train.micro_batch=4"),
 }
 FOUR_RANK_RUNS = {
     "ddp-ep4": ("ddp", "parallel.ep=4"),
     "ddp-ep2-dp4": ("ddp", "parallel.ep=2"),  # each expert on 2 ranks: its gradient summed over them
     # each ep rank's experts sharded over 2
     "fsdp-ep2": ("fsdp", "parallel.ep=2", f"train.checkpoint_every={SAVED_AT}"),
+    # attention split over tp 2 (gpt-moe's plan), each tp rank's MoE layers whole, their experts over ep 2
+    "fsdp-ep2-tp2": ("fsdp", "parallel.ep=2", "parallel.tp=2"),
     "zero2-ep4-bf16-recompute": ("zero2", "parallel.ep=4", "parallel.precision=bf16-mixed",
                                  "parallel.recompute=blocks"),
 }
 # What share of every expert each rank holds: 1/ep, and under the sharded strategies 1/dp.
 EXPERTS_HELD = {"ddp-ep2": 2, "zero1-ep2-bias": 2, "mixtral-ddp-ep2": 2, "qwen3-moe-fsdp-ep2": 2, "ddp-ep4": 4,
-                "ddp-ep2-dp4": 2, "fsdp-ep2": 4, "zero2-ep4-bf16-recompute": 4}
+                "ddp-ep2-dp4": 2, "fsdp-ep2": 4, "fsdp-ep2-tp2": 2, "zero2-ep4-bf16-recompute": 4}
 
 
 def train_runs(ctx: DistContext, root: Path, runs: dict[str, tuple[str, ...]]) -> dict[str, int]:

@@ -665,6 +665,11 @@ def _validate_experts(cfg: Config, world: int) -> None:
         _choice("model.balance", m.balance, BALANCES)
         _positive("model.aux_loss_coef", m.aux_loss_coef, zero_ok=True)
         _positive("model.balance_rate", m.balance_rate, zero_ok=True)
+        if p.sequence_parallel:
+            raise ConfigError(f"parallel.sequence_parallel = true with model.name = {m.name!r}: each tp rank would "
+                              "route only its part of the sequence (the router's counts and auxiliary loss over "
+                              "part of the tokens); leave sequence_parallel off, the MoE layers whole on every tp "
+                              "rank")
         if m.balance == "aux-loss" and p.cp > 1:
             raise ConfigError(f"model.balance = 'aux-loss' with parallel.cp = {p.cp}: the auxiliary loss is computed "
                               "over a rank's tokens, under context parallel only part of each sequence; use "
@@ -681,10 +686,14 @@ def _validate_experts(cfg: Config, world: int) -> None:
         raise ConfigError(f"parallel.ep = {p.ep}: must divide model.n_experts = {m.n_experts}; each ep rank holds "
                           "an equal share of every layer's experts")
     dp, pp, tp = p.mesh_shape(world)
-    for key, size in (("cp", p.cp), ("pp", pp), ("tp", tp)):
+    for key, size in (("cp", p.cp), ("pp", pp)):
         if size > 1:
             raise ConfigError(f"parallel.ep = {p.ep} with parallel.{key} = {size}: expert parallel does not compose "
                               f"with {key} yet; it splits the experts over data-parallel ranks only")
+    if tp > 1 and (not spec(p.strategy).zero_stage or p.sequence_parallel):
+        raise ConfigError(f"parallel.ep = {p.ep} with parallel.tp = {tp}: expert parallel composes with tensor "
+                          "parallel under zero1, zero2 and fsdp, without sequence_parallel (every tp rank then "
+                          "routes the same tokens, its MoE layers whole)")
     if dp % p.ep:
         raise ConfigError(f"parallel.ep = {p.ep}: the expert-parallel ranks are data-parallel ranks, so ep must "
                           f"divide dp = {dp} (world size {world}); e.g. --nproc {p.ep}")

@@ -125,7 +125,19 @@ GPT2 = ParallelPlan(
     positions=Positions("wpe", 0),
 )
 
-_PLANS: list[ParallelPlan] = [GPT, LLAMA, GPT2]
+# gpt-moe: the GPT's blocks with a Mixture-of-Experts layer for the MLP. Tensor parallel splits their
+# attention; the MoE layer stays whole on every tp rank (its experts are split by expert parallel).
+GPT_MOE = ParallelPlan(
+    family="gpt-moe",
+    models=("gpt-moe",),
+    blocks=("Block",),
+    regions=(GPT.regions[0],),
+    first_stage=GPT.first_stage,
+    last_stage=GPT.last_stage,
+    positions=GPT.positions,
+)
+
+_PLANS: list[ParallelPlan] = [GPT, LLAMA, GPT2, GPT_MOE]
 
 NEEDS = ("the class of its repeated block; per block, its tensor-parallel regions (a module whose input enters "
          "column-parallel layers and whose output leaves a row-parallel one, and for attention where its head "
@@ -153,15 +165,26 @@ def plan_for_name(model_name: str) -> ParallelPlan | None:
 
 
 def plan_for(model: nn.Module) -> ParallelPlan:
-    """The plan whose block class the model holds; PlanError naming what a plan needs if none."""
-    classes = {type(m).__name__ for m in model.modules()}
+    """The plan whose block class the model holds and whose regions its first block has (the GPT
+    and gpt-moe share a block class); PlanError naming what a plan needs if none."""
     for plan in _PLANS:
-        if classes & set(plan.blocks):
+        block = next((m for m in model.modules() if type(m).__name__ in plan.blocks), None)
+        if block is not None and all(_has_region(block, region) for region in plan.regions):
             return plan
     known = "; ".join(f"{plan.family} ({', '.join(plan.blocks)})" for plan in _PLANS)
     raise PlanError(f"no parallel plan for {type(model).__name__}: none of its modules is a block of a known plan "
                     f"({known}). A plan names {NEEDS}; write one (docs/model-families.md) and register it with "
                     "shardwise.models.plans.register_plan")
+
+
+def _has_region(block: nn.Module, region: Region) -> bool:
+    try:
+        module = block.get_submodule(region.module)
+        for name in (*(c.name for c in region.columns), region.row):
+            module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
 
 
 def _matches(name: str, pattern: str) -> bool:

@@ -57,6 +57,7 @@ from torch import nn
 
 from shardwise.config import Config, ConfigError, ParallelConfig
 from shardwise.dist import DistContext
+from shardwise.models import moe
 from shardwise.models.plans import Located
 from shardwise.pipeline_schedules import (
     BW,
@@ -282,7 +283,9 @@ class PipelineRun:
         i, s = a.micro_batch, a.stage
         x = self.inputs[i] if s == 0 else self.ready.pop(message(a)).requires_grad_()
         started = time.perf_counter()
-        with self.precision.autocast(self.activations.device):
+        # A Mixture-of-Experts layer's auxiliary loss is backpropagated as this micro-batch's loss is.
+        scale = (self.scaler.scale if self.scaler else 1.0) / self.divisor
+        with self.precision.autocast(self.activations.device), moe.loss_scale(scale):
             out = self.stages[s](x)
             if s == self.last:
                 out = self.loss_fn(out, self.targets[i])
