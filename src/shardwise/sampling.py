@@ -47,12 +47,13 @@ def run_config(run: Path, strategy: str | None = None, nproc: int = 1) -> Config
     weights = run / WEIGHTS
     if not weights.is_file():
         raise ConfigError(f"{weights}: not found; train a run into {run} first")
-    overrides = ["parallel.cp=1", f"launch.nproc={nproc}", "launch.nnodes=1"]  # a prompt is too short to split
+    # A prompt is too short to split; its few tokens need no experts split either.
+    overrides = ["parallel.cp=1", "parallel.ep=1", f"launch.nproc={nproc}", "launch.nnodes=1"]
     if strategy is not None:
         overrides.append(f"parallel.strategy={strategy}")
     cfg = load_config(run / "config.toml", overrides)
-    if cfg.model.name != "gpt":
-        raise ConfigError(f"model.name = {cfg.model.name!r} in {run}: only a GPT generates text")
+    if cfg.model.name not in ("gpt", "gpt-moe"):
+        raise ConfigError(f"model.name = {cfg.model.name!r} in {run}: only a GPT (gpt, gpt-moe) generates text")
     if nproc == 1:
         cfg.parallel.strategy = "single"
     validate(cfg, world_size=nproc)
