@@ -5,6 +5,7 @@ holds 1/ep of the experts, and checkpoints to any ep size and to `single`."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -26,6 +27,11 @@ BIAS = ("model.balance=bias", "model.balance_rate=0.01")
 # transformers' own MoE models, their code unchanged: experts of width d_ff (Mixtral), 64 (Qwen3-MoE)
 MIXTRAL = ("model.name=hf-mixtral", "model.n_kv_head=1")
 QWEN3_MOE = ("model.name=hf-qwen3-moe", "model.n_kv_head=1")
+# DeepSeek-V3's architecture at a tiny size: MLA attention, a dense first block, group-limited sigmoid
+# routing, a shared expert beside the routed ones (which are the ones ep splits)
+TINY_DEEPSEEK_V3 = Path(__file__).parent / "deepseek-v3-tiny.json"
+DEEPSEEK_V3 = ("model.name=hf-deepseek-v3", f"model.hf_config={json.dumps(str(TINY_DEEPSEEK_V3))}")
+FAMILIES = {"mixtral": MIXTRAL, "qwen3-moe": QWEN3_MOE, "deepseek-v3": DEEPSEEK_V3}
 
 
 def cfg_for(out: Path, strategy: str, world: int, *overrides: str):
@@ -210,12 +216,14 @@ FOUR_RANK_RUNS = {
     "fsdp-ep2": ("fsdp", "parallel.ep=2", f"train.checkpoint_every={SAVED_AT}"),
     # attention split over tp 2 (gpt-moe's plan), each tp rank's MoE layers whole, their experts over ep 2
     "fsdp-ep2-tp2": ("fsdp", "parallel.ep=2", "parallel.tp=2"),
+    "deepseek-v3-fsdp-ep2": ("fsdp", "parallel.ep=2", *DEEPSEEK_V3),  # each ep rank's experts sharded over 2
     "zero2-ep4-bf16-recompute": ("zero2", "parallel.ep=4", "parallel.precision=bf16-mixed",
                                  "parallel.recompute=blocks"),
 }
 # What share of every expert each rank holds: 1/ep, and under the sharded strategies 1/dp.
 EXPERTS_HELD = {"ddp-ep2": 2, "zero1-ep2-bias": 2, "mixtral-ddp-ep2": 2, "qwen3-moe-fsdp-ep2": 2, "ddp-ep4": 4,
-                "ddp-ep2-dp4": 2, "fsdp-ep2": 4, "fsdp-ep2-tp2": 2, "zero2-ep4-bf16-recompute": 4}
+                "ddp-ep2-dp4": 2, "fsdp-ep2": 4, "fsdp-ep2-tp2": 2, "deepseek-v3-fsdp-ep2": 4,
+                "zero2-ep4-bf16-recompute": 4}
 
 
 def train_runs(ctx: DistContext, root: Path, runs: dict[str, tuple[str, ...]]) -> dict[str, int]:
@@ -248,6 +256,7 @@ def runs(tmp_path_factory) -> tuple[Path, dict[str, list[int]]]:
     train_in_process(cfg_for(root / "single-bf16", "single", 1, "parallel.precision=bf16-mixed"))
     train_in_process(cfg_for(root / "single-mixtral", "single", 1, *MIXTRAL))
     train_in_process(cfg_for(root / "single-qwen3-moe", "single", 1, *QWEN3_MOE))
+    train_in_process(cfg_for(root / "single-deepseek-v3", "single", 1, *DEEPSEEK_V3))
     held = {}
     for world, runs in ((2, TWO_RANK_RUNS), (4, FOUR_RANK_RUNS)):
         ranks = run_ranks(train_runs, world, root, runs, timeout=300)
@@ -260,7 +269,7 @@ def test_expert_parallel_trains_as_one_device_does(runs, name):
     """Losses within 1e-5 relative and final weights (every expert, gathered) within rtol 1e-5 of
     single's, over 10 steps; with bias balancing, the biases too (they are buffers of the state)."""
     root, _ = runs
-    reference = next((f"single-{family}" for family in ("bias", "mixtral", "qwen3-moe") if family in name), "single")
+    reference = next((f"single-{family}" for family in ("bias", *FAMILIES) if family in name), "single")
     assert_same_training(root / name, root / reference, STEPS)
 
 
@@ -293,7 +302,7 @@ def test_the_ranks_report_the_load_of_each_ep_rank(runs):
 def test_each_rank_holds_its_share_of_the_experts(runs, name):
     """1/ep of the experts, and under the sharded strategies 1/(dp / ep) of those: counted."""
     root, held = runs
-    family = MIXTRAL if "mixtral" in name else QWEN3_MOE if "qwen3" in name else ()
+    family = next((overrides for key, overrides in FAMILIES.items() if key in name), ())
     model = build_model(cfg_for(Path("."), "single", 1, *family).model)
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     assert held[name] == [experts // EXPERTS_HELD[name]] * len(held[name])

@@ -33,12 +33,12 @@ OFFLOADS = ("none", "optimizer")
 ALL_REDUCES = ("backend", "ring")
 GRAD_COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 # transformers models of the GPT presets' sizes (models/hf.py)
-HF_MODELS = ("hf-llama", "hf-qwen2", "hf-gpt2", "hf-mixtral", "hf-qwen3-moe")
+HF_MODELS = ("hf-llama", "hf-qwen2", "hf-gpt2", "hf-mixtral", "hf-qwen3-moe", "hf-deepseek-v3")
 # families whose key/value heads may be fewer than their heads
-GROUPED_QUERY_MODELS = ("hf-llama", "hf-qwen2", "hf-mixtral", "hf-qwen3-moe")
+GROUPED_QUERY_MODELS = ("hf-llama", "hf-qwen2", "hf-mixtral", "hf-qwen3-moe", "hf-deepseek-v3")
 # A transformers config.json's `model_type` -> the family that builds it (Mistral has Llama's modules).
 HF_MODEL_TYPES = {"llama": "hf-llama", "mistral": "hf-llama", "qwen2": "hf-qwen2", "gpt2": "hf-gpt2",
-                  "mixtral": "hf-mixtral", "qwen3_moe": "hf-qwen3-moe"}
+                  "mixtral": "hf-mixtral", "qwen3_moe": "hf-qwen3-moe", "deepseek_v3": "hf-deepseek-v3"}
 # Where each family's transformers config keeps the sizes a ModelConfig names.
 _LLAMA_SIZE_KEYS = dict(n_layer="num_hidden_layers", n_head="num_attention_heads", n_kv_head="num_key_value_heads",
                         d_model="hidden_size", d_ff="intermediate_size", vocab_size="vocab_size",
@@ -52,11 +52,14 @@ HF_SIZE_KEYS: dict[str, dict[str, str]] = {
     "hf-mixtral": {**_LLAMA_SIZE_KEYS, "n_experts": "num_local_experts", "top_k": "num_experts_per_tok"},
     "hf-qwen3-moe": {**_LLAMA_SIZE_KEYS, "n_experts": "num_experts", "top_k": "num_experts_per_tok",
                      "d_expert": "moe_intermediate_size", "head_dim": "head_dim"},
+    # Its attention's other sizes (MLA's ranks and head widths) and its dense first blocks: model.hf_config's.
+    "hf-deepseek-v3": {**_LLAMA_SIZE_KEYS, "n_experts": "n_routed_experts", "top_k": "num_experts_per_tok",
+                       "d_expert": "moe_intermediate_size"},
 }
 # Models of token sequences: sized by a GPT preset, trained on text.
 LANGUAGE_MODELS = ("gpt", "gpt-moe", *HF_MODELS)
 # Models whose blocks have Mixture-of-Experts layers: ours (models/moe.py), transformers' (their own).
-MOE_MODELS = ("gpt-moe", "hf-mixtral", "hf-qwen3-moe")
+MOE_MODELS = ("gpt-moe", "hf-mixtral", "hf-qwen3-moe", "hf-deepseek-v3")
 ROUTER_SCORES = ("softmax", "sigmoid")
 BALANCES = ("aux-loss", "bias", "none")
 # The strategies that split experts over parallel.ep ranks (expert_parallel.py).
@@ -90,8 +93,9 @@ class ModelConfig:
 
     name: str = option("gpt", "`gpt` (decoder-only transformer), `gpt-moe` (the GPT with a Mixture-of-Experts "
                        "layer for each MLP, docs/strategies/moe.md), `hf-llama` / `hf-qwen2` / `hf-gpt2` / "
-                       "`hf-mixtral` / `hf-qwen3-moe` (a randomly initialised transformers Llama, Qwen2, GPT-2, "
-                       "Mixtral or Qwen3-MoE of the preset's sizes), `cnn` (with BatchNorm) or `mlp`", MODELS)
+                       "`hf-mixtral` / `hf-qwen3-moe` / `hf-deepseek-v3` (a randomly initialised transformers "
+                       "Llama, Qwen2, GPT-2, Mixtral, Qwen3-MoE or DeepSeek-V3 of the preset's sizes), `cnn` (with "
+                       "BatchNorm) or `mlp`", MODELS)
     preset: str = option("tiny", "GPT and hf-* size: `tiny` (2 blocks x width 64, 64-token context), `small` "
                          "(6 x 384, 256), `gpt2-124m` (12 x 768, 1024, vocabulary 50304); fills every size below "
                          "left unset", GPT_PRESETS)
@@ -116,12 +120,12 @@ class ModelConfig:
                                  "(docs/huggingface.md); unset: initialised from train.seed")
     head_dim: int | None = option(None, "hf-qwen3-moe: each attention head's width (Qwen3's 128 is not d_model / "
                                   "n_head; unset: model.hf_config's, else d_model / n_head)")
-    n_experts: int | None = option(None, "gpt-moe, hf-mixtral, hf-qwen3-moe: experts in each MoE layer (unset: "
+    n_experts: int | None = option(None, "gpt-moe and the hf-* MoE families: experts in each MoE layer (unset: "
                                    "model.hf_config's, else 8)")
-    top_k: int | None = option(None, "gpt-moe, hf-mixtral, hf-qwen3-moe: experts each token is routed to, at most "
+    top_k: int | None = option(None, "gpt-moe and the hf-* MoE families: experts each token is routed to, at most "
                                "n_experts (unset: model.hf_config's, else 2)")
-    d_expert: int | None = option(None, "gpt-moe, hf-qwen3-moe: each expert's hidden width (unset: model.hf_config's, "
-                                  "else d_ff); hf-mixtral's experts are its MLPs, of width d_ff")
+    d_expert: int | None = option(None, "gpt-moe, hf-qwen3-moe, hf-deepseek-v3: each expert's hidden width (unset: "
+                                  "model.hf_config's, else d_ff); hf-mixtral's experts are its MLPs, of width d_ff")
     router_score: str = option("softmax", "gpt-moe: the router's scores, `softmax` over the experts (Mixtral, "
                                "Qwen3-MoE) or each expert's `sigmoid` (DeepSeek-V3)", ROUTER_SCORES)
     balance: str = option("aux-loss", "gpt-moe: load balancing: `aux-loss` (aux_loss_coef x E x sum of each "

@@ -61,7 +61,7 @@ def build_causal_lm(cfg: ModelConfig) -> CausalLM:
         raise ImportError(f"model.name = {cfg.name!r} needs transformers: pip install 'shardwise[hf]'") from None
     families = {"hf-llama": transformers.LlamaConfig, "hf-qwen2": transformers.Qwen2Config,
                 "hf-gpt2": transformers.GPT2Config, "hf-mixtral": transformers.MixtralConfig,
-                "hf-qwen3-moe": transformers.Qwen3MoeConfig}
+                "hf-qwen3-moe": transformers.Qwen3MoeConfig, "hf-deepseek-v3": transformers.DeepseekV3Config}
     if cfg.name not in families:
         raise ValueError(f"model.name = {cfg.name!r}: not a Hugging Face model; allowed: {', '.join(HF_MODELS)}")
     values = json.loads(Path(cfg.hf_config).read_text()) if cfg.hf_config else {}
