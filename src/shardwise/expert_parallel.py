@@ -39,7 +39,7 @@ from torch import nn
 
 from shardwise.gradients import all_reduce_packed, clip_coefficient, squared_norm
 from shardwise.mesh import Mesh
-from shardwise.models.moe import moe_layers
+from shardwise.models.moe import combine_pairs, moe_layers, their_experts
 
 
 class AllToAll(torch.autograd.Function):
@@ -105,10 +105,9 @@ class ExpertDispatch:
 
 
 class TheirExperts:
-    """A transformers experts module's forward under expert parallel. Such a module (Mixtral's,
-    Qwen3-MoE's: `*Experts`, with `num_experts` and every parameter stacked by expert on dim 0) is
-    called with the tokens, their chosen experts [N, k] and weights [N, k], and returns the tokens'
-    weighted sums. Here the (token, expert) pairs are sorted and dispatched as ours are, and on the
+    """A transformers experts module's forward under expert parallel (models/moe.py's
+    `their_experts`), called with the tokens, their chosen experts [N, k] and weights [N, k]; it
+    returns the tokens' weighted sums. Here the (token, expert) pairs are sorted and dispatched as ours are, and on the
     experts' rank the module's own forward computes each arrived row with its one expert at weight 1:
     their code, unchanged, on their weights."""
 
@@ -116,23 +115,13 @@ class TheirExperts:
         self.forward, self.dispatch, self.n_experts = forward, dispatch, n_experts
 
     def __call__(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        chosen = top_k_index.flatten()
-        order = chosen.argsort(stable=True)
-        token = order // top_k_index.shape[1]
-        counts = torch.bincount(chosen, minlength=self.n_experts)
-        out = self.dispatch(hidden[token], counts, self._compute)
-        weighted = out * top_k_weights.flatten()[order].unsqueeze(-1).to(out.dtype)
-        return torch.zeros_like(hidden, dtype=weighted.dtype).index_add_(0, token, weighted).to(hidden.dtype)
+        counts = torch.bincount(top_k_index.flatten(), minlength=self.n_experts)
+        return combine_pairs(hidden, top_k_index, top_k_weights, counts,
+                             lambda rows, per_expert: self.dispatch(rows, per_expert, self._compute))
 
     def _compute(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         expert = torch.repeat_interleave(torch.arange(counts.numel(), device=rows.device), counts).unsqueeze(1)
         return self.forward(rows, expert, torch.ones(rows.shape[0], 1, dtype=rows.dtype, device=rows.device))
-
-
-def their_experts(module: nn.Module) -> list[nn.Module]:
-    """The transformers experts modules in `module` (see `TheirExperts`)."""
-    return [m for m in module.modules() if type(m).__name__.endswith("Experts") and isinstance(
-        getattr(m, "num_experts", None), int) and all(p.shape[0] == m.num_experts for p in m.parameters())]
 
 
 class ExpertParallel:

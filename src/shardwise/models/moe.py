@@ -137,7 +137,6 @@ class MoE(nn.Module):
         self.register_buffer("balance_bias", torch.zeros(cfg.n_experts))
         self.routed: torch.Tensor | None = None  # pairs per expert in this step's training forwards so far
         self.dispatch: Dispatch = compute_here
-        self.last_aux_loss: torch.Tensor | None = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """For tokens x [N, d]: the chosen experts [N, k], their weights [N, k] and every expert's
@@ -156,17 +155,13 @@ class MoE(nn.Module):
         counts = torch.bincount(chosen.flatten(), minlength=self.cfg.n_experts)
         if self.training and not _recomputing():
             self.routed = counts if self.routed is None else self.routed + counts
-        order = chosen.flatten().argsort(stable=True)
-        token = order // self.cfg.top_k  # the token of each pair, pairs sorted by expert
-        out = self.dispatch(x[token], counts, self.experts)
-        weighted = out * weights.flatten()[order].unsqueeze(-1).to(out.dtype)
-        y = torch.zeros_like(x, dtype=weighted.dtype).index_add_(0, token, weighted).to(x.dtype)
+        y = combine_pairs(x, chosen, weights, counts, lambda rows, per_expert: self.dispatch(rows, per_expert,
+                                                                                            self.experts))
         if self.shared is not None:
             y = y + self.shared(x)
         if self.cfg.balance == "aux-loss" and self.training:
             fraction = counts.float() / chosen.numel()
             aux = self.cfg.aux_loss_coef * self.cfg.n_experts * (fraction * scores.mean(0)).sum()
-            self.last_aux_loss = aux.detach()
             y = AuxLoss.apply(y, aux, _loss_scale[-1])
         return y.view(shape)
 
@@ -178,6 +173,18 @@ class MoE(nn.Module):
         if self.cfg.balance == "bias":
             self.balance_bias += self.cfg.balance_rate * torch.sign(routed.float().mean() - routed.float())
         self.routed = None
+
+
+def combine_pairs(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor,
+                  compute: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """Tokens x [N, d] routed to `chosen` [N, k] experts with `weights` [N, k] (`counts` pairs per
+    expert): the (token, expert) pairs sorted by expert, computed by `compute(rows, counts)`, and
+    each pair's output, weighted, added back to its token's row."""
+    order = chosen.flatten().argsort(stable=True)
+    token = order // chosen.shape[1]  # the token of each pair, pairs sorted by expert
+    out = compute(x[token], counts)
+    weighted = out * weights.flatten()[order].unsqueeze(-1).to(out.dtype)
+    return torch.zeros_like(x, dtype=weighted.dtype).index_add_(0, token, weighted).to(x.dtype)
 
 
 class SharedExpert(nn.Module):
@@ -197,13 +204,18 @@ def moe_layers(model: nn.Module) -> list[MoE]:
     return [m for m in model.modules() if isinstance(m, MoE)]
 
 
+def their_experts(module: nn.Module) -> list[nn.Module]:
+    """transformers' experts modules in `module` (Mixtral's, Qwen3-MoE's, DeepSeek-V3's): a class
+    `*Experts` with `num_experts`, every parameter stacked by expert on dim 0, called with the
+    tokens, their chosen experts and their weights."""
+    return [m for m in module.modules() if type(m).__name__.endswith("Experts") and isinstance(
+        getattr(m, "num_experts", None), int) and all(p.shape[0] == m.num_experts for p in m.parameters())]
+
+
 def active_parameters(model: nn.Module, top_k: int) -> int:
     """The parameters a token computes with: all of them, less the experts it is not routed to
-    (`n - top_k` of each layer's `n`). Experts are ours (`Experts`) or transformers' (a module
-    `*Experts` with `num_experts`, its parameters stacked by expert)."""
-    total = sum(p.numel() for p in model.parameters())
-    for module in model.modules():
-        n = module.w_up.shape[0] if isinstance(module, Experts) else getattr(module, "num_experts", None)
-        if isinstance(n, int) and (isinstance(module, Experts) or type(module).__name__.endswith("Experts")):
-            total -= sum(p.numel() for p in module.parameters()) * (n - top_k) // n
-    return total
+    (`n - top_k` of each layer's `n`), ours or transformers'."""
+    experts = [(layer.experts, layer.cfg.n_experts) for layer in moe_layers(model)]
+    experts += [(module, module.num_experts) for module in their_experts(model)]
+    idle = sum(sum(p.numel() for p in module.parameters()) * (n - top_k) // n for module, n in experts)
+    return sum(p.numel() for p in model.parameters()) - idle
