@@ -39,7 +39,7 @@ from torch import nn
 
 from shardwise.gradients import all_reduce_packed, clip_coefficient, squared_norm
 from shardwise.mesh import Mesh
-from shardwise.models.moe import combine_pairs, moe_layers, their_experts
+from shardwise.models.moe import combine_pairs, expert_counts, moe_layers, their_experts
 
 
 class AllToAll(torch.autograd.Function):
@@ -115,7 +115,7 @@ class TheirExperts:
         self.forward, self.dispatch, self.n_experts = forward, dispatch, n_experts
 
     def __call__(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        counts = torch.bincount(top_k_index.flatten(), minlength=self.n_experts)
+        counts = expert_counts(top_k_index, self.n_experts)
         return combine_pairs(hidden, top_k_index, top_k_weights, counts,
                              lambda rows, per_expert: self.dispatch(rows, per_expert, self._compute))
 

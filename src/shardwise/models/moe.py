@@ -152,7 +152,7 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         chosen, weights, scores = self.route(x)
-        counts = torch.bincount(chosen.flatten(), minlength=self.cfg.n_experts)
+        counts = expert_counts(chosen, self.cfg.n_experts)
         if self.training and not _recomputing():
             self.routed = counts if self.routed is None else self.routed + counts
         y = combine_pairs(x, chosen, weights, counts, lambda rows, per_expert: self.dispatch(rows, per_expert,
@@ -173,6 +173,12 @@ class MoE(nn.Module):
         if self.cfg.balance == "bias":
             self.balance_bias += self.cfg.balance_rate * torch.sign(routed.float().mean() - routed.float())
         self.routed = None
+
+
+def expert_counts(chosen: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Pairs routed to each of `n_experts` experts by `chosen` [N, k]. (Data-dependent: the
+    planner's trace on fake tensors replaces it by a balanced count.)"""
+    return torch.bincount(chosen.flatten(), minlength=n_experts)
 
 
 def combine_pairs(x: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor,

@@ -8,7 +8,7 @@ import copy
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
-from shardwise.config import CP_MODES, Config, ConfigError, validate
+from shardwise.config import CP_MODES, EP_STRATEGIES, MOE_MODELS, Config, ConfigError, validate
 from shardwise.strategies.registry import SPECS, StrategySpec, spec
 
 # bf16-true only when asked for: it trains differently (updates below a weight's bf16 spacing are
@@ -32,6 +32,7 @@ class Candidate:
     shard: int | None = None  # hsdp: the ranks each parameter is split over (one node's); dp / shard replicas
     cp: int = 1  # context parallel: ranks each sequence is split over (each of the dp replicas has cp of them)
     cp_mode: str | None = None  # context parallel: ring or all-to-all
+    ep: int = 1  # expert parallel: the dp ranks each MoE layer's experts are split over
 
     @property
     def spec(self) -> StrategySpec:
@@ -41,6 +42,7 @@ class Candidate:
     def label(self) -> str:
         mesh = f"dp{self.dp}" + (f" pp{self.pp}" if self.pp > 1 else "") + (f" tp{self.tp}" if self.tp > 1 else "")
         mesh += f" cp{self.cp} {self.cp_mode}" if self.cp > 1 else ""
+        mesh += f" ep{self.ep}" if self.ep > 1 else ""
         pipe = f" M{self.micro_batches} {self.schedule}" if self.schedule else ""
         pipe += f" shard{self.shard}" if self.shard else ""
         return f"{self.strategy} {mesh}{pipe} {self.precision} rc={self.recompute} mb={self.micro_batch}"
@@ -58,6 +60,7 @@ class Candidate:
         if self.schedule is not None:  # the pipelines, and the sharded strategies over stages
             parallel.micro_batches, parallel.schedule = self.micro_batches, self.schedule
         parallel.cp, parallel.cp_mode = self.cp, self.cp_mode or parallel.cp_mode
+        parallel.ep = self.ep
         train = copy.copy(base.train)
         train.micro_batch, train.global_batch = self.micro_batch, global_batch or base.train.global_batch
         # The other sections are shared with `base`, not copied: nothing else changes them.
@@ -118,7 +121,7 @@ def enumerate_candidates(base: Config, world: int, precisions: tuple[str, ...] =
     for each mesh none of whose variants it accepts, why (the first ConfigError)."""
     found: list[Candidate] = []
     refused: dict[str, str] = {}
-    for strategy, dp, pp, tp, cp, cp_mode in _meshes(world, nodes):
+    for strategy, dp, pp, tp, cp, cp_mode, ep in _with_experts(_meshes(world, nodes), base):
         mesh_found = len(found)
         first_error = None
         # An indivisible global batch still gets a candidate, for validate() to name the reason.
@@ -129,7 +132,7 @@ def enumerate_candidates(base: Config, world: int, precisions: tuple[str, ...] =
                     for m, schedule in _pipeline_runs(strategy, pp, micro_batch):
                         shard = world // nodes // tp if spec(strategy).across_nodes else None
                         candidate = Candidate(strategy, dp, pp, tp, precision, policy, micro_batch, m, schedule, shard,
-                                              cp, cp_mode)
+                                              cp, cp_mode, ep)
                         try:
                             candidate.config(base, world)
                         except ConfigError as error:
@@ -137,8 +140,21 @@ def enumerate_candidates(base: Config, world: int, precisions: tuple[str, ...] =
                             continue
                         found.append(candidate)
         if len(found) == mesh_found and first_error:
-            refused[f"{strategy} dp{dp} pp{pp} tp{tp}" + (f" cp{cp} {cp_mode}" if cp > 1 else "")] = first_error
+            refused[f"{strategy} dp{dp} pp{pp} tp{tp}" + (f" cp{cp} {cp_mode}" if cp > 1 else "")
+                    + (f" ep{ep}" if ep > 1 else "")] = first_error
     return found, refused
+
+
+def _with_experts(meshes: Iterator[tuple[str, int, int, int, int, str | None]],
+                  base: Config) -> Iterator[tuple[str, int, int, int, int, str | None, int]]:
+    """Each mesh with ep 1 and, for a Mixture-of-Experts model under a strategy that splits
+    experts (over data-parallel ranks only), with every ep dividing both dp and the experts."""
+    for strategy, dp, pp, tp, cp, cp_mode in meshes:
+        yield strategy, dp, pp, tp, cp, cp_mode, 1
+        if base.model.name in MOE_MODELS and strategy in EP_STRATEGIES and pp == 1 and cp == 1:
+            for ep in _divisors(dp)[1:]:
+                if base.model.n_experts % ep == 0:
+                    yield strategy, dp, pp, tp, cp, cp_mode, ep
 
 
 def _pipeline_runs(strategy: str, pp: int, micro_batch: int) -> list[tuple[int, str | None]]:

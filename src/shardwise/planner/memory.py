@@ -54,7 +54,6 @@ from shardwise.planner.candidates import Candidate
 from shardwise.planner.model import (
     ModelFacts,
     ModelShape,
-    Tensors,
     TraceKey,
     model_facts,
     model_shape,
@@ -137,7 +136,7 @@ def predict_memory(candidate: Candidate, cfg: Config, margin: float = DEFAULT_MA
 def _data_parallel(c: Candidate, cfg: Config, shape: ModelShape, activations: bool) -> RankMemory:
     """A data-parallel rank: the model, or over tensor parallel its tp part (its blocks' matrices
     split, the rest whole), replicated or sharded over the data-parallel (and cp) ranks."""
-    facts = rank_facts(shape, c.tp)
+    facts = rank_facts(shape, c.tp, c.ep)
     world = c.shard or c.dp * c.cp  # the ranks each parameter is split over: hsdp's is one node
     precision = make_precision(c.precision, cfg.parallel.reduce_dtype)
     stored = dtype_bytes(precision.param_dtype)
@@ -146,7 +145,7 @@ def _data_parallel(c: Candidate, cfg: Config, shape: ModelShape, activations: bo
     key = trace_key(shape, c, c.tp, cfg.parallel.sequence_parallel)
     saved = saved_bytes(key).stage(0, shape.n_layer, True, True, c.recompute, c.micro_batch) \
         + all_to_all_outputs(c, shape) if activations else 0
-    buffers = _sharded_buffers(c, cfg, facts, world, stored) + context_buffers(c, shape)
+    buffers = _sharded_buffers(c, cfg, facts, world, stored) + context_buffers(c, shape) + expert_buffers(c, shape)
     if c.tp > 1:  # an all-reduce's result is a copy of one activation (ReduceFromTensorParallel clones its input)
         buffers += c.micro_batch * shape.seq_len // c.cp * shape.d_model * 4
     if c.spec.across_nodes and c.dp > world:
@@ -172,7 +171,7 @@ def model_state(stage: int, precision: Precision, facts: ModelFacts, world: int,
     shard = facts.shard_numel(world)
     master = shard * stored  # the master shards; their gradients as many bytes
     optimizer = optimizer_bytes(shard, count, stored, cfg)
-    whole = world * shard * dtype_bytes(working_dtype(precision))  # zero1, zero2: the whole parameters, padded
+    whole = facts.padded_numel(world) * dtype_bytes(working_dtype(precision))  # zero1, zero2: the whole parameters
     params = {1: whole, 2: whole, 3: 0}[stage]
     grads = {1: max(whole, master), 2: 0, 3: 0}[stage]  # zero1's gradient buffer holds its shard gradients
     if cfg.parallel.offload == "optimizer":
@@ -225,6 +224,28 @@ def context_buffers(c: Candidate, shape: ModelShape) -> int:
     return 2 * tokens * (heads + 2 * kv_heads) * head_dim * dtype_bytes(computing)
 
 
+def expert_buffers(c: Candidate, shape: ModelShape) -> int:
+    """Expert parallel's rows in flight in one MoE layer at a time: the micro-batch's (token,
+    expert) pairs received for this rank's experts and, regrouped by expert, their copy, in the
+    dtype the layer computes in (routing balanced: as many arrive as leave)."""
+    if c.ep == 1:
+        return 0
+    return 2 * expert_rows(c, shape) * shape.d_model * dtype_bytes(routed_dtype(c))
+
+
+def expert_rows(c: Candidate, shape: ModelShape) -> int:
+    """The (token, expert) pairs of one micro-batch on a rank: top_k per token."""
+    return c.micro_batch * shape.seq_len * shape.top_k
+
+
+def routed_dtype(c: Candidate) -> torch.dtype:
+    """What an MoE layer's input, and so the rows its dispatch moves, is stored in: the dtype the
+    parameters compute in (the norm before the layer returns it), 16-bit under the sharded
+    strategies' mixed precision, float32 under ddp's (measured: tests/test_planner.py)."""
+    precision = make_precision(c.precision)
+    return working_dtype(precision) if (c.spec.zero_stage or 0) >= 1 else precision.param_dtype
+
+
 def _sharded_buffers(c: Candidate, cfg: Config, facts: ModelFacts, world: int, stored: int) -> int:
     """Bytes alive only within a step under the sharded strategies (ddp's gradients are its buckets)."""
     stage = c.spec.zero_stage
@@ -233,7 +254,7 @@ def _sharded_buffers(c: Candidate, cfg: Config, facts: ModelFacts, world: int, s
     precision = make_precision(c.precision, cfg.parallel.reduce_dtype)
     reduce = dtype_bytes(precision.reduce_dtype)
     # What one unit's all-gather and reduce-scatter move: every rank's padded shards.
-    padded = [world * shard for shard in facts.unit_shards(world)]
+    padded = facts.unit_padded(world)
     largest = sorted(padded, reverse=True)[:UNITS_IN_FLIGHT]
     working = dtype_bytes(working_dtype(precision))
     kept_whole = 0
@@ -246,21 +267,20 @@ def _sharded_buffers(c: Candidate, cfg: Config, facts: ModelFacts, world: int, s
     if stage == 2:  # the unit's gradients and their packed copy; two gathers after the step
         return sum(largest) * max(reduce, working) + kept_whole
     gathered = dtype_bytes(precision.compute_dtype if precision.mixed else precision.param_dtype)
-    elements = fsdp_gathered_numel(facts.units, world, cfg.parallel.prefetch, cfg.parallel.reshard_after_forward)
+    elements = fsdp_gathered_numel(facts, world, cfg.parallel.prefetch, cfg.parallel.reshard_after_forward)
     return elements * gathered + sum(largest) * reduce + kept_whole
 
 
-def fsdp_gathered_numel(units: list[Tensors], world: int, prefetch: int, reshard_after_forward: bool) -> int:
+def fsdp_gathered_numel(facts: ModelFacts, world: int, prefetch: int, reshard_after_forward: bool) -> int:
     """fsdp's most gathered elements at once (what it reports as `gathered_peak`): the root, whole
     for the step, the unit computing, and the all-gather buffers of the `prefetch` units issued
     ahead, each every rank's padded shards; without resharding, every unit stays whole after its
     forward until its backward."""
-    *blocks, root = units
+    blocks = facts.n_layer
     if not blocks:
-        return root.numel
-    block = max(blocks, key=lambda unit: unit.numel)
-    computing = sum(unit.numel for unit in blocks) if not reshard_after_forward else block.numel
-    return root.numel + computing + min(prefetch, len(blocks) - 1) * world * block.sharded_numel(world)
+        return facts.root.numel
+    computing = blocks * facts.block.numel if not reshard_after_forward else facts.block.numel
+    return facts.root.numel + computing + min(prefetch, blocks - 1) * facts.unit_padded(world)[0]
 
 
 def predict_setup_bytes(candidate: Candidate, cfg: Config) -> int:
@@ -288,17 +308,17 @@ def predict_setup_bytes(candidate: Candidate, cfg: Config) -> int:
     stage = candidate.spec.zero_stage
     if not stage:
         return facts.params_total * stored
+    held = rank_facts(shape, candidate.tp, candidate.ep)  # a block's experts split over ep as it is made
     if candidate.tp > 1:  # every unit made whole, each block split over tp, its tp part sharded
-        held = rank_facts(shape, candidate.tp)
         shards = held.unit_shards(world)
         made = [facts.block] * shape.n_layer + [facts.root]
         return max(sum(shards[: i + 1]) + whole.numel + part.numel
                    for i, (whole, part) in enumerate(zip(made, held.units, strict=True))) * stored
     if stage == 3:
-        shards = facts.unit_shards(world)
+        shards = held.unit_shards(world)
         return max(sum(shards[: i + 1]) + unit.numel for i, unit in enumerate(facts.units)) * stored
-    state = model_state(stage, precision, facts, world, cfg)
-    largest = world * max(facts.unit_shards(world)) * dtype_bytes(working_dtype(precision))
+    state = model_state(stage, precision, held, world, cfg)
+    largest = max(held.unit_padded(world)) * dtype_bytes(working_dtype(precision))
     return max(facts.params_total * stored, state.params + state.grads) + largest
 
 
@@ -331,14 +351,14 @@ def predict_phases(candidate: Candidate, cfg: Config, margin: float = DEFAULT_MA
     stored = dtype_bytes(precision.param_dtype)
     largest = max(math.prod(s) for s in (*model_facts(shape).block.shapes, *model_facts(shape).root.shapes))
     gathers = 2 if candidate.tp > 1 else 1
-    if candidate.spec.mesh_dim == "dp" and not candidate.spec.zero_stage:
+    if candidate.spec.mesh_dim == "dp" and not candidate.spec.zero_stage and candidate.ep == 1:
         gathers = 0  # every rank holds it whole
     final = gathers * largest * stored + (largest * 4 if stored < 4 else 0)
     gathered = 0
     if candidate.spec.zero_stage == 3:
-        facts = model_facts(shape)
-        gathered = fsdp_gathered_numel(facts.units, candidate.shard or candidate.dp * candidate.cp,
-                                       cfg.parallel.prefetch, True) * dtype_bytes(working_dtype(precision))
+        gathered = fsdp_gathered_numel(rank_facts(shape, candidate.tp, candidate.ep),
+                                       candidate.shard or candidate.dp * candidate.cp, cfg.parallel.prefetch,
+                                       True) * dtype_bytes(working_dtype(precision))
     return {"setup": predict_setup_bytes(candidate, cfg), "load": kept + master, "steps": steps,
             "eval": kept + gathered + _forward_temporaries(candidate, shape), "checkpoint": kept,
             "final_weights": kept + final}
@@ -350,7 +370,7 @@ def _optimizer_grads(candidate: Candidate, cfg: Config, rank: RankMemory) -> int
     stage = candidate.spec.zero_stage
     if not stage:
         return rank.params
-    facts = model_facts(model_shape(cfg.model))
+    facts = rank_facts(model_shape(cfg.model), candidate.tp, candidate.ep)
     world = candidate.shard or candidate.dp * candidate.cp
     return facts.shard_numel(world) * dtype_bytes(make_precision(candidate.precision).param_dtype)
 

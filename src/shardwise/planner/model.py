@@ -35,6 +35,7 @@ import contextlib
 import dataclasses
 import functools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Generic, TypeVar
@@ -42,13 +43,14 @@ from unittest import mock
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardwise.config import DEFAULT_BLOCK, HF_MODELS, LANGUAGE_MODELS, MOE_MODELS, ModelConfig
 from shardwise.memory import ActivationCounter
-from shardwise.models import build_model, loss_fn
+from shardwise.models import build_model, loss_fn, moe
 from shardwise.models.hf import decoder_layer_class
+from shardwise.models.moe import moe_layers, their_experts
 from shardwise.models.plans import locate
 from shardwise.recompute import apply_recompute, parse_policy
 from shardwise.strategies.pipeline import balanced_split
@@ -96,6 +98,14 @@ class ModelShape:
     vocab_size: int
     bias: bool = False
     hf_config: str | None = None  # a transformers config.json whose architecture an hf-* model follows
+    head_dim: int | None = None  # hf-qwen3-moe's heads' own width
+    # The Mixture-of-Experts models' experts and routing (models/moe.py); None for a dense model.
+    n_experts: int | None = None
+    top_k: int | None = None
+    d_expert: int | None = None
+    router_score: str = "softmax"
+    balance: str = "aux-loss"
+    shared_expert: bool = False
 
     def config(self, n_layer: int | None = None) -> ModelConfig:
         sizes = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
@@ -110,11 +120,14 @@ def model_shape(cfg: ModelConfig) -> ModelShape:
     """The planner's key for the model `cfg` names; PlanError for a model it cannot plan."""
     if cfg.name not in LANGUAGE_MODELS:
         raise PlanError(f"model.name = {cfg.name!r}: the planner plans language models ({', '.join(LANGUAGE_MODELS)})")
-    if cfg.name in MOE_MODELS:
-        raise PlanError(f"model.name = {cfg.name!r}: the planner does not count experts, their routing or expert "
-                        "parallel's all-to-alls yet; plan the dense model of the same shape (model.name = 'gpt')")
+    if cfg.name == "hf-deepseek-v3":
+        raise PlanError("model.name = 'hf-deepseek-v3': the planner takes every block to be alike, and "
+                        "DeepSeek-V3's first blocks are dense, the rest MoE; plan hf-qwen3-moe or gpt-moe of its "
+                        "sizes")
+    experts = {key: getattr(cfg, key) for key in ("n_experts", "top_k", "d_expert", "router_score", "balance",
+                                                   "shared_expert")} if cfg.name in MOE_MODELS else {}
     return ModelShape(cfg.name, cfg.n_layer, cfg.n_head, cfg.n_kv_head, cfg.d_model, cfg.d_ff, cfg.seq_len,
-                      cfg.vocab_size, cfg.bias, cfg.hf_config)
+                      cfg.vocab_size, cfg.bias, cfg.hf_config, cfg.head_dim, **experts)
 
 
 def model_blocks(model: nn.Module) -> list[nn.Module]:
@@ -162,6 +175,30 @@ class ModelFacts:
     embeddings: Tensors  # a first stage's part of the root
     head: Tensors  # a last stage's: final norm, head (a tied head is the embedding's weight, here too)
     tied: int  # elements of the parameters both ends hold (a tied head's)
+    experts: Tensors = Tensors(())  # one block's routed experts as a rank holds them (part of `block`)
+    ep: int = 1  # the data-parallel ranks each layer's experts are split over
+
+    @functools.cached_property
+    def dense(self) -> Tensors:
+        """One block's parameters but its routed experts: what every data-parallel rank holds."""
+        rest = list(self.block.shapes)
+        for shape in self.experts.shapes:
+            rest.remove(shape)
+        return Tensors(tuple(rest))
+
+    @functools.cached_property
+    def block_active(self) -> int:
+        """One block's parameters a token computes with: in an MoE layer, its `top_k` experts of
+        `n_experts` (of the whole layer, wherever its experts are)."""
+        if not self.experts.count:
+            return self.block.numel
+        n, k = self.shape.n_experts, self.shape.top_k
+        return self.dense.numel + self.experts.numel * self.ep * k // n
+
+    @property
+    def active_total(self) -> int:
+        """The parameters a token computes with (the model's, not one rank's)."""
+        return self.params_total - self.n_layer * (self.block.numel - self.block_active)
 
     @property
     def n_layer(self) -> int:
@@ -192,11 +229,22 @@ class ModelFacts:
             (self.embeddings.shapes if first else ()) + (self.head.shapes if last else ()))
         return ModelFacts(dataclasses.replace(self.shape, n_layer=blocks), self.block, ends,
                           self.embeddings if first else Tensors(()), self.head if last else Tensors(()),
-                          self.tied if first and last else 0)
+                          self.tied if first and last else 0, self.experts, self.ep)
 
     def unit_shards(self, world: int) -> tuple[int, ...]:
-        """Elements of one rank's padded shards of each unit over `world` ranks (Tensors.sharded_numel)."""
-        return _unit_shards(self, world)
+        """Elements of one rank's padded shards of each unit over `world` ranks (Tensors.sharded_numel);
+        a block's experts over the world / ep ranks that hold the same ones."""
+        return tuple(shard for shard, _ in _unit_layout(self, world))
+
+    def unit_padded(self, world: int) -> tuple[int, ...]:
+        """Elements of each unit as its collectives over `world` ranks move it: every rank's padded
+        shards (a block's experts: those of the world / ep ranks holding the same ones)."""
+        return tuple(whole for _, whole in _unit_layout(self, world))
+
+    def padded_numel(self, world: int) -> int:
+        """Elements of every unit as its collectives move it (`unit_padded`), together: what a
+        rank of zero1 and zero2 holds whole."""
+        return sum(self.unit_padded(world))
 
     def shard_numel(self, world: int) -> int:
         """Elements of one rank's padded shards of the whole model over `world` ranks."""
@@ -204,8 +252,13 @@ class ModelFacts:
 
 
 @functools.cache  # the search asks for the same world's shards thousands of times
-def _unit_shards(facts: ModelFacts, world: int) -> tuple[int, ...]:
-    return tuple(unit.sharded_numel(world) for unit in facts.units)
+def _unit_layout(facts: ModelFacts, world: int) -> tuple[tuple[int, int], ...]:
+    """(one rank's padded shards, every rank's) of each unit over `world` ranks."""
+    replicas = world // facts.ep  # the ranks holding the same experts
+    block = facts.dense.sharded_numel(world), facts.experts.sharded_numel(replicas)
+    blocks = ((sum(block), world * block[0] + replicas * block[1]),) * facts.n_layer
+    root = facts.root.sharded_numel(world)
+    return (*blocks, (root, world * root))
 
 
 @functools.cache
@@ -236,8 +289,10 @@ def _split_facts(shape: ModelShape, model: nn.Module) -> ModelFacts:
     root = [p for p in model.parameters() if id(p) not in in_blocks]
     embeddings, head = _distinct(embeddings), _distinct(head)
     tied = sum(p.numel() for p in embeddings if any(p is q for q in head))
+    experts = [p for layer in moe_layers(blocks[0]) for p in layer.experts.parameters()]
+    experts += [p for module in their_experts(blocks[0]) for p in module.parameters()]
     return ModelFacts(shape, _tensors(list(blocks[0].parameters())), _tensors(root), _tensors(embeddings),
-                      _tensors(head), tied)
+                      _tensors(head), tied, _tensors(experts))
 
 
 @functools.cache
@@ -255,8 +310,14 @@ def parallelize_for_planning(model: nn.Module, tp: int, sequence_parallel: bool 
 
 
 @functools.cache
-def rank_facts(shape: ModelShape, tp: int) -> ModelFacts:
-    """The parameters one tensor-parallel rank holds: blocks split `tp` ways, the rest whole."""
+def rank_facts(shape: ModelShape, tp: int, ep: int = 1) -> ModelFacts:
+    """The parameters one tensor-parallel rank holds: blocks split `tp` ways, the rest whole; with
+    expert parallel, each layer's experts split `ep` ways (the MoE layers are whole on every tp
+    rank: models/plans.py)."""
+    if ep > 1:
+        whole = rank_facts(shape, tp)
+        share = Tensors(tuple((rows // ep, *rest) for rows, *rest in whole.experts.shapes))
+        return dataclasses.replace(whole, block=Tensors(whole.dense.shapes + share.shapes), experts=share, ep=ep)
     if tp == 1:
         return model_facts(shape)
     with torch.device("meta"):
@@ -336,13 +397,47 @@ def _one_sequence_per_row(shape: ModelShape) -> contextlib.AbstractContextManage
     return mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
 
 
+def _balanced_counts(chosen: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """`models.moe.expert_counts` for the trace: the pairs of `chosen` [N, k] spread evenly over
+    the experts, as real numbers (fake tensors have none to give)."""
+    pairs = chosen.numel()
+    with unset_fake_temporarily():
+        return torch.tensor([pairs // n_experts + (e < pairs % n_experts) for e in range(n_experts)])
+
+
+def _one_group_mm(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """transformers' grouped matmul (its experts' `grouped_mm` implementation) for the trace: the
+    same output and saved input from one matmul, its weight any expert's (the kernel's meta
+    function takes bfloat16 only; the output's rows do not depend on which expert computes them),
+    outside autocast as the kernel is."""
+    with torch.autocast(input.device.type, enabled=False):
+        return input @ weight[0]
+
+
+@contextlib.contextmanager
+def _balanced_routing(model: nn.Module) -> Iterator[None]:
+    """Every MoE layer of `model` computes its (token, expert) pairs without asking the data where
+    they go: ours routes them evenly over its experts (`expert_counts`), transformers' grouped
+    experts (which ask only for offsets) through one matmul per projection. What a forward saves
+    does not depend on the routing (dropless: every pair's rows are computed, by one expert or
+    another), so this is what any routing saves; the balance only makes the trace possible."""
+    with contextlib.ExitStack() as patches:
+        patches.enter_context(mock.patch.object(moe, "expert_counts", _balanced_counts))
+        if their_experts(model):
+            from transformers.integrations import moe as their_moe
+
+            patches.enter_context(mock.patch.object(their_moe, "_grouped_mm", _one_group_mm))
+        yield
+
+
 def _trace(key: TraceKey, n_layer: int, policy: str, batches: tuple[int, ...],
            ops: bool = False) -> list[Marks[int]]:
     """The bytes saved for backward (with `ops`, the operators dispatched) by one forward and loss
     at each of `batches` of the model with `n_layer` blocks on fake tensors, as an
-    ActivationCounter sees them."""
+    ActivationCounter sees them (MoE layers routing evenly: `_balanced_routing`)."""
     shape = key.local_shape
-    with FakeTensorMode(), _one_sequence_per_row(shape):
+    # Non-fake inputs allowed: the balanced counts are real numbers.
+    with FakeTensorMode(allow_non_fake_inputs=True), _one_sequence_per_row(shape):
         model = shape.build(n_layer)
         for param in model.parameters():  # as the strategies do (Module.to cannot swap fake tensors)
             param.data = param.data.to(key.param_dtype)
@@ -350,7 +445,8 @@ def _trace(key: TraceKey, n_layer: int, policy: str, batches: tuple[int, ...],
             parallelize_for_planning(model, key.tp, key.sequence_parallel)
         blocks = model_blocks(model)
         apply_recompute(model, policy, type(blocks[0]).__name__)
-        return [_marks(model, blocks, key, batch, ops) for batch in batches]
+        with _balanced_routing(model):
+            return [_marks(model, blocks, key, batch, ops) for batch in batches]
 
 
 def _marks(model: nn.Module, blocks: list[nn.Module], key: TraceKey, batch: int, ops: bool) -> Marks[int]:

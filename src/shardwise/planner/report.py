@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from shardwise.config import Config
 from shardwise.planner.candidates import Candidate
 from shardwise.planner.search import CLOSEST, Evaluated, GiB, Plan
+from shardwise.planner.timing import expert_exchange_bytes
 
 
-def candidate_record(evaluated: Evaluated, rank: int | None) -> dict[str, Any]:
+def candidate_record(evaluated: Evaluated, rank: int | None, cfg: Config) -> dict[str, Any]:
     c = evaluated.candidate
     record: dict[str, Any] = {
         "rank": rank,
@@ -21,6 +23,8 @@ def candidate_record(evaluated: Evaluated, rank: int | None) -> dict[str, Any]:
         "step_time": evaluated.step.as_dict(),
         "same_as": list(evaluated.twins),
     }
+    if c.ep > 1:
+        record["all_to_all_bytes"] = expert_exchange_bytes(c, cfg)  # one rank's, per step
     if len(evaluated.memory_by_stage) > 1:
         record["memory_by_stage"] = [stage.as_dict() for stage in evaluated.memory_by_stage]
     return record
@@ -29,9 +33,10 @@ def candidate_record(evaluated: Evaluated, rank: int | None) -> dict[str, Any]:
 def plan_json(plan: Plan) -> dict[str, Any]:
     m = plan.cfg.model
     fitting = sum(e.fits for e in plan.ranked)
-    records = [candidate_record(e, i + 1 if e.fits else None) for i, e in enumerate(plan.ranked)]
+    records = [candidate_record(e, i + 1 if e.fits else None, plan.cfg) for i, e in enumerate(plan.ranked)]
     return {
-        "model": {"name": m.name, "params_total": plan.params_total, "n_layer": m.n_layer, "n_head": m.n_head,
+        "model": {"name": m.name, "params_total": plan.params_total, "params_active": plan.params_active,
+                  "n_layer": m.n_layer, "n_head": m.n_head,
                   "n_kv_head": m.n_kv_head, "d_model": m.d_model, "d_ff": m.d_ff, "seq_len": m.seq_len,
                   "vocab_size": m.vocab_size, "hf_config": m.hf_config},
         "world_size": plan.world_size,
@@ -54,7 +59,7 @@ def plan_json(plan: Plan) -> dict[str, Any]:
 
 def _mesh(e: Evaluated) -> str:
     c = e.candidate
-    mesh = f"{c.dp}x{c.pp}x{c.tp}" + (f" cp{c.cp} {c.cp_mode}" if c.cp > 1 else "")
+    mesh = f"{c.dp}x{c.pp}x{c.tp}" + (f" cp{c.cp} {c.cp_mode}" if c.cp > 1 else "") + (f" ep{c.ep}" if c.ep > 1 else "")
     return mesh + (f" M{c.micro_batches} {c.schedule}" if c.schedule else "")
 
 
@@ -96,6 +101,11 @@ def _refused(plan: Plan) -> list[str]:
     return [f"refused by the trainer: {meshes} of {strategies}; the first because {first}"]
 
 
+def _active(plan: Plan) -> str:
+    """For a Mixture-of-Experts model, the parameters a token computes with."""
+    return f" ({plan.params_active:,} active per token)" if plan.params_active != plan.params_total else ""
+
+
 def format_plan(plan: Plan, top: int = 15) -> str:
     """The ranked candidates that fit (the first `top`), those over the limit but faster than the
     pick (closest first), and the pick."""
@@ -103,7 +113,7 @@ def format_plan(plan: Plan, top: int = 15) -> str:
     width = max([10, *(len(_precisions(e)) for e in plan.ranked)])
     mesh = max([18, *(len(_mesh(e)) + 1 for e in plan.ranked)])
     lines = [
-        f"{plan.cfg.model.name}: {plan.params_total:,} parameters; {plan.world_size} ranks "
+        f"{plan.cfg.model.name}: {plan.params_total:,} parameters{_active(plan)}; {plan.world_size} ranks "
         f"({plan.nodes} node(s) x {plan.gpus_per_node}) of {plan.device.name}; "
         f"{plan.memory_limit / GiB:.2f} GiB per rank, margin {plan.margin:.0%}; global batch "
         f"{plan.cfg.train.global_batch}",
@@ -135,6 +145,7 @@ def format_plan(plan: Plan, top: int = 15) -> str:
         best_batch: dict[tuple, dict[str, Any]] = {}
         for entry in plan.max_batch:
             cp = f" cp{entry['cp']} {entry['cp_mode']}" if entry["cp"] > 1 else ""
+            cp += f" ep{entry['ep']}" if entry["ep"] > 1 else ""
             key = (entry["strategy"], f"{entry['dp']}x{entry['pp']}x{entry['tp']}{cp}")
             if key not in best_batch or entry["max_micro_batch"] > best_batch[key]["max_micro_batch"]:
                 best_batch[key] = entry

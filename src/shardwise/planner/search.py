@@ -95,6 +95,11 @@ class Plan:
         return model_facts(model_shape(self.cfg.model)).params_total
 
     @property
+    def params_active(self) -> int:
+        """The parameters a token computes with: all but the experts it is not routed to."""
+        return model_facts(model_shape(self.cfg.model)).active_total
+
+    @property
     def fitting(self) -> list[Evaluated]:
         return [e for e in self.ranked if e.fits]
 
@@ -311,10 +316,11 @@ def largest_micro_batches(cfg: Config, world: int, device: DeviceProfile, limit:
     shapes, _ = enumerate_candidates(probe, world, precisions, policies, micro_batches=[8], nodes=nodes)
     for shape in {dataclasses.replace(c, micro_batch=c.micro_batches) for c in shapes}:
         key = (shape.strategy, shape.dp, shape.pp, shape.tp, shape.precision, shape.recompute, shape.micro_batches,
-               shape.schedule, shape.cp, shape.cp_mode)
+               shape.schedule, shape.cp, shape.cp_mode, shape.ep)
         found[key] = _largest(shape, cfg, device, world, limit, margin)
     return [{"strategy": k[0], "dp": k[1], "pp": k[2], "tp": k[3], "precision": k[4], "recompute": k[5],
-             "micro_batches": k[6], "schedule": k[7], "cp": k[8], "cp_mode": k[9], "max_micro_batch": v}
+             "micro_batches": k[6], "schedule": k[7], "cp": k[8], "cp_mode": k[9], "ep": k[10],
+             "max_micro_batch": v}
             for k, v in sorted(found.items(), key=lambda kv: str(kv[0]))]
 
 

@@ -48,14 +48,23 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from shardwise.config import Config
 from shardwise.pipeline_schedules import SCHEDULES, Costs, Layout, Schedule, layout_of, makespan
 from shardwise.planner.candidates import Candidate
 from shardwise.planner.devices import DeviceProfile
-from shardwise.planner.memory import dtype_bytes, pipeline_schedule, trace_key, working_dtype
+from shardwise.planner.memory import (
+    dtype_bytes,
+    expert_rows,
+    pipeline_schedule,
+    routed_dtype,
+    trace_key,
+    working_dtype,
+)
 from shardwise.planner.model import (
+    ModelFacts,
     ModelShape,
     forward_ops,
     model_shape,
@@ -77,6 +86,7 @@ class StepTime:
     exposed_communication_s: float  # the part not hidden behind computation
     bubble_s: float  # pipeline stages idle
     optimizer_s: float
+    all_to_all_s: float = 0.0  # expert parallel's all-to-alls: part of the exposed communication
 
     @property
     def total(self) -> float:
@@ -121,7 +131,7 @@ class _Flops:
     def of(cls, shape: ModelShape, tp: int = 1) -> _Flops:
         facts = rank_facts(shape, tp)
         attention = 12 * shape.d_model * shape.seq_len / tp
-        return cls(6 * facts.block.numel + attention, 6 * facts.head.numel)
+        return cls(6 * facts.block_active + attention, 6 * facts.head.numel)
 
 
 def compute_dtype(precision: str) -> str:
@@ -187,14 +197,52 @@ def micro_step_s(c: Candidate, shape: ModelShape, device: DeviceProfile, start: 
 def _padded_numel(shape: ModelShape, world: int, tp: int = 1) -> int:
     """Elements every rank's padded shards of every unit add up to (what a sharded collective moves):
     of a tensor-parallel rank's part under tensor parallel."""
-    return world * rank_facts(shape, tp).shard_numel(world)
+    return rank_facts(shape, tp).padded_numel(world)
+
+
+def _sharded_collective_s(collective: Callable[[float, int, float, float], float], facts: ModelFacts, ranks: int,
+                          element: int, bandwidth: float, latency: float) -> float:
+    """One pass of `collective` (all-gather or reduce-scatter) over every unit of `facts` sharded over
+    `ranks` ranks: with expert parallel, the experts' part over the ranks / ep holding the same ones."""
+    whole = facts.padded_numel(ranks)
+    if facts.ep == 1:
+        return collective(whole * element, ranks, bandwidth, latency)
+    experts = facts.n_layer * facts.unit_padded(ranks)[0] - facts.n_layer * ranks * facts.dense.sharded_numel(ranks)
+    return collective((whole - experts) * element, ranks, bandwidth, latency) \
+        + collective(experts * element, ranks // facts.ep, bandwidth, latency)
+
+
+def _exchanges(c: Candidate, shape: ModelShape) -> float:
+    """Row all-to-alls of one micro-step: in every MoE layer, out to the experts' ranks and back in
+    forward, the gradients both ways in backward, and a recomputed forward's two again."""
+    return shape.n_layer * 4 + 2 * _recomputed(c.recompute, 0, shape.n_layer)
+
+
+def expert_parallel_s(c: Candidate, shape: ModelShape, device: DeviceProfile) -> float:
+    """One micro-step's expert-parallel all-to-alls, on the critical path (a layer's experts wait
+    for their rows): each rank sends (ep - 1) / ep of its rows (routing balanced), and the counts'
+    exchange before each adds its hops' latency."""
+    if c.ep == 1:
+        return 0.0
+    rows = expert_rows(c, shape) * shape.d_model * dtype_bytes(routed_dtype(c))
+    bandwidth = device.bandwidth(_spans_nodes(c.ep, c.tp, device.gpus_per_node), "all_gather")
+    one = all_gather_s(rows, c.ep, bandwidth, device.latency_s) + (c.ep - 1) * device.latency_s
+    return _exchanges(c, shape) * one
+
+
+def expert_exchange_bytes(c: Candidate, cfg: Config) -> int:
+    """Bytes one rank sends in expert parallel's all-to-alls over an optimizer step (routing balanced)."""
+    shape = model_shape(cfg.model)
+    micro_steps = cfg.train.global_batch // (c.dp * c.micro_batch)
+    rows = expert_rows(c, shape) * shape.d_model * dtype_bytes(routed_dtype(c))
+    return int(micro_steps * _exchanges(c, shape) * rows * (c.ep - 1) / c.ep)
 
 
 def _data_parallel(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceProfile, world: int,
                    traced: bool) -> StepTime:
     """Replicated or sharded over the data-parallel (and cp) ranks; over tensor parallel, each
     tp rank's part so, and each block's four activation all-reduces over tp on top, exposed."""
-    facts = rank_facts(shape, c.tp)
+    facts = rank_facts(shape, c.tp, c.ep)
     precision = make_precision(c.precision, cfg.parallel.reduce_dtype)
     micro_steps = cfg.train.global_batch // (c.dp * c.micro_batch)
     micro_step = micro_step_s(c, shape, device, 0, shape.n_layer, True, True, c.micro_batch, traced)
@@ -204,40 +252,44 @@ def _data_parallel(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceP
     inter_node = _spans_nodes(ranks, c.tp, device.gpus_per_node)
     latency = device.latency_s
     stored = dtype_bytes(precision.param_dtype)
-    padded = _padded_numel(shape, ranks, c.tp)
-    reduce_bytes = padded * dtype_bytes(precision.reduce_dtype)
     gathered = dtype_bytes(working_dtype(precision))  # zero1/zero2's updated shards, fsdp's units: 16-bit if mixed
     gather_bandwidth = device.bandwidth(inter_node, "all_gather")
     scatter_bandwidth = device.bandwidth(inter_node, "reduce_scatter")
+    reduce_s = _sharded_collective_s(all_gather_s, facts, ranks, dtype_bytes(precision.reduce_dtype),
+                                     scatter_bandwidth, latency)
+    gather_s = _sharded_collective_s(all_gather_s, facts, ranks, gathered, gather_bandwidth, latency)
     # One collective per unit (per bucket for ddp); each pays its hops' latency.
     per_unit = (len(facts.units) - 1) * (ranks - 1) * latency
     stage = c.spec.zero_stage
     if stage == 0:
         grads = facts.params_total * stored
-        buckets = math.ceil(grads / (cfg.parallel.bucket_mb * 2**20))
-        comm = all_reduce_s(grads, ranks, device.bandwidth(inter_node), latency) \
-            + (buckets - 1) * 2 * (ranks - 1) * latency
+        experts = facts.n_layer * facts.experts.numel * stored if facts.ep > 1 else 0  # kept out of the buckets
+        buckets = math.ceil((grads - experts) / (cfg.parallel.bucket_mb * 2**20))
+        comm = all_reduce_s(grads - experts, ranks, device.bandwidth(inter_node), latency) \
+            + (buckets - 1) * 2 * (ranks - 1) * latency \
+            + all_reduce_s(experts, ranks // facts.ep, device.bandwidth(inter_node), latency)
         exposed = _hidden(comm, backward, device.overlap)
         stepped = facts.params_total
     elif stage in (1, 2):
-        reduce = all_gather_s(reduce_bytes, ranks, scatter_bandwidth, latency) + per_unit
-        gather = all_gather_s(padded * gathered, ranks, gather_bandwidth, latency) + per_unit
+        reduce = reduce_s + per_unit
+        gather = gather_s + per_unit
         comm = reduce + gather
         exposed = gather + (reduce if stage == 1 else _hidden(reduce, backward, device.overlap))
-        stepped = padded // ranks
+        stepped = facts.shard_numel(ranks)
     else:  # fsdp: every micro-step gathers for forward and for backward; the last also reduce-scatters
-        gather = all_gather_s(padded * gathered, ranks, gather_bandwidth, latency) + per_unit
-        reduce = all_gather_s(reduce_bytes, ranks, scatter_bandwidth, latency) + per_unit
+        gather = gather_s + per_unit
+        reduce = reduce_s + per_unit
         first_units = gather / max(1, len(facts.units)) * 2  # the root and the first block, before any compute
         comm = micro_steps * 2 * gather + reduce
         exposed = micro_steps * (first_units + _hidden(gather - first_units, micro_step / 3, device.overlap)
                                  + _hidden(gather, backward, device.overlap))
         exposed += _hidden(reduce, max(0.0, backward - gather), device.overlap)
-        stepped = padded // ranks
+        stepped = facts.shard_numel(ranks)
     context, context_exposed = context_s(c, shape, device)
-    tensor = micro_steps * _tensor_parallel_s(c, shape, device)
-    return StepTime(compute, comm + micro_steps * context + tensor,
-                    exposed + micro_steps * context_exposed + tensor, 0.0, _optimizer_s(stepped, stored, cfg, device))
+    experts = micro_steps * expert_parallel_s(c, shape, device)
+    tensor = micro_steps * _tensor_parallel_s(c, shape, device) + experts
+    return StepTime(compute, comm + micro_steps * context + tensor, exposed + micro_steps * context_exposed + tensor,
+                    0.0, _optimizer_s(stepped, stored, cfg, device), experts)
 
 
 def _tensor_parallel_s(c: Candidate, shape: ModelShape, device: DeviceProfile) -> float:
