@@ -207,6 +207,7 @@ class Strategy:
             dist.all_reduce(routed, group=self.mesh.group("dp_cp"))
         for layer, counts in zip(layers, routed, strict=True):
             layer.update_balance(counts)
+        routed = self.model_router_counts(routed)
         load = routed.float()
         self.router_stats = {"tokens_per_expert": routed.tolist(),
                              "imbalance": (load.max(1).values / load.mean(1).clamp(min=1)).tolist()}
@@ -216,6 +217,11 @@ class Strategy:
             self.router_stats.update(tokens_per_ep_rank=by_rank.tolist(),
                                      ep_imbalance=(rank_load.max(1).values / rank_load.mean(1).clamp(min=1)).tolist(),
                                      all_to_all_s=take_exchange_seconds())
+
+    def model_router_counts(self, routed: torch.Tensor) -> torch.Tensor:
+        """Every MoE layer's counts of the model, in model order, from this rank's (`routed`, one
+        row per layer it holds): its own, where it holds every layer."""
+        return routed
 
     def stage_timeline(self) -> list[dict[str, Any]] | None:
         """A pipeline's last step, stage by stage, for metrics (a collective where there is one);

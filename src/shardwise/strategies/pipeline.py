@@ -522,6 +522,16 @@ class Pipeline(MeshStrategy):
         self.window = (started, time.perf_counter())
         return loss_sum
 
+    def model_router_counts(self, routed: torch.Tensor) -> torch.Tensor:
+        """Every stage's MoE layers' counts, gathered over pp in stage order (a collective): rank
+        0 writes the router record of the whole model, not of its stages only."""
+        rows = iter(routed.cpu())
+        mine = {s: [next(rows) for _ in moe.moe_layers(stage.model)] for s, stage in self.stages.items()}
+        every: list[dict[int, list[torch.Tensor]]] = [{} for _ in range(self.mesh.size("pp"))]
+        dist.all_gather_object(every, mine, group=self.pp_group)
+        by_stage = {s: counts for held in every for s, counts in held.items()}
+        return torch.stack([c for s in sorted(by_stage) for c in by_stage[s]]).to(routed.device)
+
     def stage_timeline(self) -> list[dict[str, Any]]:
         """The last step's `timeline` of every rank, gathered (a collective), for metrics: each
         rank's place in the pipeline (`stage`, its pp rank, and the `stages` it holds), replica and
