@@ -173,15 +173,15 @@ def bench(args: argparse.Namespace) -> int:
     for flag, value in scale_only.items():
         if value is not None and args.name != "scale":
             raise ConfigError(f"{flag} {value}: only `bench scale` takes it")
-    if args.name == "gpu-scale":
+    if args.name in ("gpu", "gpu-scale"):
         import torch
 
         if not torch.cuda.is_available():
-            raise ConfigError("bench gpu-scale measures a GPU's memory (torch.cuda.max_memory_allocated) and no CUDA "
-                              "device is here; `python -m shardwise.bench.gpu_scale --config FILE --job ...` runs "
-                              "its jobs on the CPU to check the harness, with no device figures")
+            raise ConfigError(f"bench {args.name} measures a GPU and no CUDA device is here; `python -m {module} "
+                              "--help` says how to run its jobs on the CPU to check the harness, with no device "
+                              "figures")
     entry = [module, "--json", f"bench/results/{args.name}.json"]
-    if args.steps is not None or args.name not in ("scale", "gpu-scale"):  # their jobs train their own default
+    if args.steps is not None or args.name not in ("scale", "gpu", "gpu-scale"):  # their own default steps
         entry += ["--steps", str(12 if args.steps is None else args.steps)]
     for flag, value in scale_only.items():
         if value is not None:
@@ -363,7 +363,10 @@ def main(argv: list[str] | None = None) -> int:
                             "parameter server (sync, async), dp and ddp, whole jobs on the same model and workers; "
                             "multinode: ddp, fsdp and hsdp over 2 nodes (network namespaces; needs root) at 3 link "
                             "rates, communication share measured and predicted; scale: the largest GPT single, ddp, "
-                            "zero2, fsdp and fsdp-native train within a memory budget, as whole jobs; gpu-scale "
+                            "zero2, fsdp and fsdp-native train within a memory budget, as whole jobs; gpu (CUDA only): "
+                            "the device's ceilings, gpt-2-124m's tokens/s and MFU under single, ddp, zero2, fsdp "
+                            "and fsdp-native, and fsdp, zero2, hsdp and pipeline as rank 0 of fake worlds of 8 and "
+                            "64 against single; gpu-scale "
                             "(CUDA only): Llama-3-8B sharded 8, 16 and 64 ways on one GPU through the fake process "
                             "group, ours and FSDP2, against the planner; data: your own "
                             "corpus (data.path) prepared (on 1 process and on one per core) and read at 1 MiB and "

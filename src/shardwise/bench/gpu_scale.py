@@ -23,17 +23,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
+import statistics
 import sys
 import tempfile
 import time
 from typing import Any
 
+from shardwise.bench import fake_world
 from shardwise.bench.common import write_json
+from shardwise.bench.fake_world import device_name, rank_zero_of, report
 from shardwise.config import Config, load_config
 
-RESULT = "GPU-SCALE-RESULT "  # the line a job prints its measurements on
 NODE = 8  # hsdp's ranks per node, and tensor parallel's degree
 # (strategy label, world, recompute, sequence): the default jobs, about 20 minutes of one H100.
 DEFAULT_JOBS = [(strategy, world, "blocks", 4096) for world in (8, 16, 64)
@@ -79,54 +79,40 @@ def predicted(cfg: Config, world: int) -> dict[str, int] | None:
 
 
 def worker(job: dict[str, Any]) -> None:
-    """One job: rank 0 of a fake world of `job["world"]`, a few steps, its memory printed."""
+    """One job: rank 0 of a fake world of `job["world"]`, a few steps, its memory reported."""
     import torch
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from shardwise.dist import DistContext
     from shardwise.trainer import Trainer
 
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=job["world"])
     with tempfile.TemporaryDirectory() as out:
         cfg = job_config(job, out)
-        os.environ["LOCAL_WORLD_SIZE"] = str(cfg.launch.nproc)  # what hsdp takes a node's ranks from (torchrun's)
+        ctx = rank_zero_of(job["world"], node=cfg.launch.nproc)
+        cuda = ctx.device.type == "cuda"
         result: dict[str, Any] = {"predicted": predicted(cfg, job["world"])}
         try:
-            trainer = Trainer(cfg, DistContext(0, job["world"], 0, device, "fake"))
+            trainer = Trainer(cfg, ctx)
             if cuda:
-                result["setup_allocated"] = torch.cuda.max_memory_allocated(device)
-                torch.cuda.reset_peak_memory_stats(device)
+                result["setup_allocated"] = torch.cuda.max_memory_allocated(ctx.device)
+                torch.cuda.reset_peak_memory_stats(ctx.device)
             seconds = []
             for step in range(job["steps"]):
                 started = time.perf_counter()
                 trainer.run_step(step)
                 if cuda:
-                    torch.cuda.synchronize(device)
+                    torch.cuda.synchronize(ctx.device)
                 seconds.append(time.perf_counter() - started)
-            result.update(fits=True, step_s=sorted(seconds[1:] or seconds)[len(seconds[1:] or seconds) // 2],
-                          counted=trainer.memory().as_dict())
+            timed = seconds[1:] or seconds  # the first step also makes the optimizer's state
+            result.update(fits=True, step_s=statistics.median(timed), counted=trainer.memory().as_dict())
             if cuda:
-                result.update(max_allocated=torch.cuda.max_memory_allocated(device),
-                              reserved=torch.cuda.memory_reserved(device))
+                result.update(max_allocated=torch.cuda.max_memory_allocated(ctx.device),
+                              reserved=torch.cuda.memory_reserved(ctx.device))
         except torch.OutOfMemoryError as error:
             result.update(fits=False, error=str(error).splitlines()[0])
-    print(RESULT + json.dumps(result), flush=True)
-    dist.destroy_process_group()
+    report(result)
 
 
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
-    """A job in its own process (its own allocator and peak), its result beside its settings."""
-    done = subprocess.run([sys.executable, "-m", "shardwise.bench.gpu_scale", "--worker", json.dumps(job)],
-                          capture_output=True, text=True)
-    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
-    if done.returncode or not lines:
-        return {**job, "fits": False, "error": (done.stderr.strip().splitlines() or ["no output"])[-1]}
-    return {**job, **json.loads(lines[-1][len(RESULT):])}
+    return fake_world.run_job("shardwise.bench.gpu_scale", job)
 
 
 def longest_sequence(strategy: str, world: int, config: str, steps: int) -> dict[str, Any]:
@@ -146,7 +132,7 @@ def longest_sequence(strategy: str, world: int, config: str, steps: int) -> dict
 def run(steps: int, config: str, jobs: list[tuple[str, int, str, int]], longest: bool) -> dict[str, Any]:
     import torch
 
-    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu (harness check: no device figures)"
+    device = device_name()
     results = []
     for strategy, world, recompute, seq_len in jobs:
         print(f"gpu-scale: {strategy} world {world} recompute {recompute} seq {seq_len}", file=sys.stderr, flush=True)

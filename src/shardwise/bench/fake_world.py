@@ -1,0 +1,58 @@
+"""One GPU standing in for one rank of a large world (the `gpu` and `gpu-scale` benches): PyTorch's
+fake process group (`backend="fake"`, `FakeStore`) makes this process rank 0 of `world` ranks
+whose collectives return at once without moving data, so the device holds exactly what one rank of
+the real world would, and computes what it would; only the communication's time is missing (and the
+losses mean nothing: a fake all-gather leaves its output as it found it).
+
+Each job runs in its own process (its own allocator and peak): `run_job` starts
+`python -m MODULE --worker JOB` and reads the one result line the worker prints (`report`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardwise.dist import DistContext
+
+RESULT = "FAKE-WORLD-RESULT "  # the line a job prints its measurements on
+
+
+def rank_zero_of(world: int, node: int | None = None) -> DistContext:
+    """This process as rank 0 of a fake world of `world` ranks, on the GPU if there is one (else the
+    CPU: a harness check), `node` ranks to a node (what hsdp shards over; torchrun's LOCAL_WORLD_SIZE)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    os.environ["LOCAL_WORLD_SIZE"] = str(node or world)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    return DistContext(0, world, 0, device, "fake")
+
+
+def report(result: dict[str, Any]) -> None:
+    """A worker's result, for `run_job`; then the fake group is left."""
+    print(RESULT + json.dumps(result), flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def run_job(module: str, job: dict[str, Any]) -> dict[str, Any]:
+    """`job` run by `module`'s worker in a process of its own; its result beside its settings, or
+    `fits: False` and the last line of its error."""
+    done = subprocess.run([sys.executable, "-m", module, "--worker", json.dumps(job)], capture_output=True, text=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
+    if done.returncode or not lines:
+        return {**job, "fits": False, "error": (done.stderr.strip().splitlines() or ["no output"])[-1]}
+    return {**job, **json.loads(lines[-1][len(RESULT):])}
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu (harness check: no device figures)"

@@ -1,0 +1,195 @@
+"""`shardwise bench gpu` (issues 24 and 35): one GPU's measured ceilings, then gpt-2-124m training
+(sequence 1024, bf16-mixed, AdamW, eager) under every data-parallel strategy at world 1 and, as rank
+0 of PyTorch's fake process group (bench/fake_world.py), at worlds 8 and 64: what the sharding
+machinery costs on the host and in copies when communication is free.
+
+- Ceilings: the best of a few bf16 matmuls of 8192 x 8192 (TFLOP/s) and of a 1 GiB device copy
+  (GB/s, read plus write).
+- World 1: `single`, `ddp`, `zero2`, `fsdp`, `fsdp-native`: tokens/s, MFU over the measured
+  matmul ceiling and over the datasheet's bf16 peak (H100, H200: planner/devices.py; none for
+  another device), `torch.cuda.max_memory_allocated`, and the planner's predicted peak.
+- Fake worlds 8 and 64: `fsdp`, `zero2`, `hsdp` (nodes of 8) and `pipeline` (4 stages, 4
+  micro-batches) on the same per-rank batch as `single`: step time against single's, peak against
+  the planner's.
+
+Each job is its own process. Without CUDA the jobs run on the CPU as a harness check (`shardwise
+bench gpu` refuses): no device figures.
+
+    shardwise bench gpu [--steps 10]   (or python -m shardwise.bench.gpu ... [--preset tiny] [--json FILE])
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+
+from shardwise.bench import fake_world
+from shardwise.bench.common import write_json
+from shardwise.bench.fake_world import device_name, rank_zero_of, report
+from shardwise.config import Config, load_config
+
+WORLD_ONE = ("single", "ddp", "zero2", "fsdp", "fsdp-native")
+FAKE_WORLDS = (8, 64)
+SHARDED = ("fsdp", "zero2", "hsdp", "pipeline")
+NODE, STAGES = 8, 4  # hsdp's ranks per node; the pipeline's stages (and micro-batches per run)
+DATASHEET_BF16 = {"H100": "h100-sxm", "H200": "h200"}  # device name contains -> planner preset
+
+
+def job_config(job: dict[str, Any], out: str) -> Config:
+    strategy, world, mb = job["strategy"], job["world"], job["micro_batch"]
+    mesh, dp = [f"launch.nproc={world}"], world
+    if strategy == "hsdp":
+        mesh = [f"launch.nproc={NODE}", f"launch.nnodes={world // NODE}"]
+    elif strategy == "pipeline":
+        dp = world // STAGES
+        mesh = [*mesh, f"parallel.dp={dp}", f"parallel.pp={STAGES}", f"parallel.micro_batches={STAGES}"]
+    return load_config(None, [
+        f"model.preset={job['preset']}", "data.name=synthetic-tokens", f"parallel.strategy={strategy}", *mesh,
+        "parallel.precision=bf16-mixed", "train.optimizer=adamw", f"train.micro_batch={mb}",
+        f"train.global_batch={dp * mb}", f"train.steps={job['steps']}", "train.warmup_steps=0", "train.eval_every=0",
+        f"run.out={out}"])
+
+
+def predicted_peak(cfg: Config, world: int) -> int | None:
+    """The planner's bytes for the busiest rank (no margin); None for FSDP2 (it predicts ours)."""
+    from shardwise.planner.candidates import Candidate
+    from shardwise.planner.memory import predict_memory
+
+    p = cfg.parallel
+    if p.strategy == "fsdp-native":
+        return None
+    dp, pp, tp = p.mesh_shape(world) if p.strategy not in ("single",) else (1, 1, 1)
+    schedule = "gpipe" if p.strategy == "pipeline" else None
+    candidate = Candidate(p.strategy, dp, pp, tp, p.precision, p.recompute, cfg.train.micro_batch,
+                          p.micro_batches if schedule else 1, schedule,
+                          shard=cfg.launch.nproc if p.strategy == "hsdp" else None)
+    return max(rank.total for rank in predict_memory(candidate, cfg, margin=0.0))
+
+
+def worker(job: dict[str, Any]) -> None:
+    from shardwise.trainer import Trainer
+
+    with tempfile.TemporaryDirectory() as out:
+        cfg = job_config(job, out)
+        ctx = rank_zero_of(job["world"], node=cfg.launch.nproc)
+        cuda = ctx.device.type == "cuda"
+        trainer = Trainer(cfg, ctx)
+        seconds = []
+        for step in range(job["steps"]):
+            started = time.perf_counter()
+            trainer.run_step(step)
+            if cuda:
+                torch.cuda.synchronize(ctx.device)
+            seconds.append(time.perf_counter() - started)
+        step_s = statistics.median(seconds[2:] or seconds)  # warm-up: allocator, optimizer state
+        samples = cfg.train.micro_batch  # a replica's, each step (a pipeline's over its stages)
+        stages = cfg.parallel.pp if cfg.parallel.strategy == "pipeline" else 1  # a stage computes its share
+        result = {"step_s": step_s, "tokens_per_s": samples * cfg.model.seq_len / step_s,
+                  "flops_per_s": (trainer.flops_per_sample or 0) * samples / stages / step_s,
+                  "predicted_peak": predicted_peak(cfg, job["world"]),
+                  "max_allocated": torch.cuda.max_memory_allocated(ctx.device) if cuda else None}
+    report(result)
+
+
+def ceilings(cuda: bool) -> dict[str, float]:
+    """The device's bf16 matmul throughput and copy bandwidth, best of a few runs."""
+    device = "cuda" if cuda else "cpu"
+    n, copy_bytes = (8192, 2**30) if cuda else (256, 2**24)
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    source = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+
+    def best(fn: Any) -> float:
+        fn()
+        times = []
+        for _ in range(5):
+            if cuda:
+                torch.cuda.synchronize()
+            started = time.perf_counter()
+            fn()
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - started)
+        return min(times)
+
+    return {"matmul_bf16_flops": 2 * n**3 / best(lambda: a @ b),
+            "copy_bytes_per_s": 2 * copy_bytes / best(lambda: target.copy_(source))}
+
+
+def datasheet_bf16(name: str) -> float | None:
+    from shardwise.planner.devices import load_profile
+
+    preset = next((p for key, p in DATASHEET_BF16.items() if key in name), None)
+    return load_profile(preset).matmul_flops["bf16"] if preset else None
+
+
+def run(steps: int, preset: str, micro_batch: int, worlds: tuple[int, ...]) -> dict[str, Any]:
+    cuda = torch.cuda.is_available()
+    name = device_name()
+    measured = ceilings(cuda)
+    peak = datasheet_bf16(name)
+    base = {"preset": preset, "micro_batch": micro_batch, "steps": steps}
+    jobs = [{**base, "strategy": s, "world": 1} for s in WORLD_ONE]
+    jobs += [{**base, "strategy": s, "world": w} for w in worlds for s in SHARDED]
+    results = []
+    for job in jobs:
+        print(f"gpu: {job['strategy']} world {job['world']}", file=sys.stderr, flush=True)
+        results.append(fake_world.run_job("shardwise.bench.gpu", job))
+    single = next((r for r in results if r["strategy"] == "single" and "step_s" in r), None)
+    for r in results:
+        if "step_s" not in r:
+            continue
+        r["mfu_measured"] = r["flops_per_s"] / measured["matmul_bf16_flops"]
+        r["mfu_datasheet"] = r["flops_per_s"] / peak if peak else None
+        if single is not None:
+            r["step_vs_single"] = r["step_s"] / single["step_s"]
+    return {"device": name, "torch": torch.__version__, "ceilings": measured, "datasheet_bf16_flops": peak,
+            "jobs": results}
+
+
+def format_result(result: dict[str, Any]) -> str:
+    c = result["ceilings"]
+    datasheet = (result["datasheet_bf16_flops"] or 0) / 1e12
+    lines = [f"gpu bench on {result['device']}: bf16 matmul {c['matmul_bf16_flops'] / 1e12:.1f} TFLOP/s measured "
+             f"({datasheet:.0f} datasheet), copy {c['copy_bytes_per_s'] / 1e9:.0f} GB/s",
+             f"  {'strategy':<12} {'world':>5} {'tokens/s':>10} {'MFU meas.':>9} {'vs single':>9} {'GiB':>7} "
+             f"{'pred.':>7}"]
+    for r in result["jobs"]:
+        if "step_s" not in r:
+            lines.append(f"  {r['strategy']:<12} {r['world']:>5}  failed: {r.get('error', '')}")
+            continue
+        gib = f"{r['max_allocated'] / 2**30:.2f}" if r["max_allocated"] else "-"
+        pred = f"{r['predicted_peak'] / 2**30:.2f}" if r["predicted_peak"] else "-"
+        lines.append(f"  {r['strategy']:<12} {r['world']:>5} {r['tokens_per_s']:>10.0f} {r['mfu_measured']:>9.1%} "
+                     f"{r.get('step_vs_single', 0):>9.3f} {gib:>7} {pred:>7}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(prog="python -m shardwise.bench.gpu")
+    parser.add_argument("--steps", type=int, default=10, help="steps per job (the first 2 not timed)")
+    parser.add_argument("--preset", default="gpt2-124m", help="the GPT preset to train (at least 4 blocks: the "
+                        "pipeline's stages)")
+    parser.add_argument("--micro-batch", type=int, default=8, help="sequences per rank per step")
+    parser.add_argument("--worlds", default=",".join(map(str, FAKE_WORLDS)), help="fake world sizes, comma-separated")
+    parser.add_argument("--json", action="append", default=[], help="write the result here (repeatable)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        import json
+
+        worker(json.loads(args.worker))
+        return
+    result = run(args.steps, args.preset, args.micro_batch, tuple(int(w) for w in args.worlds.split(",") if w))
+    write_json(result, args.json)
+    print(format_result(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""The GPU benches' harness on the CPU (bench/fake_world.py): gpu-scale's jobs, rank 0 of a fake
+process group of 8 and 16, hold what one rank of that world holds (the strategy's counted bytes
+equal the planner's), hsdp shards over a node of 8 and fsdp over tensor parallel splits each block
+8 ways first; gpu's jobs train every strategy it times (a pipeline's stages included) on a fake
+world. On a GPU the same jobs add the device's figures; here `shardwise bench gpu` and `gpu-scale`
+refuse."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from shardwise.bench import fake_world
+from shardwise.cli import main
+
+# A Llama of 8 heads (tensor parallel 8 takes one each), 2 blocks, width 64.
+LLAMA = """[model]
+name = "hf-llama"
+n_layer = 2
+n_head = 8
+n_kv_head = 8
+d_model = 64
+d_ff = 128
+seq_len = 64
+vocab_size = 256
+
+[data]
+name = "synthetic-tokens"
+"""
+
+
+def run_jobs_in_one_process(jobs: list[tuple[str, dict]]) -> list[dict]:
+    """(bench module, job): the benches' workers one after another in one process (the benches give
+    each its own, for its own allocator peak, which the CPU does not report): one interpreter start,
+    not one per job."""
+    script = "import importlib, json, sys\nfor module, job in json.loads(sys.argv[1]):\n" \
+             "    importlib.import_module(module).worker(job)"
+    done = subprocess.run([sys.executable, "-c", script, json.dumps(jobs)], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return [json.loads(line[len(fake_world.RESULT):]) for line in done.stdout.splitlines()
+            if line.startswith(fake_world.RESULT)]
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory) -> dict[str, dict]:
+    config = tmp_path_factory.mktemp("gpu") / "llama.toml"
+    config.write_text(LLAMA)
+    scale = (("fsdp", 8, "blocks"), ("hsdp", 16, "blocks"), ("fsdp-tp8", 16, "selective"),
+             ("fsdp-native", 8, "blocks"))
+    timed = (("single", 1, "tiny"), ("fsdp-native", 1, "tiny"), ("zero2", 8, "tiny"), ("pipeline", 8, "small"))
+    results = run_jobs_in_one_process(
+        [("shardwise.bench.gpu_scale", {"strategy": label, "world": world, "recompute": recompute, "seq_len": 64,
+                                        "steps": 2, "config": str(config)}) for label, world, recompute in scale]
+        + [("shardwise.bench.gpu", {"strategy": strategy, "world": world, "preset": preset, "micro_batch": 4,
+                                    "steps": 3}) for strategy, world, preset in timed])
+    names = [f"scale {label}" for label, _, _ in scale] + [f"gpu {strategy} {world}" for strategy, world, _ in timed]
+    return dict(zip(names, results, strict=True))
+
+
+def test_gpu_jobs_train_every_timed_strategy_on_a_fake_world(jobs):
+    for name in ("gpu single 1", "gpu fsdp-native 1", "gpu zero2 8", "gpu pipeline 8"):
+        job = jobs[name]
+        assert job["step_s"] > 0 and job["flops_per_s"] > 0 and job["max_allocated"] is None, name
+        # ours have the planner's prediction beside them; FSDP2, which it does not model, none
+        assert (job["predicted_peak"] is None) == ("native" in name), name
+
+
+def test_fake_world_jobs_hold_one_ranks_share_as_the_planner_predicts(jobs):
+    jobs = {name.removeprefix("scale "): job for name, job in jobs.items() if name.startswith("scale ")}
+    for label, job in jobs.items():
+        assert job["fits"] and job["step_s"] > 0, (label, job)
+        assert "max_allocated" not in job  # no device figures off a GPU
+    for label in ("fsdp", "hsdp", "fsdp-tp8"):
+        counted, predicted = jobs[label]["counted"], jobs[label]["predicted"]
+        assert counted["params"] == predicted["params"] and counted["optimizer"] == predicted["optimizer"], label
+        # the counter's view of the forward, as in the planner's tests: within one batch's token ids
+        assert counted["activations"] == pytest.approx(predicted["activations"], rel=0.01), label
+    # hsdp at 16 holds a node of 8's shards, fsdp at 8 the same; FSDP2 the same parameters as ours
+    assert jobs["hsdp"]["counted"]["params"] == jobs["fsdp"]["counted"]["params"] \
+        == jobs["fsdp-native"]["counted"]["params"]
+    assert jobs["fsdp-native"]["predicted"] is None  # the planner predicts ours
+
+
+def test_the_cli_refuses_the_gpu_benches_without_cuda(capsys):
+    for name in ("gpu", "gpu-scale"):
+        assert main(["bench", name]) == 2
+        assert f"bench {name} measures a GPU and no CUDA device is here" in capsys.readouterr().err
