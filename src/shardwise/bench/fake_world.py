@@ -12,14 +12,19 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
-from typing import Any
+import time
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from shardwise.dist import DistContext
+
+if TYPE_CHECKING:
+    from shardwise.trainer import Trainer
 
 RESULT = "FAKE-WORLD-RESULT "  # the line a job prints its measurements on
 
@@ -35,6 +40,19 @@ def rank_zero_of(world: int, node: int | None = None) -> DistContext:
     os.environ["LOCAL_WORLD_SIZE"] = str(node or world)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     return DistContext(0, world, 0, device, "fake")
+
+
+def median_step_s(trainer: Trainer, steps: int, warmup: int) -> float:
+    """`steps` training steps, each timed to the device's end; the median of those after the first
+    `warmup` (the allocator's first requests, the optimizer's state made at the first step)."""
+    seconds = []
+    for step in range(steps):
+        started = time.perf_counter()
+        trainer.run_step(step)
+        if trainer.ctx.device.type == "cuda":
+            torch.cuda.synchronize(trainer.ctx.device)
+        seconds.append(time.perf_counter() - started)
+    return statistics.median(seconds[warmup:] or seconds)
 
 
 def report(result: dict[str, Any]) -> None:

@@ -21,7 +21,6 @@ bench gpu` refuses): no device figures.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 import time
@@ -31,7 +30,7 @@ import torch
 
 from shardwise.bench import fake_world
 from shardwise.bench.common import write_json
-from shardwise.bench.fake_world import device_name, rank_zero_of, report
+from shardwise.bench.fake_world import device_name, median_step_s, rank_zero_of, report
 from shardwise.config import Config, load_config
 
 WORLD_ONE = ("single", "ddp", "zero2", "fsdp", "fsdp-native")
@@ -80,14 +79,7 @@ def worker(job: dict[str, Any]) -> None:
         ctx = rank_zero_of(job["world"], node=cfg.launch.nproc)
         cuda = ctx.device.type == "cuda"
         trainer = Trainer(cfg, ctx)
-        seconds = []
-        for step in range(job["steps"]):
-            started = time.perf_counter()
-            trainer.run_step(step)
-            if cuda:
-                torch.cuda.synchronize(ctx.device)
-            seconds.append(time.perf_counter() - started)
-        step_s = statistics.median(seconds[2:] or seconds)  # warm-up: allocator, optimizer state
+        step_s = median_step_s(trainer, job["steps"], warmup=2)
         samples = cfg.train.micro_batch  # a replica's, each step (a pipeline's over its stages)
         stages = cfg.parallel.pp if cfg.parallel.strategy == "pipeline" else 1  # a stage computes its share
         result = {"step_s": step_s, "tokens_per_s": samples * cfg.model.seq_len / step_s,

@@ -23,15 +23,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
-import time
 from typing import Any
 
 from shardwise.bench import fake_world
 from shardwise.bench.common import write_json
-from shardwise.bench.fake_world import device_name, rank_zero_of, report
+from shardwise.bench.fake_world import device_name, median_step_s, rank_zero_of, report
 from shardwise.config import Config, load_config
 
 NODE = 8  # hsdp's ranks per node, and tensor parallel's degree
@@ -94,15 +92,8 @@ def worker(job: dict[str, Any]) -> None:
             if cuda:
                 result["setup_allocated"] = torch.cuda.max_memory_allocated(ctx.device)
                 torch.cuda.reset_peak_memory_stats(ctx.device)
-            seconds = []
-            for step in range(job["steps"]):
-                started = time.perf_counter()
-                trainer.run_step(step)
-                if cuda:
-                    torch.cuda.synchronize(ctx.device)
-                seconds.append(time.perf_counter() - started)
-            timed = seconds[1:] or seconds  # the first step also makes the optimizer's state
-            result.update(fits=True, step_s=statistics.median(timed), counted=trainer.memory().as_dict())
+            step_s = median_step_s(trainer, job["steps"], warmup=1)
+            result.update(fits=True, step_s=step_s, counted=trainer.memory().as_dict())
             if cuda:
                 result.update(max_allocated=torch.cuda.max_memory_allocated(ctx.device),
                               reserved=torch.cuda.memory_reserved(ctx.device))
