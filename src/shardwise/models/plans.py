@@ -137,7 +137,20 @@ GPT_MOE = ParallelPlan(
     positions=GPT.positions,
 )
 
-_PLANS: list[ParallelPlan] = [GPT, LLAMA, GPT2, GPT_MOE]
+# transformers' Mixtral and Qwen3-MoE: Llama's attention (Qwen3's per-head q and k norms whole on
+# every rank, as each rank's heads are whole), split over tp; the MoE layer whole on every tp rank, as
+# gpt-moe's.
+MIXTRAL = ParallelPlan(
+    family="mixtral",
+    models=("hf-mixtral", "hf-qwen3-moe"),
+    blocks=("MixtralDecoderLayer", "Qwen3MoeDecoderLayer"),
+    regions=(LLAMA.regions[0],),
+    first_stage=LLAMA.first_stage,
+    last_stage=LLAMA.last_stage,
+    positions=LLAMA.positions,
+)
+
+_PLANS: list[ParallelPlan] = [GPT, LLAMA, GPT2, GPT_MOE, MIXTRAL]
 
 NEEDS = ("the class of its repeated block; per block, its tensor-parallel regions (a module whose input enters "
          "column-parallel layers and whose output leaves a row-parallel one, and for attention where its head "
