@@ -656,9 +656,11 @@ def test_moe_predicted_memory_equals_counted_and_all_to_all_bytes_are_the_balanc
     split = [case for case in cases if case[0].ep > 1]
     sent = run_ranks(counted_with_exchange, 2, split)
     for i, (candidate, base) in enumerate(split):
-        predicted = expert_exchange_bytes(candidate, base)  # rows in the dtype the parameters compute in
+        # Rows in the dtype the parameters compute in; balanced routing sends half a rank's pairs
+        # away: measured 0.970 to 0.983 of it at a random router's init.
+        predicted = expert_exchange_bytes(candidate, base)
         for rank in range(2):
-            assert sent[rank][i][1] == pytest.approx(predicted, rel=0.25), (candidate.label, rank)
+            assert sent[rank][i][1] == pytest.approx(predicted, rel=0.1), (candidate.label, rank)
 
 
 def test_moe_plans_count_experts_and_propose_ep_and_shipped_configs_plan():
