@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from shardwise.config import Config
+from shardwise.config import Config, load_config
 from shardwise.dist import init_distributed
 from shardwise.trainer import Trainer
 
@@ -56,11 +56,12 @@ COMPARED_STEPS = 20
 
 @pytest.fixture(scope="session")
 def cli_single_compared(tmp_path_factory) -> Path:
-    """`shardwise train configs/gpt-tiny.toml --steps 20` under single: what the CLI comparisons hold runs to."""
+    """What `shardwise train configs/gpt-tiny.toml --steps 20` trains under single, trained in this
+    process (test_train_cli's first test holds the two to the same losses, bit for bit): what the
+    CLI comparisons hold runs to."""
     out = tmp_path_factory.mktemp("cli") / "single-compared"
-    result = shardwise("train", str(CONFIGS / "gpt-tiny.toml"), "--strategy", "single", "--steps",
-                       str(COMPARED_STEPS), "--out", str(out))
-    assert result.returncode == 0, result.stderr
+    train_in_process(load_config(CONFIGS / "gpt-tiny.toml", [f"run.out={out}", f"train.steps={COMPARED_STEPS}",
+                                                            "parallel.strategy=single"]))
     return out
 
 

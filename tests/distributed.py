@@ -1,13 +1,16 @@
-"""Run a function on N real ranks (spawned processes, Gloo over loopback) and collect results.
+"""Run a function on N real ranks (processes forked from a fork server, Gloo over loopback) and
+collect results.
 
-Starting a rank costs about 4 s on 2 cores (an interpreter, torch, the process group), more than most
-tests spend training. So ranks are kept: `run_ranks` hands each call to a pool of live ranks of that
-world size, which run it and wait for the next call. A call leaves nothing the next one could see:
-after it every rank restores what a fresh process starts with (torch's random state, thread count,
-default dtype and grad mode, the environment, signal handlers, working directory), and a pool whose
-call failed, timed out or took the process group down is discarded, its ranks killed, so the next
-call starts fresh ones. Calls with their own `init` arguments (a short collective timeout, debug
-collectives) get ranks of their own, discarded after the call: they usually break the group on purpose.
+Spawning a rank costs about 4 s on 2 cores (an interpreter, torch, transformers, the process
+group), more than most tests spend training. So ranks are forked from a server that imported all
+that once (_fork_server: a fraction of a second a rank), and they are kept: `run_ranks` hands each
+call to a pool of live ranks of that world size, which run it and wait for the next call. A call
+leaves nothing the next one could see: after it every rank restores what a fresh process starts
+with (torch's random state, thread count, default dtype and grad mode, the environment, signal
+handlers, working directory), and a pool whose call failed, timed out or took the process group
+down is discarded, its ranks killed, so the next call starts fresh ones. Calls with their own
+`init` arguments (a short collective timeout, debug collectives) get ranks of their own, discarded
+after the call: they usually break the group on purpose.
 """
 
 from __future__ import annotations
@@ -61,9 +64,15 @@ class FreshProcessState:
             signal.signal(sig, handler)
 
 
-def _rank_main(rank: int, world_size: int, port: int, conn: Connection, init: dict[str, Any]) -> None:
+def _rank_main(rank: int, world_size: int, port: int, conn: Connection, init: dict[str, Any],
+               environ: dict[str, str]) -> None:
     """A rank: join the group, then run each call `conn` brings until told to stop. A call's result
-    (or traceback) goes to the file the call names; `conn` only says when it is there."""
+    (or traceback) goes to the file the call names; `conn` only says when it is there. The rank
+    starts with the test process's environment as it is now, as a spawned process would (a forked
+    one has the fork server's)."""
+    os.environ.clear()
+    os.environ.update(environ)
+    torch.manual_seed(torch.initial_seed())  # the generator's state in a fresh process
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
     import torch.distributed as dist
@@ -96,18 +105,44 @@ def _rank_main(rank: int, world_size: int, port: int, conn: Connection, init: di
             os._exit(0)
 
 
+# What the fork server imports once for every rank: torch, the trainer, and transformers' models
+# (another 2 s a process), imported offline as the test modules that use them ask.
+PRELOAD = ["torch", "torch.distributed", "shardwise.trainer", "transformers",
+           *(f"transformers.models.{m}.modeling_{m}" for m in ("llama", "qwen2", "gpt2", "mixtral", "qwen3_moe",
+                                                                "deepseek_v3"))]
+
+
+def _fork_server() -> mp.context.BaseContext:
+    """Where ranks come from: forked from a server process that imported PRELOAD once, not spawned,
+    which would import it all again in every rank (3-4 s of CPU each, 10 s for 8 ranks on 2 cores).
+    The server has never run an operator, so a fork carries no threads; a rank then takes the test
+    process's current environment (_rank_main), as a spawned one would."""
+    from multiprocessing import forkserver
+
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)
+    saved = dict(os.environ)
+    try:
+        os.environ["HF_HUB_OFFLINE"] = "1"  # the server's own environment, as it imports transformers
+        forkserver.ensure_running()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return context
+
+
 class RankPool:
     """`world_size` live ranks, each running one call at a time."""
 
     def __init__(self, world_size: int, init: dict[str, Any]) -> None:
-        spawn = mp.get_context("spawn")
+        context = _fork_server()
         port = _free_port()
         self.world_size = world_size
         self.conns: list[Connection] = []
         self.procs = []
         for rank in range(world_size):
-            ours, theirs = spawn.Pipe()
-            proc = spawn.Process(target=_rank_main, args=(rank, world_size, port, theirs, init))
+            ours, theirs = context.Pipe()
+            proc = context.Process(target=_rank_main, args=(rank, world_size, port, theirs, init, dict(os.environ)))
             proc.start()
             theirs.close()
             self.conns.append(ours)

@@ -81,11 +81,14 @@ def test_sampling_on_2_pipeline_stages_writes_the_text_one_process_writes(cli_si
     assert ranked.stdout == alone.stdout
 
 
-def test_sampling_refuses_what_cannot_run_before_any_rank_starts(cli_single_run, tmp_path):
+def test_sampling_refuses_what_cannot_run_before_any_rank_starts(cli_single_run, tmp_path, capsys):
+    """The command's own main, in this process: a refusal starts no rank (nor torchrun) to refuse."""
+    from shardwise.cli import main
+
     run, _ = cli_single_run
-    refused = shardwise("sample", str(run), "--nproc", "4", "--strategy", "tensor")  # gpt-tiny has 2 heads
-    assert refused.returncode == 2 and "parallel.tp = 4: must divide model.n_head = 2" in refused.stderr
-    refused = shardwise("sample", str(run), "--strategy", "fsdp")
-    assert refused.returncode == 2 and "give --nproc N" in refused.stderr
-    refused = shardwise("sample", str(tmp_path), "--nproc", "2")
-    assert refused.returncode == 2 and "model.safetensors: not found" in refused.stderr
+    assert main(["sample", str(run), "--nproc", "4", "--strategy", "tensor"]) == 2  # gpt-tiny has 2 heads
+    assert "parallel.tp = 4: must divide model.n_head = 2" in capsys.readouterr().err
+    assert main(["sample", str(run), "--strategy", "fsdp"]) == 2
+    assert "give --nproc N" in capsys.readouterr().err
+    assert main(["sample", str(tmp_path), "--nproc", "2"]) == 2
+    assert "model.safetensors: not found" in capsys.readouterr().err
