@@ -31,7 +31,9 @@ QWEN3_MOE = ("model.name=hf-qwen3-moe", "model.n_kv_head=1")
 # routing, a shared expert beside the routed ones (which are the ones ep splits)
 TINY_DEEPSEEK_V3 = Path(__file__).parent / "deepseek-v3-tiny.json"
 DEEPSEEK_V3 = ("model.name=hf-deepseek-v3", f"model.hf_config={json.dumps(str(TINY_DEEPSEEK_V3))}")
-FAMILIES = {"mixtral": MIXTRAL, "qwen3-moe": QWEN3_MOE, "deepseek-v3": DEEPSEEK_V3}
+MIXTRAL_MHA = (*MIXTRAL, "model.n_kv_head=2")  # a key/value head for each of 2 tp ranks
+# The first whose name a run's name holds is the run's reference (single-NAME) and model.
+FAMILIES = {"mixtral-mha": MIXTRAL_MHA, "mixtral": MIXTRAL, "qwen3-moe": QWEN3_MOE, "deepseek-v3": DEEPSEEK_V3}
 
 
 def cfg_for(out: Path, strategy: str, world: int, *overrides: str):
@@ -217,13 +219,15 @@ FOUR_RANK_RUNS = {
     # attention split over tp 2 (gpt-moe's plan), each tp rank's MoE layers whole, their experts over ep 2
     "fsdp-ep2-tp2": ("fsdp", "parallel.ep=2", "parallel.tp=2"),
     "deepseek-v3-fsdp-ep2": ("fsdp", "parallel.ep=2", *DEEPSEEK_V3),  # each ep rank's experts sharded over 2
+    # transformers' Mixtral by its plan: attention split over tp 2, the MoE block whole, experts over ep 2
+    "mixtral-mha-fsdp-ep2-tp2": ("fsdp", "parallel.ep=2", "parallel.tp=2", *MIXTRAL_MHA),
     "zero2-ep4-bf16-recompute": ("zero2", "parallel.ep=4", "parallel.precision=bf16-mixed",
                                  "parallel.recompute=blocks"),
 }
 # What share of every expert each rank holds: 1/ep, and under the sharded strategies 1/dp.
 EXPERTS_HELD = {"ddp-ep2": 2, "zero1-ep2-bias": 2, "mixtral-ddp-ep2": 2, "qwen3-moe-fsdp-ep2": 2, "ddp-ep4": 4,
                 "ddp-ep2-dp4": 2, "fsdp-ep2": 4, "fsdp-ep2-tp2": 2, "deepseek-v3-fsdp-ep2": 4,
-                "zero2-ep4-bf16-recompute": 4}
+                "mixtral-mha-fsdp-ep2-tp2": 2, "zero2-ep4-bf16-recompute": 4}
 
 
 def train_runs(ctx: DistContext, root: Path, runs: dict[str, tuple[str, ...]]) -> dict[str, int]:
@@ -255,6 +259,7 @@ def runs(tmp_path_factory) -> tuple[Path, dict[str, list[int]]]:
     train_in_process(cfg_for(root / "single-bias", "single", 1, *BIAS))
     train_in_process(cfg_for(root / "single-bf16", "single", 1, "parallel.precision=bf16-mixed"))
     train_in_process(cfg_for(root / "single-mixtral", "single", 1, *MIXTRAL))
+    train_in_process(cfg_for(root / "single-mixtral-mha", "single", 1, *MIXTRAL_MHA))
     train_in_process(cfg_for(root / "single-qwen3-moe", "single", 1, *QWEN3_MOE))
     train_in_process(cfg_for(root / "single-deepseek-v3", "single", 1, *DEEPSEEK_V3))
     held = {}
@@ -286,6 +291,14 @@ def test_bias_balancing_changes_the_routing(runs):
     plain, biased = (read_records(root / name)[-1]["router"]["tokens_per_expert"] for name in ("single", "single-bias"))
     assert plain != biased
     assert sum(plain[0]) == sum(biased[0]) == 8 * 64 * 2  # every pair of the global batch, counted once
+
+
+def test_a_pipeline_reports_every_stage_s_layers(runs):
+    """Rank 0 holds the first stage only; the record holds both blocks' routers, each counting
+    every pair of the step's global batch."""
+    root, _ = runs
+    for record in read_records(root / "pipeline-pp2"):
+        assert [sum(layer) for layer in record["router"]["tokens_per_expert"]] == [8 * 64 * 2] * 2
 
 
 def test_the_ranks_report_the_load_of_each_ep_rank(runs):
