@@ -134,8 +134,10 @@ def flags_by_command() -> dict[str, set[str]]:
 
 
 def example_flags() -> set[str]:
-    """The flags the scripts in examples/ define, which the docs show beside ours."""
-    return {flag for script in (REPO / "examples").glob("*.py")
+    """The flags the scripts in examples/ and the bench modules (`python -m shardwise.bench.NAME`)
+    define, which the docs show beside ours."""
+    scripts = [*(REPO / "examples").glob("*.py"), *(REPO / "src" / "shardwise" / "bench").glob("*.py")]
+    return {flag for script in scripts
             for flag in re.findall(r"add_argument\(\"(--[a-z][a-z0-9-]*)\"", script.read_text())}
 
 
