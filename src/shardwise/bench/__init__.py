@@ -22,9 +22,9 @@ BENCHES = {  # name -> (module, ranks)
     "scale": ("shardwise.bench.scale", 0),  # the largest GPT each strategy trains in a memory budget, as whole jobs
     "data": ("shardwise.bench.data", 0),  # your own corpus: preparation, reads against a step, RSS at 1 MiB and 1 GiB
     "moe": ("shardwise.bench.moe", 0),  # gpt-moe under ep 1, 2, 4 as whole jobs; one layer against DeepSpeed's
-    "multinode": ("shardwise.bench.multinode", 0),
+    "multinode": ("shardwise.bench.multinode", 0),  # makes its own nodes (namespaces, as root) and ranks
     # one GPU (needs CUDA): gpt-2-124m's MFU and every data-parallel strategy's host cost on fake worlds
     "gpu": ("shardwise.bench.gpu", 0),
     # Llama-3-8B sharded 8, 16, 64 ways on one GPU through the fake process group (needs CUDA)
-    "gpu-scale": ("shardwise.bench.gpu_scale", 0),  # makes its own nodes (namespaces, as root) and ranks
+    "gpu-scale": ("shardwise.bench.gpu_scale", 0),
 }

@@ -24,6 +24,8 @@ import torch.distributed as dist
 from shardwise.dist import DistContext
 
 if TYPE_CHECKING:
+    from shardwise.config import Config
+    from shardwise.planner.candidates import Candidate
     from shardwise.trainer import Trainer
 
 RESULT = "FAKE-WORLD-RESULT "  # the line a job prints its measurements on
@@ -40,6 +42,22 @@ def rank_zero_of(world: int, node: int | None = None) -> DistContext:
     os.environ["LOCAL_WORLD_SIZE"] = str(node or world)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     return DistContext(0, world, 0, device, "fake")
+
+
+def planned_candidate(cfg: Config, world: int) -> Candidate | None:
+    """The planner's candidate for what `cfg` runs on one rank of `world`: its strategy, mesh,
+    precision, recomputation, micro-batch and pipeline schedule; None for FSDP2, which the planner
+    does not model (it predicts ours)."""
+    from shardwise.planner.candidates import Candidate
+
+    p = cfg.parallel
+    if p.strategy == "fsdp-native":
+        return None
+    dp, pp, tp = p.mesh_shape(world)
+    pipelined = pp > 1 or p.strategy == "pipeline"
+    return Candidate(p.strategy, dp, pp, tp, p.precision, p.recompute, cfg.train.micro_batch,
+                     p.micro_batches if pipelined else 1, p.schedule if pipelined else None,
+                     shard=cfg.launch.nproc if p.strategy == "hsdp" else None)
 
 
 def median_step_s(trainer: Trainer, steps: int, warmup: int) -> float:

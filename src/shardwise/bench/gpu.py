@@ -30,7 +30,7 @@ import torch
 
 from shardwise.bench import fake_world
 from shardwise.bench.common import write_json
-from shardwise.bench.fake_world import device_name, median_step_s, rank_zero_of, report
+from shardwise.bench.fake_world import device_name, median_step_s, planned_candidate, rank_zero_of, report
 from shardwise.config import Config, load_config
 
 WORLD_ONE = ("single", "ddp", "zero2", "fsdp", "fsdp-native")
@@ -57,18 +57,10 @@ def job_config(job: dict[str, Any], out: str) -> Config:
 
 def predicted_peak(cfg: Config, world: int) -> int | None:
     """The planner's bytes for the busiest rank (no margin); None for FSDP2 (it predicts ours)."""
-    from shardwise.planner.candidates import Candidate
     from shardwise.planner.memory import predict_memory
 
-    p = cfg.parallel
-    if p.strategy == "fsdp-native":
-        return None
-    dp, pp, tp = p.mesh_shape(world) if p.strategy not in ("single",) else (1, 1, 1)
-    schedule = "gpipe" if p.strategy == "pipeline" else None
-    candidate = Candidate(p.strategy, dp, pp, tp, p.precision, p.recompute, cfg.train.micro_batch,
-                          p.micro_batches if schedule else 1, schedule,
-                          shard=cfg.launch.nproc if p.strategy == "hsdp" else None)
-    return max(rank.total for rank in predict_memory(candidate, cfg, margin=0.0))
+    candidate = planned_candidate(cfg, world)
+    return None if candidate is None else max(rank.total for rank in predict_memory(candidate, cfg, margin=0.0))
 
 
 def worker(job: dict[str, Any]) -> None:

@@ -29,11 +29,11 @@ from typing import Any
 
 from shardwise.bench import fake_world
 from shardwise.bench.common import write_json
-from shardwise.bench.fake_world import device_name, median_step_s, rank_zero_of, report
+from shardwise.bench.fake_world import device_name, median_step_s, planned_candidate, rank_zero_of, report
 from shardwise.config import Config, load_config
 
 NODE = 8  # hsdp's ranks per node, and tensor parallel's degree
-# (strategy label, world, recompute, sequence): the default jobs, about 20 minutes of one H100.
+# (strategy label, world, recompute, sequence): the default jobs (an H100's time for them not measured yet).
 DEFAULT_JOBS = [(strategy, world, "blocks", 4096) for world in (8, 16, 64)
                 for strategy in ("fsdp", "fsdp-native", "hsdp", "fsdp-tp8")]
 DEFAULT_JOBS += [(strategy, 64, "selective", 4096) for strategy in ("fsdp", "fsdp-native")]
@@ -58,17 +58,14 @@ def job_config(job: dict[str, Any], out: str) -> Config:
 
 
 def predicted(cfg: Config, world: int) -> dict[str, int] | None:
-    """The planner's bytes for this rank: each category at the steps' peak, and setup's."""
-    from shardwise.planner.candidates import Candidate
+    """The planner's bytes for this rank: each category at the steps' peak, and setup's; None for
+    FSDP2 (it predicts ours)."""
     from shardwise.planner.memory import predict_memory, predict_setup_bytes
     from shardwise.planner.model import PlanError
 
-    if cfg.parallel.strategy not in ("fsdp", "hsdp"):
-        return None  # fsdp-native: the planner predicts ours
-    p = cfg.parallel
-    dp, _, tp = p.mesh_shape(world)
-    shard = cfg.launch.nproc if p.strategy == "hsdp" else None
-    candidate = Candidate(p.strategy, dp, 1, tp, p.precision, p.recompute, cfg.train.micro_batch, shard=shard)
+    candidate = planned_candidate(cfg, world)
+    if candidate is None:
+        return None
     try:
         rank = predict_memory(candidate, cfg, margin=0.0)[0]
     except PlanError:
