@@ -111,10 +111,17 @@ def trace_key(shape: ModelShape, candidate: Candidate, tp: int = 1, sequence_par
     when mixed, the tensor split (sequence parallel only where there is one), and a rank's share
     of the sequence under context parallel."""
     precision = make_precision(candidate.precision)
-    sharded = (candidate.spec.zero_stage or 0) >= 1
-    computing = working_dtype(precision) if sharded else precision.param_dtype
-    return TraceKey(shape, computing, precision.compute_dtype if precision.mixed else None, tp,
-                    sequence_parallel and tp > 1, candidate.cp)
+    return TraceKey(shape, computing_params_dtype(candidate), precision.compute_dtype if precision.mixed else None,
+                    tp, sequence_parallel and tp > 1, candidate.cp)
+
+
+def computing_params_dtype(c: Candidate) -> torch.dtype:
+    """What the parameters are in while they compute: the sharded strategies keep or gather mixed
+    precision's in the compute dtype, the others keep the stored one. An MoE layer's input, and so
+    the rows its dispatch moves, is in it too (the norm before the layer returns it; measured:
+    tests/test_planner.py)."""
+    precision = make_precision(c.precision)
+    return working_dtype(precision) if (c.spec.zero_stage or 0) >= 1 else precision.param_dtype
 
 
 def predict_memory(candidate: Candidate, cfg: Config, margin: float = DEFAULT_MARGIN,
@@ -227,23 +234,15 @@ def context_buffers(c: Candidate, shape: ModelShape) -> int:
 def expert_buffers(c: Candidate, shape: ModelShape) -> int:
     """Expert parallel's rows in flight in one MoE layer at a time: the micro-batch's (token,
     expert) pairs received for this rank's experts and, regrouped by expert, their copy, in the
-    dtype the layer computes in (routing balanced: as many arrive as leave)."""
+    dtype the parameters compute in (routing balanced: as many arrive as leave)."""
     if c.ep == 1:
         return 0
-    return 2 * expert_rows(c, shape) * shape.d_model * dtype_bytes(routed_dtype(c))
+    return 2 * expert_rows(c, shape) * shape.d_model * dtype_bytes(computing_params_dtype(c))
 
 
 def expert_rows(c: Candidate, shape: ModelShape) -> int:
     """The (token, expert) pairs of one micro-batch on a rank: top_k per token."""
     return c.micro_batch * shape.seq_len * shape.top_k
-
-
-def routed_dtype(c: Candidate) -> torch.dtype:
-    """What an MoE layer's input, and so the rows its dispatch moves, is stored in: the dtype the
-    parameters compute in (the norm before the layer returns it), 16-bit under the sharded
-    strategies' mixed precision, float32 under ddp's (measured: tests/test_planner.py)."""
-    precision = make_precision(c.precision)
-    return working_dtype(precision) if (c.spec.zero_stage or 0) >= 1 else precision.param_dtype
 
 
 def _sharded_buffers(c: Candidate, cfg: Config, facts: ModelFacts, world: int, stored: int) -> int:

@@ -56,10 +56,10 @@ from shardwise.pipeline_schedules import SCHEDULES, Costs, Layout, Schedule, lay
 from shardwise.planner.candidates import Candidate
 from shardwise.planner.devices import DeviceProfile
 from shardwise.planner.memory import (
+    computing_params_dtype,
     dtype_bytes,
     expert_rows,
     pipeline_schedule,
-    routed_dtype,
     trace_key,
     working_dtype,
 )
@@ -207,9 +207,10 @@ def _sharded_collective_s(collective: Callable[[float, int, float, float], float
     whole = facts.padded_numel(ranks)
     if facts.ep == 1:
         return collective(whole * element, ranks, bandwidth, latency)
-    experts = facts.n_layer * facts.unit_padded(ranks)[0] - facts.n_layer * ranks * facts.dense.sharded_numel(ranks)
+    replicas = ranks // facts.ep
+    experts = facts.n_layer * replicas * facts.experts.sharded_numel(replicas)
     return collective((whole - experts) * element, ranks, bandwidth, latency) \
-        + collective(experts * element, ranks // facts.ep, bandwidth, latency)
+        + collective(experts * element, replicas, bandwidth, latency)
 
 
 def _exchanges(c: Candidate, shape: ModelShape) -> float:
@@ -224,7 +225,7 @@ def expert_parallel_s(c: Candidate, shape: ModelShape, device: DeviceProfile) ->
     exchange before each adds its hops' latency."""
     if c.ep == 1:
         return 0.0
-    rows = expert_rows(c, shape) * shape.d_model * dtype_bytes(routed_dtype(c))
+    rows = expert_rows(c, shape) * shape.d_model * dtype_bytes(computing_params_dtype(c))
     bandwidth = device.bandwidth(_spans_nodes(c.ep, c.tp, device.gpus_per_node), "all_gather")
     one = all_gather_s(rows, c.ep, bandwidth, device.latency_s) + (c.ep - 1) * device.latency_s
     return _exchanges(c, shape) * one
@@ -234,7 +235,7 @@ def expert_exchange_bytes(c: Candidate, cfg: Config) -> int:
     """Bytes one rank sends in expert parallel's all-to-alls over an optimizer step (routing balanced)."""
     shape = model_shape(cfg.model)
     micro_steps = cfg.train.global_batch // (c.dp * c.micro_batch)
-    rows = expert_rows(c, shape) * shape.d_model * dtype_bytes(routed_dtype(c))
+    rows = expert_rows(c, shape) * shape.d_model * dtype_bytes(computing_params_dtype(c))
     return int(micro_steps * _exchanges(c, shape) * rows * (c.ep - 1) / c.ep)
 
 
@@ -286,10 +287,10 @@ def _data_parallel(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceP
         exposed += _hidden(reduce, max(0.0, backward - gather), device.overlap)
         stepped = facts.shard_numel(ranks)
     context, context_exposed = context_s(c, shape, device)
-    experts = micro_steps * expert_parallel_s(c, shape, device)
-    tensor = micro_steps * _tensor_parallel_s(c, shape, device) + experts
+    all_to_all = micro_steps * expert_parallel_s(c, shape, device)
+    tensor = micro_steps * _tensor_parallel_s(c, shape, device) + all_to_all
     return StepTime(compute, comm + micro_steps * context + tensor, exposed + micro_steps * context_exposed + tensor,
-                    0.0, _optimizer_s(stepped, stored, cfg, device), experts)
+                    0.0, _optimizer_s(stepped, stored, cfg, device), all_to_all)
 
 
 def _tensor_parallel_s(c: Candidate, shape: ModelShape, device: DeviceProfile) -> float:
