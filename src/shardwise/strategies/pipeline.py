@@ -527,7 +527,7 @@ class Pipeline(MeshStrategy):
         0 writes the router record of the whole model, not of its stages only."""
         rows = iter(routed.cpu())
         mine = {s: [next(rows) for _ in moe.moe_layers(stage.model)] for s, stage in self.stages.items()}
-        every: list[dict[int, list[torch.Tensor]]] = [{} for _ in range(self.mesh.size("pp"))]
+        every: list[dict[int, list[torch.Tensor]]] = [{} for _ in range(self.pp)]
         dist.all_gather_object(every, mine, group=self.pp_group)
         by_stage = {s: counts for held in every for s, counts in held.items()}
         return torch.stack([c for s in sorted(by_stage) for c in by_stage[s]]).to(routed.device)
