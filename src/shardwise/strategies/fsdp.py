@@ -168,7 +168,7 @@ class ShardedDataParallel(HookedStrategy):
         self.splitter = self._tensor_splitter()
         self._shard({}, [])
         if self.splitter is not None:
-            self.tensor_shards, self.sequence_split = self.splitter.shards, self.splitter.finish()
+            self.tensor_shards, self.tp_partial = self.splitter.shards, self.splitter.finish()
         for unit in self.units:
             for param in unit.params:
                 param.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -178,14 +178,14 @@ class ShardedDataParallel(HookedStrategy):
             self.peak_gathered_bytes = 0  # the peak counts from the first step
         return self.module
 
-    def _shard(self, tensor_shards: dict[int, TensorShard], sequence_split: list[nn.Parameter],
+    def _shard(self, tensor_shards: dict[int, TensorShard], tp_partial: list[nn.Parameter],
                named: dict[str, nn.Parameter] | None = None) -> None:
         """Make the units of `self.module` and the maps from each parameter (by `named`, its name in
         checkpoints; by default the module's, once the units are made) to its unit and its shard."""
         self.gathered_bytes = self.peak_gathered_bytes = 0
         self.units = self._make_units()
         self.tensor_shards = tensor_shards  # id(parameter) -> how tensor parallel split it
-        self.sequence_split = sequence_split  # sequence parallel: gradients partial over tp
+        self.tp_partial = tp_partial  # parameters whole on every tp rank, their gradients partial over tp
         self.root = self.units[-1]
         self._unit_of = {id(p): unit for unit in self.units for p in unit.params}
         rows_of = {id(p): rows for unit in self.units for p, rows in zip(unit.params, unit.rows, strict=True)}
@@ -198,7 +198,7 @@ class ShardedDataParallel(HookedStrategy):
         self.bytes_gathered = 0  # the all-gathers' part of it
 
     def shard_stages(self, stages: nn.Module, block: str, named: dict[str, nn.Parameter], full: dict[str, torch.Tensor],
-                     tensor_shards: dict[int, TensorShard], sequence_split: list[nn.Parameter]) -> None:
+                     tensor_shards: dict[int, TensorShard], tp_partial: list[nn.Parameter]) -> None:
         """Shard a pipeline rank's `stages` (real, split over tp already) over the data-parallel
         ranks of its stage, a unit per `block` and one for the rest, with no hooks: the pipeline
         calls `begin_step` before its schedule and `end_step` after it.
@@ -208,7 +208,7 @@ class ShardedDataParallel(HookedStrategy):
         self.tp, self.tp_rank = self.mesh.size("tp"), self.mesh.rank("tp")
         self._init_mesh()
         self.splitter, self._full = None, full
-        self._shard(tensor_shards, sequence_split, named)
+        self._shard(tensor_shards, tp_partial, named)
         self.peak_gathered_bytes = self.gathered_bytes
 
     def begin_step(self) -> None:
@@ -588,10 +588,11 @@ class ShardedDataParallel(HookedStrategy):
             for shard, offset in zip(unit.shards, unit.offsets, strict=True):
                 shard.grad = home[offset : offset + shard.numel()].view_as(shard)
 
-    def _sum_sequence_split(self) -> None:
-        """Sequence parallel: the shard gradients of the blocks' parameters every tp rank holds
-        whole (norms, row-parallel biases) hold this rank's positions' share; sum them over tp."""
-        grads = [self._shard_of[id(p)][0].grad for p in self.sequence_split]
+    def _sum_tp_partial(self) -> None:
+        """The shard gradients of the blocks' parameters every tp rank holds whole but trains on its
+        positions (sequence parallel: norms, row-parallel biases) or its heads (Qwen3's q and k
+        norms) only hold this rank's share; sum them over tp."""
+        grads = [self._shard_of[id(p)][0].grad for p in self.tp_partial]
         if grads:
             all_reduce_packed([g for g in grads if g is not None], self.mesh.group("tp"), average=False)
 
@@ -609,7 +610,7 @@ class ShardedDataParallel(HookedStrategy):
                 if unit is self.root or len(unit.ready) < len(unit.params) or self.stage == 1 or unit.over.experts:
                     self._start_reduce_scatter(unit)  # root, units with unused params, zero1, or experts
             self._settle_reductions()
-            self._sum_sequence_split()
+            self._sum_tp_partial()
         if self.stage == 3:
             for unit in self.units:
                 self._free(unit)

@@ -195,9 +195,10 @@ class MeshStrategy(DeferrableSync):
         self.tp_mesh = self.mesh["tp"]  # what tensor shards are DTensors over, in checkpoints
         self.tensor_shards: dict[int, TensorShard] = {}  # id(parameter) -> how it is split over tp
         self.duplicates: set[int] = set()  # ids of parameters an earlier stage also holds (a tied head)
-        # Under sequence parallel: the blocks' parameters each tp rank holds whole but trains on its part
-        # of the sequence only (norms, row-parallel biases), whose gradients are summed over tp.
-        self.sequence_split: list[nn.Parameter] = []
+        # The blocks' parameters each tp rank holds whole but trains on its part of the sequence only
+        # (sequence parallel: norms, row-parallel biases) or its heads only (Qwen3's q and k norms),
+        # whose gradients are summed over tp.
+        self.tp_partial: list[nn.Parameter] = []
 
     def locate(self, model: nn.Module) -> Located:
         """The model's parallel plan, found in it; its block class must be the unit `prepare` settled."""
@@ -269,10 +270,10 @@ class MeshStrategy(DeferrableSync):
             self.synchronize_gradients()
 
     def synchronize_gradients(self) -> None:
-        """After a step's last backward: sum over tp the gradients that sequence parallel left
-        partial, then average every gradient over the cp group (each rank's are its tokens' share
+        """After a step's last backward: sum over tp the gradients left partial there (`tp_partial`),
+        then average every gradient over the cp group (each rank's are its tokens' share
         of the replica's) and over the dp group."""
-        grads = [p.grad for p in self.sequence_split if p.grad is not None]
+        grads = [p.grad for p in self.tp_partial if p.grad is not None]
         if grads:
             all_reduce_packed(grads, self.tp_group, average=False)
         if self.cfg.cp > 1:

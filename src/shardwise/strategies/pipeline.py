@@ -462,7 +462,7 @@ class Pipeline(MeshStrategy):
         mine_blocks = [block for s in mine for block in blocks[slice(*self.stage_blocks[s])]]
         self.materialise_outside_blocks(part)
         if self.tp > 1:
-            self.tensor_shards, self.sequence_split = parallelize_blocks(
+            self.tensor_shards, self.tp_partial = parallelize_blocks(
                 mine_blocks, located.plan, TensorParallelGroup(self.tp_group), self.cfg.sequence_parallel,
                 functools.partial(self.materialised, part))
         else:

@@ -68,7 +68,7 @@ class ShardedPipeline(Pipeline):
         module = super().wrap(model)
         stages = nn.ModuleList(stage.model for stage in self.stages.values())
         self.sharding.shard_stages(stages, self.cfg.block, dict(super().named_local_parameters()), self._full,
-                                   self.tensor_shards, self.sequence_split)
+                                   self.tensor_shards, self.tp_partial)
         # What a stage sends: the working dtype its parameters are gathered in (mixed precision's compute dtype).
         working = self.sharding.units[0].full_dtype
         self.activations = self.module.activations = Activations(self.activations.width, working, self.ctx.device)

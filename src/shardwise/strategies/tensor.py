@@ -30,7 +30,9 @@ everything it saves on one device. The stream is split before the first block an
 gathered after the last (their gradients the converse), so embeddings, final norm, head and loss
 see the whole sequence. The block's parameters every rank holds whole (norms, the row layers'
 biases) then get gradients from this rank's positions only: the strategy sums them over the tp
-ranks after backward (`MeshStrategy.synchronize_gradients`).
+ranks after backward (`MeshStrategy.synchronize_gradients`). So it does, with or without sequence
+parallel, for a parameter a region holds whole besides its layers (Qwen3's q and k norms, shared
+by the heads): its gradient comes from this rank's heads only.
 
 Embeddings, norms outside the blocks, the head and the loss are *replicated*, not
 vocabulary-parallel: every tp rank computes them on the same activations, so their gradients come
@@ -395,12 +397,16 @@ class BlockSplitter:
 
     def finish(self) -> list[nn.Parameter]:
         """After the last block: under sequence parallel, split the sequence before the first block
-        and gather it after the last, and return the blocks' parameters every rank holds whole,
-        whose gradients come from this rank's positions only (empty otherwise)."""
-        if not self.sequence_parallel:
-            return []
-        split_sequence_around(self.blocks, self.tp)
-        return [p for block in self.blocks for p in block.parameters() if id(p) not in self.shards]
+        and gather it after the last. Returns the blocks' parameters every rank holds whole whose
+        gradients are partial, each rank's share of the sum: under sequence parallel all of them
+        (this rank's positions only); otherwise those inside a region other than its row layer's
+        (Qwen3's per-head q and k norms: this rank's heads only)."""
+        if self.sequence_parallel:
+            split_sequence_around(self.blocks, self.tp)
+            return [p for block in self.blocks for p in block.parameters() if id(p) not in self.shards]
+        return [p for block in self.blocks for region in self.plan.regions
+                for name, p in block.get_submodule(region.module).named_parameters()
+                if id(p) not in self.shards and not name.startswith(f"{region.row}.")]
 
 
 def parallelize_blocks(blocks: list[nn.Module], plan: ParallelPlan, tp: TensorParallelGroup,
@@ -411,8 +417,8 @@ def parallelize_blocks(blocks: list[nn.Module], plan: ParallelPlan, tp: TensorPa
     the tp ranks as `plan` lays them out, in place; under sequence parallel, split the sequence before
     the first block and gather it after the last. Each block is split inside `materialised(block)`
     where given (a meta-built model's block made real for its split, the whole freed after). Returns
-    how each new parameter is split (by id), and, under sequence parallel, the blocks' parameters
-    every rank holds whole, whose gradients come from this rank's positions only."""
+    how each new parameter is split (by id), and the blocks' parameters every rank holds whole whose
+    gradients are partial over tp (`BlockSplitter.finish`)."""
     splitter = BlockSplitter(plan, tp, sequence_parallel)
     for block in blocks:
         with materialised(block) if materialised is not None else nullcontext():
@@ -437,7 +443,7 @@ class TensorParallel(MeshStrategy):
         located = self.locate(model)
         self.record_layout(model, [{id(t) for t in model.state_dict(keep_vars=True).values()}])
         self.materialise_outside_blocks(model)
-        self.tensor_shards, self.sequence_split = parallelize_blocks(
+        self.tensor_shards, self.tp_partial = parallelize_blocks(
             located.blocks, located.plan, TensorParallelGroup(self.tp_group), self.cfg.sequence_parallel,
             functools.partial(self.materialised, model))
         self.record_local_state(model)
