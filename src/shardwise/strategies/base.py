@@ -236,8 +236,10 @@ class Strategy:
         return list(self.module.named_parameters())
 
     def named_local_buffers(self) -> list[tuple[str, torch.Tensor]]:
-        """The buffers this rank holds, by the model's names."""
-        return list(self.module.named_buffers())
+        """The buffers this rank holds that are the model's state, by the model's names: those a
+        module registers as not persistent (rotary frequencies) are made anew with the model."""
+        state = self.module.state_dict(keep_vars=True)
+        return [(name, buffer) for name, buffer in self.module.named_buffers() if name in state]
 
     def as_global(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """`local`, a tensor shaped like this rank's part of parameter `name`, as the whole
