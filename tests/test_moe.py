@@ -22,7 +22,7 @@ from shardwise.models.moe import MoE, MoEConfig, loss_scale
 from shardwise.trainer import Trainer
 
 STEPS, SAVED_AT = 10, 5
-MOE = ("model.name=gpt-moe", "model.n_experts=8", "model.top_k=2", "model.d_expert=64")
+MOE_SIZES = ("model.n_experts=8", "model.top_k=2", "model.d_expert=64")
 BIAS = ("model.balance=bias", "model.balance_rate=0.01")
 # transformers' own MoE models, their code unchanged: experts of width d_ff (Mixtral), 64 (Qwen3-MoE)
 MIXTRAL = ("model.name=hf-mixtral", "model.n_kv_head=1")
@@ -38,11 +38,13 @@ FAMILIES = {"mixtral-mha": MIXTRAL_MHA, "mixtral": MIXTRAL, "qwen3-moe": QWEN3_M
 
 def cfg_for(out: Path, strategy: str, world: int, *overrides: str):
     """gpt-moe tiny (2 blocks of 8 experts, top-2) on Shakespeare; global batch 8 in micro-batches of
-    2 (accumulated on fewer than 4 ranks); clipping at 0.5 (active)."""
+    2 (accumulated on fewer than 4 ranks); clipping at 0.5 (active). A model with a config.json
+    (model.hf_config) has that file's sizes."""
+    sizes = () if any(o.startswith("model.hf_config=") for o in overrides) else MOE_SIZES
     return load_config(CONFIGS / "gpt-tiny.toml", [
         f"run.out={out}", f"train.steps={STEPS}", "train.global_batch=8", "train.micro_batch=2",
         "train.eval_every=0", *SGD, "train.grad_clip=0.5", f"parallel.strategy={strategy}",
-        f"launch.nproc={world}", *MOE, *overrides])
+        f"launch.nproc={world}", "model.name=gpt-moe", *sizes, *overrides])
 
 
 def layer(cfg: MoEConfig, seed: int = 0) -> MoE:

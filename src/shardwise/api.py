@@ -53,8 +53,8 @@ from shardwise.materialise import build_on_meta
 from shardwise.strategies.base import LossFn, OptimizerFactory, make_strategy
 from shardwise.strategies.registry import spec
 from shardwise.trainer import optimizer_step
-from shardwise.weights import load_weights, tied_names
-from shardwise.weights_file import WeightsLayout, save_weights
+from shardwise.weights import ModelNames, load_weights
+from shardwise.weights_file import final_layout, save_weights
 
 # What `run.loader` reads: shardwise's own datasets (`batch(indices)`) or any map-style dataset
 # (`dataset[i]`, collated as torch's DataLoader does).
@@ -155,12 +155,12 @@ class Run:
             raise RuntimeError("run.prepare: this run has a model already; call shardwise.setup again for another")
         if not isinstance(model, nn.Module):
             model = build_on_meta(model, "run.prepare")
-        ties = tied_names(model)
-        self._weights_layout = WeightsLayout.of(model)
+        names = ModelNames.of(model)
+        self._weights_layout = final_layout(model)
         wrapped = self.strategy.wrap(model)
         self.optimizer = self.strategy.optimizer(make_optimizer)
         if weights is not None:
-            load_weights(self.strategy, weights, ties)
+            load_weights(self.strategy, weights, names)
         if self.strategy.precision.mixed:
             wrapped.forward = self._in_autocast(wrapped.forward)
         self.model = wrapped
@@ -295,7 +295,8 @@ class Run:
 
     def save_weights(self, path: str | Path) -> Path:
         """The plain model's weights (parameters and buffers) as one safetensors file at `path`,
-        the one safetensors' `save_model` writes for the model, for `load_model` without shardwise:
+        the one safetensors' `save_model` writes for the model, for `load_model` without shardwise
+        (for a transformers model the one `save_pretrained` writes, for `from_pretrained`):
         gathered a tensor at a time to rank 0, which writes it, so no rank holds the whole model
         (weights_file.py). Atomic: a failed write leaves what `path` held. Call on every rank."""
         self._require_model("save_weights")

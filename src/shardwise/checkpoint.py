@@ -408,33 +408,45 @@ def _ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
 
 
 def consolidate(run_dir: Path, out: Path, progress: bool = False) -> Path:
-    """Write the model of the run's newest good checkpoint as one plain safetensors file, every key
-    of the model's state dict in it (tied weights as copies), for `safetensors.torch.load_file`
-    and `model.load_state_dict` without shardwise: read from however many ranks' shards in this
-    one process, a tensor at a time, each written and dropped (weights_file.py), so the process
-    holds one tensor, never the model.
+    """Write the model of the run's newest good checkpoint, read from however many ranks' shards
+    in this one process, a tensor at a time, each written and dropped (weights_file.py), so the
+    process holds one tensor, never the model. `out` is either
+    - a `.safetensors` file: every key of the model's state dict (tied weights as copies), for
+      `safetensors.torch.load_file` and `model.load_state_dict` without shardwise; or
+    - for an hf-* run, a directory `from_pretrained` loads: model.safetensors as `save_pretrained`
+      writes it, config.json and the tokenizer's files (hf_files.py).
     `progress`: a bar on stderr. Returns the checkpoint used."""
     from tqdm import tqdm
 
-    from shardwise.config import load_config
+    from shardwise.config import HF_MODELS, load_config
+    from shardwise.hf_files import config_json, write_model_files
     from shardwise.materialise import init_context
     from shardwise.models import build_model
     from shardwise.weights_file import WeightsLayout, WeightsWriter
 
+    cfg = load_config(Path(run_dir) / "config.toml")
+    directory = Path(out).suffix != ".safetensors"
+    if directory and cfg.model.name not in HF_MODELS:
+        raise CheckpointError(f"{out}: a {cfg.model.name} run consolidates to a .safetensors file; a directory is "
+                              f"written for the transformers families ({', '.join(HF_MODELS)})")
     path = newest_good_checkpoint(run_dir)
     if path is None:
         raise CheckpointError(f"{checkpoint_dir(run_dir)}: no checkpoint to consolidate")
     with init_context():
-        model = build_model(load_config(Path(run_dir) / "config.toml").model)
-    check_fits(path, {"model": {name: p for name, p in model.named_parameters()} | dict(model.named_buffers())})
-    layout = WeightsLayout.of(model, tied_copies=True)
+        model = build_model(cfg.model)
+    state = model.state_dict(keep_vars=True)  # buffers not in it (rotary frequencies) are no strategy's to save
+    check_fits(path, {"model": {name: p for name, p in model.named_parameters()} |
+                      {name: b for name, b in model.named_buffers() if name in state}})
+    layout = WeightsLayout.transformers(model) if directory else WeightsLayout.of(model, tied_copies=True)
     reader = safe_reader(path)
-    total = sum(entry.nbytes for entry in layout.entries)
-    with WeightsWriter(out, layout) as writer, tqdm(total=total, unit="B", unit_scale=True, disable=not progress,
-                                                   desc="consolidate") as bar:
-        for entry in layout.entries:
-            tensor = torch.empty(entry.shape, dtype=entry.dtype)
-            dcp.load({"model": {entry.name: tensor}}, storage_reader=reader, no_dist=True)
-            writer.write(tensor)
-            bar.update(entry.nbytes)
+    total = sum(state[name].nbytes for name in layout.names())
+    with WeightsWriter(Path(out) / "model.safetensors" if directory else out, layout) as writer, \
+            tqdm(total=total, unit="B", unit_scale=True, disable=not progress, desc="consolidate") as bar:
+        for name in layout.names():
+            tensor = torch.empty(state[name].shape, dtype=state[name].dtype)
+            dcp.load({"model": {name: tensor}}, storage_reader=reader, no_dist=True)
+            writer.write(name, tensor)
+            bar.update(tensor.nbytes)
+    if directory:
+        write_model_files(Path(out), config_json(model, cfg.model.hf_config), cfg.data.tokenizer)
     return path

@@ -22,7 +22,12 @@ def _add_train_parser(commands: argparse._SubParsersAction) -> None:
         description="Validate the config, then start the workers through torch.distributed.run. "
         "Flags override --set, which overrides the file.",
     )
-    p.add_argument("config", help="TOML config file, e.g. configs/gpt-tiny.toml")
+    p.add_argument("config", nargs="?", help="TOML config file, e.g. configs/gpt-tiny.toml; optional when "
+                   "--hf-config, the flags and --set say everything (the rest keeps its defaults)")
+    p.add_argument("--hf-config", metavar="CONFIG.JSON", help="model.hf_config: train the model a transformers "
+                   "config.json (or the directory holding it) describes, of its sizes; sets model.name too")
+    p.add_argument("--weights", metavar="PATH", help="model.weights: start from these safetensors weights, a file "
+                   "or a directory of them (what from_pretrained reads)")
     p.add_argument("--strategy", choices=NAMES, help="parallel.strategy")
     p.add_argument("--nproc", type=int, help="launch.nproc: worker processes on this node")
     p.add_argument("--steps", type=int, help="train.steps")
@@ -57,7 +62,11 @@ def _add_train_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def _train_config(args: argparse.Namespace) -> Config:
+    if args.config is None and args.hf_config is None and not args.set:
+        raise ConfigError("give a CONFIG file, or say what to train with --hf-config and --set, e.g. shardwise "
+                          "train --hf-config MODEL/config.json --weights MODEL --set data.path=corpus.jsonl")
     flags = {
+        "model.weights": args.weights,
         "parallel.strategy": args.strategy,
         "launch.nproc": args.nproc,
         "train.steps": args.steps,
@@ -80,14 +89,14 @@ def _train_config(args: argparse.Namespace) -> Config:
         "launch.rdzv_endpoint": args.rdzv_endpoint,
         "launch.node_addr": args.node_addr,
     }
-    return load_config(args.config, args.set, flags)
+    return load_config(args.config, [*hf_config_overrides(args.hf_config), *args.set], flags)
 
 
 def train(args: argparse.Namespace) -> int:
     from shardwise.launch import Stopped, WorkerFailed, launch_local, launch_workers
 
     cfg = _train_config(args)
-    _prepare_own_data(cfg)  # before anything is written or any worker starts: bad data fails here
+    _check_before_launch(cfg)  # before anything is written or any worker starts
     config_path = Path(cfg.run.out) / "config.toml"
     cfg.save(config_path)
     entry = ["shardwise.worker", str(config_path)]
@@ -106,6 +115,28 @@ def train(args: argparse.Namespace) -> int:
         print(f"shardwise train: {stopped}; continue with --resume", file=sys.stderr)
         return 143
     return 0
+
+
+def _check_before_launch(cfg: Config) -> None:
+    """What would otherwise fail inside every worker, after a cluster's start-up: pretrained weights
+    that do not fit the model (read from the files' headers against the model built on the meta
+    device), a tokenizer larger than the vocabulary, a corpus too short for one sequence. Each
+    raises ConfigError, one line."""
+    if cfg.model.weights is not None:
+        from shardwise.materialise import init_context
+        from shardwise.models import build_model
+        from shardwise.weights import WeightsError, check_weights
+
+        with init_context():
+            model = build_model(cfg.model)
+        try:
+            check_weights(model, cfg.model.weights)
+        except WeightsError as error:
+            raise ConfigError(str(error)) from None
+    if _prepare_own_data(cfg) is not None:
+        from shardwise.data import make_datasets
+
+        make_datasets(cfg)  # reads no more than the prepared corpus's sizes; a short one is refused
 
 
 def _prepare_own_data(cfg: Config, workers: int | None = None) -> Path | None:
@@ -232,9 +263,9 @@ def _add_plan_parser(commands: argparse._SubParsersAction) -> None:
         "cannot win are pruned before they are costed (--all costs every one). Nothing is allocated or run.")
     p.add_argument("config", nargs="?", help="TOML config file (model and train sections are what matter); "
                    "optional with --hf-config")
-    p.add_argument("--hf-config", metavar="CONFIG.JSON", help="plan the model a transformers config.json describes "
-                   "(model_type llama, mistral, qwen2 or gpt2; read offline): sets model.name, model.hf_config and "
-                   "the file's sizes, before --set")
+    p.add_argument("--hf-config", metavar="CONFIG.JSON", help="plan the model a transformers config.json (or the "
+                   "directory holding it) describes (model_type llama, mistral, qwen2, gpt2, mixtral, qwen3_moe or "
+                   "deepseek_v3; read offline): sets model.name and model.hf_config, whose sizes the model takes")
     world = p.add_mutually_exclusive_group()
     world.add_argument("--nproc", type=int, help="ranks on one node (default: the config's launch.nproc x nnodes)")
     world.add_argument("--nodes", type=int, help="nodes, each with --gpus-per-node ranks")
@@ -334,7 +365,8 @@ def plan(args: argparse.Namespace) -> int:
     return 0 if result.recommended is not None else 1
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """Every `shardwise` command's arguments."""
     parser = argparse.ArgumentParser(prog="shardwise", description="Distributed training for PyTorch.")
     commands = parser.add_subparsers(dest="command", required=True)
     _add_train_parser(commands)
@@ -396,11 +428,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="override a config value, e.g. --set data.path=corpus.jsonl (repeatable)")
     p.add_argument("--workers", type=int, metavar="N", help="processes that tokenize (default: one per core, at "
                    "most 8); the token file is the same for any N")
-    p = commands.add_parser("consolidate", help="write a run's newest checkpoint as one plain safetensors file",
+    p = commands.add_parser("consolidate", help="write a run's newest checkpoint as one plain safetensors file, or "
+                            "an hf-* run's as a transformers model directory",
                             description="Reads the newest good checkpoint of RUN_DIR, whatever strategy and world "
-                            "size saved it, in one process, and writes its full model state dict.")
+                            "size saved it, in one process, a tensor at a time, and writes its model: to "
+                            "OUT.safetensors every key of its state dict; for an hf-* run, to a directory OUT what "
+                            "from_pretrained loads (model.safetensors under transformers' names, config.json, the "
+                            "tokenizer's files).")
     p.add_argument("run_dir", help="a run directory with checkpoints/")
-    p.add_argument("out", help="the .safetensors file to write")
+    p.add_argument("out", help="the .safetensors file to write, or (hf-* runs) the directory")
     p = commands.add_parser("report", help="one HTML page of plots and a table comparing runs",
                             description="Reads each RUN_DIR's metrics.jsonl and writes one self-contained HTML "
                             "page (plots embedded as PNG, no network, no JavaScript): loss and validation loss "
@@ -410,7 +446,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories written by `shardwise train`")
     p.add_argument("--out", help="the HTML file to write (default: report.html beside the first RUN_DIR, "
                    "e.g. runs/report.html for runs/demo)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     handlers = {"train": train, "sample": sample, "bench": bench, "consolidate": consolidate, "plan": plan,
                 "report": report, "prepare-data": prepare_data}
     try:

@@ -56,6 +56,9 @@ HF_SIZE_KEYS: dict[str, dict[str, str]] = {
     "hf-deepseek-v3": {**_LLAMA_SIZE_KEYS, "n_experts": "n_routed_experts", "top_k": "num_experts_per_tok",
                        "d_expert": "moe_intermediate_size"},
 }
+# Other names a config.json may keep a size under: transformers 5 saves Qwen3-MoE's num_experts by its
+# attribute's name, num_local_experts (published Qwen3-MoE configs say num_experts).
+HF_SIZE_ALIASES = {"num_experts": ("num_local_experts",)}
 # Models of token sequences: sized by a GPT preset, trained on text.
 LANGUAGE_MODELS = ("gpt", "gpt-moe", *HF_MODELS)
 # Models whose blocks have Mixture-of-Experts layers: ours (models/moe.py), transformers' (their own).
@@ -88,7 +91,8 @@ def option(default: Any, doc: str, choices: tuple[str, ...] = ()) -> Any:
 
 @dataclass
 class ModelConfig:
-    """The model to train. A GPT's (and an hf-* model's) sizes come from `preset`; any size set here
+    """The model to train. An hf-* model with `hf_config` takes its sizes from that config.json (a
+    size set here must agree with it); otherwise sizes come from `preset`, and any size set here
     overrides the preset's."""
 
     name: str = option("gpt", "`gpt` (decoder-only transformer), `gpt-moe` (the GPT with a Mixture-of-Experts "
@@ -109,10 +113,11 @@ class ModelConfig:
                                    "n_head; the GPT and GPT-2 have one per head (unset: n_head)")
     d_ff: int | None = option(None, "GPT, hf-*: the MLP's hidden width (unset: 4 x d_model)")
     hf_config: str | None = option(None, "hf-*: a transformers config.json (a published model's) whose "
-                                   "architecture the model follows, read offline: its sizes fill those left unset "
-                                   "here, its other settings (tied embeddings, biases, RoPE) apply; its model_type "
-                                   "must be model.name's family (llama and mistral: hf-llama; qwen2; gpt2). "
-                                   "`shardwise plan --hf-config FILE` sets this, model.name and the file's sizes")
+                                   "architecture the model follows, read offline: it gives the model its sizes (a "
+                                   "size set here must agree; seq_len may be shorter than its context) and its other "
+                                   "settings (tied embeddings, biases, RoPE); its model_type must be model.name's "
+                                   "family (llama and mistral: hf-llama; qwen2; gpt2; mixtral; qwen3_moe; "
+                                   "deepseek_v3). `--hf-config FILE` sets this and model.name")
     bias: bool = option(False, "biases in the GPT's linear layers")
     weights: str | None = option(None, "start from these weights instead of initialising: a .safetensors file, or a "
                                  "directory of them (what from_pretrained reads), matched to the model by name "
@@ -494,9 +499,10 @@ def load_config(
     return cfg
 
 
-def read_hf_config(path: str) -> tuple[str, dict[str, int]]:
+def read_hf_config(path: str) -> tuple[str, dict[str, tuple[str, int]]]:
     """The family (model.name) a transformers config.json builds and the sizes it sets, by
-    ModelConfig key; ConfigError if the file is missing, not JSON or of another family."""
+    ModelConfig key, each with the file's name for it; ConfigError if the file is missing, not JSON
+    or of another family."""
     key = f"model.hf_config = {path!r}"
     try:
         values = json.loads(Path(path).read_text())
@@ -509,29 +515,30 @@ def read_hf_config(path: str) -> tuple[str, dict[str, int]]:
         raise ConfigError(f"{key}: model_type {model_type!r} is not a family shardwise builds; allowed: "
                           f"{', '.join(HF_MODEL_TYPES)}")
     name = HF_MODEL_TYPES[model_type]
-    sizes = {ours: values[theirs] for ours, theirs in HF_SIZE_KEYS[name].items() if values.get(theirs) is not None}
+    sizes = {}
+    for ours, theirs in HF_SIZE_KEYS[name].items():
+        found = next((k for k in (theirs, *HF_SIZE_ALIASES.get(theirs, ())) if values.get(k) is not None), None)
+        if found is not None:
+            sizes[ours] = (found, values[found])
     return name, sizes
 
 
 def hf_config_overrides(path: str | None) -> list[str]:
-    """`--set` overrides that make the model the one a transformers config.json describes: its
-    family, the file, and its sizes over any the config file set (`shardwise plan --hf-config`)."""
+    """`--set` overrides that make the model the one a transformers config.json describes (the
+    flag `--hf-config` of `shardwise train` and `plan`): its family and the file, whose sizes the
+    model then takes (`resolve_presets`). `path` may name the file or the model's directory."""
     if path is None:
         return []
-    name, sizes = read_hf_config(path)
-    return [f"model.name={name}", f"model.hf_config={json.dumps(path)}", *(f"model.{k}={v}" for k, v in sizes.items())]
+    if Path(path).is_dir():
+        path = str(Path(path) / "config.json")
+    name, _ = read_hf_config(path)
+    return [f"model.name={name}", f"model.hf_config={json.dumps(path)}"]
 
 
 def resolve_presets(cfg: Config) -> None:
     m = cfg.model
     if m.hf_config is not None:
-        family, sizes = read_hf_config(m.hf_config)
-        if m.name != family:
-            raise ConfigError(f"model.hf_config = {m.hf_config!r}: builds {family}, but model.name = {m.name!r}; "
-                              f"set model.name = {family!r}")
-        for key, value in sizes.items():
-            if getattr(m, key) is None:
-                setattr(m, key, value)
+        _take_hf_sizes(m)
     if m.name in LANGUAGE_MODELS:
         if m.preset not in GPT_PRESET_SIZES:
             raise ConfigError(f"model.preset = {m.preset!r}: unknown; allowed: {', '.join(GPT_PRESETS)}")
@@ -549,6 +556,25 @@ def resolve_presets(cfg: Config) -> None:
         m.top_k = 2 if m.top_k is None else m.top_k
         if m.d_expert is None or m.name == "hf-mixtral":
             m.d_expert = m.d_ff
+
+
+def _take_hf_sizes(m: ModelConfig) -> None:
+    """The one rule of precedence: model.hf_config gives the model its sizes. A size set beside it
+    must agree; model.seq_len, the training window, may be shorter than the file's context."""
+    family, sizes = read_hf_config(m.hf_config)
+    if m.name != family:
+        raise ConfigError(f"model.hf_config = {m.hf_config!r}: builds {family}, but model.name = {m.name!r}; "
+                          f"set model.name = {family!r}")
+    for key, (theirs, value) in sizes.items():
+        mine = getattr(m, key)
+        if mine is None:
+            setattr(m, key, value)
+        elif key == "seq_len" and mine > value:
+            raise ConfigError(f"model.seq_len = {mine}: longer than the context of model.hf_config = "
+                              f"{m.hf_config!r} ({theirs} = {value}); train on windows of at most {value}")
+        elif key != "seq_len" and mine != value:
+            raise ConfigError(f"model.{key} = {mine}: model.hf_config = {m.hf_config!r} says {theirs} = {value}, "
+                              f"and a model's config.json gives its sizes; leave model.{key} unset")
 
 
 def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:

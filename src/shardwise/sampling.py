@@ -94,16 +94,16 @@ def sample_on_ranks(run: Path, prompt: str, tokens: int, seed: int, strategy: st
     from shardwise.dist import init_distributed, shutdown_distributed
     from shardwise.materialise import init_context
     from shardwise.strategies.base import make_strategy
-    from shardwise.weights import load_weights, tied_names
+    from shardwise.weights import ModelNames, load_weights
 
     ctx = init_distributed(threads_per_rank=1)
     cfg = run_config(run, strategy, ctx.world_size)
     with init_context():
         model = build_model(cfg.model)
-    ties = tied_names(model)
+    names = ModelNames.of(model)
     runner = make_strategy(cfg.parallel, ctx, cfg.train.seed)
     wrapped = runner.wrap(model).eval()
-    load_weights(runner, run / WEIGHTS, ties)
+    load_weights(runner, run / WEIGHTS, names)
 
     def forward(idx: torch.Tensor) -> torch.Tensor:
         with runner.precision.autocast(ctx.device):

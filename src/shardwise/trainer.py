@@ -15,9 +15,10 @@ import torch
 from torch import nn
 
 from shardwise.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from shardwise.config import LANGUAGE_MODELS, Config, TrainConfig
+from shardwise.config import HF_MODELS, LANGUAGE_MODELS, Config, TrainConfig
 from shardwise.data import Dataset, DocumentWindows, GlobalBatchSampler, make_datasets
 from shardwise.dist import DistContext, seed_everything
+from shardwise.hf_files import config_json, write_model_files
 from shardwise.materialise import init_context
 from shardwise.memory import (
     ActivationCounter,
@@ -30,8 +31,8 @@ from shardwise.memory import (
 from shardwise.metrics import MetricsWriter, Progress, device_peak_flops, mfu
 from shardwise.models import build_model, flops_per_sample, loss_fn
 from shardwise.strategies.base import OptimizerFactory, Strategy, make_strategy
-from shardwise.weights import load_weights, tied_names
-from shardwise.weights_file import WeightsLayout, save_weights
+from shardwise.weights import ModelNames, load_weights
+from shardwise.weights_file import final_layout, save_weights
 
 
 def optimizer_factory(cfg: TrainConfig) -> OptimizerFactory:
@@ -93,8 +94,10 @@ class Trainer:
             model = build_model(cfg.model)
         self.flops_per_sample = flops_per_sample(model)
         self.seq_len = cfg.model.seq_len if cfg.model.name in LANGUAGE_MODELS else None
-        self.ties = tied_names(model)  # a weights file may name a tied weight by any of its names
-        self.weights_layout = WeightsLayout.of(model)  # what the final weights file holds
+        self.names = ModelNames.of(model)  # what a weights file may call its tensors
+        self.weights_layout = final_layout(model)  # what the final weights file holds
+        # An hf-* model's run directory is a transformers model directory: its config.json, as built.
+        self.model_config = config_json(model, cfg.model.hf_config) if cfg.model.name in HF_MODELS else None
         self.strategy: Strategy = make_strategy(cfg.parallel, ctx, cfg.train.seed)
         # Each phase's peak resident set (setup, load, steps, eval, checkpoint, final_weights): the summary's.
         self.peaks = PhasePeaks(ctx.device)
@@ -207,7 +210,7 @@ class Trainer:
         with self.peaks("load"):
             first = load_checkpoint(self) if self.cfg.run.resume else 0
             if first == 0 and self.cfg.model.weights:
-                load_weights(self.strategy, self.cfg.model.weights, self.ties)
+                load_weights(self.strategy, self.cfg.model.weights, self.names)
         if first >= t.steps:
             raise CheckpointError(f"{self.out}: its checkpoint is at step {first} of train.steps = {t.steps}; "
                                   "nothing left to resume (raise train.steps to train further)")
@@ -296,8 +299,12 @@ class Trainer:
 
     def _save_weights(self) -> None:
         """The plain model's weights as OUT/model.safetensors, readable without shardwise (what
-        safetensors' save_model writes), streamed tensor by tensor from what the ranks hold."""
+        safetensors' save_model writes; for an hf-* model what save_pretrained writes, beside its
+        config.json and the tokenizer's files: a directory from_pretrained loads), streamed tensor
+        by tensor from what the ranks hold."""
         save_weights(self.strategy, self.weights_layout, self.out / "model.safetensors")
+        if self.model_config is not None and self.ctx.is_main:
+            write_model_files(self.out, self.model_config, self.cfg.data.tokenizer)
 
 
 class TerminationFlag:

@@ -13,11 +13,17 @@ the most (`lm.` for shardwise's hf-* models, whose transformers model sits under
 `lm.transformer.` for GPT-2 files that name `h.0...` as the Hub's do). Every parameter must be in
 the file, in its shape; a buffer the file lacks (rotary frequencies, which transformers never
 saves) keeps its initial value; the file's tensors the model lacks are ignored (and counted).
+A transformers MoE model's experts, which the Hub keeps one matrix per expert, are read into the
+model's stacked tensors from those matrices (hub_layout.py), each rank reading its experts' rows.
+
+`check_weights` holds the files' headers to a model built on the meta device: what `shardwise
+train` does before any worker starts.
 """
 
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +31,17 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import HuggingFaceStorageReader
+from torch.distributed.checkpoint._hf_utils import _HFStorageInfo
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
+
+from shardwise.hub_layout import Piece, model_type, pieces
 
 if TYPE_CHECKING:
     from shardwise.strategies.base import Strategy
@@ -79,38 +96,91 @@ def tied_names(model: nn.Module) -> dict[str, list[str]]:
     return {each[0]: each for each in names.values() if len(each) > 1}
 
 
+@dataclass(frozen=True)
+class ModelNames:
+    """What a weights file may call the plain model's tensors: a tied weight by any of its names,
+    and a transformers MoE model's experts as the Hub keeps them (`model_type`: transformers')."""
+
+    ties: dict[str, list[str]] = field(default_factory=dict)
+    model_type: str | None = None
+
+    @classmethod
+    def of(cls, model: nn.Module) -> ModelNames:
+        return cls(tied_names(model), model_type(model))
+
+
+@dataclass
+class Matched:
+    """This rank's tensors by their keys in the files; those the files hold in pieces (the Hub's
+    experts), with each piece's file; and what is wrong: parameters the files lack, tensors whose
+    shapes differ (each named)."""
+
+    found: dict[str, torch.Tensor] = field(default_factory=dict)
+    pieced: dict[str, list[tuple[Piece, Path]]] = field(default_factory=dict)
+    problems: list[str] = field(default_factory=list)
+
+
 def match(state: dict[str, torch.Tensor], parameters: set[str], stored: dict[str, tuple[list[int], Path]],
-          ties: dict[str, list[str]]) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """This rank's tensors by their keys in the file, and what is wrong: parameters the file lacks,
-    tensors whose shapes differ (each named)."""
+          names: ModelNames) -> Matched:
+    """Find each of `state`'s tensors (the model's, by its names) among the files' `stored` tensors."""
     prefix = common_prefix(list(state), set(stored))
-    found, problems = {}, []
+    matched = Matched()
     for name, tensor in state.items():
-        keys = [alias[len(prefix):] for alias in ties.get(name, [name]) if alias.startswith(prefix)]
+        keys = [alias[len(prefix):] for alias in names.ties.get(name, [name]) if alias.startswith(prefix)]
         key = next((key for key in keys if key in stored), None)
         if key is None:
-            if name in parameters:
-                problems.append(f"{name}: not in the file (looked for {', '.join(keys) or name})")
+            held = pieces(keys[0], tuple(tensor.shape), names.model_type) if keys else []
+            if held and all(piece.key in stored for piece in held):
+                _match_pieces(matched, name, keys[0], tensor, held, stored)
+            elif name in parameters:
+                looked = ", ".join([*keys, *(p.key for p in held[:2])]) or name
+                matched.problems.append(f"{name}: not in the file (looked for {looked})")
             continue
         shape, file = stored[key]
         if list(tensor.shape) != shape:
-            problems.append(f"{name}: {list(tensor.shape)} in the model, {shape} in {file.name} (as {key})")
+            matched.problems.append(f"{name}: {list(tensor.shape)} in the model, {shape} in {file.name} (as {key})")
             continue
-        found[key] = tensor
-    return found, problems
+        matched.found[key] = tensor
+    return matched
 
 
-def load_weights(strategy: Strategy, path: str | Path, ties: dict[str, list[str]]) -> None:
+def _match_pieces(matched: Matched, name: str, key: str, tensor: torch.Tensor, held: list[Piece],
+                  stored: dict[str, tuple[list[int], Path]]) -> None:
+    wrong = [piece for piece in held if stored[piece.key][0] != list(piece.shape)]
+    if wrong:
+        shape, file = stored[wrong[0].key]
+        matched.problems.append(f"{name}: {list(wrong[0].shape)} for {wrong[0].key} in the model's "
+                                f"{list(tensor.shape)}, {shape} in {file.name}")
+        return
+    matched.found[key] = tensor
+    matched.pieced[key] = [(piece, stored[piece.key][1]) for piece in held]
+
+
+def check_weights(model: nn.Module, path: str | Path) -> None:
+    """Before anything runs: every parameter of `model` (built on the meta device will do) is in
+    the safetensors files at `path`, in its shape, read from their headers alone. Raises
+    WeightsError naming the first problems."""
+    stored = stored_shapes(weight_files(Path(path)))
+    parameters = {name for name, _ in model.named_parameters()}
+    problems = match(model.state_dict(), parameters, stored, ModelNames.of(model)).problems
+    if problems:
+        raise WeightsError(f"model.weights = {str(path)!r} does not fit the model ({len(problems)} problem(s)): "
+                           + "; ".join(problems[:3]))
+
+
+def load_weights(strategy: Strategy, path: str | Path, names: ModelNames) -> None:
     """Fill the model `strategy` holds from the safetensors weights at `path`, in place, each rank
-    reading only its part; `ties`: the plain model's `tied_names`. Raises WeightsError on every
-    rank, naming the tensors, if any rank's tensors are missing from the files or of another shape."""
+    reading only its part; `names`: the plain model's (`ModelNames.of`). Raises WeightsError on
+    every rank, naming the tensors, if any rank's tensors are missing from the files or of another
+    shape."""
     files = weight_files(Path(path))
     stored = stored_shapes(files)
     state = strategy.state_dict()["model"]
     parameters = {name for name, _ in strategy.named_local_parameters()}
-    found, problems = match(state, parameters, stored, ties)
+    matched = match(state, parameters, stored, names)
     # Ranks hold different tensors (a pipeline's stages): they agree on the problems and the use.
-    ranks = strategy.ctx.all_gather_object((problems, sorted(found)))
+    used = sorted({*matched.found, *(piece.key for held in matched.pieced.values() for piece, _ in held)})
+    ranks = strategy.ctx.all_gather_object((matched.problems, used))
     everyone = sorted({problem for rank_problems, _ in ranks for problem in rank_problems})
     if everyone:
         raise WeightsError(f"weights {path} do not fit this model ({len(everyone)} problem(s)): "
@@ -119,7 +189,8 @@ def load_weights(strategy: Strategy, path: str | Path, ties: dict[str, list[str]
     if unused and strategy.ctx.is_main:
         print(f"weights {path}: {len(unused)} of its tensors are not in this model, ignored (e.g. {min(unused)})",
               file=sys.stderr)
-    dcp.load(found, storage_reader=SafetensorsReader(files))
+    shapes = {key: matched.found[key].shape for key in matched.pieced}
+    dcp.load(matched.found, storage_reader=SafetensorsReader(files, matched.pieced, shapes))
     strategy.after_state_loaded()
 
 
@@ -139,8 +210,38 @@ class _Listing:
 
 class SafetensorsReader(HuggingFaceStorageReader):
     """DCP's reader of Hugging Face safetensors (memory-mapped, slices read as asked), over the
-    given files alone, which may sit beside other safetensors files."""
+    given files alone, which may sit beside other safetensors files. `pieced`: tensors the files
+    hold in pieces (hub_layout.py), by key, each of the model's `shapes`; DCP sees each piece as a
+    chunk of the whole, so a rank reads only the pieces, and the rows of each, that it holds."""
 
-    def __init__(self, files: list[Path]) -> None:
+    def __init__(self, files: list[Path], pieced: dict[str, list[tuple[Piece, Path]]] | None = None,
+                 shapes: dict[str, torch.Size] | None = None) -> None:
         super().__init__(str(files[0].parent))
         self.fs = _Listing(self.fs, files)
+        self.pieced = pieced or {}
+        self.shapes = shapes or {}
+        self.pieces: dict[MetadataIndex, Piece] = {}
+
+    def read_metadata(self) -> Metadata:
+        metadata = super().read_metadata()
+        for key, held in self.pieced.items():
+            dtype = metadata.state_dict_metadata[held[0][0].key].properties.dtype
+            chunks = [ChunkStorageMetadata(torch.Size(piece.offsets), torch.Size(piece.sizes)) for piece, _ in held]
+            metadata.state_dict_metadata[key] = TensorStorageMetadata(TensorProperties(dtype=dtype),
+                                                                      self.shapes[key], chunks)
+            for piece, file in held:
+                index = MetadataIndex(key, piece.offsets)
+                metadata.storage_data[index] = _HFStorageInfo(str(file), torch.Size(piece.sizes), dtype)
+                self.pieces[index] = piece
+        return metadata
+
+    def _process_read_request(self, f: Any, req: ReadItem, planner: LoadPlanner) -> None:
+        piece = self.pieces.get(MetadataIndex(req.storage_index.fqn, req.storage_index.offset))
+        if piece is None:
+            super()._process_read_request(f, req, planner)
+            return
+        slices = tuple(slice(o, o + n) for o, n in zip(req.storage_offsets, req.lengths, strict=True))
+        part = f.get_slice(piece.key)[slices[1:] if piece.expert else slices]
+        target = planner.resolve_tensor(req).detach()
+        target.copy_(part.reshape(target.shape))
+        planner.commit_tensor(req, target)

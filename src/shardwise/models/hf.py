@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from shardwise.config import HF_MODELS, HF_SIZE_KEYS, ModelConfig
+from shardwise.config import HF_MODELS, HF_SIZE_ALIASES, HF_SIZE_KEYS, ModelConfig
 
 
 def decoder_layer_class(model: nn.Module) -> str | None:
@@ -68,6 +68,10 @@ def build_causal_lm(cfg: ModelConfig) -> CausalLM:
     # The dtype the file was saved in is not the one training stores: the precision decides that.
     values = {k: v for k, v in values.items() if k not in ("torch_dtype", "dtype", "model_type")}
     sizes = {theirs: getattr(cfg, ours) for ours, theirs in HF_SIZE_KEYS[cfg.name].items()}
+    context = HF_SIZE_KEYS[cfg.name]["seq_len"]
+    if values.get(context) is not None:  # the model's context is the file's; model.seq_len, the window, at most it
+        del sizes[context]
+    values = {k: v for k, v in values.items() if not any(k in HF_SIZE_ALIASES.get(size, ()) for size in sizes)}
     no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0) if cfg.name == "hf-gpt2" else \
         dict(attention_dropout=0.0)
     config = families[cfg.name](**{**values, **sizes, **no_dropout, "bos_token_id": None, "eos_token_id": None})
