@@ -11,11 +11,11 @@ import torch.distributed as dist
 from conftest import CONFIGS, SGD, assert_same_training, losses, read_records, train_in_process
 from distributed import run_ranks
 
-from shardwise import collectives
-from shardwise.collectives import ring_all_reduce, ring_bytes_sent
 from shardwise.config import load_config
 from shardwise.dist import DistContext
 from shardwise.models import build_model
+from shardwise.parallel import comm as collectives
+from shardwise.parallel.comm import ring_all_reduce, ring_bytes_sent
 from shardwise.trainer import Trainer
 
 # 0 and 1 element, primes, sizes divisible by none of 2, 3, 4 and by all of them

@@ -21,7 +21,12 @@ import torch.nn.functional as F
 from distributed import run_ranks
 from torch import nn
 
-from shardwise.attention import (
+from shardwise.config import ModelConfig
+from shardwise.dist import DistContext
+from shardwise.models import GPT, GPTConfig
+from shardwise.models.hf import build_causal_lm
+from shardwise.models.plans import find_positions
+from shardwise.parallel.context import (
     Ring,
     RingStats,
     SequenceLayout,
@@ -30,14 +35,9 @@ from shardwise.attention import (
     causal_attention,
     ring_attention,
 )
-from shardwise.attention.blocks import BlockMask
-from shardwise.attention.context import ContextParallel
-from shardwise.attention.ring import RehearsalRing
-from shardwise.config import ModelConfig
-from shardwise.dist import DistContext
-from shardwise.models import GPT, GPTConfig
-from shardwise.models.hf import build_causal_lm
-from shardwise.models.plans import find_positions
+from shardwise.parallel.context.blocks import BlockMask
+from shardwise.parallel.context.ring import RehearsalRing
+from shardwise.parallel.context.split import ContextParallel
 
 BATCH, HEADS, SEQ_LEN, HEAD_DIM = 3, 4, 32, 8
 TOLERANCE = 1e-5

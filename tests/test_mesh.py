@@ -9,7 +9,7 @@ from distributed import run_ranks
 
 from shardwise.config import MESH_DIMS, MeshShape, ParallelConfig
 from shardwise.dist import DistContext
-from shardwise.mesh import FLATTENED, Mesh
+from shardwise.parallel.dims import FLATTENED, Mesh
 
 
 @pytest.mark.parametrize(("settings", "world", "node", "shape"), [

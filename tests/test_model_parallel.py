@@ -15,8 +15,8 @@ from shardwise.bench.pipeline import one_micro_batch_bytes
 from shardwise.config import load_config
 from shardwise.dist import DistContext
 from shardwise.models import build_model
-from shardwise.strategies.pipeline import balanced_split
-from shardwise.strategies.tensor import TensorShard
+from shardwise.parallel.pipeline.stages import balanced_split
+from shardwise.parallel.tensor import TensorShard
 from shardwise.trainer import Trainer
 
 STEPS = 10

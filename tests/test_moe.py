@@ -169,8 +169,8 @@ def test_bad_expert_settings_are_refused_before_any_worker_starts(overrides, mes
 def ep_layer_with_idle_experts(ctx: DistContext) -> dict[str, torch.Tensor]:
     """A layer of 4 experts split over 2 ranks, routed so that rank 1's experts (2, 3) get no token
     from anyone: outputs and gradients on every rank, to compare with the whole layer's."""
-    from shardwise.expert_parallel import ExpertParallel
-    from shardwise.mesh import Mesh
+    from shardwise.parallel.dims import Mesh
+    from shardwise.parallel.experts import ExpertParallel
 
     moe = layer(MoEConfig(4, 2, 8, "softmax", "none"))
     with torch.no_grad():

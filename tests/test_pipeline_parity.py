@@ -20,7 +20,7 @@ from test_model_parallel import cfg_for as model_parallel_cfg
 
 from shardwise.bench.pipeline import one_micro_batch_bytes
 from shardwise.dist import DistContext
-from shardwise.pipeline_schedules import peak_in_flight
+from shardwise.parallel.pipeline.schedules import peak_in_flight
 from shardwise.trainer import Trainer
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # set before transformers is first imported, here and in every rank

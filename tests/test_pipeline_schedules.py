@@ -1,4 +1,4 @@
-"""Pipeline schedules as data (pipeline_schedules.py): every schedule's lists are deadlock-free over
+"""Pipeline schedules as data (parallel/pipeline/schedules.py): every schedule's lists are deadlock-free over
 2 to 8 ranks and P to 4P micro-batches, the simulator gives each its known bubble and memory, and
 the validator refuses lists that cannot run, saying why."""
 
@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from shardwise.pipeline_schedules import (
+from shardwise.parallel.pipeline.schedules import (
     SCHEDULES,
     Action,
     Costs,

@@ -621,7 +621,7 @@ def test_moe_parameters_total_active_and_per_ep_rank_are_what_the_model_holds():
 def counted_with_exchange(ctx: DistContext, cases: list[tuple[Candidate, Config]]) -> list[tuple[dict, int]]:
     """`counted_memory`, and the bytes this rank sent to the other in expert parallel's row
     all-to-alls over the step."""
-    import shardwise.expert_parallel as expert_parallel
+    import shardwise.parallel.experts as expert_parallel
 
     exchange = expert_parallel._exchange
     sent = [0]

@@ -1,4 +1,4 @@
-"""A backward split in two (split_backward.py): B gives the input gradients and touches no weight,
+"""A backward split in two (parallel/pipeline/split_backward.py): B gives the input gradients and touches no weight,
 W later gives exactly the weight gradients one full backward gives, running nothing of B again,
 also under autocast and with blocks recomputed once (recompute.RecomputedOnce)."""
 
@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 from shardwise.memory import ActivationCounter
 from shardwise.models.gpt import GPT, GPTConfig
+from shardwise.parallel.pipeline.split_backward import backward_input
 from shardwise.recompute import apply_recompute
-from shardwise.split_backward import backward_input
 
 VOCAB, SEQ, WIDTH = 256, 32, 64
 

@@ -19,8 +19,8 @@ from typing import Any
 
 import tomli_w
 
-from shardwise.pipeline_schedules import SCHEDULES as PIPELINE_SCHEDULES
-from shardwise.pipeline_schedules import ScheduleError, virtual_stages
+from shardwise.parallel.pipeline.schedules import SCHEDULES as PIPELINE_SCHEDULES
+from shardwise.parallel.pipeline.schedules import ScheduleError, virtual_stages
 from shardwise.recompute import parse_policy
 from shardwise.strategies.registry import NAMES as STRATEGIES
 from shardwise.strategies.registry import SPECS, spec
@@ -65,7 +65,7 @@ LANGUAGE_MODELS = ("gpt", "gpt-moe", *HF_MODELS)
 MOE_MODELS = ("gpt-moe", "hf-mixtral", "hf-qwen3-moe", "hf-deepseek-v3")
 ROUTER_SCORES = ("softmax", "sigmoid")
 BALANCES = ("aux-loss", "bias", "none")
-# The strategies that split experts over parallel.ep ranks (expert_parallel.py).
+# The strategies that split experts over parallel.ep ranks (parallel/experts.py).
 EP_STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
 MODELS = (*LANGUAGE_MODELS, "cnn", "mlp")
 GPT_PRESETS = ("tiny", "small", "gpt2-124m")
@@ -215,9 +215,9 @@ class ParallelConfig:
                             "(docs/recompute.md)", ("none", "blocks", "every:K", "selective"))
     bucket_mb: float = option(25.0, "`ddp`, `ddp-native`: gradient bucket size in MiB")
     all_reduce: str = option("backend", "`ddp`: average buckets with the backend's all-reduce or our `ring` "
-                             "(collectives.py)", ALL_REDUCES)
+                             "(parallel/comm.py)", ALL_REDUCES)
     grad_compression: str = option("none", "`ddp`: send buckets as they are, cast to `fp16` or `bf16`, or "
-                                   "`powersgd`-compressed (compression.py; PowerSGD needs fp32 or bf16-mixed)",
+                                   "`powersgd`-compressed (parallel/compression.py; PowerSGD needs fp32 or bf16-mixed)",
                                    GRAD_COMPRESSIONS)
     powersgd_rank: int = option(4, "`powersgd`: rank r of the factors")
     powersgd_start_step: int = option(10, "`powersgd`: plain averaged steps before compressing")
@@ -277,7 +277,7 @@ class ParallelConfig:
                                    "many updates old")
 
     def mesh(self, world_size: int, node_size: int | None = None) -> MeshShape:
-        """The run's device mesh (mesh.py): `mesh_shape`'s dp split into the replicas that average
+        """The run's device mesh (parallel/dims.py): `mesh_shape`'s dp split into the replicas that average
         their gradients and the ranks the sharded strategies split a replica's state over: all of
         dp under zero1, zero2, fsdp and fsdp-native; hsdp's dp ranks within a node of `node_size`
         ranks (default: the whole world); none under the strategies that replicate."""
@@ -304,19 +304,19 @@ class ParallelConfig:
         return dp, pp, tp
 
 
-MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "pp", "tp")  # outermost first (mesh.py)
+MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "pp", "tp")  # outermost first (parallel/dims.py)
 
 
 @dataclass(frozen=True)
 class MeshShape:
-    """The sizes of a run's device mesh, by dimension (mesh.py says what each holds)."""
+    """The sizes of a run's device mesh, by dimension (parallel/dims.py says what each holds)."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
     cp: int = 1
     pp: int = 1
     tp: int = 1
-    # Expert parallel: not a dimension of its own but a split of dp (mesh.py); the mesh's sizes leave it out.
+    # Expert parallel: not a dimension of its own but a split of dp (parallel/dims.py); the mesh's sizes leave it out.
     ep: int = 1
 
     @property

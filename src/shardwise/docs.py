@@ -24,11 +24,11 @@ import tomli_w
 
 from shardwise.cli import _add_train_parser
 from shardwise.config import SECTIONS
-from shardwise.pipeline_schedules import SCHEDULES, Costs, build, draw, simulate
+from shardwise.parallel.pipeline.schedules import SCHEDULES, Costs, build, draw, simulate
 
 OUT = Path("docs/config.md")
 SCHEDULE_PAGE = Path("docs/strategies/pipeline.md")
-PICTURES = ("<!-- Schedule pictures: written by `python -m shardwise.docs` from pipeline_schedules.py -->\n",
+PICTURES = ("<!-- Schedule pictures: written by `python -m shardwise.docs` from parallel/pipeline/schedules.py -->\n",
             "<!-- End of the schedule pictures -->\n")
 PICTURED = (4, 8)  # ranks, micro-batches
 IMAGE = Path("docs/images/pipeline-schedules.png")

@@ -13,7 +13,7 @@ A policy is applied to a built model from outside, by replacing the `forward` of
 (those of the sharded strategies) still run once, around the whole checkpointed forward, and
 non-reentrant checkpointing composes with them and with autocast.
 
-A backward split in two (split_backward.py: B now, W later) unpacks some saved tensors twice, in
+A backward split in two (parallel/pipeline/split_backward.py: B now, W later) unpacks some saved tensors twice, in
 two backward calls, where torch's checkpoint recomputes the forward for each call or refuses the
 second unpack. `once=True` checkpoints with `RecomputedOnce` instead: the first unpack recomputes
 the block, and what it recomputed stays until autograd lets go of the block's graph (after W).

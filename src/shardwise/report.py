@@ -30,7 +30,7 @@ PLOTS = {
     "pipeline-timeline": "pipeline stages busy and idle during the last step",
 }
 MEMORY_CATEGORIES = ("params", "grads", "optimizer", "activations")
-# A pipeline's computes, by their schedule's kinds (pipeline_schedules.py): name and colour.
+# A pipeline's computes, by their schedule's kinds (parallel/pipeline/schedules.py): name and colour.
 TIMELINE_KINDS = {"F": ("forward", "#4c72b0"), "BW": ("backward", "#dd8452"), "B": ("input gradients", "#c44e52"),
                   "W": ("weight gradients", "#8172b3")}
 IDLE_COLOR = "#e5e5e5"

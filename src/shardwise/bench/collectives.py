@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 
 from shardwise.bench.common import alternate, bench_config, bench_main
-from shardwise.collectives import bus_bandwidth, ring_all_reduce
 from shardwise.config import load_config
 from shardwise.dist import DistContext
+from shardwise.parallel.comm import bus_bandwidth, ring_all_reduce
 from shardwise.trainer import Trainer
 
 SIZES = [4**k * 2**10 for k in range(10)]  # 1 KiB .. 256 MiB

@@ -29,13 +29,13 @@ from typing import Any
 
 import torch
 
-from shardwise.attention import SequenceLayout, ring_attention
-from shardwise.attention.ring import RehearsalRing
 from shardwise.bench.common import bench_main
 from shardwise.bench.hardware import measure_profile
 from shardwise.config import Config, load_config
 from shardwise.dist import DistContext
 from shardwise.measure import measure_candidates
+from shardwise.parallel.context import SequenceLayout, ring_attention
+from shardwise.parallel.context.ring import RehearsalRing
 from shardwise.planner.candidates import Candidate
 from shardwise.planner.devices import DeviceProfile
 from shardwise.planner.memory import predict_memory

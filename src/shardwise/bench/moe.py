@@ -172,9 +172,9 @@ def our_layer(ctx: Any) -> torch.nn.Module:
     """Ours: the gpt-moe's layer, initialised as the model initialises it, its experts split over
     ep by ExpertParallel (every rank builds the same layer, then keeps its share)."""
     from shardwise.config import MeshShape
-    from shardwise.expert_parallel import ExpertParallel
-    from shardwise.mesh import Mesh
     from shardwise.models.moe import MoE, MoEConfig
+    from shardwise.parallel.dims import Mesh
+    from shardwise.parallel.experts import ExpertParallel
 
     torch.manual_seed(0)
     layer = MoE(D_MODEL, MoEConfig(N_EXPERTS, TOP_K, D_EXPERT, aux_loss_coef=AUX_LOSS_COEF))
@@ -244,7 +244,7 @@ def all_to_all_alone(rows: int, repeats: int = 50) -> dict[str, float]:
 
 def layer_worker(steps: int, rounds: int, part: Path) -> None:
     from shardwise.dist import init_distributed, leave_process, shutdown_distributed
-    from shardwise.expert_parallel import take_exchange_seconds
+    from shardwise.parallel.experts import take_exchange_seconds
 
     ctx = init_distributed("gloo", timeout_s=600, threads_per_rank=1)
     x = torch.randn(MICRO_BATCH, SEQ_LEN, D_MODEL, generator=torch.Generator().manual_seed(ctx.rank),

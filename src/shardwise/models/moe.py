@@ -1,6 +1,6 @@
 """A Mixture-of-Experts feed-forward layer: a router sends each token to `top_k` of `n_experts`
 GELU MLPs and adds their outputs, weighted by its scores. No parallelism code lives here: where the
-experts are computed is the layer's `dispatch` (all of them here; expert_parallel.py sends tokens
+experts are computed is the layer's `dispatch` (all of them here; parallel/experts.py sends tokens
 to the ranks that hold theirs).
 
 How a forward goes, for N tokens of width d:

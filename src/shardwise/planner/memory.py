@@ -49,7 +49,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from shardwise.config import Config
-from shardwise.pipeline_schedules import Schedule, build, layout_of, peak_held
+from shardwise.parallel.pipeline.schedules import Schedule, build, layout_of, peak_held
 from shardwise.planner.candidates import Candidate
 from shardwise.planner.model import (
     ModelFacts,
@@ -384,7 +384,7 @@ def _forward_temporaries(candidate: Candidate, shape: ModelShape) -> int:
 
 @functools.cache
 def pipeline_schedule(schedule: str | None, pp: int, micro_batches: int) -> Schedule:
-    """The lists a pipeline candidate runs (pipeline_schedules.py): its schedule with its own
+    """The lists a pipeline candidate runs (parallel/pipeline/schedules.py): its schedule with its own
     stages per rank; `model-parallel`'s (no schedule) GPipe's of one micro-batch."""
     return build(schedule or "gpipe", pp, micro_batches)
 

@@ -21,7 +21,7 @@ The counter's peak is the end of the forward: backward only releases what the fo
 `tests/test_planner.py` holds the composition to a full-depth trace and to real runs.
 
 A tensor-parallel rank's block is the block split by the strategy's own code
-(strategies/tensor.py, as the family's parallel plan in models/plans.py lays it out), on one rank
+(parallel/tensor.py, as the family's parallel plan in models/plans.py lays it out), on one rank
 whose collectives answer with the shapes they would (`ShapesOnly`): so what a rank saves is
 traced, sequence parallel's split residual stream and re-gathered column inputs included.
 
@@ -52,9 +52,9 @@ from shardwise.models import build_model, loss_fn, moe
 from shardwise.models.hf import decoder_layer_class
 from shardwise.models.moe import moe_layers, their_experts
 from shardwise.models.plans import locate
+from shardwise.parallel.pipeline.stages import balanced_split
+from shardwise.parallel.tensor import ShapesOnly, parallelize_blocks
 from shardwise.recompute import apply_recompute, parse_policy
-from shardwise.strategies.pipeline import balanced_split
-from shardwise.strategies.tensor import ShapesOnly, parallelize_blocks
 
 
 class PlanError(ValueError):
@@ -303,7 +303,7 @@ def model_facts(shape: ModelShape) -> ModelFacts:
 
 def parallelize_for_planning(model: nn.Module, tp: int, sequence_parallel: bool = False) -> None:
     """Every block of `model` as rank 0 of `tp` tensor-parallel ranks holds and runs it: split by the
-    strategy's own code (strategies/tensor.py) as the model family's parallel plan lays it out, its
+    own code of tensor parallel (parallel/tensor.py) as the model family's parallel plan lays it out, its
     collectives answering with the shapes they would (`ShapesOnly`)."""
     located = locate(model)
     parallelize_blocks(located.blocks, located.plan, ShapesOnly(tp), sequence_parallel)

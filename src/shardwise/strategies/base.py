@@ -11,17 +11,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.attention.context import ContextParallel
 from shardwise.config import DEFAULT_BLOCK, Config, ParallelConfig
 from shardwise.dist import DistContext, init_distributed
-from shardwise.expert_parallel import ExpertParallel, take_exchange_seconds
 from shardwise.gradients import clip_grad_norm_
 from shardwise.materialise import Materialiser, check_one_device_kind
 from shardwise.memory import MemoryBreakdown, count_memory, local_tensor
-from shardwise.mesh import Mesh, node_size
 from shardwise.models import moe
 from shardwise.models.hf import decoder_layer_class
 from shardwise.models.plans import find_positions
+from shardwise.parallel.context.split import ContextParallel
+from shardwise.parallel.dims import Mesh, node_size
+from shardwise.parallel.experts import ExpertParallel, take_exchange_seconds
 from shardwise.precision import LossScaler, make_precision
 from shardwise.recompute import apply_recompute
 from shardwise.strategies.registry import spec
@@ -51,7 +51,7 @@ class Strategy:
         self.materialiser: Materialiser | None = None  # a meta-built model's groups and initial values
         self.setup_peak_bytes: int | None = None  # counted bytes at wrap's peak, where the strategy counts them
         self.context: ContextParallel | None = None  # the sequence split over parallel.cp ranks, made by `prepare`
-        # The run's device mesh and its process groups (mesh.py); none in one process without a group.
+        # The run's device mesh and its process groups (parallel/dims.py); none in one process without a group.
         self.mesh: Mesh | None = None
         self.experts: ExpertParallel | None = None  # which experts this rank holds, under parallel.ep > 1
         # The last step's routing by MoE layer (pairs per expert, max / mean): what metrics.jsonl records.

@@ -10,8 +10,8 @@ How a step goes:
 2. During backward, a post-accumulate hook on each parameter counts it ready; when every
    parameter of a bucket is ready, that bucket's all-reduce is launched asynchronously. Buckets
    are launched strictly in order, so every rank issues the same collectives in the same order.
-   How a bucket is averaged is the reducer's business (compression.py): by default the
-   backend's all-reduce; with `parallel.all_reduce = "ring"` our ring (collectives.py); with
+   How a bucket is averaged is the reducer's business (parallel/compression.py): by default the
+   backend's all-reduce; with `parallel.all_reduce = "ring"` our ring (parallel/comm.py); with
    `parallel.grad_compression` cast to 16 bits or PowerSGD-compressed.
 3. When the autograd engine finishes, a final callback waits for all buckets. After
    `backward()` returns, every rank holds the same averaged gradients.
@@ -21,7 +21,7 @@ next synchronised backward all-reduces the accumulated sum.
 
 Under expert parallel (`parallel.ep`) each rank holds other experts: they are left out of the
 buckets and of rank 0's broadcast, and averaged after backward over the ranks that hold the same
-experts (expert_parallel.py).
+experts (parallel/experts.py).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from shardwise.compression import Waitable, make_reducer
 from shardwise.dist import broadcast_from_rank0
+from shardwise.parallel.compression import Waitable, make_reducer
 from shardwise.strategies.base import HookedStrategy
 from shardwise.strategies.sync_batchnorm import convert_sync_batchnorm
 
@@ -72,7 +72,7 @@ class DDP(HookedStrategy):
                               *self.module.buffers()])
         if experts is not None:
             experts.broadcast()
-        # Experts split over ep are averaged on their own, after backward (expert_parallel.py).
+        # Experts split over ep are averaged on their own, after backward (parallel/experts.py).
         trainable = [p for p in self.module.parameters() if p.requires_grad and not (experts and experts.is_expert(p))]
         self._names = {id(p): n for n, p in self.module.named_parameters()}
         # Backward produces gradients roughly in reverse registration order.

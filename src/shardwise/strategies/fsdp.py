@@ -34,7 +34,7 @@ Units are the modules whose class is `parallel.block` (the GPT's `Block`), plus 
 every parameter not in a unit (embeddings, final norm). The root is gathered for the whole of
 forward and backward. Under expert parallel (`parallel.ep`) a block's experts, which differ from
 one ep rank to the next, are a unit of their own, sharded over the ranks that hold the same
-experts instead (`ShardGroup`; expert_parallel.py).
+experts instead (`ShardGroup`; parallel/experts.py).
 
 Freeing releases storage (`untyped_storage().resize_(0)`), not just a reference: autograd keeps
 views of parameters (`weight.t()`) for backward, which would otherwise keep the memory alive.
@@ -55,7 +55,6 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from shardwise.collectives import gather_in_place
 from shardwise.config import Config, ConfigError, ParallelConfig
 from shardwise.dist import DistContext, broadcast_from_rank0
 from shardwise.gradients import all_reduce_packed, clip_grad_norm_
@@ -69,11 +68,12 @@ from shardwise.memory import (
     storage_bytes,
 )
 from shardwise.models.plans import locate
+from shardwise.parallel.comm import gather_in_place
+from shardwise.parallel.tensor import BlockSplitter, TensorParallelGroup, TensorShard
 from shardwise.strategies.base import HookedStrategy, OptimizerFactory
-from shardwise.strategies.mesh import TensorShard, check_model_split
+from shardwise.strategies.mesh import check_model_split
 from shardwise.strategies.registry import spec
 from shardwise.strategies.sync_batchnorm import convert_sync_batchnorm
-from shardwise.strategies.tensor import BlockSplitter, TensorParallelGroup
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import Placement

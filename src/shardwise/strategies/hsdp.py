@@ -1,6 +1,6 @@
 """Hybrid sharded data parallel, ours (`hsdp`): shard within a node, replicate across nodes.
 
-The world is the mesh's dp_replicate x dp_shard = nodes x processes per node (mesh.py; torchrun
+The world is the mesh's dp_replicate x dp_shard = nodes x processes per node (parallel/dims.py; torchrun
 numbers a node's processes contiguously, so a mesh row is one node). Within a row this is our `fsdp`
 (fsdp.py) over the row's group: parameters, gradients and optimizer state are split in N = the
 node's processes, and every all-gather and reduce-scatter stays on the node's fast links. Each
@@ -19,7 +19,7 @@ from __future__ import annotations
 from shardwise.config import ParallelConfig
 from shardwise.dist import DistContext
 from shardwise.gradients import all_reduce_packed
-from shardwise.mesh import node_size
+from shardwise.parallel.dims import node_size
 from shardwise.strategies.fsdp import ShardedDataParallel
 
 

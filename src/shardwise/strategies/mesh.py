@@ -26,115 +26,26 @@ the mesh.
 
 from __future__ import annotations
 
-import functools
-import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
-from shardwise.collectives import gather_in_place
 from shardwise.config import DEFAULT_BLOCK, Config, ConfigError, ParallelConfig
 from shardwise.dist import DistContext
 from shardwise.gradients import all_reduce_packed, clip_grad_norm_
 from shardwise.materialise import named_tensors
-from shardwise.memory import exact_storage, return_free_memory
+from shardwise.memory import return_free_memory
 from shardwise.models.plans import NEEDS, Located, PlanError, locate, plan_for_name, plans
+from shardwise.parallel.comm import gather_in_place
+from shardwise.parallel.tensor import TensorShard
 from shardwise.strategies.base import DeferrableSync
 
 if TYPE_CHECKING:
-    from torch.distributed.tensor import DTensor
-
-
-@dataclass(frozen=True)
-class TensorShard:
-    """How a tensor is split over the tp ranks: along `dim`, each of its `parts` (qkv's q, k and v)
-    split on its own, so a rank's shard holds the same heads of each part."""
-
-    dim: int
-    parts: int = 1
-
-    def take(self, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-        """Rank `rank`'s shard of `full`, a copy."""
-        return torch.cat([part.chunk(size, self.dim)[rank] for part in full.chunk(self.parts, self.dim)], self.dim)
-
-    def join(self, shards: list[torch.Tensor]) -> torch.Tensor:
-        """The full tensor from every rank's shard, in rank order (one copy: each part's pieces in
-        rank order, part after part)."""
-        per_rank = [shard.chunk(self.parts, self.dim) for shard in shards]
-        return torch.cat([parts[j] for j in range(self.parts) for parts in per_rank], self.dim)
-
-    def pieces(self, rows: torch.Tensor, start: int, full: torch.Size, rank: int, size: int,
-               ) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
-        """`rows`, rows [start, start + len(rows)) of rank `rank`'s shard of a tensor shaped `full`
-        (what a sharded strategy keeps of it: fsdp over tensor parallel), as the pieces of the full
-        tensor they are, each with its offset there. Split along dim 0, the rows may straddle two
-        parts (qkv's q and k); along another dim they are the full tensor's rows, each part's
-        columns a piece."""
-        pieces = []
-        stop = start + rows.shape[0]
-        part_size = full[self.dim] // self.parts  # of the full tensor
-        per_rank = part_size // size  # of a part, on one rank
-        for j in range(self.parts):
-            global_start = j * part_size + rank * per_rank
-            if self.dim == 0:
-                lo, hi = max(start, j * per_rank), min(stop, (j + 1) * per_rank)
-                if lo < hi:
-                    pieces.append((rows[lo - start : hi - start], (global_start + lo - j * per_rank,)
-                                   + (0,) * (len(full) - 1)))
-            elif stop > start:
-                offset = [0] * len(full)
-                offset[0], offset[self.dim] = start, global_start
-                pieces.append((rows.narrow(self.dim, j * per_rank, per_rank), tuple(offset)))
-        return pieces
-
-    def as_dtensor(self, shard: torch.Tensor, full: torch.Tensor, mesh: DeviceMesh) -> DTensor:
-        """This rank's `shard` as a DTensor, `Shard(dim)` over `mesh`, of a tensor shaped like
-        `full` (a meta tensor), sharing `shard`'s storage: what a checkpoint saves and loads in place.
-
-        A shard of several parts is as many pieces of the full tensor (qkv: rank r's rows of q, of k
-        and of v), not the one chunk `Shard(dim)` alone would place. Its local tensor is then a
-        LocalShardsWrapper, which tells DCP where each piece lies (torchrec's way of holding several
-        shards on one rank)."""
-        # Imported on first use: torch.distributed.tensor takes 0.6 s to import, which the planner,
-        # reading these strategies' layouts, need not pay.
-        from torch.distributed.tensor import DTensor, Shard
-        from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
-
-        local = shard
-        if self.parts > 1:
-            rank, part_size = mesh.get_local_rank(), full.shape[self.dim] // self.parts
-            pieces = [exact_storage(piece) for piece in shard.chunk(self.parts, self.dim)]
-            starts = [j * part_size + rank * piece.shape[self.dim] for j, piece in enumerate(pieces)]
-            offsets = [tuple(start if d == self.dim else 0 for d in range(full.dim())) for start in starts]
-            local = LocalShardsWrapper(pieces, offsets)
-        return DTensor.from_local(local, mesh, [Shard(self.dim)], run_check=False, shape=full.shape,
-                                  stride=full.stride())
-
-
-@functools.cache
-def _input_name(module_class: type) -> str:
-    """The name of the first parameter of the class's forward after self."""
-    return list(inspect.signature(module_class.forward).parameters)[1]
-
-
-def module_input(module: nn.Module, args: tuple, kwargs: dict) -> torch.Tensor:
-    """What a forward pre-hook (`with_kwargs=True`) sees as the module's input: its first positional
-    argument, or its forward's first parameter passed by keyword (transformers' layers are called
-    with `hidden_states=`)."""
-    return args[0] if args else kwargs[_input_name(type(module))]
-
-
-def with_input(module: nn.Module, args: tuple, kwargs: dict, x: torch.Tensor) -> tuple[tuple, dict]:
-    """`args` and `kwargs` with the module's input (as `module_input` finds it) replaced by `x`."""
-    if args:
-        return (x, *args[1:]), kwargs
-    return args, {**kwargs, _input_name(type(module)): x}
+    pass
 
 
 def check_model_split(cfg: Config, world: int) -> None:

@@ -38,9 +38,10 @@ from shardwise.config import Config, ConfigError, ParallelConfig
 from shardwise.dist import DistContext
 from shardwise.gradients import clip_grad_norm_
 from shardwise.memory import MemoryBreakdown
+from shardwise.parallel.pipeline.runner import Activations
 from shardwise.strategies.base import LossFn, OptimizerFactory
 from shardwise.strategies.fsdp import ShardedDataParallel
-from shardwise.strategies.pipeline import Activations, Pipeline
+from shardwise.strategies.pipeline import Pipeline
 from shardwise.strategies.registry import spec
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shardwise.attention.ring import causal_attention
+from shardwise.parallel.context.ring import causal_attention
 
 
 def sequence_to_heads(*xs: torch.Tensor, group: dist.ProcessGroup) -> tuple[torch.Tensor, ...]:

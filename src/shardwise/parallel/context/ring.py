@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from shardwise.attention.blocks import BlockMask, block_backward, block_forward, block_mask, merge
-from shardwise.attention.layout import SequenceLayout
+from shardwise.parallel.context.blocks import BlockMask, block_backward, block_forward, block_mask, merge
+from shardwise.parallel.context.layout import SequenceLayout
 
 KEYS_TAG, GRADIENTS_TAG = 0, 1  # the two rings of messages between the same neighbours
 # torch's own, taken before anything could replace it (ContextParallel.attending replaces it with

@@ -27,9 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from shardwise.attention.all_to_all import all_to_all_attention
-from shardwise.attention.layout import SequenceLayout
-from shardwise.attention.ring import SDPA, Ring, RingStats, causal_attention, ring_attention
+from shardwise.parallel.context.all_to_all import all_to_all_attention
+from shardwise.parallel.context.layout import SequenceLayout
+from shardwise.parallel.context.ring import SDPA, Ring, RingStats, causal_attention, ring_attention
 
 MODES = ("ring", "all-to-all")
 

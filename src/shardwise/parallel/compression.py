@@ -1,5 +1,5 @@
 """How `ddp` averages its gradient buckets across ranks: as they are, cast to 16 bits, or
-PowerSGD-compressed; over the backend's all-reduce or our ring (collectives.py).
+PowerSGD-compressed; over the backend's all-reduce or our ring (parallel/comm.py).
 
 `ddp` calls `reducer.launch(i)` the moment bucket i's gradients are final, buckets in the same
 order on every rank, and `.wait()`s on what it returns at the end of backward; by then every
@@ -30,9 +30,9 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from shardwise.collectives import ring_all_reduce, ring_bytes_sent
 from shardwise.config import ParallelConfig
 from shardwise.dist import new_group_of_all
+from shardwise.parallel.comm import ring_all_reduce, ring_bytes_sent
 
 CAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # Per bucket: its flat gradient buffer, and each parameter's gradient as a view into it.

@@ -7,8 +7,8 @@ masks (packed sequences: no query sees another document's keys). `blocks` is the
 attention math ring attention is made of.
 """
 
-from shardwise.attention.all_to_all import all_to_all_attention
-from shardwise.attention.layout import SequenceLayout
-from shardwise.attention.ring import Ring, RingStats, causal_attention, ring_attention
+from shardwise.parallel.context.all_to_all import all_to_all_attention
+from shardwise.parallel.context.layout import SequenceLayout
+from shardwise.parallel.context.ring import Ring, RingStats, causal_attention, ring_attention
 
 __all__ = ["Ring", "RingStats", "SequenceLayout", "all_to_all_attention", "causal_attention", "ring_attention"]

@@ -1,7 +1,7 @@
 """Expert parallel: every MoE layer's experts split over `parallel.ep` ranks, each token sent to
 the rank that holds its expert and its output sent back.
 
-The ep ranks are data-parallel ranks (mesh.py splits dp into ep x edp): they read different data,
+The ep ranks are data-parallel ranks (dims.py splits dp into ep x edp): they read different data,
 hold the same dense layers, and each holds E / ep of every layer's experts. A layer's forward, on
 each of them (`ExpertDispatch`):
 1. the router has chosen experts for this rank's tokens; the (token, expert) pairs are sorted by
@@ -38,8 +38,8 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.gradients import all_reduce_packed, clip_coefficient, squared_norm
-from shardwise.mesh import Mesh
 from shardwise.models.moe import combine_pairs, expert_counts, moe_layers, their_experts
+from shardwise.parallel.dims import Mesh
 
 
 class AllToAll(torch.autograd.Function):

@@ -16,7 +16,7 @@ tp is innermost: its ranks talk in every layer, so they are neighbours, on one n
 links. Then pp, whose stages pass activations at their borders; then cp, whose ranks pass keys and
 values in every attention; the data-parallel dimensions talk once a step or once a unit.
 
-Expert parallel (`ep`, expert_parallel.py) is not a dimension of its own: it splits dp into
+Expert parallel (`ep`, parallel/experts.py) is not a dimension of its own: it splits dp into
 dp / ep x ep, so each layer's experts are split over `ep` consecutive dp ranks (within a node where
 dp_shard holds them), and `edp` are the dp ranks that hold the same experts.
 

@@ -1,0 +1,498 @@
+"""Tensor parallel, ours (`tensor`): every block of the model split over the tp ranks of one model
+replica (Megatron-LM's scheme), laid out by the model family's plan (models/plans.py), so each
+rank holds and computes 1/tp of every block.
+
+The plan names each block's tensor-parallel regions (attention, the MLP): a module whose input
+enters column-parallel layers and whose output leaves a row-parallel layer.
+- Column-parallel layer: the weight's output features split; each rank computes its slice of the
+  output from the whole input. A layer computing q, k and v at once has each of the three split
+  on its own, so a rank holds the same heads of each; Llama's separate q, k and v are split by
+  heads and by key/value heads alike, so the query heads of a rank find their key/value heads on it.
+- Row-parallel layer: the weight's input features split; each rank multiplies its slice of the
+  input and `reduce_from_tp` (all-reduce forward, identity backward) sums the partial outputs.
+  Its bias is added once, after the sum.
+- A region's input enters through `copy_to_tp` (identity forward, all-reduce backward): every
+  rank's column layers used the whole input, so its gradient is the sum of theirs.
+- Attention runs on this rank's heads without talking: it counts them from its layers' outputs
+  (the plan divides by tp whatever sizes a family's attention keeps instead, GPT-2's).
+So a block's forward has two all-reduces (after attention, after the MLP), and so does its
+backward (at the two region inputs), each of one activation's size.
+
+Sequence parallel (`parallel.sequence_parallel`; Korthikanti et al. 2022, Megatron-LM's): between
+the regions, the residual stream and the norms are split along the sequence too, each rank
+holding seq/tp positions of them. A region's input is all-gathered along the sequence (its
+gradient reduce-scattered) and the row-parallel layer reduce-scatters its partial outputs instead
+of all-reducing them (its gradient all-gathered): the same bytes on the wire as the all-reduces
+they replace, a ring all-reduce being a reduce-scatter and an all-gather. The column-parallel
+layers keep for backward only this rank's part of their input and all-gather it again there,
+once per region (one all-gather more per region, for the memory), so a block saves 1/tp of
+everything it saves on one device. The stream is split before the first block and
+gathered after the last (their gradients the converse), so embeddings, final norm, head and loss
+see the whole sequence. The block's parameters every rank holds whole (norms, the row layers'
+biases) then get gradients from this rank's positions only: the strategy sums them over the tp
+ranks after backward (`MeshStrategy.synchronize_gradients`). So it does, with or without sequence
+parallel, for a parameter a region holds whole besides its layers (Qwen3's q and k norms, shared
+by the heads): its gradient comes from this rank's heads only.
+
+Embeddings, norms outside the blocks, the head and the loss are *replicated*, not
+vocabulary-parallel: every tp rank computes them on the same activations, so their gradients come
+out equal on every rank without communication. With the byte-level vocabulary of 256, splitting
+them would save little and add two collectives.
+
+Applied from outside: `parallelize_blocks` swaps the regions' layers for these, keeping parameter
+names, so the state dict reads like the plain model's (shards instead of whole tensors;
+`full_tensors` joins them). In checkpoints each shard is a DTensor of the whole parameter,
+`Shard(dim)` over the tp ranks (`TensorShard.as_dtensor`).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from shardwise.memory import exact_storage
+from shardwise.models.plans import ParallelPlan, PlanError, Region
+from shardwise.parallel.module_input import module_input, with_input
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+
+Ctx = torch.autograd.function.FunctionCtx
+
+
+@dataclass(frozen=True)
+class TensorShard:
+    """How a tensor is split over the tp ranks: along `dim`, each of its `parts` (qkv's q, k and v)
+    split on its own, so a rank's shard holds the same heads of each part."""
+
+    dim: int
+    parts: int = 1
+
+    def take(self, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+        """Rank `rank`'s shard of `full`, a copy."""
+        return torch.cat([part.chunk(size, self.dim)[rank] for part in full.chunk(self.parts, self.dim)], self.dim)
+
+    def join(self, shards: list[torch.Tensor]) -> torch.Tensor:
+        """The full tensor from every rank's shard, in rank order (one copy: each part's pieces in
+        rank order, part after part)."""
+        per_rank = [shard.chunk(self.parts, self.dim) for shard in shards]
+        return torch.cat([parts[j] for j in range(self.parts) for parts in per_rank], self.dim)
+
+    def pieces(self, rows: torch.Tensor, start: int, full: torch.Size, rank: int, size: int,
+               ) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+        """`rows`, rows [start, start + len(rows)) of rank `rank`'s shard of a tensor shaped `full`
+        (what a sharded strategy keeps of it: fsdp over tensor parallel), as the pieces of the full
+        tensor they are, each with its offset there. Split along dim 0, the rows may straddle two
+        parts (qkv's q and k); along another dim they are the full tensor's rows, each part's
+        columns a piece."""
+        pieces = []
+        stop = start + rows.shape[0]
+        part_size = full[self.dim] // self.parts  # of the full tensor
+        per_rank = part_size // size  # of a part, on one rank
+        for j in range(self.parts):
+            global_start = j * part_size + rank * per_rank
+            if self.dim == 0:
+                lo, hi = max(start, j * per_rank), min(stop, (j + 1) * per_rank)
+                if lo < hi:
+                    pieces.append((rows[lo - start : hi - start], (global_start + lo - j * per_rank,)
+                                   + (0,) * (len(full) - 1)))
+            elif stop > start:
+                offset = [0] * len(full)
+                offset[0], offset[self.dim] = start, global_start
+                pieces.append((rows.narrow(self.dim, j * per_rank, per_rank), tuple(offset)))
+        return pieces
+
+    def as_dtensor(self, shard: torch.Tensor, full: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+        """This rank's `shard` as a DTensor, `Shard(dim)` over `mesh`, of a tensor shaped like
+        `full` (a meta tensor), sharing `shard`'s storage: what a checkpoint saves and loads in place.
+
+        A shard of several parts is as many pieces of the full tensor (qkv: rank r's rows of q, of k
+        and of v), not the one chunk `Shard(dim)` alone would place. Its local tensor is then a
+        LocalShardsWrapper, which tells DCP where each piece lies (torchrec's way of holding several
+        shards on one rank)."""
+        # Imported on first use: torch.distributed.tensor takes 0.6 s to import, which the planner,
+        # reading these strategies' layouts, need not pay.
+        from torch.distributed.tensor import DTensor, Shard
+        from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
+
+        local = shard
+        if self.parts > 1:
+            rank, part_size = mesh.get_local_rank(), full.shape[self.dim] // self.parts
+            pieces = [exact_storage(piece) for piece in shard.chunk(self.parts, self.dim)]
+            starts = [j * part_size + rank * piece.shape[self.dim] for j, piece in enumerate(pieces)]
+            offsets = [tuple(start if d == self.dim else 0 for d in range(full.dim())) for start in starts]
+            local = LocalShardsWrapper(pieces, offsets)
+        return DTensor.from_local(local, mesh, [Shard(self.dim)], run_check=False, shape=full.shape,
+                                  stride=full.stride())
+
+
+class TensorParallelGroup:
+    """The tp ranks a model replica's blocks are split over, and the collectives the split needs:
+    sums of partial results, and for sequence parallel, [batch, seq, width] activations split along
+    seq (each rank a consecutive part of it)."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
+
+    def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` summed over the ranks, in place."""
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def gather_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        """The whole sequence from every rank's part of it."""
+        parts = x.new_empty((self.size * x.shape[0], *x.shape[1:]))  # Gloo takes the parts concatenated on dim 0
+        dist.all_gather_single(parts, x.contiguous(), group=self.group)
+        return torch.cat(parts.chunk(self.size), dim=1)
+
+    def reduce_scatter_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the sequence of the sum of every rank's `x`."""
+        parts = torch.cat(x.chunk(self.size, dim=1))  # rank r's part r-th along dim 0
+        out = x.new_empty((x.shape[0], *parts.shape[1:]))
+        dist.reduce_scatter_single(out, parts, group=self.group)
+        return out
+
+    def sequence_part(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the sequence, a copy."""
+        return x.chunk(self.size, dim=1)[self.rank].contiguous()
+
+
+class ShapesOnly(TensorParallelGroup):
+    """Rank 0 of `size` tp ranks, alone: each collective returns what it would, in shape and dtype,
+    without the others' values. What the planner traces a rank's forward through, on fake tensors,
+    to count what it saves for backward (planner/model.py)."""
+
+    def __init__(self, size: int) -> None:
+        self.group, self.rank, self.size = None, 0, size
+
+    def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def gather_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x] * self.size, dim=1)
+
+    def reduce_scatter_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        return x.new_empty((x.shape[0], x.shape[1] // self.size, *x.shape[2:])).copy_(x.chunk(self.size, dim=1)[0])
+
+
+class CopyToTensorParallel(torch.autograd.Function):
+    """Identity forward; all-reduce (sum) of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx: Ctx, x: torch.Tensor, tp: TensorParallelGroup) -> torch.Tensor:
+        ctx.tp = tp
+        return x
+
+    @staticmethod
+    def backward(ctx: Ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.tp.all_reduce_(grad.clone()), None  # clone: autograd may hand the gradient to others too
+
+
+class ReduceFromTensorParallel(torch.autograd.Function):
+    """All-reduce (sum) forward; identity backward."""
+
+    @staticmethod
+    def forward(ctx: Ctx, x: torch.Tensor, tp: TensorParallelGroup) -> torch.Tensor:
+        return tp.all_reduce_(x.clone())  # an input must not be changed in place
+
+    @staticmethod
+    def backward(ctx: Ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+def copy_to_tp(x: torch.Tensor, tp: TensorParallelGroup) -> torch.Tensor:
+    return CopyToTensorParallel.apply(x, tp)
+
+
+def reduce_from_tp(x: torch.Tensor, tp: TensorParallelGroup) -> torch.Tensor:
+    return ReduceFromTensorParallel.apply(x, tp)
+
+
+# --- sequence parallel ----------------------------------------------------------------------------
+
+class SplitSequence(torch.autograd.Function):
+    """This rank's part of the sequence forward; all-gather of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx: Ctx, x: torch.Tensor, tp: TensorParallelGroup) -> torch.Tensor:
+        ctx.tp = tp
+        return tp.sequence_part(x)
+
+    @staticmethod
+    def backward(ctx: Ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.tp.gather_sequence(grad), None
+
+
+class GatherSequence(torch.autograd.Function):
+    """All-gather of the sequence forward; backward, this rank's part of the gradient, which every
+    rank has whole (what follows is replicated)."""
+
+    @staticmethod
+    def forward(ctx: Ctx, x: torch.Tensor, tp: TensorParallelGroup) -> torch.Tensor:
+        ctx.tp = tp
+        return tp.gather_sequence(x)
+
+    @staticmethod
+    def backward(ctx: Ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.tp.sequence_part(grad), None
+
+
+class EnterRegion(torch.autograd.Function):
+    """A region's input under sequence parallel: all-gather of the sequence forward; backward,
+    reduce-scatter of the gradient (each rank's column layers give part of it), after which the
+    region's input gathered again for its column layers' backward is dropped."""
+
+    @staticmethod
+    def forward(ctx: Ctx, x: torch.Tensor, region: TensorParallelRegion) -> torch.Tensor:
+        ctx.region = region
+        return region.tp.gather_sequence(x)
+
+    @staticmethod
+    def backward(ctx: Ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        ctx.region.regathered = None
+        return ctx.region.tp.reduce_scatter_sequence(grad), None
+
+
+class LeaveRegion(torch.autograd.Function):
+    """A row-parallel layer's partial outputs under sequence parallel: reduce-scatter along the
+    sequence forward, all-gather of the gradient backward."""
+
+    @staticmethod
+    def forward(ctx: Ctx, x: torch.Tensor, tp: TensorParallelGroup) -> torch.Tensor:
+        ctx.tp = tp
+        return tp.reduce_scatter_sequence(x)
+
+    @staticmethod
+    def backward(ctx: Ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.tp.gather_sequence(grad), None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, in_out: bool) -> torch.Tensor:
+    """x W^T + b for an nn.Linear's [out, in] weight, x W + b for a Conv1D's [in, out] one."""
+    return F.linear(x, weight.t() if in_out else weight, bias)
+
+
+class ColumnOverSequence(torch.autograd.Function):
+    """A column-parallel layer over its region's gathered input that saves, for the weight's
+    gradient, only this rank's part of that input, gathering it again in backward (once per
+    region: the region keeps it for its other column layers)."""
+
+    @staticmethod
+    def forward(ctx: Ctx, full: torch.Tensor, local: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                layer: ColumnParallelLinear) -> torch.Tensor:
+        out = linear(full, weight, bias, layer.in_out)  # the input cast to the weight's dtype under autocast
+        ctx.save_for_backward(local, weight)
+        ctx.layer, ctx.dtype, ctx.full_dtype = layer, out.dtype, full.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx: Ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        local, weight = ctx.saved_tensors
+        region = ctx.layer.region
+        if region.regathered is None or region.regathered[0] is not local:
+            region.regathered = (local, region.tp.gather_sequence(local))
+        # In the forward's compute dtype, each gradient cast back to its tensor's, as autocast's matmul.
+        x, w = region.regathered[1].to(ctx.dtype).flatten(0, -2), weight.to(ctx.dtype)
+        g = grad.to(ctx.dtype)
+        flat = g.flatten(0, -2)
+        if ctx.layer.in_out:
+            grad_x, grad_w = g @ w.t(), x.t() @ flat
+        else:
+            grad_x, grad_w = g @ w, flat.t() @ x
+        grad_b = None if ctx.bias_dtype is None else flat.sum(0).to(ctx.bias_dtype)
+        return grad_x.to(ctx.full_dtype), None, grad_w.to(weight.dtype), grad_b, None
+
+
+class TensorParallelRegion:
+    """A region's input side: a hook that hands its module the input its column layers take (through
+    `copy_to_tp`, or gathered along the sequence), and under sequence parallel the two forms of the
+    input of the forward under way, for those layers, and the one gathered again in backward."""
+
+    def __init__(self, module: nn.Module, tp: TensorParallelGroup, sequence_parallel: bool) -> None:
+        self.tp, self.sequence_parallel = tp, sequence_parallel
+        self.local: torch.Tensor | None = None  # this rank's part of the sequence ...
+        self.full: torch.Tensor | None = None  # ... and all of it, while the region's forward runs
+        self.regathered: tuple[torch.Tensor, torch.Tensor] | None = None  # (local, full) in backward
+        module.register_forward_pre_hook(self._enter, with_kwargs=True)
+        if sequence_parallel:
+            module.register_forward_hook(self._leave)
+
+    def _enter(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        x = module_input(module, args, kwargs)
+        if not self.sequence_parallel:
+            return with_input(module, args, kwargs, copy_to_tp(x, self.tp))
+        self.local, self.full = x, EnterRegion.apply(x, self)
+        return with_input(module, args, kwargs, self.full)
+
+    def _leave(self, module: nn.Module, args: tuple, output: object) -> None:
+        self.local = self.full = None  # the gathered input is not kept past the forward
+
+
+class ColumnParallelLinear(nn.Module):
+    """`layer` (nn.Linear, or Conv1D with `in_out`) with its output features split over the tp
+    ranks: this rank's slice of the output."""
+
+    def __init__(self, layer: nn.Module, parts: int, region: TensorParallelRegion, in_out: bool) -> None:
+        super().__init__()
+        self.region, self.in_out = region, in_out
+        rank, size = region.tp.rank, region.tp.size
+        self.shards = {"weight": TensorShard(1 if in_out else 0, parts), "bias": TensorShard(0, parts)}
+        self.weight = nn.Parameter(self.shards["weight"].take(layer.weight.detach(), rank, size))
+        bias = layer.bias
+        self.bias = None if bias is None else nn.Parameter(self.shards["bias"].take(bias.detach(), rank, size))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.region.sequence_parallel:
+            return linear(x, self.weight, self.bias, self.in_out)
+        if x is not self.region.full:
+            raise RuntimeError("sequence parallel: a column-parallel layer was called on something other than its "
+                               "region's input; the plan's region must be the module whose input all its column "
+                               "layers take")
+        weight, bias = self.weight, self.bias
+        device = x.device.type
+        if torch.is_autocast_enabled(device):  # cast as autocast's matmul does, its weight copy kept for backward
+            dtype = torch.get_autocast_dtype(device)
+            weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
+        return ColumnOverSequence.apply(x, self.region.local, weight, bias, self)
+
+
+class RowParallelLinear(nn.Module):
+    """`layer` with its input features split over the tp ranks: takes this rank's slice of the input,
+    returns the whole output summed over ranks (under sequence parallel, this rank's part of the
+    sequence of it)."""
+
+    def __init__(self, layer: nn.Module, tp: TensorParallelGroup, sequence_parallel: bool, in_out: bool) -> None:
+        super().__init__()
+        self.tp, self.sequence_parallel, self.in_out = tp, sequence_parallel, in_out
+        rank, size = tp.rank, tp.size
+        self.shards = {"weight": TensorShard(0 if in_out else 1)}  # the bias is added after the sum: replicated
+        self.weight = nn.Parameter(self.shards["weight"].take(layer.weight.detach(), rank, size))
+        self.bias = None if layer.bias is None else nn.Parameter(layer.bias.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        partial = linear(x, self.weight, None, self.in_out)
+        y = LeaveRegion.apply(partial, self.tp) if self.sequence_parallel else reduce_from_tp(partial, self.tp)
+        return y if self.bias is None else y + self.bias
+
+
+def _attribute(obj: object, path: str) -> object:
+    return functools.reduce(getattr, path.split("."), obj)
+
+
+def _check_heads(region: Region, module: nn.Module, family: str, size: int) -> None:
+    for kind, path in (("heads", region.heads), ("key/value heads", region.kv_heads or region.heads)):
+        count = None if path is None else _attribute(module, path)
+        if count is not None and count % size:
+            raise PlanError(f"tensor parallel over {size} ranks: must divide the attention's {count} {kind} "
+                            f"({family} plan: {region.module}.{path}); each rank computes an equal share")
+
+
+def _check_width(width: int, size: int, region: Region, name: str, what: str, family: str) -> None:
+    if width % size:
+        raise PlanError(f"tensor parallel over {size} ranks: must divide {region.module}.{name}'s {width} {what} "
+                        f"({family} plan)")
+
+
+def _put(module: nn.Module, name: str, layer: nn.Module) -> None:
+    parent, _, attr = name.rpartition(".")
+    setattr(module.get_submodule(parent), attr, layer)
+
+
+def split_region(module: nn.Module, region: Region, plan: ParallelPlan, tp: TensorParallelGroup,
+                 sequence_parallel: bool) -> dict[int, TensorShard]:
+    """Split one region of a block over the tp ranks, in place: its column and row layers replaced by
+    this rank's shards, its input hooked, its per-rank sizes divided. Returns how each new
+    parameter is split, by id."""
+    size, in_out = tp.size, plan.weights_in_out
+    _check_heads(region, module, plan.family, size)
+    entry = TensorParallelRegion(module, tp, sequence_parallel)
+    splits: dict[str, ColumnParallelLinear | RowParallelLinear] = {}
+    for column in region.columns:
+        layer = module.get_submodule(column.name)
+        _check_width(layer.weight.shape[1 if in_out else 0] // column.parts, size, region, column.name,
+                     "output features" + (f" per part (of {column.parts})" if column.parts > 1 else ""), plan.family)
+        splits[column.name] = ColumnParallelLinear(layer, column.parts, entry, in_out)
+    row = module.get_submodule(region.row)
+    _check_width(row.weight.shape[0 if in_out else 1], size, region, region.row, "input features", plan.family)
+    splits[region.row] = RowParallelLinear(row, tp, sequence_parallel, in_out)
+    for name, split in splits.items():
+        _put(module, name, split)
+    for attribute in region.per_rank:
+        owner, _, leaf = attribute.rpartition(".")
+        target = _attribute(module, owner) if owner else module
+        setattr(target, leaf, getattr(target, leaf) // size)
+    return {id(param): split.shards[key] for split in splits.values()
+            for key, param in split.named_parameters(recurse=False) if key in split.shards}
+
+
+def split_sequence_around(blocks: list[nn.Module], tp: TensorParallelGroup) -> None:
+    """Sequence parallel's ends: this rank's part of the sequence enters the first block, the whole
+    sequence is gathered from the last."""
+
+    def split(block: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return with_input(block, args, kwargs, SplitSequence.apply(module_input(block, args, kwargs), tp))
+
+    def gather(block: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+        return GatherSequence.apply(out, tp)
+
+    blocks[0].register_forward_pre_hook(split, with_kwargs=True)
+    blocks[-1].register_forward_hook(gather)
+
+
+class BlockSplitter:
+    """Splits a model's blocks over the tp ranks one at a time, as a plan lays them out: for a
+    strategy that makes each block real, splits it and keeps its part before the next (tensor and
+    pipeline through `parallelize_blocks`; fsdp, which shards each split block as a unit)."""
+
+    def __init__(self, plan: ParallelPlan, tp: TensorParallelGroup, sequence_parallel: bool) -> None:
+        self.plan, self.tp, self.sequence_parallel = plan, tp, sequence_parallel
+        self.shards: dict[int, TensorShard] = {}  # how each new parameter is split, by id
+        self.blocks: list[nn.Module] = []
+
+    def split(self, block: nn.Module) -> None:
+        """Split every region of `block` in place (its layers replaced by this rank's shards)."""
+        for region in self.plan.regions:
+            self.shards |= split_region(block.get_submodule(region.module), region, self.plan, self.tp,
+                                        self.sequence_parallel)
+        self.blocks.append(block)
+
+    def finish(self) -> list[nn.Parameter]:
+        """After the last block: under sequence parallel, split the sequence before the first block
+        and gather it after the last. Returns the blocks' parameters every rank holds whole whose
+        gradients are partial, each rank's share of the sum: under sequence parallel all of them
+        (this rank's positions only); otherwise those inside a region other than its row layer's
+        (Qwen3's per-head q and k norms: this rank's heads only)."""
+        if self.sequence_parallel:
+            split_sequence_around(self.blocks, self.tp)
+            return [p for block in self.blocks for p in block.parameters() if id(p) not in self.shards]
+        return [p for block in self.blocks for region in self.plan.regions
+                for name, p in block.get_submodule(region.module).named_parameters()
+                if id(p) not in self.shards and not name.startswith(f"{region.row}.")]
+
+
+def parallelize_blocks(blocks: list[nn.Module], plan: ParallelPlan, tp: TensorParallelGroup,
+                       sequence_parallel: bool,
+                       materialised: Callable[[nn.Module], AbstractContextManager] | None = None,
+                       ) -> tuple[dict[int, TensorShard], list[nn.Parameter]]:
+    """Split every region of `blocks` (consecutive blocks of a model, or of one pipeline stage) over
+    the tp ranks as `plan` lays them out, in place; under sequence parallel, split the sequence before
+    the first block and gather it after the last. Each block is split inside `materialised(block)`
+    where given (a meta-built model's block made real for its split, the whole freed after). Returns
+    how each new parameter is split (by id), and the blocks' parameters every rank holds whole whose
+    gradients are partial over tp (`BlockSplitter.finish`)."""
+    splitter = BlockSplitter(plan, tp, sequence_parallel)
+    for block in blocks:
+        with materialised(block) if materialised is not None else nullcontext():
+            splitter.split(block)
+    return splitter.shards, splitter.finish()
