@@ -15,7 +15,8 @@ from torch import nn
 from shardwise.config import ParallelConfig, load_config
 from shardwise.dist import DistContext
 from shardwise.models import CNN
-from shardwise.strategies.ddp import DDP, plan_buckets
+from shardwise.parallel.replicate import plan_buckets
+from shardwise.strategies.ddp import DDP
 from shardwise.trainer import Trainer
 
 STEPS = 20
@@ -95,15 +96,13 @@ def ddp_behaviour(ctx: DistContext) -> dict:
     gathered = [torch.empty_like(flat) for _ in range(ctx.world_size)]
     dist.all_gather(gathered, flat)
     out["equal_after_wrap"] = torch.equal(gathered[0], gathered[1])
-    out["buckets"] = len(strategy.buckets)
+    out["buckets"] = len(strategy.gradients.buckets)
 
     # 2. Gradients are views into the buckets, averaged over ranks.
     x = torch.full((2, 1, 8, 8), float(ctx.rank + 1))
     strategy.backward(model(x).sum())
-    out["grads_are_bucket_views"] = all(
-        p.grad.untyped_storage().data_ptr() in {b.buffer.untyped_storage().data_ptr() for b in strategy.buckets}
-        for p in model.parameters()
-    )
+    buffers = {b.buffer.untyped_storage().data_ptr() for b in strategy.gradients.buckets}
+    out["grads_are_bucket_views"] = all(p.grad.untyped_storage().data_ptr() in buffers for p in model.parameters())
     out["classifier_bias_grad"] = model.classifier.bias.grad.clone()
 
     # 3. no_sync: no all-reduce until the last micro-step; the last one reduces the sum.

@@ -15,8 +15,8 @@ from shardwise.config import load_config
 from shardwise.dist import DistContext
 from shardwise.memory import optimizer_state_tensors, storage_bytes, storage_key
 from shardwise.models import build_model
+from shardwise.parallel.shard import HOST
 from shardwise.strategies.base import make_strategy
-from shardwise.strategies.fsdp import HOST
 from shardwise.trainer import Trainer
 
 STEPS = 20
@@ -145,7 +145,7 @@ def full_storage_between_units(ctx: DistContext) -> dict:
 
     def record(module, args):
         live.append([sum(p.untyped_storage().nbytes() for p in b.parameters()) for b in model.blocks])
-        prefetched.append([u.pending_gather is not None for u in strategy.units[:-1]])
+        prefetched.append([u.pending_gather is not None for u in strategy.sharding.units[:-1]])
 
     for block in model.blocks:
         block.register_forward_pre_hook(record)  # runs after the strategy's own gather hook
@@ -178,7 +178,7 @@ def layout_after_a_step(ctx: DistContext, root: Path) -> dict:
                           f"parallel.precision={precision}", *ODD_GPT)
             trainer = Trainer(cfg, ctx)
             trainer.train_step(0)
-            units = trainer.strategy.units
+            units = trainer.strategy.sharding.units
             full = {storage_key(unit.full.untyped_storage()) for unit in units}
             grads = {storage_key(unit.grads.untyped_storage()) for unit in units if unit.grads is not None}
             shards = dict(trainer.strategy.named_local_parameters())
@@ -221,13 +221,13 @@ def offloaded_or_not(ctx: DistContext, root: Path) -> dict:
                 strategy_ = trainer.strategy
                 offloaded = [*strategy_.local_parameters(), *strategy_.local_grads(),
                              *optimizer_state_tensors(trainer.optimizer)]
-                full = [unit.full for unit in strategy_.units if unit.full is not None]
+                full = [unit.full for unit in strategy_.sharding.units if unit.full is not None]
                 out[strategy, precision, offload] = {
                     "losses": losses, "weights": strategy_.full_state_dict(), "memory": strategy_.memory(0).as_dict(),
-                    "master_device": strategy_.master_device, "devices": {t.device for t in offloaded},
+                    "master_device": strategy_.sharding.master_device, "devices": {t.device for t in offloaded},
                     "host_bytes": storage_bytes(offloaded),
                     "device_params": storage_bytes(full), "device_grads": storage_bytes(
-                        [unit.grads for unit in strategy_.units if unit.grads is not None]),
+                        [unit.grads for unit in strategy_.sharding.units if unit.grads is not None]),
                     "shards_in_full": any(storage_key(s.untyped_storage()) in {storage_key(f.untyped_storage())
                                                                                for f in full}
                                           for s in strategy_.local_parameters()),

@@ -56,7 +56,7 @@ def train_llama(strategy: str, build: Callable[[], torch.nn.Module] = tiny_llama
         if i % 2:
             losses.append(run.reduce_mean(torch.tensor(total)).item())
             total = 0.0
-    units = len(run.strategy.units) if hasattr(run.strategy, "units") else \
+    units = len(run.strategy.sharding.units) if hasattr(run.strategy, "sharding") else \
         sum(isinstance(m, FSDPModule) for m in run.strategy.module.modules())
     return {"losses": losses, "state": run.strategy.full_state_dict(), "units": units, "block": run.strategy.cfg.block}
 

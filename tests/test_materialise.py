@@ -204,9 +204,9 @@ def fsdp_setup(ctx: DistContext) -> dict[str, int]:
     reset_peak_resident()
     baseline = resident_bytes()[0]
     strategy.wrap(model)
-    shards = sum(unit.shard_buffer.numel() * 4 for unit in strategy.units)
+    shards = sum(unit.shard_buffer.numel() * 4 for unit in strategy.sharding.units)
     return {"rss": resident_bytes()[1] - baseline, "counted": strategy.setup_peak_bytes, "shards": shards,
-            "unit": max(unit.full_bytes for unit in strategy.units),
+            "unit": max(unit.full_bytes for unit in strategy.sharding.units),
             "full": sum(p.numel() * 4 for p in meta_model(cfg).parameters())}
 
 

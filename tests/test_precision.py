@@ -198,11 +198,11 @@ def sharded_dtypes_and_bytes(ctx: DistContext, out: Path) -> dict:
             trainer.model.blocks[0].register_forward_pre_hook(
                 lambda m, args, seen=computed: seen.append(m.attn.qkv.weight.dtype))
             trainer.train_step(0)
-            moved, gathered = trainer.strategy.bytes_moved, trainer.strategy.bytes_gathered
+            moved, gathered = trainer.strategy.sharding.bytes_moved, trainer.strategy.sharding.bytes_gathered
             trainer.train_step(1)
             result[strategy, precision, reduce] = {
-                "moved_per_step": trainer.strategy.bytes_moved - moved,
-                "gathered_per_step": trainer.strategy.bytes_gathered - gathered,
+                "moved_per_step": trainer.strategy.sharding.bytes_moved - moved,
+                "gathered_per_step": trainer.strategy.sharding.bytes_gathered - gathered,
                 "computed_with": set(computed), "kept": {p.dtype for p in trainer.model.parameters()},
                 "shards": {s.dtype for s in trainer.strategy.local_parameters()},
                 "shard_grads": {g.dtype for g in trainer.strategy.local_grads()},

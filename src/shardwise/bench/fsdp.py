@@ -155,7 +155,8 @@ def ours_at_step(trainer: Trainer, k: int) -> dict[str, Any]:
     most over the strategy after backward and as the optimizer steps, as a check; and (the sharded
     strategies) what their all-gathers and all their collectives moved in the step."""
     strategy = trainer.strategy
-    moved, gathered = getattr(strategy, "bytes_moved", None), getattr(strategy, "bytes_gathered", None)
+    sharding = getattr(strategy, "sharding", None)  # ours that shard
+    moved, gathered = (sharding.bytes_moved, sharding.bytes_gathered) if sharding is not None else (None, None)
     walk = PeakWalk(strategy)
     handle = walk.watching(trainer.optimizer)
     try:
@@ -168,8 +169,8 @@ def ours_at_step(trainer: Trainer, k: int) -> dict[str, Any]:
     trainer.optimizer.zero_grad(set_to_none=True)
     result = {"memory": memory, "model_state": sum(memory[key] for key in MODEL_STATE), "walked": walk.peak}
     if gathered is not None:
-        result["all_gather_bytes_per_step"] = strategy.bytes_gathered - gathered
-        result["collective_bytes_per_step"] = strategy.bytes_moved - moved
+        result["all_gather_bytes_per_step"] = strategy.sharding.bytes_gathered - gathered
+        result["collective_bytes_per_step"] = strategy.sharding.bytes_moved - moved
     return result
 
 

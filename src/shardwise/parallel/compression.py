@@ -30,7 +30,6 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from shardwise.config import ParallelConfig
 from shardwise.dist import new_group_of_all
 from shardwise.parallel.comm import ring_all_reduce, ring_bytes_sent
 
@@ -53,18 +52,20 @@ class BucketReducer(Protocol):
         ...
 
 
-def make_reducer(cfg: ParallelConfig, layout: Layout) -> BucketReducer:
-    """The reducer `parallel.all_reduce` and `parallel.grad_compression` ask for."""
-    if cfg.all_reduce == "backend" and cfg.grad_compression == "none":
+def make_reducer(layout: Layout, all_reduce: str = "backend", compression: str = "none", powersgd_rank: int = 4,
+                 powersgd_start_step: int = 0) -> BucketReducer:
+    """The reducer of `layout`'s buckets: by the backend's all-reduce or our `ring`, each bucket as
+    it is, cast to 16 bits (`fp16`, `bf16`) or `powersgd`-compressed."""
+    if all_reduce == "backend" and compression == "none":
         return AsyncBackendMean(layout)
-    all_reduce = AllReduce(cfg.all_reduce, new_group_of_all(layout[0][0].device))
-    if cfg.grad_compression == "powersgd":
-        average = PowerSGD(layout, all_reduce, cfg.powersgd_rank, cfg.powersgd_start_step)
-    elif cfg.grad_compression in CAST_DTYPES:
-        average = CastMean(layout, all_reduce, CAST_DTYPES[cfg.grad_compression])
+    reduce = AllReduce(all_reduce, new_group_of_all(layout[0][0].device))
+    if compression == "powersgd":
+        average = PowerSGD(layout, reduce, powersgd_rank, powersgd_start_step)
+    elif compression in CAST_DTYPES:
+        average = CastMean(layout, reduce, CAST_DTYPES[compression])
     else:
-        average = Mean(layout, all_reduce)
-    return InBackground(average, all_reduce)
+        average = Mean(layout, reduce)
+    return InBackground(average, reduce)
 
 
 class AsyncBackendMean:

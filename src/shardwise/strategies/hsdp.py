@@ -48,4 +48,4 @@ class HSDP(ShardedDataParallel):
 
     def _average_over_replicas(self) -> None:
         """Average every gradient shard over the nodes."""
-        self.bytes_moved += all_reduce_packed(self.local_grads(), self.replicate_group)
+        self.sharding.bytes_moved += all_reduce_packed(self.local_grads(), self.replicate_group)

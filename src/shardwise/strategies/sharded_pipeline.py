@@ -63,65 +63,65 @@ class ShardedPipeline(Pipeline):
     def __init__(self, ctx: DistContext, cfg: ParallelConfig) -> None:
         super().__init__(ctx, cfg)
         # fsdp.py's (hsdp.py's: sharded within a node, replicated across) on the same mesh (Mesh.of).
-        self.sharding: ShardedDataParallel = spec(cfg.strategy).strategy_class()(ctx, cfg)
+        self.sharded: ShardedDataParallel = spec(cfg.strategy).strategy_class()(ctx, cfg)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         module = super().wrap(model)
         stages = nn.ModuleList(stage.model for stage in self.stages.values())
-        self.sharding.shard_stages(stages, self.cfg.block, dict(super().named_local_parameters()), self._full,
+        self.sharded.shard_stages(stages, self.cfg.block, dict(super().named_local_parameters()), self._full,
                                    self.tensor_shards, self.tp_partial)
         # What a stage sends: the working dtype its parameters are gathered in (mixed precision's compute dtype).
-        working = self.sharding.units[0].full_dtype
+        working = self.sharded.sharding.working_dtype
         self.activations = self.module.activations = Activations(self.activations.width, working, self.ctx.device)
-        module.register_forward_pre_hook(lambda m, args: self.sharding.gather_units())
-        module.register_forward_hook(lambda m, args, out: self.sharding.free_units())
+        module.register_forward_pre_hook(lambda m, args: self.sharded.gather_units())
+        module.register_forward_hook(lambda m, args, out: self.sharded.free_units())
         return module
 
     def local_parameters(self) -> list[nn.Parameter]:
-        return self.sharding.local_parameters()
+        return self.sharded.local_parameters()
 
     def optimizer(self, make: OptimizerFactory) -> torch.optim.Optimizer:
-        self.optim = self.sharding.optimizer(make)
+        self.optim = self.sharded.optimizer(make)
         return self.optim
 
     def forward_backward(self, model: nn.Module, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
                          loss_fn: LossFn, accum: int) -> torch.Tensor:
-        self.sharding.begin_step()
+        self.sharded.begin_step()
         return super().forward_backward(model, micro_batches, loss_fn, accum)
 
     def synchronize_gradients(self) -> None:
         """After the schedule (and the tied head's sum): reduce-scatter every unit's gradients."""
-        self.sharding.end_step()
+        self.sharded.end_step()
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """A shard counts where its parameter would in a plain pipeline: a tp shard on every tp rank,
         what tp ranks hold whole on tp rank 0, a tied weight on the first stage; then summed over the
         stage's data-parallel ranks, its tp ranks and the stages."""
-        counted = [self.sharding.shard_of(p).grad for _, p in super().named_local_parameters()
-                   if self.sharding.shard_of(p).grad is not None and id(p) not in self.duplicates
+        counted = [self.sharded.sharding.shard_of(p).grad for _, p in super().named_local_parameters()
+                   if self.sharded.sharding.shard_of(p).grad is not None and id(p) not in self.duplicates
                    and (id(p) in self.tensor_shards or self.tp_rank == 0)]
         grads = self.local_grads()
         return clip_grad_norm_(counted, grads, max_norm, self.ctx.device,
-                               (self.sharding.group, self.tp_group, self.pp_group))
+                               (self.sharded.group, self.tp_group, self.pp_group))
 
     def memory(self, activations: int) -> MemoryBreakdown:
-        return self.sharding.memory(activations)
+        return self.sharded.memory(activations)
 
     # --- state: this rank's shards by the plain model's names ------------------------------
 
     def named_local_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        return [(name, self.sharding.shard_of(p)) for name, p in super().named_local_parameters()]
+        return [(name, self.sharded.sharding.shard_of(p)) for name, p in super().named_local_parameters()]
 
     def as_global(self, name: str, local: torch.Tensor) -> torch.Tensor:
-        return self.sharding.as_global(name, local)
+        return self.sharded.as_global(name, local)
 
     def after_state_loaded(self) -> None:
-        self.sharding.after_state_loaded()
+        self.sharded.after_state_loaded()
 
     def _whole_in_stage(self, name: str) -> torch.Tensor | None:
         """A parameter gathered over the stage's data-parallel ranks, then its tp ranks; a buffer,
         whole on every rank, from the first."""
         held = self._local[name]
         if isinstance(held, nn.Parameter):
-            return self.sharding.whole(held)
+            return self.sharded.whole(held)
         return held.detach() if self.dp_rank == 0 and self.tp_rank == 0 else None

@@ -1,0 +1,487 @@
+"""Sharded data parallel (ZeRO stages 1, 2 and 3): a model's parameters in units, each unit's
+sharded over a group of ranks, gathered to compute and reduce-scattered after backward.
+
+Every rank of a unit's group owns 1/N of each of its parameters: its dim-0 chunk (torch.chunk
+semantics, zero-padded so every rank's chunk has the same number of rows). These shards are the
+master weights, in the master dtype (fp32, or bf16 under bf16-true); an optimizer over them has
+its state sharded too. The rest is in the *working* dtype: mixed precision's compute dtype, else
+the master dtype.
+
+- Stage 1 (zero1): the whole parameters in the working dtype, in one flat buffer per unit
+  (parameter after parameter, each padded to N times its shard's rows; the model's parameters
+  are views into it), and the whole gradients in a second buffer laid out alike, which autograd
+  accumulates into (`attach_full_grads`). At the end of backward every unit's gradients are
+  packed and reduce-scattered (averaged) into this rank's shard gradients, which then live in
+  that same gradient buffer (what it held is spent once packed); after the optimizer step the
+  updated shards are all-gathered, in the working dtype, into the whole parameters.
+- Stage 2 (zero2): as stage 1 without the gradient buffer: each unit's gradients are
+  reduce-scattered as soon as its backward is done and freed, into shard gradients of their own.
+- Stage 3 (fsdp): parameters are sharded too. A unit's full parameters exist only while it
+  computes: one all-gather of its packed shards before its forward, freed after (unless
+  `reshard_after_forward` is off), gathered again before its backward, freed after. The next
+  unit's all-gather is issued while the current one computes (`prefetch` units ahead), forward
+  and backward (`GatherHooks`).
+
+Where the working dtype is the master dtype and nothing is offloaded, stage 1's and 2's shards
+are views into the whole parameters' buffer (this rank's rows of each parameter), not copies.
+Otherwise they are a buffer of their own. Offloaded (ZeRO-Offload), the master shards, their
+gradients and the optimizer state live in host memory; shard gradients are copied there after
+the reduce-scatter, and the updated shards go back to the device, cast to the working dtype, as
+the all-gather's input.
+
+Freeing releases storage (`untyped_storage().resize_(0)`), not just a reference: autograd keeps
+views of parameters (`weight.t()`) for backward, which would otherwise keep the memory alive.
+Gathering refills the same storage, so those views see the data again.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from shardwise.memory import return_free_memory
+from shardwise.parallel.comm import gather_in_place
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import Placement
+
+HOST = torch.device("cpu")
+
+
+def row_numel(param: torch.Tensor) -> int:
+    """Elements in one dim-0 row of `param` (from its shape: its storage may be freed)."""
+    return math.prod(param.shape[1:])
+
+
+def real_rows(param: torch.Tensor, rows: int, rank: int) -> int:
+    """Rows of `rank`'s shard of `rows` rows that hold `param`'s data; the rest are padding."""
+    return max(0, min(rows, param.shape[0] - rank * rows))
+
+
+@dataclass(frozen=True)
+class ShardGroup:
+    """The ranks a unit's parameters are sharded over: its process group, their number, this rank's
+    place among them, and the DTensor layout checkpoints see a shard in. Experts split over expert
+    parallel are sharded over the ranks that hold the same experts (`edp`), and their averaged
+    gradients scaled by 1/ep: each already sums what every ep rank's tokens contributed."""
+
+    group: dist.ProcessGroup
+    world: int
+    rank: int
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+    grad_scale: float = 1.0
+    experts: bool = False
+
+
+@dataclass
+class Unit:
+    """Parameters gathered, freed and reduced together, and their shards packed in one buffer."""
+
+    over: ShardGroup
+    params: list[nn.Parameter]
+    rows: list[int]  # rows of each parameter's shard (its padded dim 0 / world size)
+    offsets: list[int]  # where each parameter's shard starts among this rank's packed shards
+    shard_numel: int  # elements of this rank's packed shards (and of each rank's part of a gather)
+    full_dtype: torch.dtype  # the working dtype: what the full parameters are gathered and computed in
+    shards: list[nn.Parameter]  # this rank's master shards, shaped [rows, *rest]
+    shard_buffer: torch.Tensor | None  # the shards packed, where they are a buffer of their own
+    full: torch.Tensor | None = None  # stages 1, 2: the whole parameters, padded, the parameters views into it
+    grads: torch.Tensor | None = None  # stage 1: the whole gradients, laid out as `full`; then the shard gradients
+    grads_spent: bool = False  # stage 1: `grads` holds shard gradients now, not gradients to accumulate into
+    gathered: bool = True
+    pending_gather: tuple[dist.Work, torch.Tensor] | None = None
+    ready: set[int] = field(default_factory=set)
+
+    @property
+    def full_bytes(self) -> int:
+        if self.full is not None:
+            return self.full.nbytes
+        return sum(p.numel() * p.element_size() for p in self.params)
+
+    def regions(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's place in `buffer` (laid out as `full`) as [world, shard elements]: row r
+        is rank r's shard of it."""
+        regions, start, world = [], 0, self.over.world
+        for param, rows in zip(self.params, self.rows, strict=True):
+            length = rows * row_numel(param)
+            regions.append(buffer[start : start + world * length].view(world, length))
+            start += world * length
+        return regions
+
+
+def rank_spans(param: torch.Tensor, rows: int, world: int) -> list[tuple[int, int]]:
+    """For each of `world` ranks, (start, length) of its chunk in `param` flattened."""
+    numel = row_numel(param)
+    return [(rank * rows * numel, real_rows(param, rows, rank) * numel) for rank in range(world)]
+
+
+def flatten(params: list[nn.Parameter], rows: list[int], dtype: torch.dtype, world: int,
+            device: torch.device) -> torch.Tensor:
+    """One buffer holding `params` in `dtype`, each padded to `world` x its shard's rows, and each
+    parameter made a view into it."""
+    padded = [world * r * row_numel(p) for r, p in zip(rows, params, strict=True)]
+    full = torch.zeros(sum(padded), dtype=dtype, device=device)
+    start = 0
+    for param, length in zip(params, padded, strict=True):
+        view = full[start : start + param.numel()].view_as(param)
+        view.copy_(param.detach())
+        param.data = view
+        start += length
+    return full
+
+
+def copy_out(full: torch.Tensor, rows: int, offset: int, per_rank: torch.Tensor) -> None:
+    """Fill `full` (a parameter's whole value) from every rank's packed shards (`per_rank`, one row
+    each, a parameter's shard at `offset`)."""
+    flat = full.view(-1)
+    for rank, (start, n) in enumerate(rank_spans(full, rows, per_rank.shape[0])):
+        flat[start : start + n].copy_(per_rank[rank, offset : offset + n])
+
+
+class Sharding:
+    """The units of one model at ZeRO `stage` (1, 2 or 3) on `device`: master shards in
+    `master_dtype` (on the host when `offload`), full parameters in `working_dtype`, gradients
+    reduced in `reduce_dtype`. Units are added in the model's order, the root (what no block holds)
+    last; `bytes_moved` counts what the all-gathers and reduce-scatters put through (input +
+    output, for bus bandwidth), `bytes_gathered` the all-gathers' part of it, and
+    `peak_gathered_bytes` the most full-parameter bytes alive at once."""
+
+    def __init__(self, stage: int, device: torch.device, master_dtype: torch.dtype, working_dtype: torch.dtype,
+                 reduce_dtype: torch.dtype, offload: bool = False, prefetch: int = 1,
+                 reshard_after_forward: bool = True) -> None:
+        self.stage, self.device, self.offload = stage, device, offload
+        self.master_dtype, self.working_dtype, self.reduce_dtype = master_dtype, working_dtype, reduce_dtype
+        self.master_device = HOST if offload else device  # where master shards and optimizer state live
+        self.prefetch, self.reshard_after_forward = prefetch, reshard_after_forward
+        self.units: list[Unit] = []
+        self._unit_of: dict[int, Unit] = {}
+        self._shard_of: dict[int, tuple[nn.Parameter, int]] = {}
+        self._reductions: list[tuple[dist.Work, Unit, torch.Tensor, torch.Tensor]] = []
+        self.gathered_bytes = self.peak_gathered_bytes = 0
+        self.bytes_moved = self.bytes_gathered = 0
+
+    # --- making units ----------------------------------------------------------------------
+
+    def add(self, over: ShardGroup, params: list[nn.Parameter]) -> Unit:
+        """`params` (whole, on the device) as a unit sharded over `over`, its shards made; the full
+        parameters stay until `settle`."""
+        unit = self._make_unit(over, params)
+        self.units.append(unit)
+        self._unit_of.update({id(p): unit for p in params})
+        self._shard_of.update({id(p): (shard, rows) for p, shard, rows in zip(params, unit.shards, unit.rows,
+                                                                             strict=True)})
+        return unit
+
+    def settle(self, unit: Unit) -> None:
+        """After a unit is made: stage 3 keeps only its shards, freeing the full parameters (gathered
+        in the working dtype from now on; a parameter mapped from a file is copied first, since
+        freeing resizes its storage); the other stages keep them, counted as gathered."""
+        if self.stage == 3:
+            for param in unit.params:
+                if param.dtype != self.working_dtype:
+                    param.data = param.data.to(self.working_dtype)
+                elif not param.untyped_storage().resizable():
+                    param.data = param.data.clone()
+        self.count_gathered(unit.full_bytes)
+        if self.stage == 3:
+            self.free(unit)
+            return_free_memory()
+
+    def _make_unit(self, over: ShardGroup, params: list[nn.Parameter]) -> Unit:
+        rows = [math.ceil(p.shape[0] / over.world) for p in params]
+        lengths = [r * row_numel(p) for r, p in zip(rows, params, strict=True)]
+        offsets = [sum(lengths[:i]) for i in range(len(lengths))]
+        master, working = self.master_dtype, self.working_dtype
+        unit = Unit(over, params, rows, offsets, sum(lengths), working, shards=[], shard_buffer=None)
+        if self.stage == 3 or working != master or self.offload:
+            unit.shard_buffer = torch.zeros(unit.shard_numel, dtype=master, device=self.master_device)
+            for param, r, offset, length in zip(params, rows, offsets, lengths, strict=True):
+                view = unit.shard_buffer[offset : offset + length].view(r, *param.shape[1:])
+                chunk = param.detach()[over.rank * r : (over.rank + 1) * r]
+                view[: chunk.shape[0]].copy_(chunk)
+                unit.shards.append(nn.Parameter(view))
+        if self.stage < 3:
+            unit.full = flatten(params, rows, working, over.world, self.device)
+            if unit.shard_buffer is None:  # the master shards are this rank's rows of the whole parameters
+                unit.shards = [nn.Parameter(region[over.rank].view(r, *p.shape[1:]))
+                               for region, r, p in zip(unit.regions(unit.full), rows, params, strict=True)]
+        if self.stage == 1:
+            # Large enough to hold the shard gradients too, in the master dtype (only one rank needs more).
+            as_working = unit.shard_numel * master.itemsize // working.itemsize
+            unit.grads = torch.zeros(max(unit.full.numel(), as_working), dtype=working, device=self.device)
+        return unit
+
+    @property
+    def root(self) -> Unit:
+        """The last unit: what no block holds, gathered for the whole of forward and backward."""
+        return self.units[-1]
+
+    def shard_of(self, param: nn.Parameter) -> nn.Parameter:
+        """This rank's master shard of `param`."""
+        return self._shard_of[id(param)][0]
+
+    def rows_of(self, param: nn.Parameter) -> int:
+        """Rows of each rank's shard of `param`."""
+        return self._shard_of[id(param)][1]
+
+    def unit_of(self, param: nn.Parameter) -> Unit:
+        return self._unit_of[id(param)]
+
+    def holds(self, param: torch.Tensor) -> bool:
+        """Whether `param` is sharded here (a buffer or a frozen parameter is not)."""
+        return id(param) in self._shard_of
+
+    def shards(self) -> list[nn.Parameter]:
+        """This rank's master shards, every unit's: what its optimizer steps on."""
+        return [shard for unit in self.units for shard in unit.shards]
+
+    # --- gather / free --------------------------------------------------------------------
+
+    def start_gather(self, unit: Unit) -> None:
+        """Issue the all-gather of every rank's shards of the unit, in the working dtype."""
+        if unit.gathered or unit.pending_gather is not None:
+            return
+        send = self._packed_shards(unit, unit.full_dtype)
+        out = torch.empty(unit.over.world * send.numel(), dtype=send.dtype, device=send.device)
+        work = dist.all_gather_single(out, send, group=unit.over.group, async_op=True)
+        moved = (out.numel() + send.numel()) * out.element_size()
+        self.bytes_moved += moved
+        self.bytes_gathered += moved
+        unit.pending_gather = (work, out)
+        self.count_gathered(out.numel() * out.element_size())
+
+    def _packed_shards(self, unit: Unit, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's shards of the unit, packed, in `dtype`, on the device: what an all-gather sends."""
+        if unit.shard_buffer is not None:
+            return unit.shard_buffer.to(self.device, dtype)
+        packed = torch.empty(unit.shard_numel, dtype=dtype, device=self.device)
+        for region, offset in zip(unit.regions(unit.full), unit.offsets, strict=True):
+            packed[offset : offset + region.shape[1]].copy_(region[unit.over.rank])
+        return packed
+
+    def finish_gather(self, unit: Unit) -> None:
+        """Wait for the unit's all-gather and copy each rank's chunk into the full parameters."""
+        if unit.gathered:
+            return
+        self.start_gather(unit)
+        work, out = unit.pending_gather
+        work.wait()
+        per_rank = out.view(unit.over.world, -1)
+        if unit.full is not None:  # stages 1, 2: one copy per parameter, padding included
+            for region, offset in zip(unit.regions(unit.full), unit.offsets, strict=True):
+                region.copy_(per_rank[:, offset : offset + region.shape[1]])
+        else:  # stage 3: refill each parameter's freed storage
+            for param, rows, offset in zip(unit.params, unit.rows, unit.offsets, strict=True):
+                storage = param.untyped_storage()
+                if storage.size() == 0:
+                    storage.resize_(param.numel() * param.element_size())
+                copy_out(param.data, rows, offset, per_rank)
+        if self.stage == 3:
+            unit.gathered = True
+            self.count_gathered(unit.full_bytes)  # both the parameters and the gather buffer are alive here
+        unit.pending_gather = None
+        self.count_gathered(-out.numel() * out.element_size())
+
+    def count_gathered(self, nbytes: int) -> None:
+        """Track full-parameter bytes alive: unsharded parameters and all-gather buffers in flight."""
+        self.gathered_bytes += nbytes
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
+
+    def free(self, unit: Unit) -> None:
+        if not unit.gathered:
+            return
+        for param in unit.params:
+            param.untyped_storage().resize_(0)
+        unit.gathered = False
+        self.count_gathered(-unit.full_bytes)
+
+    def gather_all(self) -> None:
+        """Bring every rank's shards into the full parameters (stages 1 and 2 after each step, a
+        pipeline's stage 3 before one), one unit's all-gather in flight while the previous one is
+        copied out (two gather buffers at most)."""
+        if self.stage < 3:
+            for unit in self.units:
+                unit.gathered = False
+        self.start_gather(self.units[0])
+        for unit, following in zip(self.units, self.units[1:] + [None], strict=True):
+            if following is not None:
+                self.start_gather(following)
+            self.finish_gather(unit)
+            unit.gathered = True
+
+    def free_all(self) -> None:
+        """Stage 3: every unit's full parameters freed."""
+        if self.stage == 3:
+            for unit in self.units:
+                self.free(unit)
+
+    # --- backward: reduce-scatter gradients ----------------------------------------------
+
+    def attach_full_grads(self) -> None:
+        """Stage 1, before a backward: point every parameter's `.grad` at its place in its unit's
+        gradient buffer, zeroed at the first backward of a step (when the buffer holds the last
+        step's shard gradients)."""
+        if self.stage != 1:
+            return
+        for unit in self.units:
+            if unit.grads_spent or any(p.grad is None for p in unit.params):
+                unit.grads.zero_()
+                for param, region in zip(unit.params, unit.regions(unit.grads), strict=True):
+                    param.grad = region.view(-1)[: param.numel()].view_as(param)
+                unit.grads_spent = False
+
+    def grad_ready(self, param: nn.Parameter, sync: bool) -> None:
+        """`param`'s gradient is final for this backward: once its unit's all are (the root's wait
+        for the end), stage 2 and 3 reduce-scatter the unit (when `sync`) and stage 3 frees it.
+        Experts' units wait for the end of backward too: an expert no token reached on a rank may
+        get no gradient there, and their reduce-scatters must come in the same order on every rank."""
+        unit = self._unit_of[id(param)]
+        unit.ready.add(id(param))
+        if len(unit.ready) < len(unit.params) or unit is self.root:
+            return
+        if sync and self.stage >= 2 and not unit.over.experts:
+            self.reduce_scatter(unit)
+        if self.stage == 3:
+            self.free(unit)
+
+    def reduce_scatter(self, unit: Unit) -> None:
+        """Average the unit's full gradients over its ranks, packed in the reduce dtype, into this
+        rank's shard gradients; the full gradients are spent (stage 1) or freed (2, 3). The previous
+        unit's reduce-scatter is waited for first: it has had this unit's whole backward to finish,
+        and its packed gradients (a unit's worth) need not live beside these."""
+        self.settle_reductions()
+        world = unit.over.world
+        packed = torch.empty(world, unit.shard_numel, dtype=self.reduce_dtype, device=self.device)
+        if unit.grads is not None:  # stage 1: its gradient buffer, padded as the shards are
+            for region, offset in zip(unit.regions(unit.grads), unit.offsets, strict=True):
+                packed[:, offset : offset + region.shape[1]].copy_(region)
+            unit.grads_spent = True
+        else:
+            for param, rows, offset in zip(unit.params, unit.rows, unit.offsets, strict=True):
+                part = packed[:, offset : offset + rows * row_numel(param)]
+                if param.grad is not None and param.numel() == part.numel():  # no padding: one copy
+                    part.copy_(param.grad.view(world, -1))
+                    continue
+                part.zero_()  # padding, or no gradient on this rank: it contributes zeros
+                if param.grad is not None:
+                    flat = param.grad.view(-1)
+                    for rank, (start, n) in enumerate(rank_spans(param, rows, world)):
+                        packed[rank, offset : offset + n].copy_(flat[start : start + n])
+        for param in unit.params:
+            param.grad = None
+        home = self._shard_grad_buffer(unit)
+        same = home.dtype == packed.dtype and home.device == packed.device
+        shard_grad = home if same else torch.empty(unit.shard_numel, dtype=packed.dtype, device=packed.device)
+        work = dist.reduce_scatter_single(shard_grad, packed.view(-1), op=dist.ReduceOp.AVG, group=unit.over.group,
+                                          async_op=True)
+        self.bytes_moved += (packed.numel() + unit.shard_numel) * packed.element_size()
+        self._reductions.append((work, unit, shard_grad, home))
+
+    def settle_reductions(self) -> None:
+        """Wait for the reduce-scatters outstanding and give their shards the gradients. A
+        reduction's input (every rank's part of a unit's whole gradients) lives as long as its
+        Work: left to the end of backward, all of them, a whole model's gradients, would be alive
+        at once."""
+        while self._reductions:
+            work, unit, shard_grad, home = self._reductions.pop(0)
+            work.wait()
+            if unit.over.grad_scale != 1.0:
+                shard_grad.mul_(unit.over.grad_scale)
+            if shard_grad is not home:
+                home.copy_(shard_grad)
+            for shard, offset in zip(unit.shards, unit.offsets, strict=True):
+                shard.grad = home[offset : offset + shard.numel()].view_as(shard)
+
+    def _shard_grad_buffer(self, unit: Unit) -> torch.Tensor:
+        """Where this rank's shard gradients of the unit go, packed, in the master dtype: stage 1's
+        spent gradient buffer (unless offloaded), else a buffer of their own beside the shards."""
+        master = self.master_dtype
+        if unit.grads is not None and not self.offload:
+            return unit.grads[: unit.shard_numel * master.itemsize // unit.grads.element_size()].view(master)
+        return torch.empty(unit.shard_numel, dtype=master, device=self.master_device)
+
+    def finish_backward(self, sync: bool) -> None:
+        """At the end of a backward: when `sync`, every unit not reduced yet (the root, units with a
+        parameter that got no gradient, stage 1's, experts') reduce-scattered and every reduction
+        settled; stage 3 frees what is still gathered."""
+        if sync:
+            for unit in self.units:
+                if unit is self.root or len(unit.ready) < len(unit.params) or self.stage == 1 or unit.over.experts:
+                    self.reduce_scatter(unit)
+            self.settle_reductions()
+        self.free_all()
+        for unit in self.units:
+            unit.ready.clear()
+
+    # --- state -----------------------------------------------------------------------------
+
+    def gather_to_first(self, param: nn.Parameter) -> torch.Tensor | None:
+        """`param`'s whole value (in the master dtype) on rank 0 of its unit's group, from every
+        rank's shard of it; None on the others. Collective over that group."""
+        shard, rows = self._shard_of[id(param)]
+        over = self._unit_of[id(param)].over
+        send = shard.detach().to(self.device).reshape(-1)
+        if over.rank != 0:
+            gather_in_place(send, None, over.group)
+            return None
+        gathered = torch.empty(over.world * send.numel(), dtype=send.dtype, device=send.device)
+        gather_in_place(send, list(gathered.view(over.world, -1)), over.group)
+        return gathered.view(over.world * rows, *param.shape[1:])[: param.shape[0]]
+
+
+class GatherHooks:
+    """Stage 3's hooks on a model: the root gathered around the model's forward, each block's units
+    gathered before its forward and again before its backward and freed after each (unless
+    `reshard_after_forward` is off), the next `prefetch` blocks' all-gathers issued while one
+    computes, forward and backward."""
+
+    def __init__(self, sharding: Sharding, module: nn.Module, blocks: list[tuple[nn.Module, list[Unit]]]) -> None:
+        """`blocks`: each block module of `module` with its units, in forward order."""
+        self.sharding = sharding
+        units = [made for _, made in blocks]
+        module.register_forward_pre_hook(lambda m, args: self._before_root_forward(units))
+        module.register_forward_hook(lambda m, args, out: self._after_root_forward())
+        for index, (block, _) in enumerate(blocks):
+            block.register_forward_pre_hook(lambda m, args, i=index: self._before_unit_forward(units, i))
+            block.register_forward_hook(lambda m, args, out, i=index: self._after_unit_forward(units, i, out))
+
+    def _before_root_forward(self, blocks: list[list[Unit]]) -> None:
+        self.sharding.finish_gather(self.sharding.root)
+        for unit in blocks[0] if blocks else []:
+            self.sharding.start_gather(unit)
+
+    def _before_unit_forward(self, blocks: list[list[Unit]], index: int) -> None:
+        for unit in blocks[index]:
+            self.sharding.finish_gather(unit)
+        for ahead in blocks[index + 1 : index + 1 + self.sharding.prefetch]:
+            for unit in ahead:
+                self.sharding.start_gather(unit)
+
+    def _after_unit_forward(self, blocks: list[list[Unit]], index: int, output: object) -> None:
+        if self.sharding.reshard_after_forward:
+            for unit in blocks[index]:
+                self.sharding.free(unit)
+        # A unit may return a tuple or a dict (many transformers layers do): the first gradient to
+        # reach any of its tensors gathers it again, the others find it gathered.
+        for tensor in pytree.tree_leaves(output):
+            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+                tensor.register_hook(lambda grad, i=index: self._before_unit_backward(blocks, i))
+
+    def _after_root_forward(self) -> None:
+        if not torch.is_grad_enabled():  # no backward will follow (evaluation)
+            self.sharding.free(self.sharding.root)
+
+    def _before_unit_backward(self, blocks: list[list[Unit]], index: int) -> None:
+        for unit in blocks[index]:
+            self.sharding.finish_gather(unit)
+        for behind in blocks[max(0, index - self.sharding.prefetch) : index][::-1]:
+            for unit in behind:
+                self.sharding.start_gather(unit)
