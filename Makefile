@@ -21,12 +21,12 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 test: setup
-	$(BIN)/ruff check src tests
+	$(BIN)/ruff check src tests bench
 	$(BIN)/pytest
 
 # The suite without the tests marked slow or root: a few minutes, for the edit-test loop.
 test-fast: setup
-	$(BIN)/ruff check src tests
+	$(BIN)/ruff check src tests bench
 	$(BIN)/pytest -m "not slow and not root"
 
 demo: setup
@@ -54,7 +54,7 @@ bench: setup
 	$(BIN)/shardwise bench multinode
 
 lint: setup
-	$(BIN)/ruff check src tests
+	$(BIN)/ruff check src tests bench
 
 clean:
 	rm -rf $(VENV) runs

@@ -11,8 +11,7 @@ import torch.distributed.checkpoint as dcp
 from conftest import CONFIGS
 from distributed import run_ranks
 
-from shardwise import checkpoint
-from shardwise.bench.checkpoint import (
+from bench.checkpoint import (
     CopyStager,
     _copied,
     async_save_timings,
@@ -22,6 +21,7 @@ from shardwise.bench.checkpoint import (
     rank_share,
     timed_together,
 )
+from shardwise import checkpoint
 from shardwise.checkpoint import save_checkpoint, training_state
 from shardwise.config import load_config
 from shardwise.dist import DistContext

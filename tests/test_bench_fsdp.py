@@ -9,7 +9,7 @@ from conftest import CONFIGS
 from distributed import run_ranks
 from torch import nn
 
-from shardwise.bench.fsdp import held_bytes
+from bench.fsdp import held_bytes
 from shardwise.config import load_config
 from shardwise.dist import DistContext
 from shardwise.trainer import Trainer

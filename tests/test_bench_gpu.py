@@ -12,8 +12,9 @@ import subprocess
 import sys
 
 import pytest
+from conftest import REPO
 
-from shardwise.bench import fake_world
+from bench import fake_world
 from shardwise.cli import main
 
 # A Llama of 8 heads (tensor parallel 8 takes one each), 2 blocks, width 64.
@@ -39,7 +40,7 @@ def run_jobs_in_one_process(jobs: list[tuple[str, dict]]) -> list[dict]:
     script = "import importlib, json, sys\nfor module, job in json.loads(sys.argv[1]):\n" \
              "    importlib.import_module(module).worker(job)"
     done = subprocess.run([sys.executable, "-c", script, json.dumps(jobs)], capture_output=True, text=True,
-                          timeout=300)
+                          timeout=300, cwd=REPO)
     assert done.returncode == 0, done.stderr[-2000:]
     return [json.loads(line[len(fake_world.RESULT):]) for line in done.stdout.splitlines()
             if line.startswith(fake_world.RESULT)]
@@ -53,9 +54,9 @@ def jobs(tmp_path_factory) -> dict[str, dict]:
              ("fsdp-native", 8, "blocks"))
     timed = (("single", 1, "tiny"), ("fsdp-native", 1, "tiny"), ("zero2", 8, "tiny"), ("pipeline", 8, "small"))
     results = run_jobs_in_one_process(
-        [("shardwise.bench.gpu_scale", {"strategy": label, "world": world, "recompute": recompute, "seq_len": 64,
+        [("bench.gpu_scale", {"strategy": label, "world": world, "recompute": recompute, "seq_len": 64,
                                         "steps": 2, "config": str(config)}) for label, world, recompute in scale]
-        + [("shardwise.bench.gpu", {"strategy": strategy, "world": world, "preset": preset, "micro_batch": 4,
+        + [("bench.gpu", {"strategy": strategy, "world": world, "preset": preset, "micro_batch": 4,
                                     "steps": 3}) for strategy, world, preset in timed])
     names = [f"scale {label}" for label, _, _ in scale] + [f"gpu {strategy} {world}" for strategy, world, _ in timed]
     return dict(zip(names, results, strict=True))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from conftest import CONFIGS
 
-from shardwise.bench import moe
+from bench import moe
 from shardwise.config import load_config
 from shardwise.models import build_model
 from shardwise.models.moe import moe_layers

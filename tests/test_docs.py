@@ -134,9 +134,9 @@ def flags_by_command() -> dict[str, set[str]]:
 
 
 def example_flags() -> set[str]:
-    """The flags the scripts in examples/ and the bench modules (`python -m shardwise.bench.NAME`)
+    """The flags the scripts in examples/ and the bench modules (`python -m bench.NAME`)
     define, which the docs show beside ours."""
-    scripts = [*(REPO / "examples").glob("*.py"), *(REPO / "src" / "shardwise" / "bench").glob("*.py")]
+    scripts = [*(REPO / "examples").glob("*.py"), *(REPO / "bench").glob("*.py")]
     return {flag for script in scripts
             for flag in re.findall(r"add_argument\(\"(--[a-z][a-z0-9-]*)\"", script.read_text())}
 

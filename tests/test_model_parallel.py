@@ -11,7 +11,7 @@ import torch
 from conftest import CONFIGS, SGD, assert_same_training, losses, read_records, train_in_process
 from distributed import run_ranks
 
-from shardwise.bench.pipeline import one_micro_batch_bytes
+from bench.pipeline import one_micro_batch_bytes
 from shardwise.config import load_config
 from shardwise.dist import DistContext
 from shardwise.models import build_model

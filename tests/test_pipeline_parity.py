@@ -18,7 +18,7 @@ from test_checkpoint import Crash, crash_at
 from test_model_parallel import assert_matches_single
 from test_model_parallel import cfg_for as model_parallel_cfg
 
-from shardwise.bench.pipeline import one_micro_batch_bytes
+from bench.pipeline import one_micro_batch_bytes
 from shardwise.dist import DistContext
 from shardwise.parallel.pipeline.schedules import peak_in_flight
 from shardwise.trainer import Trainer

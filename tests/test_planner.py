@@ -392,7 +392,7 @@ def test_device_presets_cite_their_sources():
 
 
 def test_a_measured_hardware_profile_plans_like_a_preset(tmp_path):
-    from shardwise.bench.hardware import measure_profile
+    from bench.hardware import measure_profile
 
     threads = torch.get_num_threads()
     try:
@@ -408,7 +408,7 @@ def test_a_measured_hardware_profile_plans_like_a_preset(tmp_path):
 
 
 def test_ranks_outnumbering_the_cores_are_profiled_computing_for_their_share(monkeypatch):
-    from shardwise.bench import hardware
+    from bench import hardware
     from shardwise.planner.timing import predict_step_time
 
     monkeypatch.setattr(hardware.os, "sched_getaffinity", lambda pid: {0, 1})

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
-from shardwise.bench import BENCHES
 from shardwise.config import PRECISIONS, Config, ConfigError, hf_config_overrides, load_config
 from shardwise.planner.candidates import DEFAULT_PRECISIONS, POLICIES
 from shardwise.recompute import parse_policy
@@ -191,11 +192,34 @@ def sample(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench_checkout() -> Path | None:
+    """The repository this shardwise runs from, where it holds bench/ beside src/ (the benches are
+    not part of the installed package: they measure it from a checkout); None for an installed copy."""
+    root = Path(__file__).resolve().parents[2]
+    return root if (root / "bench" / "__init__.py").is_file() else None
+
+
+def benches() -> dict[str, tuple[str, int]]:
+    """The checkout's benches (bench/__init__.py's BENCHES: name -> (module, ranks)); none without one."""
+    root = bench_checkout()
+    if root is None:
+        return {}
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    return importlib.import_module("bench").BENCHES
+
+
 def bench(args: argparse.Namespace) -> int:
     from shardwise.config import LaunchConfig
     from shardwise.launch import WorkerFailed, launch_workers
 
-    module, ranks = BENCHES[args.name]
+    root = bench_checkout()
+    if root is None:
+        raise ConfigError("the benches run from a checkout of the shardwise repository (bench/ beside src/, after "
+                          "`make setup`); this shardwise is an installed copy without them")
+    module, ranks = benches()[args.name]
+    # The bench modules, and the ranks and jobs they start, import `bench` from the checkout.
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
     if args.nproc is not None and args.name != "hardware":
         raise ConfigError(f"--nproc {args.nproc}: only `bench hardware` takes a world size; "
                           f"{args.name} runs on {ranks}")
@@ -211,7 +235,7 @@ def bench(args: argparse.Namespace) -> int:
             raise ConfigError(f"bench {args.name} measures a GPU and no CUDA device is here; `python -m {module} "
                               "--help` says how to run its jobs on the CPU to check the harness, with no device "
                               "figures")
-    entry = [module, "--json", f"bench/results/{args.name}.json"]
+    entry = [module, "--json", str(root / "bench" / "results" / f"{args.name}.json")]
     if args.steps is not None or args.name not in ("scale", "gpu", "gpu-scale"):  # their own default steps
         entry += ["--steps", str(12 if args.steps is None else args.steps)]
     for flag, value in scale_only.items():
@@ -403,7 +427,8 @@ def parser() -> argparse.ArgumentParser:
                             "group, ours and FSDP2, against the planner; data: your own "
                             "corpus (data.path) prepared (on 1 process and on one per core) and read at 1 MiB and "
                             "1 GiB, against the demo model's step. Writes bench/results/NAME.json (and --json FILE).")
-    p.add_argument("name", choices=list(BENCHES), help="which benchmark")
+    p.add_argument("name", choices=list(benches()) or None, help="which benchmark (from a checkout of the "
+                   "repository: bench/ lives beside src/)")
     p.add_argument("--steps", type=int, help="measured steps per variant, default 12 (checkpoint: rounds; scale: "
                    "steps each job trains, default 2)")
     p.add_argument("--json", "--out", dest="json", help="also write the result to this file (for hardware: "

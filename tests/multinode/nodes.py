@@ -1,4 +1,4 @@
-"""Nodes for the multi-node tests: a cluster of network namespaces (shardwise.bench.netns), made
+"""Nodes for the multi-node tests: a cluster of network namespaces (bench.netns), made
 for a test and always removed after it; skipped, with the reason, where namespaces cannot be made."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import CONFIGS, REPO
 
-from shardwise.bench.netns import Cluster, NetnsUnavailable, unavailable_reason
+from bench.netns import Cluster, NetnsUnavailable, unavailable_reason
 
 HERE = Path(__file__).resolve().parent
 
@@ -58,7 +58,7 @@ def train_many_on_nodes(nodes: Cluster, runs: list[dict], nproc: int, timeout: f
     spec = Path(runs[0]["out"]).parent / f"runs-{nproc}.json"
     spec.write_text(json.dumps([{**run, "out": str(run["out"])} for run in runs]))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
-    processes = [nodes.popen(node.rank, [sys.executable, "-m", "shardwise.bench.netns", "node", "--nproc", str(nproc),
+    processes = [nodes.popen(node.rank, [sys.executable, "-m", "bench.netns", "node", "--nproc", str(nproc),
                                          *nodes.node_flags(node.rank), "train_many", str(spec)],
                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
                  for node in nodes.nodes]

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from shardwise.bench.multinode import run_bench
-from shardwise.bench.netns import NetnsUnavailable, unavailable_reason
+from bench.multinode import run_bench
+from bench.netns import NetnsUnavailable, unavailable_reason
 
 # 10 Mbit/s: gpt-tiny's 0.48 MB of gradients take ~0.4 s a step each way, twenty times its compute,
 # so a busy machine's slower compute moves what the limit adds by little.

@@ -38,7 +38,7 @@ def test_node_addr_on_one_node_is_refused():
 
 
 def test_without_root_the_harness_and_the_bench_say_they_need_it(monkeypatch, capsys):
-    from shardwise.bench import multinode, netns
+    from bench import multinode, netns
 
     monkeypatch.setattr(netns.os, "geteuid", lambda: 1000)
     assert netns.unavailable_reason() == "network namespaces need root (run as root, as CI does)"

@@ -20,7 +20,7 @@ from conftest import CONFIGS, SGD, assert_same_training, losses, read_records, t
 from nodes import TINY, cluster, start_on_nodes, train_many_on_nodes, wait_for_step
 from safetensors.torch import load_file
 
-from shardwise.bench.netns import Cluster
+from bench.netns import Cluster
 from shardwise.config import load_config
 from shardwise.models import build_model
 

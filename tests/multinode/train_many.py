@@ -1,5 +1,5 @@
 """Several trainings in one job across the nodes of a test cluster, so that the nodes start (and
-import torch) once, not once per training. Each node's launcher (`python -m shardwise.bench.netns
+import torch) once, not once per training. Each node's launcher (`python -m bench.netns
 node ... train_many RUNS.json`) starts its workers as `python -m train_many RUNS.json`, and each
 trains every run in RUNS.json (a list of {"out": DIR, "overrides": ["section.key=value", ...]} on gpt-tiny), one
 after another in one world. Node 1's first worker notes in each run directory the bytes its node

@@ -5,7 +5,7 @@ Throughput is each job's own median step time (its first step, warm-up, left out
 alternated so the machine's drift hits every strategy alike. The loss columns show what async
 training costs in quality for its speed.
 
-    python -m shardwise.bench.ps [--steps 20] [--rounds 2] [--json FILE]
+    python -m bench.ps [--steps 20] [--rounds 2] [--json FILE]
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from shardwise.bench.common import write_json
+from bench import ROOT
+from bench.common import write_json
 
 WORKERS = 2
 MODEL = ["model.preset=small", "data.name=shakespeare", "train.global_batch=16", "train.micro_batch=8",
@@ -37,7 +38,7 @@ def run_job(name: str, steps: int, out: Path) -> dict[str, Any]:
                "--nproc", str(nproc), "--steps", str(steps), "--out", str(out)]
     for override in [*MODEL, *extra]:
         command += ["--set", override]
-    done = subprocess.run(command, capture_output=True, text=True, cwd=Path(__file__).parents[3])
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     if done.returncode:
         raise SystemExit(f"bench ps: {name} failed:\n{done.stderr[-3000:]}")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -91,7 +92,7 @@ def format_result(result: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m shardwise.bench.ps", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m bench.ps", description=__doc__)
     parser.add_argument("--steps", type=int, default=20, help="training steps per job")
     parser.add_argument("--rounds", type=int, default=2, help="times every job is run, alternated")
     parser.add_argument("--json", action="append", default=[], help="write the result here (repeatable)")

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardwise.bench.common import bench_main
+from bench.common import bench_main
 from shardwise.dist import DistContext
 from shardwise.planner.devices import DeviceProfile
 from shardwise.planner.model import OpCounter

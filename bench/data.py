@@ -29,7 +29,8 @@ from typing import Any
 
 import torch
 
-from shardwise.bench.common import write_json
+from bench import bench_env
+from bench.common import write_json
 
 LINE_BYTES = 1024
 DEMO = Path(__file__).resolve().parents[3] / "configs" / "demo.toml"
@@ -101,8 +102,8 @@ def _rss() -> int:
 
 
 def _in_child(*args: str) -> Any:
-    out = subprocess.run([sys.executable, "-m", "shardwise.bench.data", "--child", *args], capture_output=True,
-                         text=True, check=True)
+    out = subprocess.run([sys.executable, "-m", "bench.data", "--child", *args], capture_output=True,
+                         text=True, check=True, env=bench_env())
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -158,7 +159,7 @@ def format_result(result: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m shardwise.bench.data", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m bench.data", description=__doc__)
     parser.add_argument("--steps", type=int, default=12, help="demo training steps timed")
     parser.add_argument("--reads", type=int, default=200, help="steps' micro-batches read per corpus")
     parser.add_argument("--sizes-mib", default="1,1024", help="corpus sizes, MiB, comma-separated")

@@ -16,7 +16,7 @@ Losses are meaningless (a fake all-gather leaves its output as it found it); the
 Without CUDA the jobs run on the CPU (to check the harness; `shardwise bench gpu-scale` refuses):
 their device figures are null and only the counted and predicted bytes mean anything.
 
-    shardwise bench gpu-scale [--steps 3]   (or python -m shardwise.bench.gpu_scale ... [--json FILE])
+    shardwise bench gpu-scale [--steps 3]   (or python -m bench.gpu_scale ... [--json FILE])
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ import sys
 import tempfile
 from typing import Any
 
-from shardwise.bench import fake_world
-from shardwise.bench.common import write_json
-from shardwise.bench.fake_world import device_name, median_step_s, planned_candidate, rank_zero_of, report
+from bench import fake_world
+from bench.common import write_json
+from bench.fake_world import device_name, median_step_s, planned_candidate, rank_zero_of, report
 from shardwise.config import Config, load_config
 
 NODE = 8  # hsdp's ranks per node, and tensor parallel's degree
@@ -100,7 +100,7 @@ def worker(job: dict[str, Any]) -> None:
 
 
 def run_job(job: dict[str, Any]) -> dict[str, Any]:
-    return fake_world.run_job("shardwise.bench.gpu_scale", job)
+    return fake_world.run_job("bench.gpu_scale", job)
 
 
 def longest_sequence(strategy: str, world: int, config: str, steps: int) -> dict[str, Any]:
@@ -151,7 +151,7 @@ def format_result(result: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m shardwise.bench.gpu_scale")
+    parser = argparse.ArgumentParser(prog="python -m bench.gpu_scale")
     parser.add_argument("--steps", type=int, default=3, help="steps each job trains (the first is not timed)")
     parser.add_argument("--config", default="configs/llama-3-8b.toml", help="the model (and data) to shard")
     parser.add_argument("--job", action="append", metavar="STRATEGY:WORLD:RECOMPUTE:SEQ",

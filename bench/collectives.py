@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardwise.bench.common import alternate, bench_config, bench_main
+from bench.common import alternate, bench_config, bench_main
 from shardwise.config import load_config
 from shardwise.dist import DistContext
 from shardwise.parallel.comm import bus_bandwidth, ring_all_reduce

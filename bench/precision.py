@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from shardwise.bench.common import alternate, bench_config, bench_main
+from bench.common import alternate, bench_config, bench_main
 from shardwise.dist import DistContext
 from shardwise.trainer import Trainer
 

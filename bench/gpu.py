@@ -15,7 +15,7 @@ machinery costs on the host and in copies when communication is free.
 Each job is its own process. Without CUDA the jobs run on the CPU as a harness check (`shardwise
 bench gpu` refuses): no device figures.
 
-    shardwise bench gpu [--steps 10]   (or python -m shardwise.bench.gpu ... [--preset tiny] [--json FILE])
+    shardwise bench gpu [--steps 10]   (or python -m bench.gpu ... [--preset tiny] [--json FILE])
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-from shardwise.bench import fake_world
-from shardwise.bench.common import write_json
-from shardwise.bench.fake_world import device_name, median_step_s, planned_candidate, rank_zero_of, report
+from bench import fake_world
+from bench.common import write_json
+from bench.fake_world import device_name, median_step_s, planned_candidate, rank_zero_of, report
 from shardwise.config import Config, load_config
 
 WORLD_ONE = ("single", "ddp", "zero2", "fsdp", "fsdp-native")
@@ -124,7 +124,7 @@ def run(steps: int, preset: str, micro_batch: int, worlds: tuple[int, ...]) -> d
     results = []
     for job in jobs:
         print(f"gpu: {job['strategy']} world {job['world']}", file=sys.stderr, flush=True)
-        results.append(fake_world.run_job("shardwise.bench.gpu", job))
+        results.append(fake_world.run_job("bench.gpu", job))
     single = next((r for r in results if r["strategy"] == "single" and "step_s" in r), None)
     for r in results:
         if "step_s" not in r:
@@ -156,7 +156,7 @@ def format_result(result: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m shardwise.bench.gpu")
+    parser = argparse.ArgumentParser(prog="python -m bench.gpu")
     parser.add_argument("--steps", type=int, default=10, help="steps per job (the first 2 not timed)")
     parser.add_argument("--preset", default="gpt2-124m", help="the GPT preset to train (at least 4 blocks: the "
                         "pipeline's stages)")

@@ -15,7 +15,7 @@ planner, which assumes a NIC per GPU: here a node's ranks share one link, which 
 ranks crosses with one flow each way, hsdp's shard all-reduces with one flow per process);
 unlimited, the veth is a memory copy like loopback, so the intra-node bandwidth.
 
-    python -m shardwise.bench.multinode [--steps N] [--json FILE]       # on the host, as root
+    python -m bench.multinode [--steps N] [--json FILE]       # on the host, as root
 The same module is each rank (`worker`), started on every node by netns.run_job.
 """
 
@@ -88,7 +88,7 @@ def instrument() -> BlockedClock:
 
 
 def case_config(strategy: str, world: int, preset: str, micro_batch: int, steps: int) -> Any:
-    from shardwise.bench.common import bench_config
+    from bench.common import bench_config
 
     return bench_config(strategy, world, micro_batch, steps, f"model.preset={preset}")
 
@@ -97,8 +97,8 @@ def worker(args: argparse.Namespace) -> None:
     """The machine measured as a device profile; then every strategy built once, and at each rate
     (set by the host when rank 0 asks for it) each strategy in turn runs WARMUP_STEPS + args.steps
     steps, timed."""
-    from shardwise.bench.hardware import measure_profile
-    from shardwise.bench.netns import LinkRate
+    from bench.hardware import measure_profile
+    from bench.netns import LinkRate
     from shardwise.dist import init_distributed, leave_process, shutdown_distributed
     from shardwise.trainer import Trainer
 
@@ -136,7 +136,7 @@ def worker(args: argparse.Namespace) -> None:
 def predict(profile: dict[str, Any], strategy: str, rate: str | None, preset: str, micro_batch: int,
             nproc: int) -> dict[str, float]:
     """The planner's step time and communication for the case, on the measured profile with the link's rate."""
-    from shardwise.bench.netns import parse_rate
+    from bench.netns import parse_rate
     from shardwise.planner import DeviceProfile
     from shardwise.planner.candidates import Candidate
     from shardwise.planner.timing import predict_step_time
@@ -173,11 +173,11 @@ def summarise(ranks: list[dict[str, list[float]]], cfg: Any) -> dict[str, Any]:
 def run_bench(steps: int, strategies: tuple[str, ...] = STRATEGIES, rates: tuple[str | None, ...] = RATES,
               preset: str = "small", micro_batch: int = 4, nproc: int = NPROC) -> dict[str, Any]:
     """Every strategy at every rate, in one job on a cluster of NODES nodes."""
-    from shardwise.bench.netns import Cluster, run_job
+    from bench.netns import Cluster, run_job
 
     names = ["unlimited" if rate is None else rate for rate in rates]
     with Cluster(NODES) as cluster:
-        result = run_job(cluster, nproc, "shardwise.bench.multinode",
+        result = run_job(cluster, nproc, "bench.multinode",
                         ["worker", "--strategies", ",".join(strategies), "--rates", ",".join(names),
                          "--steps", str(steps), "--preset", preset, "--micro-batch", str(micro_batch)])
     timings = {case: [rank[case] for rank in result["ranks"]] for case in result["ranks"][0]}
@@ -208,7 +208,7 @@ def format_result(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m shardwise.bench.multinode", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m bench.multinode", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("role", nargs="?", default="host", choices=("host", "worker"))
     parser.add_argument("--steps", type=int, default=6, help="measured steps per case (after 2 warm-up steps)")
@@ -222,8 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "worker":
         worker(args)
     else:
-        from shardwise.bench.common import write_json
-        from shardwise.bench.netns import unavailable_reason
+        from bench.common import write_json
+        from bench.netns import unavailable_reason
 
         reason = unavailable_reason()
         if reason:

@@ -15,7 +15,7 @@ buffers per rank, plus the runtime's own resident set, measured by the jobs) and
 it expects to fit; real jobs then go up one width step at a time while they fit, or down until
 one does. Every job is reported, fitting or not.
 
-    shardwise bench scale [--budget-gib 16] [--steps 2]   (or python -m shardwise.bench.scale ... [--json FILE])
+    shardwise bench scale [--budget-gib 16] [--steps 2]   (or python -m bench.scale ... [--json FILE])
 """
 
 from __future__ import annotations
@@ -32,7 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from shardwise.bench.common import write_json
+from bench import bench_env
+from bench.common import write_json
 from shardwise.config import Config, load_config
 from shardwise.planner.candidates import Candidate
 from shardwise.planner.memory import predict_memory, predict_phases, predict_setup_bytes
@@ -146,7 +147,7 @@ def run_job(job: dict[str, Any], budget: int) -> dict[str, Any]:
     strategy, optimizer, width, steps = job["strategy"], job["optimizer"], job["width"], job["steps"]
     wait_for_memory(budget)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks_of(strategy)}",
-               "-m", "shardwise.bench.scale", "--worker", json.dumps(job)]
+               "-m", "bench.scale", "--worker", json.dumps(job)]
     outcome: dict[str, Any] = {"width": width, "params": parameters(width), "planned": planned(strategy, optimizer,
                                                                                                width, steps)}
     text, most, seconds, returncode = watched(command, budget)
@@ -180,7 +181,7 @@ def watched(command: list[str], budget: int) -> tuple[str, int, float, int]:
     with tempfile.TemporaryFile("w+") as out:
         started = time.perf_counter()
         process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                                   env={**os.environ, "OMP_NUM_THREADS": "1"})
+                                   env=bench_env(OMP_NUM_THREADS="1"))
         while process.poll() is None:
             held = sum(resident(pid) for pid in descendants(process.pid) or [process.pid])  # torchrun's ranks
             most = max(most, held)
@@ -248,7 +249,7 @@ def consolidate_job(run_dir: Path, budget: int) -> dict[str, Any]:
     resident set, its runtime's, its time, and whether the file holds the run's final weights."""
     out = run_dir / "consolidated.safetensors"
     text, most, seconds, returncode = watched(
-        [sys.executable, "-m", "shardwise.bench.scale", "--consolidate", str(run_dir), str(out)], budget)
+        [sys.executable, "-m", "bench.scale", "--consolidate", str(run_dir), str(out)], budget)
     line = next((line for line in text.splitlines() if line.startswith(RESULT)), None)
     if returncode or line is None:
         return {"ok": False, "why": text[-400:]}
@@ -420,7 +421,7 @@ def format_result(result: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m shardwise.bench.scale")
+    parser = argparse.ArgumentParser(prog="python -m bench.scale")
     parser.add_argument("--budget-gib", type=float, default=16.0,
                         help="memory of all of a job's ranks together (of this machine's 24 GiB, what it can spare)")
     parser.add_argument("--steps", type=int, default=2, help="steps each job trains")

@@ -29,7 +29,7 @@ and our MoE layer's expert-parallel dispatch against DeepSpeed's MoE layer.
    alone, the ranks started together: what the bytes cost without waiting for a slower rank.
    Without DeepSpeed the result says so (`pip install -e '.[bench]'`).
 
-    shardwise bench moe [--steps 12]   (or python -m shardwise.bench.moe [--rounds 5] [--json FILE])
+    shardwise bench moe [--steps 12]   (or python -m bench.moe [--rounds 5] [--json FILE])
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ from typing import Any
 
 import torch
 
-from shardwise.bench.common import alternate, write_json
+from bench import ROOT
+from bench.common import alternate, write_json
 
 N_LAYER, D_MODEL, N_HEAD, SEQ_LEN, N_EXPERTS, TOP_K, D_EXPERT, MICRO_BATCH = 2, 128, 4, 128, 8, 2, 512, 4
 MODEL = ["model.name=gpt-moe", f"model.n_layer={N_LAYER}", f"model.d_model={D_MODEL}", f"model.n_head={N_HEAD}",
@@ -88,7 +89,7 @@ def run_job(name: str, steps: int, out: Path) -> list[dict[str, Any]]:
                "--set", f"train.global_batch={MICRO_BATCH * ranks}"]
     for override in MODEL:
         command += ["--set", override]
-    done = subprocess.run(command, capture_output=True, text=True, cwd=Path(__file__).parents[3])
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT)
     if done.returncode:
         raise SystemExit(f"bench moe: {name} failed:\n{done.stderr[-3000:]}")
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -295,7 +296,7 @@ def run_layer(steps: int, rounds: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as scratch:
         part = Path(scratch) / "layer.json"
         launch_workers(LaunchConfig(nproc=LAYER_RANKS),
-                       ["shardwise.bench.moe", "--layer-part", str(part), "--steps", str(steps), "--rounds",
+                       ["bench.moe", "--layer-part", str(part), "--steps", str(steps), "--rounds",
                         str(rounds)])
         return json.loads(part.read_text())
 
@@ -352,7 +353,7 @@ def format_result(result: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m shardwise.bench.moe", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m bench.moe", description=__doc__)
     parser.add_argument("--steps", type=int, default=12, help="measured steps per job (the layer: 5x as many)")
     parser.add_argument("--rounds", type=int, default=5, help="times every job is run, alternated")
     parser.add_argument("--json", action="append", default=[], help="write the result here (repeatable)")

@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
-from shardwise.bench.common import StepFn, alternate, bench_config, bench_main
+from bench.common import StepFn, alternate, bench_config, bench_main
 from shardwise.config import Config, validate
 from shardwise.dist import DistContext
 from shardwise.materialise import Materialiser, init_context

@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
-from shardwise.bench.common import bench_main
-from shardwise.bench.hardware import measure_profile
+from bench.common import bench_main
+from bench.hardware import measure_profile
 from shardwise.config import Config, load_config
 from shardwise.dist import DistContext
 from shardwise.measure import measure_candidates

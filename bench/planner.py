@@ -32,9 +32,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from shardwise.bench.common import write_json
-from shardwise.bench.hardware import measure_profile
-from shardwise.bench.netns import Cluster, LinkRate, parse_rate, run_job, unavailable_reason
+from bench.common import write_json
+from bench.hardware import measure_profile
+from bench.netns import Cluster, LinkRate, parse_rate, run_job, unavailable_reason
 from shardwise.config import LaunchConfig, load_config
 from shardwise.dist import DistContext, init_distributed, leave_process, shutdown_distributed
 from shardwise.measure import measure_candidates
@@ -192,7 +192,7 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m shardwise.bench.planner", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m bench.planner", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("role", nargs="?", default="host", choices=("host", "worker"))
     parser.add_argument("--steps", type=int, default=10, help="measured steps per candidate")
@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     reason = unavailable_reason()
     if reason is None:
         with Cluster(2) as cluster:
-            result = run_job(cluster, 1, "shardwise.bench.planner", ["worker", "--steps", str(args.steps), "--link"])
+            result = run_job(cluster, 1, "bench.planner", ["worker", "--steps", str(args.steps), "--link"])
     else:
         from shardwise.launch import launch_workers
 
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"shardwise bench planner: the scenarios with a slower link ({'; '.join(skipped)}) run over network "
               f"namespaces, and {reason}: running the others on this host", file=sys.stderr)
         with tempfile.TemporaryDirectory() as handshake:
-            launch_workers(LaunchConfig(nproc=2), ["shardwise.bench.planner", "worker", "--steps", str(args.steps),
+            launch_workers(LaunchConfig(nproc=2), ["bench.planner", "worker", "--steps", str(args.steps),
                                                    "--handshake", handshake])
             result = json.loads((Path(handshake) / "result.json").read_text())
         result["not_run"] = {"scenarios": skipped, "why": reason}

@@ -28,8 +28,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
 
-from shardwise.bench.common import StepFn, alternate, bench_config, bench_main
-from shardwise.bench.tensor import MODELS, describe, dtensor_plan, initial_model
+from bench.common import StepFn, alternate, bench_config, bench_main
+from bench.tensor import MODELS, describe, dtensor_plan, initial_model
 from shardwise.config import Config, validate
 from shardwise.dist import DistContext
 from shardwise.memory import optimizer_state_tensors, storage_bytes

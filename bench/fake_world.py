@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from bench import bench_env
 from shardwise.dist import DistContext
 
 if TYPE_CHECKING:
@@ -83,7 +84,8 @@ def report(result: dict[str, Any]) -> None:
 def run_job(module: str, job: dict[str, Any]) -> dict[str, Any]:
     """`job` run by `module`'s worker in a process of its own; its result beside its settings, or
     `fits: False` and the last line of its error."""
-    done = subprocess.run([sys.executable, "-m", module, "--worker", json.dumps(job)], capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-m", module, "--worker", json.dumps(job)], capture_output=True, text=True,
+                          env=bench_env())
     lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
     if done.returncode or not lines:
         return {**job, "fits": False, "error": (done.stderr.strip().splitlines() or ["no output"])[-1]}

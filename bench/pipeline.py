@@ -49,8 +49,8 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
-from shardwise.bench.common import StepFn, alternate, bench_config, write_json
-from shardwise.bench.tensor import describe
+from bench.common import StepFn, alternate, bench_config, write_json
+from bench.tensor import describe
 from shardwise.config import Config, LaunchConfig, validate
 from shardwise.dist import DistContext, init_distributed, leave_process, seed_everything, shutdown_distributed
 from shardwise.memory import ActivationCounter
@@ -361,7 +361,7 @@ def main() -> None:
     """The driver: one world per P, then the parts merged into one result."""
     from shardwise.launch import launch_workers
 
-    parser = argparse.ArgumentParser(prog="python -m shardwise.bench.pipeline")
+    parser = argparse.ArgumentParser(prog="python -m bench.pipeline")
     parser.add_argument("--steps", type=int, default=12, help="measured steps per configuration")
     parser.add_argument("--micro-batch", type=int, default=16, help="samples per step (M of them per micro-batch)")
     parser.add_argument("--json", action="append", default=[], help="write the result here (repeatable)")
@@ -374,7 +374,7 @@ def main() -> None:
         for p in STAGES:
             part = Path(tmp) / f"{p}.json"
             launch_workers(LaunchConfig(nproc=p),
-                           ["shardwise.bench.pipeline", "--steps", str(args.steps), "--micro-batch",
+                           ["bench.pipeline", "--steps", str(args.steps), "--micro-batch",
                             str(args.micro_batch), "--part", str(part)])
             by_p[str(p)] = json.loads(part.read_text())
     first = by_p[str(STAGES[0])]

@@ -42,8 +42,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
+from bench.common import bench_config, bench_main, timed_steps
 from shardwise import checkpoint
-from shardwise.bench.common import bench_config, bench_main, timed_steps
 from shardwise.checkpoint import load_checkpoint, save_checkpoint, training_state
 from shardwise.dist import DistContext
 from shardwise.trainer import Trainer

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from shardwise.bench.common import StepFn, alternate, bench_main, build_trainers
+from bench.common import StepFn, alternate, bench_main, build_trainers
 from shardwise.dist import DistContext, seed_everything
 from shardwise.memory import local_tensor, storage_key
 from shardwise.models import build_model, loss_fn

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise.bench.common import alternate, bench_config, bench_main
+from bench.common import alternate, bench_config, bench_main
 from shardwise.dist import DistContext
 from shardwise.memory import ActivationCounter
 from shardwise.models import loss_fn

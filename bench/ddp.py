@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from shardwise.bench.common import alternate, bench_config, bench_main, build_trainers, timed_steps
+from bench.common import alternate, bench_config, bench_main, build_trainers, timed_steps
 from shardwise.dist import DistContext
 from shardwise.models import loss_fn
 from shardwise.trainer import Trainer

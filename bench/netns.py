@@ -7,9 +7,9 @@ collide, and the same addresses serve all of them). A link can be rate-limited w
 bucket (`tc qdisc ... tbf`) on both of its ends, cut (`ip link set down`) and restored. Traffic
 between a node's own processes stays on its loopback, unlimited, as inside a real machine.
 
-    python -m shardwise.bench.netns up 2 [--rate 1gbit]      # prints the cluster's name and nodes
-    python -m shardwise.bench.netns train NAME CONFIG [--nproc N] [shardwise train flags ...]
-    python -m shardwise.bench.netns down NAME
+    python -m bench.netns up 2 [--rate 1gbit]      # prints the cluster's name and nodes
+    python -m bench.netns train NAME CONFIG [--nproc N] [shardwise train flags ...]
+    python -m bench.netns down NAME
 
 (scripts/netns-nodes.sh wraps these.) `train` starts `shardwise train` in every node with
 --nnodes, --node-rank, --node-addr and a c10d rendezvous on node 0's address. Needs root.
@@ -34,6 +34,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from bench import bench_env
 
 SUBNET = "10.213.0"  # node i is SUBNET.(i+1)/24; each cluster is its own network, so all share it
 RDZV_PORT = 29400
@@ -207,10 +209,10 @@ def run_job(cluster: Cluster, nproc: int, module: str, args: list[str]) -> Any:
     its error output."""
     with tempfile.TemporaryDirectory() as tmp:
         handshake = Path(tmp)
-        processes = [cluster.popen(node.rank, [sys.executable, "-m", "shardwise.bench.netns", "node",
+        processes = [cluster.popen(node.rank, [sys.executable, "-m", "bench.netns", "node",
                                                "--nproc", str(nproc), *cluster.node_flags(node.rank),
                                                module, *args, "--handshake", tmp],
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=bench_env())
                      for node in cluster.nodes]
         errors = [tempfile.TemporaryFile(mode="w+") for _ in processes]
         readers = [_drain(process, error) for process, error in zip(processes, errors, strict=True)]
@@ -270,7 +272,7 @@ def _cluster_of(name: str) -> Cluster:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m shardwise.bench.netns", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m bench.netns", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     up = commands.add_parser("up", help="make N nodes on a bridge; prints the cluster's name")
