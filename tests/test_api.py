@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO
 from distributed import run_ranks
+from helpers import REPO
 from safetensors.torch import load_file
 
 import shardwise as sw

@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from conftest import CONFIGS
 from distributed import run_ranks
+from helpers import CONFIGS
 
 from bench.checkpoint import (
     CopyStager,

@@ -5,8 +5,8 @@ every storage once, gradients included, reduction buckets apart; on our strategi
 from __future__ import annotations
 
 import torch
-from conftest import CONFIGS
 from distributed import run_ranks
+from helpers import CONFIGS
 from torch import nn
 
 from bench.fsdp import held_bytes

@@ -5,7 +5,7 @@ bytes are those of the model the jobs train."""
 from __future__ import annotations
 
 import pytest
-from conftest import CONFIGS
+from helpers import CONFIGS
 
 from bench import moe
 from shardwise.config import load_config

@@ -10,45 +10,29 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONFIGS, losses, read_records
 from distributed import run_ranks
+from helpers import (
+    Crash,
+    assert_bit_identical,
+    crash_at,
+    gpt_tiny,
+    in_process,
+    losses,
+    optimizer_tensors,
+    read_records,
+)
 from safetensors.torch import load_file
 
 from shardwise.checkpoint import CheckpointError, checkpoint_dir, safe_reader
-from shardwise.config import load_config
-from shardwise.dist import DistContext, init_distributed
-from shardwise.memory import local_tensor
+from shardwise.dist import DistContext
 from shardwise.trainer import Trainer
 
 STEPS, SAVED_AT, CRASH_AT = 40, 20, 25
 
 
 def cfg_for(out: Path, strategy: str, world: int, *overrides: str):
-    return load_config(CONFIGS / "gpt-tiny.toml", [
-        f"run.out={out}", f"train.steps={STEPS}", "train.global_batch=8", "train.micro_batch=4",
-        "train.eval_every=0", f"train.checkpoint_every={SAVED_AT}", f"parallel.strategy={strategy}",
-        f"launch.nproc={world}", *overrides])
-
-
-class Crash(RuntimeError):
-    pass
-
-
-def crash_at(trainer: Trainer, step: int) -> Trainer:
-    """Make the trainer fail when it reaches `step`, as a killed run would."""
-    original = trainer.train_step
-
-    def train_step(k: int) -> torch.Tensor:
-        if k == step:
-            raise Crash(f"crashed at step {k}")
-        return original(k)
-
-    trainer.train_step = train_step
-    return trainer
-
-
-def optimizer_tensors(trainer: Trainer) -> dict[str, torch.Tensor]:
-    return {k: local_tensor(v).clone() for k, v in trainer.strategy.state_dict()["optimizer"].items()}
+    return gpt_tiny(out, strategy, world, "train.micro_batch=4", f"train.checkpoint_every={SAVED_AT}", *overrides,
+                    steps=STEPS)
 
 
 def straight_and_resumed(ctx: DistContext, root: Path, strategy: str, *overrides: str) -> dict:
@@ -63,27 +47,6 @@ def straight_and_resumed(ctx: DistContext, root: Path, strategy: str, *overrides
     return {"straight": optimizer_tensors(straight), "resumed": optimizer_tensors(resumed)}
 
 
-def assert_bit_identical(root: Path, optimizer_states: list[dict], steps: int = STEPS) -> None:
-    assert losses(root / "resumed") == losses(root / "straight")  # the same losses, exactly
-    assert [r["step"] for r in read_records(root / "resumed")] == list(range(1, steps + 1))
-    weights, expected = load_file(str(root / "resumed" / "model.safetensors")), load_file(
-        str(root / "straight" / "model.safetensors"))
-    for key in expected:
-        assert torch.equal(weights[key], expected[key]), key
-    for state in optimizer_states:
-        assert state["resumed"].keys() == state["straight"].keys() and state["straight"]
-        for key in state["straight"]:
-            assert torch.equal(state["resumed"][key], state["straight"][key]), key
-
-
-def in_process(fn, *args):
-    threads = torch.get_num_threads()
-    try:
-        return fn(init_distributed(threads_per_rank=1), *args)
-    finally:
-        torch.set_num_threads(threads)
-
-
 FP32 = ("parallel.precision=fp32",)
 BF16 = ("parallel.precision=bf16-mixed",)
 # fp16 is slow on CPU: a smaller model; the scale grows every 8 steps, so its state matters
@@ -93,7 +56,7 @@ FP16 = ("parallel.precision=fp16-mixed", "parallel.loss_scale_growth_interval=8"
 
 @pytest.mark.parametrize("precision", [FP32, BF16, FP16], ids=lambda overrides: overrides[0].split("=")[1])
 def test_single_resumes_bit_identically(tmp_path, precision):
-    assert_bit_identical(tmp_path, [in_process(straight_and_resumed, tmp_path, "single", *precision)])
+    assert_bit_identical(tmp_path, [in_process(straight_and_resumed, tmp_path, "single", *precision)], STEPS)
 
 
 # compressing from step 5, so the checkpoint at 20 holds its Q factors and error feedback
@@ -105,7 +68,7 @@ POWERSGD = ("parallel.grad_compression=powersgd", "parallel.powersgd_start_step=
                          ids=["ddp-fp32", "fsdp-fp32", "ddp-bf16-mixed", "fsdp-fp16-mixed", "zero1-bf16-mixed",
                               "ddp-powersgd"])
 def test_resume_is_bit_identical_on_2_ranks(tmp_path, strategy, precision):
-    assert_bit_identical(tmp_path, run_ranks(straight_and_resumed, 2, tmp_path, strategy, *precision))
+    assert_bit_identical(tmp_path, run_ranks(straight_and_resumed, 2, tmp_path, strategy, *precision), STEPS)
     if precision == POWERSGD:
         manifest = json.loads((checkpoint_dir(tmp_path / "resumed") / "step-00000040" / "manifest.json").read_text())
         assert "bucket0.q" in manifest["rank_state"] and "bucket0.error0" in manifest["rank_state"]
@@ -123,7 +86,7 @@ STORED_PIECES = {
 
 @pytest.mark.parametrize("strategy", STORED_PIECES)
 def test_a_split_model_resumes_bit_identically_on_2_ranks(tmp_path, strategy):
-    assert_bit_identical(tmp_path, run_ranks(straight_and_resumed, 2, tmp_path, strategy))
+    assert_bit_identical(tmp_path, run_ranks(straight_and_resumed, 2, tmp_path, strategy), STEPS)
     metadata = safe_reader(checkpoint_dir(tmp_path / "resumed") / "step-00000040").read_metadata()
     for name, pieces in STORED_PIECES[strategy].items():
         assert sum(index.fqn == name for index in metadata.storage_data) == pieces, name
@@ -293,7 +256,7 @@ def consolidated(run: Path) -> dict[str, torch.Tensor]:
     import subprocess
     import sys
 
-    from conftest import REPO
+    from helpers import REPO
 
     from shardwise.models import build_model
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import CONFIGS, SGD, assert_same_training, losses, read_records, train_in_process
 from distributed import run_ranks
+from helpers import CONFIGS, SGD, assert_same_training, losses, read_records, train_in_process
 
 from shardwise.config import load_config
 from shardwise.dist import DistContext

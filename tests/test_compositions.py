@@ -14,12 +14,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONFIGS, SGD, assert_same_training, losses, read_records, train_in_process
 from distributed import run_ranks
+from helpers import (
+    SGD,
+    Crash,
+    assert_same_training,
+    crash_at,
+    gpt_tiny,
+    losses,
+    read_records,
+    train_in_process,
+)
 from safetensors.torch import load_file
-from test_checkpoint import Crash, crash_at
 
-from shardwise.config import load_config
 from shardwise.dist import DistContext
 from shardwise.planner.candidates import Candidate
 from shardwise.trainer import Trainer
@@ -30,10 +37,7 @@ LLAMA = ("model.name=hf-llama", "model.n_head=4", "model.n_kv_head=2")  # groupe
 
 def cfg_for(out: Path, strategy: str, world: int, *overrides: str):
     """gpt-tiny (2 blocks, 2 heads) on Shakespeare, a global batch of 8, clipping at 0.5 (active)."""
-    return load_config(CONFIGS / "gpt-tiny.toml", [
-        f"run.out={out}", f"train.steps={STEPS}", "train.global_batch=8", "train.micro_batch=4",
-        "train.eval_every=0", *SGD, "train.grad_clip=0.5", f"parallel.strategy={strategy}",
-        f"launch.nproc={world}", *overrides])
+    return gpt_tiny(out, strategy, world, "train.micro_batch=4", *SGD, "train.grad_clip=0.5", *overrides, steps=STEPS)
 
 
 BF16_RECOMPUTE = ("parallel.precision=bf16-mixed", "parallel.recompute=blocks")

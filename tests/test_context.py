@@ -17,8 +17,8 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import CONFIGS, SGD, assert_same_training, read_records, train_in_process
 from distributed import run_ranks
+from helpers import CONFIGS, SGD, assert_same_training, read_records, train_in_process
 
 from shardwise.config import ConfigError, load_config
 from shardwise.dist import DistContext

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import CONFIGS, SGD, assert_same_training, losses, train_in_process
 from distributed import run_ranks
+from helpers import SGD, assert_same_training, cnn_config, gpt_tiny, losses, train_in_process, train_runs
 from torch import nn
 
-from shardwise.config import ParallelConfig, load_config
+from shardwise.config import ParallelConfig
 from shardwise.dist import DistContext
 from shardwise.models import CNN
 from shardwise.parallel.replicate import plan_buckets
@@ -23,14 +23,7 @@ STEPS = 20
 
 
 def train_cfg(out: Path, strategy: str, nproc: int, *overrides: str):
-    base = [f"run.out={out}", f"train.steps={STEPS}", "train.global_batch=8", "train.eval_every=0",
-            *SGD, f"parallel.strategy={strategy}", f"launch.nproc={nproc}"]
-    return load_config(CONFIGS / "gpt-tiny.toml", base + list(overrides))
-
-
-def train_data_parallel(ctx: DistContext, root: Path, runs: dict[str, tuple[str, ...]]) -> None:
-    for name, (strategy, *overrides) in runs.items():
-        Trainer(train_cfg(root / name, strategy, ctx.world_size, *overrides), ctx).fit()
+    return gpt_tiny(out, strategy, nproc, *SGD, *overrides, steps=STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +37,7 @@ def gpt_runs(tmp_path_factory) -> Path:
         "ddp-native": ("ddp-native", "train.micro_batch=4"),
         "ddp-native-accum2": ("ddp-native", "train.micro_batch=2"),
     }
-    run_ranks(train_data_parallel, 2, root, runs)
+    run_ranks(train_runs, 2, root, runs, train_cfg)
     train_in_process(train_cfg(root / "single", "single", 1, "train.micro_batch=4"))  # 2 accumulation steps
     return root
 
@@ -202,28 +195,14 @@ def test_parameters_without_gradient_are_named_or_handled(behaviour):
 
 # --- SyncBatchNorm --------------------------------------------------------------------------
 
-def cnn_cfg(out: Path, strategy: str, nproc: int, sync: bool):
-    # SGD (conftest.assert_same_training says why), and gently: BatchNorm takes out each channel's
-    # mean and scale, so a convolution's weight gradient is a difference of nearly equal terms and
-    # carries their rounding error. At lr 0.05 this CNN's steps amplify it, to 1.2e-5 in the losses
-    # and 3.4e-4 in the weights after 20 steps (ATEN_CPU_CAPABILITY=default against AVX-512); at
-    # 0.02 they stay within 2e-7 on every kernel set tried.
-    return load_config(None, [
-        "model.name=cnn", "model.width=8", "data.name=digits", f"run.out={out}", f"train.steps={STEPS}",
-        "train.optimizer=sgd", "train.global_batch=32", f"train.micro_batch={32 // nproc}", "train.lr=0.02",
-        "train.eval_every=0",
-        f"parallel.strategy={strategy}", f"launch.nproc={nproc}", f"parallel.sync_batchnorm={str(sync).lower()}",
-    ])
-
-
 def train_cnn_data_parallel(ctx: DistContext, root: Path) -> None:
     for sync in (True, False):
-        Trainer(cnn_cfg(root / f"sync-{sync}", "ddp", ctx.world_size, sync), ctx).fit()
+        Trainer(cnn_config(root / f"sync-{sync}", "ddp", ctx.world_size, sync), ctx).fit()
 
 
 def test_sync_batchnorm_matches_single_device_and_plain_batchnorm_does_not(tmp_path):
     run_ranks(train_cnn_data_parallel, 2, tmp_path)
-    train_in_process(cnn_cfg(tmp_path / "single", "single", 1, False))
+    train_in_process(cnn_config(tmp_path / "single", "single", 1, False))
     # the final state dict holds running_mean / running_var too
     assert_same_training(tmp_path / "sync-True", tmp_path / "single", STEPS)
     with pytest.raises(AssertionError):
@@ -236,4 +215,4 @@ def test_ddp_native_with_sync_batchnorm_on_cpu_is_refused_before_launch():
     if torch.cuda.is_available():
         pytest.skip("the refusal is for machines without CUDA")
     with pytest.raises(ConfigError, match="parallel.sync_batchnorm"):
-        cnn_cfg(Path("unused"), "ddp-native", 2, True)
+        cnn_config(Path("unused"), "ddp-native", 2, True)

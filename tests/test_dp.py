@@ -6,7 +6,7 @@ import threading
 
 import pytest
 import torch
-from conftest import CONFIGS, SGD, assert_same_training, losses, train_in_process
+from helpers import CONFIGS, SGD, assert_same_training, losses, train_in_process
 
 from shardwise.config import ConfigError, load_config, validate
 from shardwise.dist import DistContext

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONFIGS, SGD, train_in_process
 from distributed import run_ranks
+from helpers import CONFIGS, SGD, train_in_process
 from safetensors.torch import load_file, save_model
 from torch import nn
 

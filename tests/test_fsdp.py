@@ -8,8 +8,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONFIGS, SGD, assert_same_training, read_records, train_in_process
 from distributed import run_ranks
+from helpers import (
+    CNN_STEPS,
+    CONFIGS,
+    SGD,
+    assert_same_training,
+    cnn_config,
+    gpt_tiny,
+    read_records,
+    train_in_process,
+    train_runs,
+)
 
 from shardwise.config import load_config
 from shardwise.dist import DistContext
@@ -26,14 +36,7 @@ ODD_GPT = ("model.d_model=34", "model.n_head=2", "model.seq_len=30")
 
 
 def cfg_for(out: Path, strategy: str, nproc: int, *overrides: str):
-    base = [f"run.out={out}", f"train.steps={STEPS}", "train.global_batch=8", "train.eval_every=0",
-            "train.lr=3e-3", "train.grad_clip=0", f"parallel.strategy={strategy}", f"launch.nproc={nproc}"]
-    return load_config(CONFIGS / "gpt-tiny.toml", base + list(overrides))
-
-
-def train_runs(ctx: DistContext, root: Path, runs: dict[str, tuple[str, ...]]) -> None:
-    for name, (strategy, *overrides) in runs.items():
-        Trainer(cfg_for(root / name, strategy, ctx.world_size, *overrides), ctx).fit()
+    return gpt_tiny(out, strategy, nproc, "train.lr=3e-3", "train.grad_clip=0", *overrides, steps=STEPS)
 
 
 # Clipping at 0.5 really clips here (the gradient norm of these steps is larger).
@@ -44,7 +47,7 @@ VARIANTS = {"plain": (*SGD, "train.micro_batch=4"), "accum2-clip": (*SGD, "train
 def two_rank_runs(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("fsdp2")
     runs = {f"{s}-{v}": (s, *o) for s in SHARDED for v, o in VARIANTS.items()}
-    run_ranks(train_runs, 2, root, runs)
+    run_ranks(train_runs, 2, root, runs, cfg_for)
     for variant, overrides in VARIANTS.items():
         train_in_process(cfg_for(root / f"single-{variant}", "single", 1, *overrides))
     return root
@@ -64,7 +67,7 @@ def test_clipping_was_active(two_rank_runs):
 
 def test_sharded_matches_single_on_4_ranks_with_padded_shards(tmp_path):
     runs = {s: (s, *SGD, "train.micro_batch=2", *ODD_GPT) for s in ("zero1", "zero2", "fsdp")}
-    run_ranks(train_runs, 4, tmp_path, runs)
+    run_ranks(train_runs, 4, tmp_path, runs, cfg_for)
     train_in_process(cfg_for(tmp_path / "single", "single", 1, *SGD, "train.micro_batch=2", *ODD_GPT))
     for strategy in runs:
         assert_same_training(tmp_path / strategy, tmp_path / "single", STEPS)
@@ -255,7 +258,7 @@ def test_offload_keeps_master_shards_gradients_and_optimizer_state_on_the_host_a
 
 
 def test_cli_fsdp_on_2_processes_matches_single(tmp_path, cli_single_compared):
-    from conftest import COMPARED_STEPS, shardwise
+    from helpers import COMPARED_STEPS, shardwise
 
     result = shardwise("train", str(CONFIGS / "gpt-tiny.toml"), "--strategy", "fsdp", "--nproc", "2", "--steps",
                        str(COMPARED_STEPS), "--out", str(tmp_path / "fsdp"))
@@ -264,18 +267,15 @@ def test_cli_fsdp_on_2_processes_matches_single(tmp_path, cli_single_compared):
 
 
 def train_cnn_sharded(ctx: DistContext, root: Path) -> None:
-    from test_ddp import cnn_cfg
 
     for strategy in ("zero2", "fsdp"):
-        Trainer(cnn_cfg(root / strategy, strategy, ctx.world_size, sync=True), ctx).fit()
+        Trainer(cnn_config(root / strategy, strategy, ctx.world_size, sync=True), ctx).fit()
 
 
 def test_sync_batchnorm_works_under_sharding(tmp_path):
-    from test_ddp import STEPS as CNN_STEPS
-    from test_ddp import cnn_cfg
 
     run_ranks(train_cnn_sharded, 2, tmp_path)
-    train_in_process(cnn_cfg(tmp_path / "single", "single", 1, sync=False))
+    train_in_process(cnn_config(tmp_path / "single", "single", 1, sync=False))
     for strategy in ("zero2", "fsdp"):  # running statistics included
         assert_same_training(tmp_path / strategy, tmp_path / "single", CNN_STEPS)
 

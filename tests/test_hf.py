@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import CONFIGS, assert_same_training, read_records, train_in_process
 from distributed import run_ranks
+from helpers import CONFIGS, assert_same_training, read_records, train_in_process
 from safetensors.torch import load_file
 from torch.distributed.fsdp import FSDPModule
 

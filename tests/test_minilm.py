@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO
+from helpers import REPO
 
 # Small enough for a loaded 2-core machine: 160 training and 64 test speeches of 16 tokens, 10 steps.
 ARGS = ["--steps", "10", "--seq-len", "16", "--per-play", "40", "--held-out", "16", "--lr", "5e-4"]

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONFIGS, assert_same_training, read_records, train_in_process
 from distributed import run_ranks
+from helpers import CONFIGS, SGD, assert_same_training, gpt_tiny, read_records, train_in_process
 
 import shardwise as sw
 from shardwise.config import ConfigError, load_config
@@ -42,11 +42,9 @@ FAMILIES = {
 
 def cfg_for(out: Path, family: str, strategy: str, nproc: int, *overrides: str):
     """3 blocks of width 32, 4 heads, a 32-token context; a global batch of 8 in one micro-batch."""
-    base = [*FAMILIES[family], "model.n_layer=3", "model.n_head=4", "model.d_model=32", "model.d_ff=64",
-            "model.seq_len=32", f"run.out={out}", f"train.steps={STEPS}", "train.global_batch=8",
-            "train.micro_batch=8", "train.eval_every=0", "train.optimizer=sgd", "train.lr=0.1",
-            "train.warmup_steps=2", "train.grad_clip=0.5", f"parallel.strategy={strategy}", f"launch.nproc={nproc}"]
-    return load_config(CONFIGS / "gpt-tiny.toml", base + list(overrides))
+    return gpt_tiny(out, strategy, nproc, *FAMILIES[family], "model.n_layer=3", "model.n_head=4", "model.d_model=32",
+                    "model.d_ff=64", "model.seq_len=32", "train.micro_batch=8", *SGD, "train.warmup_steps=2",
+                    "train.grad_clip=0.5", *overrides, steps=STEPS)
 
 
 def train_runs(ctx: DistContext, root: Path, runs: dict[str, tuple[str, ...]],
@@ -239,7 +237,7 @@ def test_cli_trains_qwen2_tensor_parallel_with_sequence_parallel_as_one_device(t
     import subprocess
     import sys
 
-    from conftest import REPO
+    from helpers import REPO
 
     cfg = cfg_for(tmp_path / "cli", "qwen2", "tensor", 2, "parallel.sequence_parallel=true")
     cfg.save(tmp_path / "qwen2.toml")

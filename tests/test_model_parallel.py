@@ -8,8 +8,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONFIGS, SGD, assert_same_training, losses, read_records, train_in_process
 from distributed import run_ranks
+from helpers import (
+    CONFIGS,
+    SGD,
+    assert_matches_single,
+    assert_same_training,
+    gpt_tiny,
+    losses,
+    read_records,
+    train_in_process,
+    train_runs,
+)
 
 from bench.pipeline import one_micro_batch_bytes
 from shardwise.config import load_config
@@ -24,23 +34,7 @@ STEPS = 10
 
 def cfg_for(out: Path, strategy: str, nproc: int, *overrides: str):
     """gpt-tiny (2 blocks, 2 heads) on Shakespeare, a global batch of 8, clipping at 0.5 (active)."""
-    base = [f"run.out={out}", f"train.steps={STEPS}", "train.global_batch=8", "train.micro_batch=8",
-            "train.eval_every=0", *SGD, "train.grad_clip=0.5", f"parallel.strategy={strategy}",
-            f"launch.nproc={nproc}"]
-    return load_config(CONFIGS / "gpt-tiny.toml", base + list(overrides))
-
-
-def train_runs(ctx: DistContext, root: Path, runs: dict[str, tuple[str, ...]]) -> None:
-    for name, (strategy, *overrides) in runs.items():
-        Trainer(cfg_for(root / name, strategy, ctx.world_size, *overrides), ctx).fit()
-
-
-def assert_matches_single(run: Path, single: Path) -> None:
-    """Step losses and final parameters (gathered on rank 0) as in assert_same_training, and the
-    validation loss, which a pipeline computes through its stages and broadcasts."""
-    assert_same_training(run, single, STEPS)
-    (got,), (want,) = read_records(run, "summary"), read_records(single, "summary")
-    assert abs(got["val_loss"] - want["val_loss"]) <= 1e-5 * want["val_loss"]
+    return gpt_tiny(out, strategy, nproc, "train.micro_batch=8", *SGD, "train.grad_clip=0.5", *overrides, steps=STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -73,13 +67,13 @@ TWO_RANK_RUNS = {
 @pytest.fixture(scope="module")
 def two_rank_runs(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("mp2")
-    run_ranks(train_runs, 2, root, TWO_RANK_RUNS)
+    run_ranks(train_runs, 2, root, TWO_RANK_RUNS, cfg_for)
     return root
 
 
 @pytest.mark.parametrize("run", TWO_RANK_RUNS)
 def test_matches_single_device_over_10_steps_on_2_ranks(two_rank_runs, singles, run):
-    assert_matches_single(two_rank_runs / run, singles / "single")
+    assert_matches_single(two_rank_runs / run, singles / "single", STEPS)
 
 
 def plain_parameter_counts() -> dict[str, int]:
@@ -191,7 +185,7 @@ def test_3_stages_match_single_and_1f1b_holds_p_minus_stage_micro_batches(tmp_pa
     peaks = run_ranks(three_stage_runs, 3, tmp_path)
     train_in_process(cfg_for(tmp_path / "single", "single", 1, "model.n_layer=3"))
     for schedule in ("gpipe", "1f1b"):
-        assert_matches_single(tmp_path / schedule, tmp_path / "single")
+        assert_matches_single(tmp_path / schedule, tmp_path / "single", STEPS)
     for stage, r in enumerate(peaks):  # M = 4 micro-batches of 2
         assert r["gpipe"]["peak"] == 4 * r["gpipe"]["one"]
         assert r["1f1b"]["peak"] == (3 - stage) * r["1f1b"]["one"]
@@ -211,13 +205,13 @@ FOUR_RANK_RUNS = {
 @pytest.fixture(scope="module")
 def four_rank_runs(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("mp4")
-    run_ranks(train_runs, 4, root, FOUR_RANK_RUNS)
+    run_ranks(train_runs, 4, root, FOUR_RANK_RUNS, cfg_for)
     return root
 
 
 @pytest.mark.parametrize("run", FOUR_RANK_RUNS)
 def test_compositions_match_single_device_over_10_steps_on_4_ranks(four_rank_runs, singles, run):
-    assert_matches_single(four_rank_runs / run, singles / "single")
+    assert_matches_single(four_rank_runs / run, singles / "single", STEPS)
 
 
 def test_cli_pipeline_on_2_processes_is_2_stages_and_matches_single(tmp_path):
@@ -227,7 +221,7 @@ def test_cli_pipeline_on_2_processes_is_2_stages_and_matches_single(tmp_path):
     import subprocess
     import sys
 
-    from conftest import REPO
+    from helpers import REPO
 
     out = tmp_path / "pipeline"
     sgd = [arg for setting in SGD for arg in ("--set", setting)]

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import CONFIGS, SGD, assert_same_training, losses, read_records, train_in_process
 from distributed import run_ranks
+from helpers import CONFIGS, SGD, assert_same_training, gpt_tiny, losses, read_records, train_in_process
 
 from shardwise.config import ConfigError, MeshShape, load_config
 from shardwise.dist import DistContext
@@ -41,10 +41,8 @@ def cfg_for(out: Path, strategy: str, world: int, *overrides: str):
     2 (accumulated on fewer than 4 ranks); clipping at 0.5 (active). A model with a config.json
     (model.hf_config) has that file's sizes."""
     sizes = () if any(o.startswith("model.hf_config=") for o in overrides) else MOE_SIZES
-    return load_config(CONFIGS / "gpt-tiny.toml", [
-        f"run.out={out}", f"train.steps={STEPS}", "train.global_batch=8", "train.micro_batch=2",
-        "train.eval_every=0", *SGD, "train.grad_clip=0.5", f"parallel.strategy={strategy}",
-        f"launch.nproc={world}", "model.name=gpt-moe", *sizes, *overrides])
+    return gpt_tiny(out, strategy, world, "train.micro_batch=2", *SGD, "train.grad_clip=0.5", "model.name=gpt-moe",
+                    *sizes, *overrides, steps=STEPS)
 
 
 def layer(cfg: MoEConfig, seed: int = 0) -> MoE:

@@ -16,9 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import CONFIGS, REPO, SGD, assert_same_training, train_in_process
 from distributed import run_ranks
-from test_checkpoint import Crash, crash_at
+from helpers import CONFIGS, REPO, SGD, Crash, assert_same_training, crash_at, gpt_tiny, train_in_process
 
 from shardwise.config import ConfigError, load_config
 from shardwise.data import prepare
@@ -93,10 +92,8 @@ def cache(tmp_path, monkeypatch) -> Path:
 
 
 def cfg_for(out: Path, corpus: Path, strategy: str, world: int, *overrides: str):
-    return load_config(CONFIGS / "gpt-tiny.toml", [
-        f"run.out={out}", f"data.path={corpus}", f"data.tokenizer={tokenizer_dir()}",
-        f"model.vocab_size={MINILM_VOCAB}", f"train.steps={STEPS}", "train.global_batch=8", "train.micro_batch=4",
-        "train.eval_every=0", *SGD, f"parallel.strategy={strategy}", f"launch.nproc={world}", *overrides])
+    return gpt_tiny(out, strategy, world, f"data.path={corpus}", f"data.tokenizer={tokenizer_dir()}",
+                    f"model.vocab_size={MINILM_VOCAB}", "train.micro_batch=4", *SGD, *overrides, steps=STEPS)
 
 
 def test_prepare_tokenizes_every_document_once_and_again_only_when_an_input_changes(tmp_path, cache):

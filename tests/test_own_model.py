@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONFIGS, REPO, shardwise
 from distributed import run_ranks
+from helpers import CONFIGS, REPO, shardwise
 from safetensors.torch import load_file
 
 from shardwise import cli

@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import CONFIGS, REPO, SGD, assert_same_training, losses, train_in_process
 from faults.jobs import wait_for_step, worker_pids
+from helpers import CONFIGS, REPO, SGD, assert_same_training, losses, train_in_process
 
 from shardwise.config import ConfigError, load_config
 from shardwise.strategies.param_server import assign_servers

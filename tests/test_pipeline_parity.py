@@ -11,12 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import losses, train_in_process
 from distributed import run_ranks
+from helpers import SGD, Crash, assert_matches_single, crash_at, gpt_tiny, losses, train_in_process
 from safetensors.torch import load_file
-from test_checkpoint import Crash, crash_at
-from test_model_parallel import assert_matches_single
-from test_model_parallel import cfg_for as model_parallel_cfg
 
 from bench.pipeline import one_micro_batch_bytes
 from shardwise.dist import DistContext
@@ -25,6 +22,7 @@ from shardwise.trainer import Trainer
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # set before transformers is first imported, here and in every rank
 
+STEPS = 10  # as test_model_parallel.py's
 SCHEDULES = ("interleaved-1f1b", "zb-h1", "zbv", "dualpipev")
 # a transformers Llama of 4 heads over 2 key/value heads, width 32 (tests/test_model_families.py's)
 LLAMA = ("model.name=hf-llama", "model.n_head=4", "model.n_kv_head=2", "model.d_model=32", "model.d_ff=64",
@@ -33,7 +31,8 @@ LLAMA = ("model.name=hf-llama", "model.n_head=4", "model.n_kv_head=2", "model.d_
 
 def cfg_for(out: Path, strategy: str, nproc: int, layers: int, *overrides: str):
     """test_model_parallel's runs (gpt-tiny, a global batch of 8, clipping active) with `layers` blocks."""
-    return model_parallel_cfg(out, strategy, nproc, f"model.n_layer={layers}", *overrides)
+    return gpt_tiny(out, strategy, nproc, f"model.n_layer={layers}", "train.micro_batch=8", *SGD, "train.grad_clip=0.5",
+                    *overrides, steps=STEPS)
 
 
 def train_runs(ctx: DistContext, root: Path, runs: dict[str, tuple[int, tuple[str, ...]]]) -> None:
@@ -70,7 +69,8 @@ def two_rank_runs(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("run", TWO_RANK_RUNS)
 def test_matches_single_device_over_10_steps_on_2_stages(two_rank_runs, singles, run):
-    assert_matches_single(two_rank_runs / run, singles / ("single-llama" if run.startswith("llama") else "single-4"))
+    assert_matches_single(two_rank_runs / run, singles / ("single-llama" if run.startswith("llama") else "single-4"),
+                          STEPS)
 
 
 # --- 4 stages (8 blocks), and 2 replicas of 2 stages ----------------------------------------------
@@ -95,7 +95,7 @@ def four_rank_runs(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("run", FOUR_RANK_RUNS)
 def test_matches_single_device_over_10_steps_on_4_ranks(four_rank_runs, singles, run):
     layers = FOUR_RANK_RUNS[run][0]
-    assert_matches_single(four_rank_runs / run, singles / f"single-{layers}")
+    assert_matches_single(four_rank_runs / run, singles / f"single-{layers}", STEPS)
 
 
 # --- what the split backward runs and holds ------------------------------------------------------

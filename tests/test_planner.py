@@ -10,8 +10,8 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import CONFIGS
 from distributed import run_ranks
+from helpers import CONFIGS
 
 from shardwise.cli import main
 from shardwise.config import Config, ConfigError, hf_config_overrides, load_config

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from conftest import CONFIGS
+from helpers import CONFIGS
 
 from shardwise.config import Config, load_config
 from shardwise.planner import load_profile, make_plan

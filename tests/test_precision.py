@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONFIGS, read_records, train_in_process
 from distributed import run_ranks
+from helpers import CONFIGS, read_records, train_in_process
 from safetensors.torch import load_file
 
 from shardwise.config import load_config

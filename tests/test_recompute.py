@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import CONFIGS
 from distributed import run_ranks
+from helpers import CONFIGS
 
 from shardwise.config import load_config
 from shardwise.dist import DistContext

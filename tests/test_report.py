@@ -14,7 +14,7 @@ from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
-from conftest import CONFIGS, REPO, read_records, train_in_process
+from helpers import CONFIGS, REPO, read_records, train_in_process
 
 from shardwise.cli import main
 from shardwise.config import load_config

@@ -8,8 +8,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import CONFIGS, assert_same_training, read_records, train_in_process
 from distributed import run_ranks
+from helpers import CONFIGS, SGD, assert_same_training, gpt_tiny, read_records, train_in_process, train_runs
 
 from shardwise.config import ConfigError, load_config
 from shardwise.dist import DistContext
@@ -22,15 +22,8 @@ STEPS = 10
 
 def cfg_for(out: Path, strategy: str, nproc: int, *overrides: str):
     """gpt-tiny with 4 heads and 3 blocks on Shakespeare, a global batch of 8, SGD, clipping active."""
-    base = [f"run.out={out}", f"train.steps={STEPS}", "model.n_head=4", "model.n_layer=3", "train.global_batch=8",
-            "train.micro_batch=8", "train.eval_every=0", "train.optimizer=sgd", "train.lr=0.1", "train.grad_clip=0.5",
-            f"parallel.strategy={strategy}", f"launch.nproc={nproc}"]
-    return load_config(CONFIGS / "gpt-tiny.toml", base + list(overrides))
-
-
-def train_runs(ctx: DistContext, root: Path, runs: dict[str, tuple[str, ...]]) -> None:
-    for name, (strategy, *overrides) in runs.items():
-        Trainer(cfg_for(root / name, strategy, ctx.world_size, *overrides), ctx).fit()
+    return gpt_tiny(out, strategy, nproc, "model.n_head=4", "model.n_layer=3", "train.micro_batch=8", *SGD,
+                    "train.grad_clip=0.5", *overrides, steps=STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +44,7 @@ TWO_RANK_RUNS = {
 @pytest.fixture(scope="module")
 def two_rank_runs(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("sp2")
-    run_ranks(train_runs, 2, root, TWO_RANK_RUNS)
+    run_ranks(train_runs, 2, root, TWO_RANK_RUNS, cfg_for)
     return root
 
 
@@ -74,7 +67,7 @@ def test_sequence_parallel_in_bf16_mixed_trains_as_one_device_does(two_rank_runs
 def test_pipeline_of_tensor_parallel_stages_with_sequence_parallel_matches_single_device_on_4_ranks(tmp_path, single):
     runs = {"pp2-tp2-sp": ("pipeline", "parallel.tp=2", "parallel.sequence_parallel=true",
                            "parallel.micro_batches=2")}
-    run_ranks(train_runs, 4, tmp_path, runs)
+    run_ranks(train_runs, 4, tmp_path, runs, cfg_for)
     assert_same_training(tmp_path / "pp2-tp2-sp", single, STEPS)
 
 

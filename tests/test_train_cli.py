@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from conftest import COMPARED_STEPS, CONFIGS, REPO, assert_same_training, read_records, shardwise, train_in_process
+from helpers import COMPARED_STEPS, CONFIGS, REPO, assert_same_training, read_records, shardwise, train_in_process
 from safetensors.torch import load_file
 
 from shardwise.config import load_config

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import CONFIGS, REPO
+from helpers import CONFIGS, REPO
 
 STEPS = 60
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, losses, read_records
+from helpers import REPO, losses, read_records
 from jobs import STEPS, start_training, wait_for_step, worker_pids
 from safetensors.torch import load_file
 

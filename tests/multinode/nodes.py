@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from conftest import CONFIGS, REPO
+from helpers import CONFIGS, REPO
 
 from bench.netns import Cluster, NetnsUnavailable, unavailable_reason
 

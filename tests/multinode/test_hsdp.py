@@ -10,10 +10,19 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONFIGS, SGD, assert_same_training
 from distributed import run_ranks
+from helpers import (
+    CONFIGS,
+    SGD,
+    Crash,
+    assert_bit_identical,
+    assert_same_training,
+    crash_at,
+    gpt_tiny,
+    in_process,
+    optimizer_tensors,
+)
 from safetensors.torch import load_file
-from test_checkpoint import Crash, assert_bit_identical, cfg_for, crash_at, in_process, optimizer_tensors
 
 from shardwise.checkpoint import consolidate
 from shardwise.config import load_config
@@ -25,7 +34,11 @@ from shardwise.trainer import Trainer
 
 STEPS, SAVE_EVERY, CRASH_AT = 20, 10, 14  # the last checkpoint is the final model
 # A global batch of 8 over 4 ranks; checkpoints change no number, so the straight run is the parity run.
-RUN = (*SGD, "train.micro_batch=2", f"train.steps={STEPS}", f"train.checkpoint_every={SAVE_EVERY}")
+RUN = (*SGD, "train.micro_batch=2", f"train.checkpoint_every={SAVE_EVERY}")
+def cfg_for(out: Path, strategy: str, world: int, *overrides: str):
+    return gpt_tiny(out, strategy, world, *overrides, steps=STEPS)
+
+
 PLANNED = Candidate("hsdp", 4, 1, 1, "fp32", "none", 2, shard=2)  # what the planner proposes for 2 nodes x 2
 
 

@@ -10,7 +10,7 @@ import tomllib
 
 import pytest
 import yaml
-from conftest import REPO
+from helpers import REPO
 from packaging.requirements import Requirement
 
 from shardwise.cli import _add_train_parser, _train_config

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONFIGS, SGD, assert_same_training, losses, read_records, train_in_process
+from helpers import CONFIGS, SGD, assert_same_training, losses, read_records, train_in_process
 from nodes import TINY, cluster, start_on_nodes, train_many_on_nodes, wait_for_step
 from safetensors.torch import load_file
 
