@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from bench.common import alternate, bench_config, bench_main
-from shardwise.config import load_config
+from shardwise.config.load import load_config
 from shardwise.dist import DistContext
 from shardwise.parallel.comm import bus_bandwidth, ring_all_reduce
 from shardwise.trainer import Trainer

@@ -9,7 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from shardwise.config import Config, load_config
+from shardwise.config.load import load_config
+from shardwise.config.schema import Config
 from shardwise.dist import DistContext, init_distributed, leave_process, shutdown_distributed
 from shardwise.trainer import Trainer
 

@@ -31,7 +31,8 @@ import torch
 
 from bench.common import bench_main
 from bench.hardware import measure_profile
-from shardwise.config import Config, load_config
+from shardwise.config.load import load_config
+from shardwise.config.schema import Config
 from shardwise.dist import DistContext
 from shardwise.measure import measure_candidates
 from shardwise.parallel.context import SequenceLayout, ring_attention

@@ -53,7 +53,7 @@ def config_overrides(corpus: Path) -> list[str]:
 def read_batches(corpus: str, reads: int) -> dict[str, float]:
     """In a fresh process: `reads` micro-batches read as a rank reads them; the median read time
     and the RSS then above the process's before the datasets were made."""
-    from shardwise.config import load_config
+    from shardwise.config.load import load_config
     from shardwise.data import GlobalBatchSampler, make_datasets
 
     cfg = load_config(DEMO, config_overrides(Path(corpus)))
@@ -73,7 +73,7 @@ def read_batches(corpus: str, reads: int) -> dict[str, float]:
 
 def step_time(steps: int) -> float:
     """In a fresh process: the demo model's median training step on one thread, one micro-batch."""
-    from shardwise.config import load_config
+    from shardwise.config.load import load_config
     from shardwise.dist import init_distributed
     from shardwise.trainer import Trainer
 
@@ -108,7 +108,7 @@ def _in_child(*args: str) -> Any:
 
 
 def run(sizes_mib: list[int], steps: int, reads: int) -> dict[str, Any]:
-    from shardwise.config import load_config
+    from shardwise.config.load import load_config
     from shardwise.data import prepare
 
     load_before = os.getloadavg()[0]

@@ -25,7 +25,7 @@ from bench import bench_env
 from shardwise.dist import DistContext
 
 if TYPE_CHECKING:
-    from shardwise.config import Config
+    from shardwise.config.schema import Config
     from shardwise.planner.candidates import Candidate
     from shardwise.trainer import Trainer
 

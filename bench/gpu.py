@@ -31,7 +31,8 @@ import torch
 from bench import fake_world
 from bench.common import write_json
 from bench.fake_world import device_name, median_step_s, planned_candidate, rank_zero_of, report
-from shardwise.config import Config, load_config
+from shardwise.config.load import load_config
+from shardwise.config.schema import Config
 
 WORLD_ONE = ("single", "ddp", "zero2", "fsdp", "fsdp-native")
 FAKE_WORLDS = (8, 64)

@@ -30,7 +30,8 @@ from typing import Any
 from bench import fake_world
 from bench.common import write_json
 from bench.fake_world import device_name, median_step_s, planned_candidate, rank_zero_of, report
-from shardwise.config import Config, load_config
+from shardwise.config.load import load_config
+from shardwise.config.schema import Config
 
 NODE = 8  # hsdp's ranks per node, and tensor parallel's degree
 # (strategy label, world, recompute, sequence): the default jobs (an H100's time for them not measured yet).

@@ -172,9 +172,8 @@ class ExpertMLP(torch.nn.Module):
 def our_layer(ctx: Any) -> torch.nn.Module:
     """Ours: the gpt-moe's layer, initialised as the model initialises it, its experts split over
     ep by ExpertParallel (every rank builds the same layer, then keeps its share)."""
-    from shardwise.config import MeshShape
     from shardwise.models.moe import MoE, MoEConfig
-    from shardwise.parallel.dims import Mesh
+    from shardwise.parallel.dims import Mesh, MeshShape
     from shardwise.parallel.experts import ExpertParallel
 
     torch.manual_seed(0)
@@ -290,7 +289,7 @@ def layer_worker(steps: int, rounds: int, part: Path) -> None:
 
 
 def run_layer(steps: int, rounds: int) -> dict[str, Any]:
-    from shardwise.config import LaunchConfig
+    from shardwise.config.schema import LaunchConfig
     from shardwise.launch import launch_workers
 
     with tempfile.TemporaryDirectory() as scratch:

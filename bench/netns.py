@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     node.add_argument("--rdzv-endpoint", required=True)
     args, rest = parser.parse_known_args(argv)
     if args.command == "node":
-        from shardwise.config import LaunchConfig
+        from shardwise.config.schema import LaunchConfig
         from shardwise.launch import launch_workers
 
         launch_workers(LaunchConfig(nproc=args.nproc, nnodes=args.nnodes, node_rank=args.node_rank,

@@ -51,7 +51,8 @@ from torch.distributed.pipelining import (
 
 from bench.common import StepFn, alternate, bench_config, write_json
 from bench.tensor import describe
-from shardwise.config import Config, LaunchConfig, validate
+from shardwise.config.schema import Config, LaunchConfig
+from shardwise.config.validate import validate
 from shardwise.dist import DistContext, init_distributed, leave_process, seed_everything, shutdown_distributed
 from shardwise.memory import ActivationCounter
 from shardwise.models import build_model, loss_fn

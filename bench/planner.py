@@ -35,7 +35,8 @@ from typing import Any
 from bench.common import write_json
 from bench.hardware import measure_profile
 from bench.netns import Cluster, LinkRate, parse_rate, run_job, unavailable_reason
-from shardwise.config import LaunchConfig, load_config
+from shardwise.config.load import load_config
+from shardwise.config.schema import LaunchConfig
 from shardwise.dist import DistContext, init_distributed, leave_process, shutdown_distributed
 from shardwise.measure import measure_candidates
 from shardwise.planner.candidates import Candidate

@@ -34,7 +34,8 @@ from typing import Any
 
 from bench import bench_env
 from bench.common import write_json
-from shardwise.config import Config, load_config
+from shardwise.config.load import load_config
+from shardwise.config.schema import Config
 from shardwise.planner.candidates import Candidate
 from shardwise.planner.memory import predict_memory, predict_phases, predict_setup_bytes
 from shardwise.planner.model import model_facts, model_shape

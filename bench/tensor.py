@@ -27,7 +27,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from bench.common import StepFn, alternate, bench_config, bench_main
-from shardwise.config import Config, validate
+from shardwise.config.schema import Config
+from shardwise.config.validate import validate
 from shardwise.dist import DistContext
 from shardwise.materialise import Materialiser, init_context
 from shardwise.memory import storage_bytes

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from helpers import COMPARED_STEPS, CONFIGS, shardwise, train_in_process
 
-from shardwise.config import load_config
+from shardwise.config.load import load_config
 
 
 @pytest.fixture

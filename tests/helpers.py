@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from shardwise.config import Config, load_config
+from shardwise.config.load import load_config
+from shardwise.config.schema import Config
 from shardwise.dist import DistContext, init_distributed
 from shardwise.memory import local_tensor
 from shardwise.trainer import Trainer

@@ -18,7 +18,7 @@ from helpers import REPO
 from safetensors.torch import load_file
 
 import shardwise as sw
-from shardwise.config import ConfigError
+from shardwise.config.schema import ConfigError
 from shardwise.data.corpus import TokenWindows, load_corpus, split_tokens
 from shardwise.dist import DistContext
 from shardwise.models import GPT, GPTConfig, loss_fn

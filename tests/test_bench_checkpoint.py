@@ -23,7 +23,7 @@ from bench.checkpoint import (
 )
 from shardwise import checkpoint
 from shardwise.checkpoint import save_checkpoint, training_state
-from shardwise.config import load_config
+from shardwise.config.load import load_config
 from shardwise.dist import DistContext
 from shardwise.memory import local_tensor
 from shardwise.trainer import Trainer

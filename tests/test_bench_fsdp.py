@@ -10,7 +10,7 @@ from helpers import CONFIGS
 from torch import nn
 
 from bench.fsdp import held_bytes
-from shardwise.config import load_config
+from shardwise.config.load import load_config
 from shardwise.dist import DistContext
 from shardwise.trainer import Trainer
 

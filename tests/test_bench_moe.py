@@ -8,7 +8,7 @@ import pytest
 from helpers import CONFIGS
 
 from bench import moe
-from shardwise.config import load_config
+from shardwise.config.load import load_config
 from shardwise.models import build_model
 from shardwise.models.moe import moe_layers
 

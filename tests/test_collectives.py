@@ -11,7 +11,7 @@ import torch.distributed as dist
 from distributed import run_ranks
 from helpers import CONFIGS, SGD, assert_same_training, losses, read_records, train_in_process
 
-from shardwise.config import load_config
+from shardwise.config.load import load_config
 from shardwise.dist import DistContext
 from shardwise.models import build_model
 from shardwise.parallel import comm as collectives

@@ -233,7 +233,7 @@ def test_a_checkpoint_of_fsdp_over_tensor_parallel_reshards_to_a_pipeline_and_ba
     (("parallel.strategy=zero1", "parallel.pp=3"), "must equal the world size 4"),
 ])
 def test_a_sharded_pipeline_that_cannot_run_is_refused_before_any_worker_starts(overrides, message):
-    from shardwise.config import ConfigError
+    from shardwise.config.schema import ConfigError
 
     with pytest.raises(ConfigError, match=re.escape(message)):
         cfg_for(Path("."), "single", 4, *overrides)  # validated as it loads

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from shardwise.cli import main
-from shardwise.config import ConfigError, load_config
+from shardwise.config.load import load_config
+from shardwise.config.schema import ConfigError
 
 
 def error_for(tmp_path: Path, toml: str = "", overrides: tuple[str, ...] = (), flags: dict | None = None) -> str:

@@ -20,7 +20,8 @@ import pytest
 from distributed import run_ranks
 from helpers import CONFIGS, SGD, assert_same_training, read_records, train_in_process
 
-from shardwise.config import ConfigError, load_config
+from shardwise.config.load import load_config
+from shardwise.config.schema import ConfigError
 from shardwise.dist import DistContext
 from shardwise.planner.candidates import Candidate
 from shardwise.planner.memory import predict_memory

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from distributed import run_ranks
 from torch import nn
 
-from shardwise.config import ModelConfig
+from shardwise.config.schema import ModelConfig
 from shardwise.dist import DistContext
 from shardwise.models import GPT, GPTConfig
 from shardwise.models.hf import build_causal_lm

@@ -12,7 +12,7 @@ from distributed import run_ranks
 from helpers import SGD, assert_same_training, cnn_config, gpt_tiny, losses, train_in_process, train_runs
 from torch import nn
 
-from shardwise.config import ParallelConfig
+from shardwise.config.schema import ParallelConfig
 from shardwise.dist import DistContext
 from shardwise.models import CNN
 from shardwise.parallel.replicate import plan_buckets
@@ -210,7 +210,7 @@ def test_sync_batchnorm_matches_single_device_and_plain_batchnorm_does_not(tmp_p
 
 
 def test_ddp_native_with_sync_batchnorm_on_cpu_is_refused_before_launch():
-    from shardwise.config import ConfigError
+    from shardwise.config.schema import ConfigError
 
     if torch.cuda.is_available():
         pytest.skip("the refusal is for machines without CUDA")

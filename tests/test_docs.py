@@ -14,7 +14,7 @@ import pytest
 
 from shardwise import docs
 from shardwise.cli import main
-from shardwise.config import SECTIONS
+from shardwise.config.schema import SECTIONS
 from shardwise.strategies.registry import NAMES as STRATEGIES
 
 REPO = Path(__file__).resolve().parents[1]
@@ -68,7 +68,7 @@ def test_every_config_key_is_described(section):
     assert docs.section_doc(cls), f"[{section}]: give {cls.__name__} a docstring; it introduces the section"
     for f in dataclasses.fields(cls):
         assert f.metadata.get("doc", "").strip(), (
-            f"{section}.{f.name}: no description; declare it with option(default, 'what it does') in config.py")
+            f"{section}.{f.name}: no description; declare it with option(default, 'what it does') in config/schema.py")
         choices = f.metadata.get("choices", ())
         assert not choices or f.default in choices, f"{section}.{f.name}: default {f.default!r} not in {choices}"
 

@@ -8,7 +8,9 @@ import pytest
 import torch
 from helpers import CONFIGS, SGD, assert_same_training, losses, train_in_process
 
-from shardwise.config import ConfigError, load_config, validate
+from shardwise.config.load import load_config
+from shardwise.config.schema import ConfigError
+from shardwise.config.validate import validate
 from shardwise.dist import DistContext
 from shardwise.models import build_model
 from shardwise.precision import make_precision

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_model
 from torch import nn
 
 from shardwise.checkpoint import consolidate
-from shardwise.config import load_config
+from shardwise.config.load import load_config
 from shardwise.dist import DistContext
 from shardwise.materialise import allocate, init_context
 from shardwise.memory import reset_peak_resident, resident_bytes, return_free_memory

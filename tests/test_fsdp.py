@@ -21,12 +21,12 @@ from helpers import (
     train_runs,
 )
 
-from shardwise.config import load_config
+from shardwise.config.load import load_config
 from shardwise.dist import DistContext
 from shardwise.memory import optimizer_state_tensors, storage_bytes, storage_key
 from shardwise.models import build_model
 from shardwise.parallel.shard import HOST
-from shardwise.strategies.base import make_strategy
+from shardwise.strategies.classes import make_strategy
 from shardwise.trainer import Trainer
 
 STEPS = 20

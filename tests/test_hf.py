@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from torch.distributed.fsdp import FSDPModule
 
 import shardwise as sw
-from shardwise.config import load_config
+from shardwise.config.load import load_config
 from shardwise.data.corpus import TokenWindows, load_corpus, split_tokens
 from shardwise.dist import DistContext
 from shardwise.models.hf import decoder_layer_class

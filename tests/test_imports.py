@@ -1,9 +1,11 @@
 """The import graph of shardwise's modules: no cycles, and layers that stay apart.
 
-Every `import` counts, wherever it stands (at the top, inside a function, or under
-TYPE_CHECKING): a cycle hidden in a function is still a cycle a reader must untangle. A package's
-own `__init__` loaded on the way to one of its modules is not an edge, as in pydeps or
-import-linter.
+Every import counts, wherever it stands (at the top, inside a function, or under TYPE_CHECKING),
+and so does an import by name: a string that names one of the package's modules (a lazy
+attribute's home, `importlib.import_module("shardwise.x")`) or an f-string that names one of a
+package's (`f"shardwise.strategies.{name}"`: all of them). A cycle hidden in a function or behind
+a registry is still a cycle a reader must untangle. A package's own `__init__` loaded on the way
+to one of its modules is not an edge, as in pydeps or import-linter.
 """
 
 from __future__ import annotations
@@ -12,6 +14,17 @@ import ast
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def imported_by_name(node: ast.AST, files: dict[str, Path]) -> set[str]:
+    """The package's modules a string or f-string names (see above)."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str) and "." in node.value and node.value in files:
+        return {node.value}
+    if isinstance(node, ast.JoinedStr) and node.values and isinstance(node.values[0], ast.Constant):
+        prefix = str(node.values[0].value)
+        if prefix.startswith("shardwise.") and prefix.endswith("."):
+            return {module for module in files if module.startswith(prefix)}
+    return set()
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -27,6 +40,8 @@ def import_graph() -> dict[str, set[str]]:
                 # `from a.b import c` imports module a.b.c where there is one, else a name of a.b.
                 imported.update(f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in files
                                 else node.module for alias in node.names)
+            else:
+                imported |= imported_by_name(node, files)
         graph[module] = {name for name in imported if name in files and name != module}
     return graph
 
@@ -66,6 +81,8 @@ def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
 def test_the_import_graph_has_no_cycles():
     graph = import_graph()
     assert len(graph) > 60 and "shardwise.strategies.fsdp" in graph["shardwise.strategies.hsdp"]  # it sees imports
+    assert "shardwise.strategies.ddp" in graph["shardwise.strategies.classes"]  # and imports by name
+    assert "shardwise.api" in graph["shardwise"]
     cycle = find_cycle(graph)
     assert cycle is None, "import cycle: " + " -> ".join(cycle)
 
@@ -75,11 +92,23 @@ def test_the_cycle_finder_finds_a_cycle():
     assert find_cycle({"a": {"b"}, "b": set(), "c": {"a", "b"}}) is None
 
 
-def test_config_knows_strategies_only_through_the_registry_and_the_planner_never_trains():
+def test_the_schema_knows_strategies_only_through_the_registry_and_the_planner_never_trains():
     graph = import_graph()
-    # config -> registry only; a strategy's class is imported when a run asks for it.
-    assert {m for m in reachable(graph, "shardwise.config") if m.startswith("shardwise.strategies")} == {
+    # The schema -> the registry's facts only; validation asks a strategy's class for its own checks
+    # (strategies/classes.py imports it by name), and the classes read the schema, never validation.
+    assert {m for m in reachable(graph, "shardwise.config.schema") if m.startswith("shardwise.strategies")} == {
         "shardwise.strategies.registry"}
     assert graph["shardwise.strategies.registry"] == set()
+    for module in (m for m in graph if m.startswith("shardwise.strategies")):
+        assert not {"shardwise.config.load", "shardwise.config.validate"} & reachable(graph, module), module
     for module in (m for m in graph if m.startswith("shardwise.planner")):
         assert "shardwise.trainer" not in reachable(graph, module), f"{module} reaches the trainer"
+
+
+def test_the_parallelisms_know_no_strategy_config_or_trainer():
+    """parallel/ is the libraries: each takes the mesh and the model as arguments."""
+    graph = import_graph()
+    above = ("shardwise.strategies", "shardwise.config", "shardwise.trainer", "shardwise.api", "shardwise.cli")
+    for module in (m for m in graph if m.startswith("shardwise.parallel")):
+        reached = {m for m in reachable(graph, module) if m.startswith(above)}
+        assert not reached, f"{module} reaches {sorted(reached)}"

@@ -16,14 +16,15 @@ from distributed import run_ranks
 from torch import nn
 
 import shardwise as sw
-from shardwise.config import Config, load_config
+from shardwise.config.load import load_config
+from shardwise.config.schema import Config
 from shardwise.dist import DistContext, init_distributed
 from shardwise.materialise import Materialiser, build_on_meta, init_context
 from shardwise.memory import reset_peak_resident, resident_bytes, return_free_memory
 from shardwise.models import build_model
 from shardwise.planner.candidates import Candidate
 from shardwise.planner.memory import predict_setup_bytes
-from shardwise.strategies.base import make_strategy
+from shardwise.strategies.classes import make_strategy
 from shardwise.strategies.param_server import server_parameters
 from shardwise.strategies.registry import SPECS
 from shardwise.weights import WeightsError

@@ -7,9 +7,9 @@ import pytest
 import torch.distributed as dist
 from distributed import run_ranks
 
-from shardwise.config import MESH_DIMS, MeshShape, ParallelConfig
+from shardwise.config.schema import ParallelConfig
 from shardwise.dist import DistContext
-from shardwise.parallel.dims import FLATTENED, Mesh
+from shardwise.parallel.dims import FLATTENED, MESH_DIMS, Mesh, MeshShape
 
 
 @pytest.mark.parametrize(("settings", "world", "node", "shape"), [

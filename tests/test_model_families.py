@@ -22,7 +22,8 @@ from distributed import run_ranks
 from helpers import CONFIGS, SGD, assert_same_training, gpt_tiny, read_records, train_in_process
 
 import shardwise as sw
-from shardwise.config import ConfigError, load_config
+from shardwise.config.load import load_config
+from shardwise.config.schema import ConfigError
 from shardwise.data.corpus import TokenWindows, load_corpus, split_tokens
 from shardwise.dist import DistContext
 from shardwise.models import build_model, loss_fn

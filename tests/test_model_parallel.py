@@ -22,7 +22,7 @@ from helpers import (
 )
 
 from bench.pipeline import one_micro_batch_bytes
-from shardwise.config import load_config
+from shardwise.config.load import load_config
 from shardwise.dist import DistContext
 from shardwise.models import build_model
 from shardwise.parallel.pipeline.stages import balanced_split

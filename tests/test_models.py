@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from shardwise.config import load_config
+from shardwise.config.load import load_config
 from shardwise.memory import ActivationCounter, storage_bytes
 from shardwise.models import CNN, GPT, MLP, GPTConfig, build_model
 

@@ -15,10 +15,12 @@ import torch.nn.functional as F
 from distributed import run_ranks
 from helpers import CONFIGS, SGD, assert_same_training, gpt_tiny, losses, read_records, train_in_process
 
-from shardwise.config import ConfigError, MeshShape, load_config
+from shardwise.config.load import load_config
+from shardwise.config.schema import ConfigError
 from shardwise.dist import DistContext
 from shardwise.models import build_model
 from shardwise.models.moe import MoE, MoEConfig, loss_scale
+from shardwise.parallel.dims import MeshShape
 from shardwise.trainer import Trainer
 
 STEPS, SAVED_AT = 10, 5

@@ -19,7 +19,8 @@ import torch.distributed as dist
 from distributed import run_ranks
 from helpers import CONFIGS, REPO, SGD, Crash, assert_same_training, crash_at, gpt_tiny, train_in_process
 
-from shardwise.config import ConfigError, load_config
+from shardwise.config.load import load_config
+from shardwise.config.schema import ConfigError
 from shardwise.data import prepare
 from shardwise.dist import DistContext, init_distributed
 from shardwise.trainer import Trainer

@@ -22,7 +22,8 @@ from safetensors.torch import load_file
 
 from shardwise import cli
 from shardwise.checkpoint import consolidate
-from shardwise.config import Config, load_config
+from shardwise.config.load import load_config
+from shardwise.config.schema import Config
 from shardwise.data.corpus import load_corpus
 from shardwise.dist import DistContext
 from shardwise.models import build_model

@@ -16,7 +16,8 @@ import pytest
 from faults.jobs import wait_for_step, worker_pids
 from helpers import CONFIGS, REPO, SGD, assert_same_training, losses, train_in_process
 
-from shardwise.config import ConfigError, load_config
+from shardwise.config.load import load_config
+from shardwise.config.schema import ConfigError
 from shardwise.strategies.param_server import assign_servers
 
 FLAGS = ["--set", "train.eval_every=0", "--set", "train.eval_batches=1"]

@@ -14,7 +14,8 @@ from distributed import run_ranks
 from helpers import CONFIGS
 
 from shardwise.cli import main
-from shardwise.config import Config, ConfigError, hf_config_overrides, load_config
+from shardwise.config.load import hf_config_overrides, load_config
+from shardwise.config.schema import Config, ConfigError
 from shardwise.dist import DistContext
 from shardwise.models import build_model
 from shardwise.planner import PlanError, load_profile, make_plan

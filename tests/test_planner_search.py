@@ -9,7 +9,8 @@ import dataclasses
 import pytest
 from helpers import CONFIGS
 
-from shardwise.config import Config, load_config
+from shardwise.config.load import load_config
+from shardwise.config.schema import Config
 from shardwise.planner import load_profile, make_plan
 from shardwise.planner.search import Evaluated, Plan
 

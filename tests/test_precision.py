@@ -13,7 +13,7 @@ from distributed import run_ranks
 from helpers import CONFIGS, read_records, train_in_process
 from safetensors.torch import load_file
 
-from shardwise.config import load_config
+from shardwise.config.load import load_config
 from shardwise.dist import DistContext, init_distributed
 from shardwise.memory import optimizer_state_tensors
 from shardwise.precision import LossScaler

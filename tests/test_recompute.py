@@ -7,12 +7,12 @@ import torch
 from distributed import run_ranks
 from helpers import CONFIGS
 
-from shardwise.config import load_config
+from shardwise.config.load import load_config
 from shardwise.dist import DistContext
 from shardwise.memory import ActivationCounter
 from shardwise.models import build_model, loss_fn
 from shardwise.recompute import estimate_saved_bytes
-from shardwise.strategies.base import make_strategy
+from shardwise.strategies.classes import make_strategy
 
 POLICIES = ("none", "blocks", "every:2", "selective")
 LAYERS = 4

@@ -17,7 +17,7 @@ import pytest
 from helpers import CONFIGS, REPO, read_records, train_in_process
 
 from shardwise.cli import main
-from shardwise.config import load_config
+from shardwise.config.load import load_config
 from shardwise.metrics import tensorboard_scalars
 
 STEPS, EVAL_EVERY, MICRO_BATCHES = 6, 3, 4

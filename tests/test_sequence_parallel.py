@@ -11,7 +11,8 @@ import pytest
 from distributed import run_ranks
 from helpers import CONFIGS, SGD, assert_same_training, gpt_tiny, read_records, train_in_process, train_runs
 
-from shardwise.config import ConfigError, load_config
+from shardwise.config.load import load_config
+from shardwise.config.schema import ConfigError
 from shardwise.dist import DistContext
 from shardwise.planner.candidates import Candidate
 from shardwise.planner.memory import predict_memory

@@ -9,7 +9,7 @@ import sys
 from helpers import COMPARED_STEPS, CONFIGS, REPO, assert_same_training, read_records, shardwise, train_in_process
 from safetensors.torch import load_file
 
-from shardwise.config import load_config
+from shardwise.config.load import load_config
 
 
 def test_single_trains_30_steps_and_the_loss_falls(tmp_path, cli_single_run):

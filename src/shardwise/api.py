@@ -46,11 +46,14 @@ from torch import nn
 from torch.utils.data import default_collate
 
 from shardwise.checkpoint import load_checkpoint, save_checkpoint
-from shardwise.config import Config, ConfigError, apply_section, validate_parallel
+from shardwise.config.load import apply_section
+from shardwise.config.schema import Config, ConfigError
+from shardwise.config.validate import validate_parallel
 from shardwise.data import Dataset, GlobalBatchSampler
 from shardwise.dist import DistContext, init_distributed, seed_everything, shutdown_distributed
 from shardwise.materialise import build_on_meta
-from shardwise.strategies.base import LossFn, OptimizerFactory, make_strategy
+from shardwise.strategies.base import LossFn, OptimizerFactory
+from shardwise.strategies.classes import make_strategy
 from shardwise.strategies.registry import spec
 from shardwise.trainer import optimizer_step
 from shardwise.weights import ModelNames, load_weights

@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.utils import _create_file_view
 from torch.futures import Future
 
 if TYPE_CHECKING:
-    from shardwise.config import Config
+    from shardwise.config.schema import Config
     from shardwise.dist import DistContext
     from shardwise.precision import LossScaler
     from shardwise.strategies.base import Strategy
@@ -418,7 +418,8 @@ def consolidate(run_dir: Path, out: Path, progress: bool = False) -> Path:
     `progress`: a bar on stderr. Returns the checkpoint used."""
     from tqdm import tqdm
 
-    from shardwise.config import HF_MODELS, load_config
+    from shardwise.config.load import load_config
+    from shardwise.config.schema import HF_MODELS
     from shardwise.hf_files import config_json, write_model_files
     from shardwise.materialise import init_context
     from shardwise.models import build_model

@@ -10,7 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from shardwise.config import PRECISIONS, Config, ConfigError, hf_config_overrides, load_config
+from shardwise.config.load import hf_config_overrides, load_config
+from shardwise.config.schema import PRECISIONS, Config, ConfigError
 from shardwise.planner.candidates import DEFAULT_PRECISIONS, POLICIES
 from shardwise.recompute import parse_policy
 from shardwise.strategies.registry import NAMES, spec
@@ -95,6 +96,7 @@ def _train_config(args: argparse.Namespace) -> Config:
 
 def train(args: argparse.Namespace) -> int:
     from shardwise.launch import Stopped, WorkerFailed, launch_local, launch_workers
+    from shardwise.strategies.classes import strategy_class
 
     cfg = _train_config(args)
     _check_before_launch(cfg)  # before anything is written or any worker starts
@@ -104,7 +106,7 @@ def train(args: argparse.Namespace) -> int:
     try:
         strategy = spec(cfg.parallel.strategy)
         if strategy.own_launcher:
-            lost = launch_local(cfg.launch, entry, strategy.strategy_class().expendable_ranks(cfg))
+            lost = launch_local(cfg.launch, entry, strategy_class(cfg.parallel.strategy).expendable_ranks(cfg))
             if lost:
                 print(f"shardwise train: finished without worker rank(s) {', '.join(map(str, lost))}", file=sys.stderr)
         else:
@@ -171,7 +173,7 @@ def prepare_data(args: argparse.Namespace) -> int:
 
 
 def sample(args: argparse.Namespace) -> int:
-    from shardwise.config import LaunchConfig
+    from shardwise.config.schema import LaunchConfig
     from shardwise.launch import WorkerFailed, launch_workers
     from shardwise.sampling import run_config, sample_here
 
@@ -210,7 +212,7 @@ def benches() -> dict[str, tuple[str, int]]:
 
 
 def bench(args: argparse.Namespace) -> int:
-    from shardwise.config import LaunchConfig
+    from shardwise.config.schema import LaunchConfig
     from shardwise.launch import WorkerFailed, launch_workers
 
     root = bench_checkout()

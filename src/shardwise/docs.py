@@ -4,7 +4,7 @@ dataclass in `config.SECTIONS`, every key's type, default, allowed values and de
 of the pipeline schedules in docs/strategies/pipeline.md, drawn by their simulator, as text and
 (where matplotlib is installed) as one PNG, docs/images/pipeline-schedules.png.
 
-    python -m shardwise.docs      # from the repository root, after changing config.py or a schedule
+    python -m shardwise.docs      # from the repository root, after changing config/schema.py or a schedule
 
 tests/test_docs.py fails when docs/config.md or the pictures differ from what this writes, or when
 a key has no description.
@@ -23,7 +23,7 @@ from typing import Any
 import tomli_w
 
 from shardwise.cli import _add_train_parser
-from shardwise.config import SECTIONS
+from shardwise.config.schema import SECTIONS
 from shardwise.parallel.pipeline.schedules import SCHEDULES, Costs, build, draw, simulate
 
 OUT = Path("docs/config.md")
@@ -37,7 +37,7 @@ COLOURS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868", "BW": "#c44e52"}
 HEADER = """\
 # Config reference
 
-<!-- Written by `python -m shardwise.docs` from src/shardwise/config.py: change the descriptions
+<!-- Written by `python -m shardwise.docs` from src/shardwise/config/schema.py: change the descriptions
 there, then rerun it (tests/test_docs.py fails while this file is out of date). -->
 
 A run is configured by one TOML file with the sections below. Every key has a default, so a file

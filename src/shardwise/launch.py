@@ -21,7 +21,7 @@ import uuid
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from shardwise.config import ConfigError, LaunchConfig
+from shardwise.config.schema import ConfigError, LaunchConfig
 
 
 class WorkerFailed(RuntimeError):

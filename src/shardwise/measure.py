@@ -23,7 +23,8 @@ from typing import Any
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from shardwise.config import Config, load_config
+from shardwise.config.load import load_config
+from shardwise.config.schema import Config
 from shardwise.dist import DistContext, init_distributed, leave_process, shutdown_distributed
 from shardwise.planner.candidates import Candidate
 from shardwise.planner.model import PlanError

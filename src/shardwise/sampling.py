@@ -18,7 +18,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from shardwise.config import Config, ConfigError, load_config, validate
+from shardwise.config.load import load_config
+from shardwise.config.schema import Config, ConfigError
+from shardwise.config.validate import validate
 from shardwise.data.prepare import BYTES, Tokenizer
 from shardwise.models import build_model
 
@@ -93,7 +95,7 @@ def sample_on_ranks(run: Path, prompt: str, tokens: int, seed: int, strategy: st
 
     from shardwise.dist import init_distributed, shutdown_distributed
     from shardwise.materialise import init_context
-    from shardwise.strategies.base import make_strategy
+    from shardwise.strategies.classes import make_strategy
     from shardwise.weights import ModelNames, load_weights
 
     ctx = init_distributed(threads_per_rank=1)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from shardwise.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from shardwise.config import HF_MODELS, LANGUAGE_MODELS, Config, TrainConfig
+from shardwise.config.schema import HF_MODELS, LANGUAGE_MODELS, Config, TrainConfig
 from shardwise.data import Dataset, DocumentWindows, GlobalBatchSampler, make_datasets
 from shardwise.dist import DistContext, seed_everything
 from shardwise.hf_files import config_json, write_model_files
@@ -30,7 +30,8 @@ from shardwise.memory import (
 )
 from shardwise.metrics import MetricsWriter, Progress, device_peak_flops, mfu
 from shardwise.models import build_model, flops_per_sample, loss_fn
-from shardwise.strategies.base import OptimizerFactory, Strategy, make_strategy
+from shardwise.strategies.base import OptimizerFactory, Strategy
+from shardwise.strategies.classes import make_strategy
 from shardwise.weights import ModelNames, load_weights
 from shardwise.weights_file import final_layout, save_weights
 

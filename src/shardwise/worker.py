@@ -13,11 +13,12 @@ from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from shardwise.config import load_config, validate
+from shardwise.config.load import load_config
+from shardwise.config.validate import validate
 from shardwise.dist import leave_process, shutdown_distributed
 from shardwise.metrics import format_summary
 from shardwise.stalls import explain, is_collective_failure
-from shardwise.strategies.registry import spec
+from shardwise.strategies.classes import strategy_class
 from shardwise.trainer import Trainer, optimizer_factory
 
 
@@ -32,7 +33,7 @@ def main(argv: list[str] | None = None) -> None:
     # The world the launcher actually made is what counts, whatever the file's launch.nproc says.
     cfg.launch.nproc = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.launch.nproc))
     validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", 1)))
-    strategy = spec(cfg.parallel.strategy).strategy_class()
+    strategy = strategy_class(cfg.parallel.strategy)
     ctx = strategy.join(cfg, optimizer_factory(cfg.train))
     if ctx is None:  # a parameter server, done serving
         return

@@ -25,7 +25,7 @@ from helpers import (
 from safetensors.torch import load_file
 
 from shardwise.checkpoint import consolidate
-from shardwise.config import load_config
+from shardwise.config.load import load_config
 from shardwise.dist import DistContext
 from shardwise.models import build_model
 from shardwise.planner.candidates import Candidate

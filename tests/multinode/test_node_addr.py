@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from shardwise.config import ConfigError, LaunchConfig, load_config
+from shardwise.config.load import load_config
+from shardwise.config.schema import ConfigError, LaunchConfig
 from shardwise.launch import interface_of, node_addr_settings, torchrun_args
 
 

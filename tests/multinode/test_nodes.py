@@ -21,7 +21,7 @@ from nodes import TINY, cluster, start_on_nodes, train_many_on_nodes, wait_for_s
 from safetensors.torch import load_file
 
 from bench.netns import Cluster
-from shardwise.config import load_config
+from shardwise.config.load import load_config
 from shardwise.models import build_model
 
 pytestmark = pytest.mark.root  # network namespaces

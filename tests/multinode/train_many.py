@@ -21,7 +21,7 @@ def tx_bytes() -> int:
 
 
 def worker(runs: str) -> None:
-    from shardwise.config import load_config
+    from shardwise.config.load import load_config
     from shardwise.dist import init_distributed, leave_process, shutdown_distributed
     from shardwise.trainer import Trainer
 

@@ -7,7 +7,7 @@ from typing import Protocol
 
 import torch
 
-from shardwise.config import Config, ConfigError
+from shardwise.config.schema import Config, ConfigError
 from shardwise.data import prepare
 from shardwise.data.corpus import TokenWindows, load_corpus, split_tokens, synthetic_tokens
 from shardwise.data.documents import DocumentWindows, document_starts, split_starts

@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shardwise.config import CORPORA
+from shardwise.config.schema import CORPORA
 
 
 def cache_dir() -> Path:

@@ -42,7 +42,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from shardwise.config import Config, ConfigError, DataConfig
+from shardwise.config.schema import Config, ConfigError, DataConfig
 from shardwise.data.corpus import cache_dir
 from shardwise.data.sources import Piece, Source, documents, input_sources, pieces
 

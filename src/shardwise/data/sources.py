@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardwise.config import ConfigError
+from shardwise.config.schema import ConfigError
 
 TEXT, JSONL, PARQUET, ARROW_FILE, ARROW_STREAM = "txt", "jsonl", "parquet", "arrow-file", "arrow-stream"
 KINDS = {".txt": TEXT, ".jsonl": JSONL, ".parquet": PARQUET, ".arrow": ARROW_FILE, ".feather": ARROW_FILE}

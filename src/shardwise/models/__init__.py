@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardwise.config import ModelConfig
+from shardwise.config.schema import ModelConfig
 from shardwise.models.cnn import CNN
 from shardwise.models.gpt import GPT, GPTConfig
 from shardwise.models.hf import HF_MODELS, build_causal_lm

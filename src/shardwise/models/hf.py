@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from shardwise.config import HF_MODELS, HF_SIZE_ALIASES, HF_SIZE_KEYS, ModelConfig
+from shardwise.config.schema import HF_MODELS, HF_SIZE_ALIASES, HF_SIZE_KEYS, ModelConfig
 
 
 def decoder_layer_class(model: nn.Module) -> str | None:

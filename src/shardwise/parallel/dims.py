@@ -30,17 +30,50 @@ Flattened groups, for collectives over several dimensions at once:
 
 from __future__ import annotations
 
+import math
 import os
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
-
-from shardwise.config import MESH_DIMS, MeshShape
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from shardwise.dist import DistContext
+
+MESH_DIMS = ("dp_replicate", "dp_shard", "cp", "pp", "tp")  # outermost first, as above
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    """The sizes of a run's device mesh, by dimension (above: what each holds)."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    pp: int = 1
+    tp: int = 1
+    # Expert parallel: not a dimension of its own but a split of dp (above); the mesh's sizes leave it out.
+    ep: int = 1
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(getattr(self, dim) for dim in MESH_DIMS)
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: those that read different shares of the global batch."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def world(self) -> int:
+        return math.prod(self.sizes)
+
+    def __str__(self) -> str:
+        dims = [f"{dim} {size}" for dim, size in zip(MESH_DIMS, self.sizes, strict=True) if size > 1]
+        return " x ".join(dims) + (f" (ep {self.ep} of dp)" if self.ep > 1 else "") if dims else "one rank"
+
 
 def node_size(world_size: int) -> int:
     """Processes per node: torchrun's LOCAL_WORLD_SIZE (the whole world when not under torchrun)."""

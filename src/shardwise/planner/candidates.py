@@ -8,7 +8,8 @@ import copy
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
-from shardwise.config import CP_MODES, EP_STRATEGIES, MOE_MODELS, Config, ConfigError, validate
+from shardwise.config.schema import CP_MODES, EP_STRATEGIES, MOE_MODELS, Config, ConfigError
+from shardwise.config.validate import validate
 from shardwise.strategies.registry import SPECS, StrategySpec, spec
 
 # bf16-true only when asked for: it trains differently (updates below a weight's bf16 spacing are

@@ -48,7 +48,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from shardwise.config import Config
+from shardwise.config.schema import Config
 from shardwise.parallel.pipeline.schedules import Schedule, build, layout_of, peak_held
 from shardwise.planner.candidates import Candidate
 from shardwise.planner.model import (

@@ -46,7 +46,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shardwise.config import DEFAULT_BLOCK, HF_MODELS, LANGUAGE_MODELS, MOE_MODELS, ModelConfig
+from shardwise.config.schema import DEFAULT_BLOCK, HF_MODELS, LANGUAGE_MODELS, MOE_MODELS, ModelConfig
 from shardwise.memory import ActivationCounter
 from shardwise.models import build_model, loss_fn, moe
 from shardwise.models.hf import decoder_layer_class

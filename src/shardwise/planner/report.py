@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardwise.config import Config
+from shardwise.config.schema import Config
 from shardwise.planner.candidates import Candidate
 from shardwise.planner.search import CLOSEST, Evaluated, GiB, Plan
 from shardwise.planner.timing import expert_exchange_bytes

@@ -28,7 +28,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from shardwise.config import PRECISIONS, Config, ConfigError
+from shardwise.config.schema import PRECISIONS, Config, ConfigError
 from shardwise.planner.candidates import DEFAULT_PRECISIONS, POLICIES, Candidate, enumerate_candidates
 from shardwise.planner.devices import DeviceProfile
 from shardwise.planner.memory import DEFAULT_MARGIN, RankMemory, dtype_bytes, predict_memory

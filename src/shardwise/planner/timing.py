@@ -51,7 +51,7 @@ import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from shardwise.config import Config
+from shardwise.config.schema import Config
 from shardwise.parallel.pipeline.schedules import SCHEDULES, Costs, Layout, Schedule, layout_of, makespan
 from shardwise.planner.candidates import Candidate
 from shardwise.planner.devices import DeviceProfile

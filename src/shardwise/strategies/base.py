@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.config import DEFAULT_BLOCK, Config, ParallelConfig
+from shardwise.config.schema import DEFAULT_BLOCK, Config, ParallelConfig
 from shardwise.dist import DistContext, init_distributed
 from shardwise.gradients import clip_grad_norm_
 from shardwise.materialise import Materialiser, check_one_device_kind
@@ -293,13 +293,6 @@ class Strategy:
         names = self.state_names()
         return {name: tensor.cpu() for name, tensor in zip(names, self.full_tensors(names), strict=True)
                 if tensor is not None}
-
-
-def make_strategy(cfg: ParallelConfig, ctx: DistContext, seed: int = 0) -> Strategy:
-    """The configured strategy; a meta-built model it wraps is initialised from `seed`."""
-    strategy = spec(cfg.strategy).strategy_class(cfg.mesh_shape(ctx.world_size)[1])(ctx, cfg)
-    strategy.seed = seed
-    return strategy
 
 
 def block_class(model: nn.Module, block: str) -> str:

@@ -25,7 +25,7 @@ from contextlib import ExitStack
 import torch
 from torch import nn
 
-from shardwise.config import MOE_MODELS, Config, ConfigError, ParallelConfig
+from shardwise.config.schema import MOE_MODELS, Config, ConfigError, ParallelConfig
 from shardwise.dist import DistContext
 from shardwise.memory import active_counters
 from shardwise.precision import Precision

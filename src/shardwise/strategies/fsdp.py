@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from shardwise.config import Config, ConfigError, ParallelConfig
+from shardwise.config.schema import Config, ConfigError, ParallelConfig
 from shardwise.dist import DistContext, broadcast_from_rank0
 from shardwise.gradients import all_reduce_packed, clip_grad_norm_
 from shardwise.materialise import Materialiser

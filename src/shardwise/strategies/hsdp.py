@@ -16,7 +16,7 @@ loadable into any strategy and world size like fsdp's.
 
 from __future__ import annotations
 
-from shardwise.config import ParallelConfig
+from shardwise.config.schema import ParallelConfig
 from shardwise.dist import DistContext
 from shardwise.gradients import all_reduce_packed
 from shardwise.parallel.dims import node_size

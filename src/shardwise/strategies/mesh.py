@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.config import DEFAULT_BLOCK, Config, ConfigError, ParallelConfig
+from shardwise.config.schema import DEFAULT_BLOCK, Config, ConfigError, ParallelConfig
 from shardwise.dist import DistContext
 from shardwise.gradients import all_reduce_packed, clip_grad_norm_
 from shardwise.materialise import named_tensors

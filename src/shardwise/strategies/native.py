@@ -11,7 +11,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from shardwise.config import Config, ConfigError
+from shardwise.config.schema import Config, ConfigError
 from shardwise.memory import MemoryBreakdown
 from shardwise.strategies.base import Strategy
 

@@ -43,8 +43,7 @@ import torch.distributed.rpc as rpc
 from torch import nn
 from torch.futures import Future
 
-from shardwise.checkpoint import CheckpointError
-from shardwise.config import Config, ConfigError, ParallelConfig
+from shardwise.config.schema import Config, ConfigError, ParallelConfig
 from shardwise.dist import DistContext, choose_backend, configure_process, job_store, rank_device, seed_everything
 from shardwise.gradients import clip_coefficient, squared_norm
 from shardwise.materialise import Materialiser, init_context
@@ -421,4 +420,4 @@ class ParamServer(Strategy):
                 param.copy_(value)
 
     def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
-        raise CheckpointError("param-server keeps no checkpoints: its optimizer state lives on the servers")
+        raise RuntimeError("param-server keeps no checkpoints: its optimizer state lives on the servers")

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.config import Config, ConfigError, ParallelConfig
+from shardwise.config.schema import Config, ConfigError, ParallelConfig
 from shardwise.dist import DistContext
 from shardwise.models import moe
 from shardwise.parallel.pipeline.runner import Activations, PipelineModule, PipelineRun

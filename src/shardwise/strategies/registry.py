@@ -1,14 +1,14 @@
 """Every strategy, one line each: its name, where it lives, and the facts config validation, the
 CLI, the worker, the Python API and the planner need to know of it.
 
-This module imports nothing of shardwise, so `config.py` can read it; a strategy's class (and the
-config checks only it makes, `Strategy.check_config`) is imported from `module` when asked for.
+This module imports nothing of shardwise, so the config's schema can read it; a strategy's class
+(and the config checks only it makes, `Strategy.check_config`) is classes.py's to import, from
+`module`, when asked for.
 Adding a strategy: its module, its test, its docs page and one line in `SPECS`.
 """
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 
 
@@ -47,14 +47,6 @@ class StrategySpec:
     def shards_split_model(self) -> bool:
         """Whether it shards a model that tensor parallel splits (parallel.tp > 1): ours that shard."""
         return bool(self.zero_stage) and not self.native
-
-    def strategy_class(self, pp: int = 1) -> type:
-        """The Strategy subclass, imported now (importing it here at the top would make config, which
-        every strategy imports, import every strategy). Ours that shard, over pipeline stages
-        (`pp` > 1): the pipeline whose stages they shard."""
-        if pp > 1 and self.shards_split_model:
-            return importlib.import_module("shardwise.strategies.sharded_pipeline").ShardedPipeline
-        return getattr(importlib.import_module(f"shardwise.strategies.{self.module}"), self.cls)
 
 
 SPECS: dict[str, StrategySpec] = {spec.name: spec for spec in (

@@ -34,13 +34,14 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from shardwise.config import Config, ConfigError, ParallelConfig
+from shardwise.config.schema import Config, ConfigError, ParallelConfig
 from shardwise.dist import DistContext
 from shardwise.gradients import clip_grad_norm_
 from shardwise.memory import MemoryBreakdown
 from shardwise.parallel.pipeline.runner import Activations
 from shardwise.strategies.base import LossFn, OptimizerFactory
 from shardwise.strategies.fsdp import ShardedDataParallel
+from shardwise.strategies.hsdp import HSDP
 from shardwise.strategies.pipeline import Pipeline
 from shardwise.strategies.registry import spec
 
@@ -63,7 +64,7 @@ class ShardedPipeline(Pipeline):
     def __init__(self, ctx: DistContext, cfg: ParallelConfig) -> None:
         super().__init__(ctx, cfg)
         # fsdp.py's (hsdp.py's: sharded within a node, replicated across) on the same mesh (Mesh.of).
-        self.sharded: ShardedDataParallel = spec(cfg.strategy).strategy_class()(ctx, cfg)
+        self.sharded = (HSDP if spec(cfg.strategy).across_nodes else ShardedDataParallel)(ctx, cfg)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         module = super().wrap(model)

@@ -8,7 +8,7 @@ import functools
 
 from torch import nn
 
-from shardwise.config import Config, ConfigError
+from shardwise.config.schema import Config, ConfigError
 from shardwise.parallel.tensor import TensorParallelGroup, parallelize_blocks
 from shardwise.strategies.mesh import MeshStrategy
 

@@ -1,0 +1,376 @@
+"""The config's schema: its sections (model, data, train, parallel, launch, run), every key's
+type, default and meaning (`option`: docs/config.md is written from these), and the facts about
+the families and strategies a key's values name. A value here is checked by validate.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+from shardwise.parallel.dims import MeshShape
+from shardwise.parallel.pipeline.schedules import SCHEDULES as PIPELINE_SCHEDULES
+from shardwise.strategies.registry import NAMES as STRATEGIES
+from shardwise.strategies.registry import spec
+
+SCHEDULES = tuple(PIPELINE_SCHEDULES)
+PS_MODES = ("sync", "async")
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
+REDUCE_DTYPES = ("fp32", "bf16")
+OFFLOADS = ("none", "optimizer")
+ALL_REDUCES = ("backend", "ring")
+GRAD_COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
+# transformers models of the GPT presets' sizes (models/hf.py)
+HF_MODELS = ("hf-llama", "hf-qwen2", "hf-gpt2", "hf-mixtral", "hf-qwen3-moe", "hf-deepseek-v3")
+# families whose key/value heads may be fewer than their heads
+GROUPED_QUERY_MODELS = ("hf-llama", "hf-qwen2", "hf-mixtral", "hf-qwen3-moe", "hf-deepseek-v3")
+# A transformers config.json's `model_type` -> the family that builds it (Mistral has Llama's modules).
+HF_MODEL_TYPES = {"llama": "hf-llama", "mistral": "hf-llama", "qwen2": "hf-qwen2", "gpt2": "hf-gpt2",
+                  "mixtral": "hf-mixtral", "qwen3_moe": "hf-qwen3-moe", "deepseek_v3": "hf-deepseek-v3"}
+# Where each family's transformers config keeps the sizes a ModelConfig names.
+_LLAMA_SIZE_KEYS = dict(n_layer="num_hidden_layers", n_head="num_attention_heads", n_kv_head="num_key_value_heads",
+                        d_model="hidden_size", d_ff="intermediate_size", vocab_size="vocab_size",
+                        seq_len="max_position_embeddings")
+HF_SIZE_KEYS: dict[str, dict[str, str]] = {
+    "hf-llama": _LLAMA_SIZE_KEYS,
+    "hf-qwen2": _LLAMA_SIZE_KEYS,
+    "hf-gpt2": dict(n_layer="n_layer", n_head="n_head", d_model="n_embd", d_ff="n_inner", vocab_size="vocab_size",
+                    seq_len="n_positions"),
+    # Mixtral's experts are its MLPs (intermediate_size); Qwen3-MoE's have a width of their own.
+    "hf-mixtral": {**_LLAMA_SIZE_KEYS, "n_experts": "num_local_experts", "top_k": "num_experts_per_tok"},
+    "hf-qwen3-moe": {**_LLAMA_SIZE_KEYS, "n_experts": "num_experts", "top_k": "num_experts_per_tok",
+                     "d_expert": "moe_intermediate_size", "head_dim": "head_dim"},
+    # Its attention's other sizes (MLA's ranks and head widths) and its dense first blocks: model.hf_config's.
+    "hf-deepseek-v3": {**_LLAMA_SIZE_KEYS, "n_experts": "n_routed_experts", "top_k": "num_experts_per_tok",
+                       "d_expert": "moe_intermediate_size"},
+}
+# Other names a config.json may keep a size under: transformers 5 saves Qwen3-MoE's num_experts by its
+# attribute's name, num_local_experts (published Qwen3-MoE configs say num_experts).
+HF_SIZE_ALIASES = {"num_experts": ("num_local_experts",)}
+# Models of token sequences: sized by a GPT preset, trained on text.
+LANGUAGE_MODELS = ("gpt", "gpt-moe", *HF_MODELS)
+# Models whose blocks have Mixture-of-Experts layers: ours (models/moe.py), transformers' (their own).
+MOE_MODELS = ("gpt-moe", "hf-mixtral", "hf-qwen3-moe", "hf-deepseek-v3")
+ROUTER_SCORES = ("softmax", "sigmoid")
+BALANCES = ("aux-loss", "bias", "none")
+# The strategies that split experts over parallel.ep ranks (parallel/experts.py).
+EP_STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
+MODELS = (*LANGUAGE_MODELS, "cnn", "mlp")
+GPT_PRESETS = ("tiny", "small", "gpt2-124m")
+OPTIMIZERS = ("adamw", "sgd")
+CORPORA = ("shakespeare", "stdlib")  # the built-in text corpora (data/corpus.py)
+TEXT_DATASETS = (*CORPORA, "synthetic-tokens")
+IMAGE_DATASETS = ("digits", "synthetic-images")
+DOCUMENTS = ("none", "files", "paragraphs")  # what a corpus's documents are, for document masks (data/documents.py)
+CP_MODES = ("ring", "all-to-all")
+BACKENDS = ("auto", "gloo", "nccl")
+DEFAULT_BLOCK = "Block"  # the GPT's block class
+
+
+class ConfigError(ValueError):
+    """A config value is wrong; the message is one line naming key, value and what is allowed."""
+
+
+def option(default: Any, doc: str, choices: tuple[str, ...] = ()) -> Any:
+    """A config key: its default, what it does and, for a key with a fixed set of values, those.
+    `python -m shardwise.docs` writes docs/config.md from these."""
+    return field(default=default, metadata={"doc": doc, "choices": choices})
+
+
+@dataclass
+class ModelConfig:
+    """The model to train. An hf-* model with `hf_config` takes its sizes from that config.json (a
+    size set here must agree with it); otherwise sizes come from `preset`, and any size set here
+    overrides the preset's."""
+
+    name: str = option("gpt", "`gpt` (decoder-only transformer), `gpt-moe` (the GPT with a Mixture-of-Experts "
+                       "layer for each MLP, docs/strategies/moe.md), `hf-llama` / `hf-qwen2` / `hf-gpt2` / "
+                       "`hf-mixtral` / `hf-qwen3-moe` / `hf-deepseek-v3` (a randomly initialised transformers "
+                       "Llama, Qwen2, GPT-2, Mixtral, Qwen3-MoE or DeepSeek-V3 of the preset's sizes), `cnn` (with "
+                       "BatchNorm) or `mlp`", MODELS)
+    preset: str = option("tiny", "GPT and hf-* size: `tiny` (2 blocks x width 64, 64-token context), `small` "
+                         "(6 x 384, 256), `gpt2-124m` (12 x 768, 1024, vocabulary 50304); fills every size below "
+                         "left unset", GPT_PRESETS)
+    n_layer: int | None = option(None, "GPT, hf-*: blocks (unset: the preset's)")
+    n_head: int | None = option(None, "GPT, hf-*: attention heads; must divide d_model (unset: the preset's)")
+    d_model: int | None = option(None, "GPT, hf-*: width (unset: the preset's)")
+    seq_len: int | None = option(None, "GPT, hf-*: context length in tokens (unset: the preset's)")
+    vocab_size: int | None = option(None, "GPT, hf-*: vocabulary size, >= 256 for byte-level data (unset: the "
+                                    "preset's)")
+    n_kv_head: int | None = option(None, "hf-llama, hf-qwen2: key/value heads (grouped-query attention), dividing "
+                                   "n_head; the GPT and GPT-2 have one per head (unset: n_head)")
+    d_ff: int | None = option(None, "GPT, hf-*: the MLP's hidden width (unset: 4 x d_model)")
+    hf_config: str | None = option(None, "hf-*: a transformers config.json (a published model's) whose "
+                                   "architecture the model follows, read offline: it gives the model its sizes (a "
+                                   "size set here must agree; seq_len may be shorter than its context) and its other "
+                                   "settings (tied embeddings, biases, RoPE); its model_type must be model.name's "
+                                   "family (llama and mistral: hf-llama; qwen2; gpt2; mixtral; qwen3_moe; "
+                                   "deepseek_v3). `--hf-config FILE` sets this and model.name")
+    bias: bool = option(False, "biases in the GPT's linear layers")
+    weights: str | None = option(None, "start from these weights instead of initialising: a .safetensors file, or a "
+                                 "directory of them (what from_pretrained reads), matched to the model by name "
+                                 "(`lm.` and the like found by itself), each rank reading only its part "
+                                 "(docs/huggingface.md); unset: initialised from train.seed")
+    head_dim: int | None = option(None, "hf-qwen3-moe: each attention head's width (Qwen3's 128 is not d_model / "
+                                  "n_head; unset: model.hf_config's, else d_model / n_head)")
+    n_experts: int | None = option(None, "gpt-moe and the hf-* MoE families: experts in each MoE layer (unset: "
+                                   "model.hf_config's, else 8)")
+    top_k: int | None = option(None, "gpt-moe and the hf-* MoE families: experts each token is routed to, at most "
+                               "n_experts (unset: model.hf_config's, else 2)")
+    d_expert: int | None = option(None, "gpt-moe, hf-qwen3-moe, hf-deepseek-v3: each expert's hidden width (unset: "
+                                  "model.hf_config's, else d_ff); hf-mixtral's experts are its MLPs, of width d_ff")
+    router_score: str = option("softmax", "gpt-moe: the router's scores, `softmax` over the experts (Mixtral, "
+                               "Qwen3-MoE) or each expert's `sigmoid` (DeepSeek-V3)", ROUTER_SCORES)
+    balance: str = option("aux-loss", "gpt-moe: load balancing: `aux-loss` (aux_loss_coef x E x sum of each "
+                          "expert's token fraction times its mean score, added to the loss), `bias` "
+                          "(DeepSeek-V3's auxiliary-loss-free choice bias, moved by balance_rate each step), "
+                          "`none`", BALANCES)
+    aux_loss_coef: float = option(0.01, "gpt-moe, balance = aux-loss: the auxiliary loss's coefficient")
+    balance_rate: float = option(0.001, "gpt-moe, balance = bias: how far each step moves an expert's bias")
+    shared_expert: bool = option(False, "gpt-moe: an MLP of width d_expert every token also goes through "
+                                 "(DeepSeek)")
+    width: int = option(32, "CNN / MLP: hidden width")
+    num_classes: int = option(10, "CNN / MLP: output classes")
+
+
+@dataclass
+class DataConfig:
+    """The training data (see the Data section of docs/training.md)."""
+
+    name: str = option("shakespeare", "GPT, hf-*: `shakespeare`, `stdlib` (Python's own sources), `synthetic-tokens`; "
+                       "CNN / MLP: `digits` (scikit-learn), `synthetic-images`", TEXT_DATASETS + IMAGE_DATASETS)
+    val_fraction: float = option(0.05, "the last fraction of the corpus validates; between 0 and 1")
+    synthetic_size: int = option(1 << 20, "bytes (or images) of synthetic data")
+    documents: str = option("none", "`shakespeare`, `stdlib`, `data.path`: pack documents with a document mask (no "
+                            "token attends to another document's): `files` (each play or module; each text file, "
+                            "JSON line or table row of data.path), `paragraphs` (each block after a blank line; "
+                            "built-ins only); `none`: one stream, attention across everything in a window "
+                            "(docs/strategies/context.md)", DOCUMENTS)
+    path: str | None = option(None, "your own corpus instead of data.name (docs/data.md): a .txt, .jsonl, .parquet, "
+                              ".arrow or .feather file, a directory of them or a glob, or a Hugging Face dataset saved "
+                              "to disk; tokenized once into the cache (`shardwise prepare-data`)")
+    val_path: str | None = option(None, "with data.path: a corpus of its own to validate on (as data.path; a dataset "
+                                  "dict's split by its directory), instead of the last data.val_fraction of "
+                                  "data.path's")
+    text_field: str = option("text", "with data.path: the field of each JSON line, or the column of a Parquet or Arrow "
+                             "file or saved dataset, that holds its text")
+    split: str = option("train", "with data.path naming a Hugging Face dataset dict saved to disk (dataset_dict.json): "
+                        "the split to train on")
+    tokenizer: str = option("bytes", "with data.path: `bytes` (each UTF-8 byte a token), or a Hugging Face "
+                            "tokenizer read offline: a tokenizer.json or a directory holding one; its vocabulary "
+                            "must fit model.vocab_size")
+
+
+@dataclass
+class TrainConfig:
+    """The loop: steps, batch, optimizer, schedule, evaluation, checkpoints."""
+
+    steps: int = option(100, "optimizer steps")
+    optimizer: str = option("adamw", "`adamw`, or `sgd` with `train.momentum`", OPTIMIZERS)
+    global_batch: int = option(16, "samples per optimizer step, over all ranks")
+    micro_batch: int = option(8, "samples per forward on one model replica (`pipeline`: per pipeline run, split "
+                              "into `parallel.micro_batches`); global_batch / (replicas x micro_batch) micro-steps "
+                              "are accumulated, replicas being the world size, `parallel.dp` or param-server's "
+                              "workers")
+    lr: float = option(1e-3, "peak learning rate: linear warm-up over `warmup_steps`, then cosine to `min_lr`")
+    min_lr: float = option(1e-4, "learning rate at the end of the cosine; at most `lr`")
+    warmup_steps: int = option(10, "steps of linear learning-rate warm-up")
+    weight_decay: float = option(0.1, "decoupled weight decay on matrices and embeddings (none on biases and norms)")
+    beta1: float = option(0.9, "AdamW's first-moment decay, in [0, 1)")
+    beta2: float = option(0.95, "AdamW's second-moment decay, in [0, 1)")
+    momentum: float = option(0.9, "SGD's momentum, in [0, 1)")
+    grad_clip: float = option(1.0, "clip the global gradient norm (over all ranks and shards) to this; 0 turns "
+                              "clipping off")
+    eval_every: int = option(50, "validate every k steps (0: only at the end)")
+    eval_batches: int = option(2, "global batches each validation averages over")
+    seed: int = option(0, "model init and data order")
+    checkpoint_every: int = option(0, "save a checkpoint every N steps; 0: none (SIGTERM still saves one)")
+    keep_checkpoints: int = option(3, "keep the newest K checkpoints")
+
+
+@dataclass
+class ParallelConfig:
+    """How training is spread over ranks: the strategy (docs/strategies/), precision, recomputation and
+    each strategy's own settings."""
+
+    strategy: str = option("single", "how training is spread over ranks; one page each in docs/strategies/",
+                           STRATEGIES)
+    precision: str = option("fp32", "what computes and what is stored in which dtype (docs/precision.md)",
+                            PRECISIONS)
+    loss_scale: float = option(65536.0, "`fp16-mixed`: the dynamic loss scaler's starting scale")
+    loss_scale_growth_interval: int = option(2000, "`fp16-mixed`: clean steps before the loss scale doubles")
+    recompute: str = option("none", "activation checkpointing of the blocks, every:K with K >= 1 "
+                            "(docs/recompute.md)", ("none", "blocks", "every:K", "selective"))
+    bucket_mb: float = option(25.0, "`ddp`, `ddp-native`: gradient bucket size in MiB")
+    all_reduce: str = option("backend", "`ddp`: average buckets with the backend's all-reduce or our `ring` "
+                             "(parallel/comm.py)", ALL_REDUCES)
+    grad_compression: str = option("none", "`ddp`: send buckets as they are, cast to `fp16` or `bf16`, or "
+                                   "`powersgd`-compressed (parallel/compression.py; PowerSGD needs fp32 or bf16-mixed)",
+                                   GRAD_COMPRESSIONS)
+    powersgd_rank: int = option(4, "`powersgd`: rank r of the factors")
+    powersgd_start_step: int = option(10, "`powersgd`: plain averaged steps before compressing")
+    find_unused_parameters: bool = option(False, "data parallel: allow parameters that get no gradient (reduced "
+                                          "as zero) instead of failing")
+    sync_batchnorm: bool = option(False, "data parallel: BatchNorm statistics over the global batch")
+    block: str = option(DEFAULT_BLOCK, "class name of the model's repeated block: the unit sharded as one (zero1/2, "
+                        "fsdp, fsdp-native), recomputed, cut into stages (pipeline) or split (tensor); left at the "
+                        "default, a model without a `Block` (a transformers model) has the layer class its "
+                        "`_no_split_modules` declares used")
+    reshard_after_forward: bool = option(True, "`fsdp`, `fsdp-native`: free a unit's full parameters after its "
+                                         "forward")
+    prefetch: int = option(1, "`fsdp`: units whose all-gather is issued ahead")
+    reduce_dtype: str = option("fp32", "sharded strategies: the dtype gradients are reduce-scattered in",
+                               REDUCE_DTYPES)
+    offload: str = option("none", "`zero1`, `zero2`, `fsdp`: `optimizer` keeps the fp32 master shards, their "
+                          "gradients and the optimizer state in host memory and steps there (ZeRO-Offload)", OFFLOADS)
+    dp: int | None = option(None, "data-parallel ranks on the device mesh (docs/strategies/mesh.md): dp x cp x pp x "
+                            "tp = world size. Left unset, the strategy's own dimension (pp for the pipelines, tp "
+                            "for tensor, dp for the others) takes the ranks the others leave; the others are 1")
+    pp: int | None = option(None, "`pipeline`, `model-parallel`, and `zero1`, `zero2`, `fsdp` sharding each stage "
+                            "over its dp ranks: pipeline stages per replica (as for dp)")
+    tp: int | None = option(None, "`tensor`, `pipeline` / `model-parallel` with tensor-parallel stages, and `zero1`, "
+                            "`zero2`, `fsdp`, `hsdp` sharding a tensor-parallel model: tensor-parallel ranks per "
+                            "stage; divides model.n_head, n_kv_head and d_ff (as for dp)")
+    sequence_parallel: bool = option(False, "with tp > 1 (`tensor`, the pipelines, the sharded strategies): split the "
+                                     "norms and the residual stream along the sequence over the tp ranks too "
+                                     "(Megatron's sequence parallelism), so each block saves 1/tp of its activations; "
+                                     "tp must divide model.seq_len")
+    micro_batches: int = option(4, "`pipeline` (and the sharded strategies with pp > 1): micro-batches per "
+                                "pipeline run (M); must divide `train.micro_batch`")
+    schedule: str = option("1f1b", "`pipeline` (and the sharded strategies with pp > 1): the schedule "
+                           "micro-batches run by (docs/strategies/pipeline.md): `gpipe`, `1f1b`, `interleaved-1f1b` "
+                           "(`virtual_stages` stages per rank), `zb-h1` (1F1B "
+                           "with the weight gradients deferred into the drain), `zbv` and `dualpipev` (2 stages per "
+                           "rank on a V)", SCHEDULES)
+    virtual_stages: int | None = option(None, "`pipeline`, `interleaved-1f1b`: stages per rank, at least 2 (unset: "
+                                        "2); `zbv` and `dualpipev` always have 2, the others 1. The model is cut "
+                                        "into pp x virtual_stages stages of at least one block each")
+    split_points: list[int] | None = option(None, "`pipeline`: the first block of stages 2..P, e.g. [3]; unset, "
+                                            "stages are balanced by parameter count")
+    ep: int = option(1, "expert parallel: ranks each MoE layer's experts are split over (`gpt-moe`; "
+                     "docs/strategies/moe.md), taken from the data-parallel ranks: they read different data and "
+                     "send each token to the rank of its experts; must divide model.n_experts and dp")
+    cp: int = option(1, "context parallel: ranks each sequence is split over (docs/strategies/context.md), with "
+                     "the strategies whose page says so; the data-parallel replicas are then world / (cp x pp x tp)")
+    cp_mode: str = option("ring", "context parallel's attention: `ring` passes keys and values around the cp ranks "
+                          "(model.seq_len divisible by 2 x cp), `all-to-all` splits heads instead of the sequence "
+                          "around it (model.n_head divisible by cp)", CP_MODES)
+    replicas: int = option(2, "`dp`: replicas the one process runs, each on its own device (all on the CPU "
+                           "without GPUs)")
+    ps_servers: int = option(1, "`param-server`: the last ps_servers ranks hold the parameters and their "
+                             "optimizer; the others are workers")
+    ps_mode: str = option("sync", "`param-server`: `sync` averages every worker's gradients each step, `async` "
+                          "applies each push on arrival", PS_MODES)
+    ps_max_staleness: int = option(4, "`param-server`, `async`: drop a push computed on parameters more than this "
+                                   "many updates old")
+
+    def mesh(self, world_size: int, node_size: int | None = None) -> MeshShape:
+        """The run's device mesh (parallel/dims.py): `mesh_shape`'s dp split into the replicas that average
+        their gradients and the ranks the sharded strategies split a replica's state over: all of
+        dp under zero1, zero2, fsdp and fsdp-native; hsdp's dp ranks within a node of `node_size`
+        ranks (default: the whole world); none under the strategies that replicate."""
+        dp, pp, tp = self.mesh_shape(world_size)
+        chosen = spec(self.strategy)
+        shard = 1
+        if chosen.zero_stage:
+            shard = dp
+            if chosen.across_nodes:
+                shard = max(1, min(dp, (node_size or world_size) // (self.cp * pp * tp)))
+        return MeshShape(dp // shard, shard, self.cp, pp, tp, ep=self.ep)
+
+    def mesh_shape(self, world_size: int) -> tuple[int, int, int]:
+        """(dp, pp, tp): the device mesh's sizes, unset ones filled in as described above (each of
+        the dp replicas spans cp x pp x tp ranks). A parameter-server job's replicas are its workers."""
+        if spec(self.strategy).parameter_servers:
+            return world_size - self.ps_servers, 1, 1
+        own = spec(self.strategy).mesh_dim
+        sizes = {"dp": self.dp, "pp": self.pp, "tp": self.tp}
+        others = self.cp * math.prod(size for dim, size in sizes.items() if dim != own and size is not None)
+        if sizes[own] is None:
+            sizes[own] = max(1, world_size // max(1, others))
+        dp, pp, tp = (1 if size is None else size for size in sizes.values())
+        return dp, pp, tp
+
+
+@dataclass
+class LaunchConfig:
+    """How the workers are started (through torch.distributed.run), and how failures are handled."""
+
+    nproc: int = option(1, "worker processes on this node")
+    nnodes: int = option(1, "nodes in the job")
+    node_rank: int = option(0, "this node's rank, in [0, nnodes)")
+    rdzv_endpoint: str = option("127.0.0.1:29500", "HOST:PORT of node 0's rendezvous (multi-node)")
+    node_addr: str | None = option(None, "this node's address on the network the nodes share (multi-node): the "
+                                   "launcher derives its --local-addr, whether it hosts the rendezvous, and Gloo's "
+                                   "interface from it")
+    backend: str = option("auto", "`auto`: `nccl` with CUDA, else `gloo`", BACKENDS)
+    timeout_s: float = option(300.0, "collective timeout: a collective waiting longer fails, naming itself and the "
+                              "missing rank")
+    threads_per_rank: int = option(1, "CPU threads each rank may use")
+    max_restarts: int = option(0, "restart the whole group this often after a worker dies; it resumes from the "
+                               "newest checkpoint")
+    shutdown_timeout_s: int = option(25, "after SIGTERM, workers get this long (to save a checkpoint) before "
+                                     "SIGKILL; a stalled rank also lives this long after the job has failed")
+    debug_collectives: bool = option(False, "check before every collective that it is the same call on every rank, "
+                                     "failing at the first mismatch (slow; not with ddp-native)")
+
+
+@dataclass
+class RunConfig:
+    """Where the run is written, and how it is reported."""
+
+    out: str = option("runs/latest", "the run directory: config.toml, metrics.jsonl, model.safetensors, "
+                      "checkpoints/")
+    log_every: int = option(10, "steps between progress lines when not on a terminal")
+    resume: bool = option(False, "continue from the newest good checkpoint in `out`")
+    tensorboard: bool = option(False, "the main rank also writes its metrics as TensorBoard scalars to "
+                               "`out`/tensorboard (needs the tensorboard package)")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    @property
+    def world_size(self) -> int:
+        return self.launch.nproc * self.launch.nnodes
+
+    def grad_accum(self, world_size: int | None = None) -> int:
+        """Micro-steps per optimizer step on each model replica; validate() guarantees it divides."""
+        dp = self.parallel.mesh_shape(world_size or self.world_size)[0]
+        return self.train.global_batch // (dp * self.train.micro_batch)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {
+            section: {k: v for k, v in dataclasses.asdict(getattr(self, section)).items() if v is not None}
+            for section in SECTIONS
+        }
+
+    def save(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(tomli_w.dumps(self.to_dict()))
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "parallel": ParallelConfig,
+    "launch": LaunchConfig,
+    "run": RunConfig,
+}
+
+GPT_PRESET_SIZES: dict[str, dict[str, int]] = {
+    "tiny": dict(n_layer=2, n_head=2, d_model=64, seq_len=64, vocab_size=256),
+    "small": dict(n_layer=6, n_head=6, d_model=384, seq_len=256, vocab_size=256),
+    "gpt2-124m": dict(n_layer=12, n_head=12, d_model=768, seq_len=1024, vocab_size=50304),
+}

@@ -1,0 +1,342 @@
+"""Checking a config: every value and every relation between values, against the world size the
+run will have, before any worker starts; each problem a `ConfigError` of one line naming the key,
+the value and what is allowed. What only one strategy refuses is its class's `check_config`,
+beside the code it protects, called from here."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+from shardwise.config.schema import (
+    ALL_REDUCES,
+    BACKENDS,
+    BALANCES,
+    CORPORA,
+    CP_MODES,
+    DOCUMENTS,
+    EP_STRATEGIES,
+    GRAD_COMPRESSIONS,
+    GROUPED_QUERY_MODELS,
+    IMAGE_DATASETS,
+    LANGUAGE_MODELS,
+    MODELS,
+    MOE_MODELS,
+    OFFLOADS,
+    OPTIMIZERS,
+    PRECISIONS,
+    PS_MODES,
+    REDUCE_DTYPES,
+    ROUTER_SCORES,
+    SCHEDULES,
+    STRATEGIES,
+    TEXT_DATASETS,
+    Config,
+    ConfigError,
+    DataConfig,
+    ParallelConfig,
+)
+from shardwise.parallel.pipeline.schedules import ScheduleError, virtual_stages
+from shardwise.recompute import parse_policy
+from shardwise.strategies.classes import strategy_class
+from shardwise.strategies.registry import SPECS, spec
+
+
+def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{key} = {value!r}: unknown; allowed: {', '.join(allowed)}")
+
+
+def _positive(key: str, value: float, zero_ok: bool = False) -> None:
+    if value < 0 or (value == 0 and not zero_ok):
+        bound = ">= 0" if zero_ok else "> 0"
+        raise ConfigError(f"{key} = {value!r}: must be {bound}")
+
+
+def validate(cfg: Config, world_size: int | None = None) -> None:
+    """Check every value and every relation between values; `world_size` defaults to the launch's."""
+    m, d, t, p, launch = cfg.model, cfg.data, cfg.train, cfg.parallel, cfg.launch
+    _choice("model.name", m.name, MODELS)
+    validate_parallel(p)
+    _choice("launch.backend", launch.backend, BACKENDS)
+    _choice("train.optimizer", t.optimizer, OPTIMIZERS)
+    datasets = TEXT_DATASETS if m.name in LANGUAGE_MODELS else IMAGE_DATASETS
+    _validate_own_data(cfg)
+    if d.name not in datasets:
+        raise ConfigError(
+            f"data.name = {d.name!r}: not usable with model.name = {m.name!r}; allowed: {', '.join(datasets)}"
+        )
+    if m.name in LANGUAGE_MODELS:
+        for key in ("n_layer", "n_head", "d_model", "seq_len", "vocab_size", "n_kv_head", "d_ff"):
+            _positive(f"model.{key}", getattr(m, key))
+        if m.d_model % m.n_head:
+            raise ConfigError(f"model.d_model = {m.d_model}: must be divisible by model.n_head = {m.n_head}")
+        if m.n_kv_head != m.n_head and m.name not in GROUPED_QUERY_MODELS:
+            raise ConfigError(f"model.n_kv_head = {m.n_kv_head}: model.name = {m.name!r} has one key/value head per "
+                              f"head (n_head = {m.n_head}); grouped-query attention: {', '.join(GROUPED_QUERY_MODELS)}")
+        if m.n_head % m.n_kv_head:
+            raise ConfigError(f"model.n_kv_head = {m.n_kv_head}: must divide model.n_head = {m.n_head}")
+        if m.vocab_size < 256:
+            raise ConfigError(f"model.vocab_size = {m.vocab_size}: must be >= 256 for byte-level data")
+    if p.recompute != "none" and m.name not in LANGUAGE_MODELS:
+        raise ConfigError(f"parallel.recompute = {p.recompute!r}: model.name = {m.name!r} has no blocks to recompute")
+    _positive("model.width", m.width)
+    _positive("model.num_classes", m.num_classes)
+    if not 0 < d.val_fraction < 1:
+        raise ConfigError(f"data.val_fraction = {d.val_fraction!r}: must be between 0 and 1 (exclusive)")
+    _positive("data.synthetic_size", d.synthetic_size)
+    for key in ("steps", "global_batch", "micro_batch", "lr", "eval_batches"):
+        _positive(f"train.{key}", getattr(t, key))
+    _positive("train.keep_checkpoints", t.keep_checkpoints)
+    for key in ("min_lr", "warmup_steps", "weight_decay", "grad_clip", "eval_every", "seed", "checkpoint_every"):
+        _positive(f"train.{key}", getattr(t, key), zero_ok=True)
+    for key in ("beta1", "beta2", "momentum"):
+        if not 0 <= getattr(t, key) < 1:
+            raise ConfigError(f"train.{key} = {getattr(t, key)!r}: must be in [0, 1)")
+    if t.min_lr > t.lr:
+        raise ConfigError(f"train.min_lr = {t.min_lr!r}: must be <= train.lr = {t.lr!r}")
+    _positive("launch.max_restarts", launch.max_restarts, zero_ok=True)
+    _positive("launch.shutdown_timeout_s", launch.shutdown_timeout_s, zero_ok=True)
+    for key in ("nproc", "nnodes", "threads_per_rank", "timeout_s"):
+        _positive(f"launch.{key}", getattr(launch, key))
+    if not 0 <= launch.node_rank < launch.nnodes:
+        raise ConfigError(f"launch.node_rank = {launch.node_rank}: must be in [0, launch.nnodes = {launch.nnodes})")
+    if launch.node_addr and launch.nnodes == 1:
+        raise ConfigError(f"launch.node_addr = {launch.node_addr!r}: only for several nodes (launch.nnodes > 1); "
+                          "one node rendezvous on loopback")
+    _positive("run.log_every", cfg.run.log_every)
+    if cfg.run.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("run.tensorboard = true: the tensorboard package is not installed; "
+                          "pip install 'shardwise[tensorboard]' (or pip install tensorboard), or leave it off")
+    world = world_size or cfg.world_size
+    _positive("parallel.replicas", p.replicas)
+    _choice("parallel.ps_mode", p.ps_mode, PS_MODES)
+    _positive("parallel.ps_servers", p.ps_servers)
+    _positive("parallel.ps_max_staleness", p.ps_max_staleness, zero_ok=True)
+    strategy = spec(p.strategy)
+    _validate_context(cfg, world)
+    strategy_class(p.strategy, cfg.parallel.mesh_shape(world)[1]).check_config(cfg, world)
+    if strategy.one_process and world != 1:
+        raise ConfigError(
+            f"parallel.strategy = {p.strategy!r}: runs on one process, but the world size is {world}; "
+            "use --nproc 1 or a multi-rank strategy such as ddp"
+        )
+    if not strategy.checkpoints and (launch.max_restarts or t.checkpoint_every or cfg.run.resume):
+        raise ConfigError(f"{p.strategy} keeps no checkpoints: set launch.max_restarts = 0, "
+                          "train.checkpoint_every = 0 and run.resume = false")
+    if m.weights is not None:
+        _validate_weights(m.weights, p.strategy)
+    _validate_mesh(cfg, world)
+    _validate_experts(cfg, world)
+    dp = p.mesh_shape(world)[0]
+    per_step = dp * t.micro_batch
+    if t.global_batch % per_step:
+        if dp == world:
+            replicas = f"world size {world}"
+        else:
+            replicas = f"the {dp} workers" if strategy.parameter_servers else f"parallel.dp {dp}"
+        raise ConfigError(
+            f"train.global_batch = {t.global_batch}: must be divisible by {replicas} x "
+            f"train.micro_batch {t.micro_batch} = {per_step} (the rest is gradient accumulation)"
+        )
+
+
+def _validate_experts(cfg: Config, world: int) -> None:
+    """A gpt-moe's experts and routing, and how parallel.ep splits them over the world."""
+    m, p = cfg.model, cfg.parallel
+    _positive("parallel.ep", p.ep)
+    if m.head_dim is not None and m.name != "hf-qwen3-moe":
+        raise ConfigError(f"model.head_dim = {m.head_dim}: only hf-qwen3-moe's heads have a width of their own; "
+                          f"model.name = {m.name!r} has heads of d_model / n_head")
+    if m.head_dim is not None:
+        _positive("model.head_dim", m.head_dim)
+    if m.name in MOE_MODELS:
+        for key in ("n_experts", "top_k", "d_expert"):
+            _positive(f"model.{key}", getattr(m, key))
+        if m.top_k > m.n_experts:
+            raise ConfigError(f"model.top_k = {m.top_k}: each token is routed to top_k of the model.n_experts = "
+                              f"{m.n_experts} experts; must be at most n_experts")
+        _choice("model.router_score", m.router_score, ROUTER_SCORES)
+        _choice("model.balance", m.balance, BALANCES)
+        _positive("model.aux_loss_coef", m.aux_loss_coef, zero_ok=True)
+        _positive("model.balance_rate", m.balance_rate, zero_ok=True)
+        if p.sequence_parallel:
+            raise ConfigError(f"parallel.sequence_parallel = true with model.name = {m.name!r}: each tp rank would "
+                              "route only its part of the sequence (the router's counts and auxiliary loss over "
+                              "part of the tokens); leave sequence_parallel off, the MoE layers whole on every tp "
+                              "rank")
+        if m.balance == "aux-loss" and p.cp > 1:
+            raise ConfigError(f"model.balance = 'aux-loss' with parallel.cp = {p.cp}: the auxiliary loss is computed "
+                              "over a rank's tokens, under context parallel only part of each sequence; use "
+                              "model.balance = 'bias' (its counts are summed over every rank)")
+    if p.ep == 1:
+        return
+    if m.name not in MOE_MODELS:
+        raise ConfigError(f"parallel.ep = {p.ep}: splits the experts of Mixture-of-Experts layers; model.name = "
+                          f"{m.name!r} has none (models with experts: {', '.join(MOE_MODELS)})")
+    if p.strategy not in EP_STRATEGIES:
+        raise ConfigError(f"parallel.ep = {p.ep}: parallel.strategy = {p.strategy!r} does not split experts yet; "
+                          f"expert parallel runs under {', '.join(EP_STRATEGIES)}")
+    if m.n_experts % p.ep:
+        raise ConfigError(f"parallel.ep = {p.ep}: must divide model.n_experts = {m.n_experts}; each ep rank holds "
+                          "an equal share of every layer's experts")
+    dp, pp, tp = p.mesh_shape(world)
+    for key, size in (("cp", p.cp), ("pp", pp)):
+        if size > 1:
+            raise ConfigError(f"parallel.ep = {p.ep} with parallel.{key} = {size}: expert parallel does not compose "
+                              f"with {key} yet; it splits the experts over data-parallel ranks only")
+    if tp > 1 and (not spec(p.strategy).zero_stage or p.sequence_parallel):
+        raise ConfigError(f"parallel.ep = {p.ep} with parallel.tp = {tp}: expert parallel composes with tensor "
+                          "parallel under zero1, zero2 and fsdp, without sequence_parallel (every tp rank then "
+                          "routes the same tokens, its MoE layers whole)")
+    if dp % p.ep:
+        raise ConfigError(f"parallel.ep = {p.ep}: the expert-parallel ranks are data-parallel ranks, so ep must "
+                          f"divide dp = {dp} (world size {world}); e.g. --nproc {p.ep}")
+    if spec(p.strategy).zero_stage and m.n_experts // p.ep % (dp // p.ep):
+        raise ConfigError(f"parallel.ep = {p.ep}: {p.strategy} shards each ep rank's {m.n_experts // p.ep} experts "
+                          f"over the dp / ep = {dp // p.ep} ranks that hold the same ones; they must divide evenly "
+                          "(raise model.n_experts or parallel.ep)")
+
+
+def _validate_weights(weights: str, strategy: str) -> None:
+    path = Path(weights)
+    if not (path.is_file() and path.suffix == ".safetensors" or path.is_dir() and any(path.glob("*.safetensors"))):
+        raise ConfigError(f"model.weights = {weights!r}: expected a .safetensors file, or a directory holding them "
+                          "(as from_pretrained reads); not found")
+    if not spec(strategy).checkpoints:  # the state a checkpoint loads into is what weights load into
+        raise ConfigError(f"model.weights = {weights!r}: {strategy} keeps the parameters on its servers, which "
+                          "start from initial values; use another strategy to start from weights")
+
+
+def validate_parallel(p: ParallelConfig) -> None:
+    """The [parallel] values that need no model, batch or world size to check: all the Python API
+    (api.py) can check before it sees a model."""
+    _choice("parallel.strategy", p.strategy, STRATEGIES)
+    _choice("parallel.precision", p.precision, PRECISIONS)
+    _choice("parallel.reduce_dtype", p.reduce_dtype, REDUCE_DTYPES)
+    _choice("parallel.schedule", p.schedule, SCHEDULES)
+    _positive("parallel.micro_batches", p.micro_batches)
+    try:
+        virtual_stages(p.schedule, p.virtual_stages)
+    except ScheduleError as exc:
+        raise ConfigError(f"parallel.{exc}") from None
+    sharded = [name for name, each in SPECS.items() if each.zero_stage]
+    if p.reduce_dtype != "fp32" and p.strategy not in sharded:
+        raise ConfigError(
+            f"parallel.reduce_dtype = {p.reduce_dtype!r}: only the sharded strategies ({', '.join(sharded)}) "
+            f"reduce in another dtype; parallel.strategy is {p.strategy!r}"
+        )
+    _choice("parallel.offload", p.offload, OFFLOADS)
+    offloading = [name for name, each in SPECS.items() if each.offloads]
+    if p.offload != "none" and p.strategy not in offloading:
+        raise ConfigError(f"parallel.offload = {p.offload!r}: only {', '.join(offloading)} offload their optimizer "
+                          f"state to the host; parallel.strategy is {p.strategy!r}")
+    _validate_gradient_reduction(p)
+    if p.sequence_parallel and not (spec(p.strategy).splits_model or spec(p.strategy).shards_split_model):
+        splitting = ", ".join(name for name, each in SPECS.items() if each.splits_model or each.shards_split_model)
+        raise ConfigError(f"parallel.sequence_parallel = true: splits the sequence over tensor-parallel ranks; only "
+                          f"{splitting} (with tp > 1) have them, not parallel.strategy = {p.strategy!r}")
+    try:
+        parse_policy(p.recompute)
+    except ValueError as exc:
+        raise ConfigError(f"parallel.recompute = {exc}") from None
+    _positive("parallel.bucket_mb", p.bucket_mb)
+    _positive("parallel.prefetch", p.prefetch, zero_ok=True)
+    _positive("parallel.cp", p.cp)
+    _choice("parallel.cp_mode", p.cp_mode, CP_MODES)
+    _positive("parallel.loss_scale", p.loss_scale)
+    _positive("parallel.loss_scale_growth_interval", p.loss_scale_growth_interval)
+
+
+def _validate_gradient_reduction(p: ParallelConfig) -> None:
+    """The ring and gradient compression are our ddp's, and PowerSGD needs steady fp32 gradients."""
+    _choice("parallel.all_reduce", p.all_reduce, ALL_REDUCES)
+    _choice("parallel.grad_compression", p.grad_compression, GRAD_COMPRESSIONS)
+    _positive("parallel.powersgd_rank", p.powersgd_rank)
+    _positive("parallel.powersgd_start_step", p.powersgd_start_step, zero_ok=True)
+    for key, value, plain in (("parallel.all_reduce", p.all_reduce, "backend"),
+                              ("parallel.grad_compression", p.grad_compression, "none")):
+        if value != plain and p.strategy != "ddp":
+            raise ConfigError(f"{key} = {value!r}: only parallel.strategy = 'ddp' (ours) has it; "
+                              f"parallel.strategy is {p.strategy!r}")
+    if p.grad_compression == "powersgd" and p.precision in ("fp16-mixed", "bf16-true"):
+        raise ConfigError(
+            f"parallel.grad_compression = 'powersgd': needs fp32 gradients on a steady scale (its error feedback "
+            f"carries them from step to step), not parallel.precision = {p.precision!r}; use fp32 or bf16-mixed"
+        )
+
+
+def _validate_own_data(cfg: Config) -> None:
+    """data.path and what goes with it (the files themselves are read by data/prepare.py)."""
+    d = cfg.data
+    if d.path is None:
+        defaults = DataConfig()
+        for key in ("val_path", "tokenizer", "text_field", "split"):
+            if getattr(d, key) != getattr(defaults, key):
+                raise ConfigError(f"data.{key} = {getattr(d, key)!r}: only with data.path (your own corpus)")
+        return
+    if cfg.model.name not in LANGUAGE_MODELS:
+        raise ConfigError(f"data.path = {d.path!r}: a text corpus; model.name = {cfg.model.name!r} takes images")
+    if d.documents == "paragraphs":
+        raise ConfigError("data.documents = 'paragraphs': only for the built-in corpora; with data.path, `files` "
+                          "makes each text file or JSON line a document")
+
+
+def _validate_context(cfg: Config, world: int) -> None:
+    """Context parallelism and document masks: what they ask of the strategy, the model and the data."""
+    m, d, p = cfg.model, cfg.data, cfg.parallel
+    _choice("data.documents", d.documents, DOCUMENTS)
+    if p.cp == 1 and d.documents == "none":
+        return
+    what = f"parallel.cp = {p.cp}" if p.cp > 1 else f"data.documents = {d.documents!r}"
+    if not spec(p.strategy).context_parallel:
+        splitting = ", ".join(name for name, each in SPECS.items() if each.context_parallel)
+        raise ConfigError(f"{what}: parallel.strategy = {p.strategy!r} neither splits sequences nor masks documents; "
+                          f"strategies that do: {splitting}")
+    if m.name not in LANGUAGE_MODELS:
+        raise ConfigError(f"{what}: model.name = {m.name!r} has no token sequences; use one of "
+                          f"{', '.join(LANGUAGE_MODELS)}")
+    if d.documents != "none" and d.name not in CORPORA and d.path is None:
+        raise ConfigError(f"data.documents = {d.documents!r}: data.name = {d.name!r} has no documents; use one of "
+                          f"{', '.join(CORPORA)}")
+    if p.cp == 1:
+        return
+    if world % p.cp:
+        raise ConfigError(f"parallel.cp = {p.cp}: must divide the world size {world} (launch.nproc x launch.nnodes)")
+    if p.cp_mode == "ring" and m.seq_len % (2 * p.cp):
+        raise ConfigError(
+            f"model.seq_len = {m.seq_len}: parallel.cp_mode = 'ring' cuts each sequence into 2 x parallel.cp = "
+            f"{2 * p.cp} equal chunks (each rank one early and one late, for even causal work); make it divisible by "
+            f"{2 * p.cp}"
+        )
+    tp = p.mesh_shape(world)[2]
+    if p.cp_mode == "all-to-all" and (m.n_head % (p.cp * tp) or m.seq_len % p.cp):
+        heads = "n_head / cp" if tp == 1 else f"n_head / (cp x tp) = n_head / {p.cp * tp}"
+        raise ConfigError(
+            f"model.n_head = {m.n_head}, model.seq_len = {m.seq_len}: parallel.cp_mode = 'all-to-all' gives each of "
+            f"the parallel.cp = {p.cp} ranks {heads} heads over the whole sequence, gathered from seq_len / cp "
+            f"tokens on each; make them divisible (or use cp_mode = 'ring')"
+        )
+
+
+def _validate_mesh(cfg: Config, world: int) -> None:
+    """The dp x pp x tp values are sizes, and only a strategy that splits the model sets pp or tp
+    (the rest of the mesh is MeshStrategy.check_config's)."""
+    p = cfg.parallel
+    for dim in ("dp", "pp", "tp"):
+        if getattr(p, dim) is not None:
+            _positive(f"parallel.{dim}", getattr(p, dim))
+    strategy = spec(p.strategy)
+    if strategy.splits_model or strategy.parameter_servers:
+        return
+    dp, pp, tp = p.mesh_shape(world)
+    if strategy.shards_split_model:
+        return  # the sharded strategies over tensor parallel or pipeline stages: their check_config checks the split
+    if (dp, pp, tp) != (world // p.cp, 1, 1):
+        splitting = ", ".join(name for name, each in SPECS.items() if each.splits_model)
+        composing = ", ".join(name for name, each in SPECS.items() if each.shards_split_model)
+        raise ConfigError(
+            f"parallel.dp x pp x tp = {dp} x {pp} x {tp}: parallel.strategy = {p.strategy!r} is data parallel "
+            f"over all {world} ranks; {splitting} split the model over a mesh, and {composing} shard a model "
+            "tensor parallel splits (parallel.tp)"
+        )

@@ -1,0 +1,28 @@
+"""A strategy's class, imported by name when a run asks for it (the registry, registry.py, holds
+facts only and imports nothing): config validation asks a class for its own checks, a worker
+builds its strategy here."""
+
+from __future__ import annotations
+
+import importlib
+
+from shardwise.config.schema import ParallelConfig
+from shardwise.dist import DistContext
+from shardwise.strategies.base import Strategy
+from shardwise.strategies.registry import spec
+
+
+def strategy_class(name: str, pp: int = 1) -> type[Strategy]:
+    """The Strategy subclass of the strategy called `name`, imported now. Ours that shard, over
+    pipeline stages (`pp` > 1): the pipeline whose stages they shard."""
+    chosen = spec(name)
+    if pp > 1 and chosen.shards_split_model:
+        return importlib.import_module("shardwise.strategies.sharded_pipeline").ShardedPipeline
+    return getattr(importlib.import_module(f"shardwise.strategies.{chosen.module}"), chosen.cls)
+
+
+def make_strategy(cfg: ParallelConfig, ctx: DistContext, seed: int = 0) -> Strategy:
+    """The configured strategy; a meta-built model it wraps is initialised from `seed`."""
+    strategy = strategy_class(cfg.strategy, cfg.mesh_shape(ctx.world_size)[1])(ctx, cfg)
+    strategy.seed = seed
+    return strategy
