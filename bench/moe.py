@@ -169,9 +169,10 @@ class ExpertMLP(torch.nn.Module):
         return self.down(torch.nn.functional.gelu(self.up(x)))
 
 
-def our_layer(ctx: Any) -> torch.nn.Module:
+def our_layer(ctx: Any) -> tuple[torch.nn.Module, Any]:
     """Ours: the gpt-moe's layer, initialised as the model initialises it, its experts split over
-    ep by ExpertParallel (every rank builds the same layer, then keeps its share)."""
+    ep by ExpertParallel (every rank builds the same layer, then keeps its share); and the
+    ExpertParallel, whose exchange times the layer's all-to-alls."""
     from shardwise.models.moe import MoE, MoEConfig
     from shardwise.parallel.dims import Mesh, MeshShape
     from shardwise.parallel.experts import ExpertParallel
@@ -181,8 +182,9 @@ def our_layer(ctx: Any) -> torch.nn.Module:
     for param in layer.parameters():
         torch.nn.init.normal_(param, std=0.02)
     model = torch.nn.Sequential(layer)
-    ExpertParallel(Mesh.of(ctx, MeshShape(dp_replicate=LAYER_RANKS, ep=LAYER_EP)), model)
-    return model
+    experts = ExpertParallel(Mesh(ctx, MeshShape(dp_replicate=LAYER_RANKS, ep=LAYER_EP)), model)
+    experts.split(model)
+    return model, experts
 
 
 def deepspeed_layer(ours: torch.nn.Module) -> tuple[torch.nn.Module, Callable[[torch.Tensor], torch.Tensor]] | str:
@@ -244,12 +246,11 @@ def all_to_all_alone(rows: int, repeats: int = 50) -> dict[str, float]:
 
 def layer_worker(steps: int, rounds: int, part: Path) -> None:
     from shardwise.dist import init_distributed, leave_process, shutdown_distributed
-    from shardwise.parallel.experts import take_exchange_seconds
 
     ctx = init_distributed("gloo", timeout_s=600, threads_per_rank=1)
     x = torch.randn(MICRO_BATCH, SEQ_LEN, D_MODEL, generator=torch.Generator().manual_seed(ctx.rank),
                     requires_grad=True)
-    ours = our_layer(ctx)
+    ours, experts = our_layer(ctx)
     steps_of = {"ours": layer_step(ours, ours, x)}
     result: dict[str, Any] = {"ranks": LAYER_RANKS, "ep": LAYER_EP, "tokens_per_rank": MICRO_BATCH * SEQ_LEN,
                               "d_model": D_MODEL, "d_expert": D_EXPERT, "experts": N_EXPERTS, "top_k": TOP_K}
@@ -268,9 +269,10 @@ def layer_worker(steps: int, rounds: int, part: Path) -> None:
         result["deepspeed"] = f"deepspeed {deepspeed.__version__}"
         result["largest_output_difference"] = difference
         steps_of["deepspeed"] = layer_step(*theirs, x)
-    take_exchange_seconds()
+    exchange = experts.exchange
+    exchange.take_seconds()
     times = alternate(steps_of, steps, rounds)
-    exchanged = take_exchange_seconds() / (2 + len(times["ours"]))  # ours' all-to-alls per step, warm-up included
+    exchanged = exchange.take_seconds() / (2 + len(times["ours"]))  # ours' all-to-alls per step, warm-up included
     alone = all_to_all_alone(MICRO_BATCH * SEQ_LEN * TOP_K)
     mine = {name: statistics.median(t) for name, t in times.items()}
     medians = ctx.all_gather_object(mine)

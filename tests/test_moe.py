@@ -89,7 +89,7 @@ def test_the_auxiliary_loss_gets_the_gradient_it_would_have_had_in_the_loss():
     coef x E x sum_e f_e P_e over the micro-batch's tokens, with f_e counted (no gradient)."""
     cfg = MoEConfig(4, 2, 8, "softmax", "aux-loss", aux_loss_coef=0.5)
     moe, x = layer(cfg), torch.randn(30, 16)
-    with loss_scale(0.25):
+    with loss_scale(moe, 0.25):
         (0.25 * moe(x).sum()).backward()
     injected = moe.router.weight.grad.clone()
     moe.zero_grad()
@@ -176,7 +176,7 @@ def ep_layer_with_idle_experts(ctx: DistContext) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         moe.router.weight[2:] = -100.0 * moe.router.weight[:2].abs().sum(0)  # never chosen
     model = torch.nn.Sequential(moe)
-    experts = ExpertParallel(Mesh.of(ctx, MeshShape(dp_replicate=2, ep=2)), model)
+    experts = ExpertParallel(Mesh(ctx, MeshShape(dp_replicate=2, ep=2)), model)
     experts.split(model)
     x = torch.rand(8, 16, generator=torch.Generator().manual_seed(ctx.rank)).add(0.1).requires_grad_()
     y = model(x)

@@ -622,19 +622,19 @@ def test_moe_parameters_total_active_and_per_ep_rank_are_what_the_model_holds():
 def counted_with_exchange(ctx: DistContext, cases: list[tuple[Candidate, Config]]) -> list[tuple[dict, int]]:
     """`counted_memory`, and the bytes this rank sent to the other in expert parallel's row
     all-to-alls over the step."""
-    import shardwise.parallel.experts as expert_parallel
+    from shardwise.parallel.experts import Exchange
 
-    exchange = expert_parallel._exchange
+    exchange = Exchange.__call__
     sent = [0]
 
-    def counting(x: torch.Tensor, received: list[int] | None, splits: list[int] | None, group: object) -> torch.Tensor:
+    def counting(self: Exchange, x: torch.Tensor, received: list[int] | None, splits: list[int] | None) -> torch.Tensor:
         if splits is not None:  # the rows (the counts' exchange passes none)
-            rank = torch.distributed.get_rank(group)
+            rank = torch.distributed.get_rank(self.group)
             sent[0] += (x.shape[0] - splits[rank]) * math.prod(x.shape[1:]) * x.element_size()
-        return exchange(x, received, splits, group)
+        return exchange(self, x, received, splits)
 
     out = []
-    with mock.patch.object(expert_parallel, "_exchange", counting):  # this pooled rank's module as it was, after
+    with mock.patch.object(Exchange, "__call__", counting):  # this pooled rank's class as it was, after
         for case in cases:
             sent[0] = 0
             out.append((counted_memory(ctx, [case])[0], sent[0]))

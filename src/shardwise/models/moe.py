@@ -91,19 +91,21 @@ def compute_here(rows: torch.Tensor, counts: torch.Tensor, experts: Experts) -> 
 # -> each row's expert output, in the same order.
 Dispatch = Callable[[torch.Tensor, torch.Tensor, Experts], torch.Tensor]
 
-_loss_scale = [1.0]  # what the micro-batch's loss is multiplied by before backward (`loss_scale`)
-
-
 @contextmanager
-def loss_scale(scale: float) -> Iterator[None]:
-    """Inside, an auxiliary loss added in forward is backpropagated as if the micro-batch's loss
-    were multiplied by `scale` before its backward (1 / accumulation steps, times fp16's loss
-    scale): what the strategies' forward-backward loops open around each micro-batch."""
-    _loss_scale.append(scale)
+def loss_scale(model: nn.Module, scale: float) -> Iterator[None]:
+    """Inside, the auxiliary loss each MoE layer of `model` adds in forward is backpropagated as if
+    the micro-batch's loss were multiplied by `scale` before its backward (1 / accumulation steps,
+    times fp16's loss scale): what the strategies' forward-backward loops open around each
+    micro-batch."""
+    layers = moe_layers(model)
+    before = [layer.loss_scale for layer in layers]
+    for layer in layers:
+        layer.loss_scale = scale
     try:
         yield
     finally:
-        _loss_scale.pop()
+        for layer, previous in zip(layers, before, strict=True):
+            layer.loss_scale = previous
 
 
 class AuxLoss(torch.autograd.Function):
@@ -137,6 +139,7 @@ class MoE(nn.Module):
         self.register_buffer("balance_bias", torch.zeros(cfg.n_experts))
         self.routed: torch.Tensor | None = None  # pairs per expert in this step's training forwards so far
         self.dispatch: Dispatch = compute_here
+        self.loss_scale = 1.0  # what its micro-batch's loss is multiplied by before backward (`loss_scale`)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """For tokens x [N, d]: the chosen experts [N, k], their weights [N, k] and every expert's
@@ -162,7 +165,7 @@ class MoE(nn.Module):
         if self.cfg.balance == "aux-loss" and self.training:
             fraction = counts.float() / chosen.numel()
             aux = self.cfg.aux_loss_coef * self.cfg.n_experts * (fraction * scores.mean(0)).sum()
-            y = AuxLoss.apply(y, aux, _loss_scale[-1])
+            y = AuxLoss.apply(y, aux, self.loss_scale)
         return y.view(shape)
 
     @torch.no_grad()

@@ -84,23 +84,10 @@ FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp
              "dp_cp": ("dp_replicate", "dp_shard", "cp")}
 
 
-_made: dict[tuple[MeshShape, str], tuple[object, Mesh]] = {}  # by shape and device: (its world group, the mesh)
-
-
 class Mesh:
     """The run's mesh over the process group torchrun made: sizes, this rank's coordinates, and a
-    process group per dimension and per flattened group above (made by every rank, in one order)."""
-
-    @classmethod
-    def of(cls, ctx: DistContext, shape: MeshShape) -> Mesh:
-        """The mesh of `shape` over the current world: made the first time, then the same one. A
-        process that trains several runs (a notebook, the test suite's pooled ranks) would
-        otherwise make new process groups for each, and Gloo keeps threads for every group."""
-        world = dist.group.WORLD
-        held = _made.get((shape, ctx.device.type))
-        if held is None or held[0] is not world:
-            held = _made[shape, ctx.device.type] = (world, cls(ctx, shape))
-        return held[1]
+    process group per dimension and per flattened group above (made by every rank, in one order).
+    Made once per run (strategies/classes.py's `make_strategy`) and passed to whatever needs it."""
 
     def __init__(self, ctx: DistContext, shape: MeshShape) -> None:
         from torch.distributed.device_mesh import init_device_mesh

@@ -42,57 +42,60 @@ from shardwise.models.moe import combine_pairs, expert_counts, moe_layers, their
 from shardwise.parallel.dims import Mesh
 
 
+class Exchange:
+    """All-to-alls over the ep ranks' `group`, timed: `seconds` spent in them since the last
+    `take_seconds` (forward and backward, the counts' and the rows'), their share of a step."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        self.seconds = 0.0
+
+    def __call__(self, x: torch.Tensor, received: list[int] | None, sent: list[int] | None) -> torch.Tensor:
+        """Rows of `x` sent in runs of `sent[r]` rows to rank r; the rows received, `received[r]`
+        from rank r, in rank order (None: equal runs)."""
+        started = time.perf_counter()
+        out = x.new_empty((sum(received), *x.shape[1:])) if received is not None else torch.empty_like(x)
+        dist.all_to_all_single(out, x.contiguous(), received, sent, group=self.group)
+        self.seconds += time.perf_counter() - started
+        return out
+
+    def take_seconds(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
 class AllToAll(torch.autograd.Function):
-    """Rows of `x` sent in runs of `sent[r]` rows to rank r of `group`; returns the rows received,
+    """Rows of `x` sent by `exchange` in runs of `sent[r]` rows to rank r; returns the rows received,
     `received[r]` from rank r, in rank order. Backward sends the gradients back the same way."""
 
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, received: list[int], sent: list[int],
-                group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.splits, ctx.group = (received, sent), group
-        return _exchange(x, received, sent, group)
+                exchange: Exchange) -> torch.Tensor:
+        ctx.splits, ctx.exchange = (received, sent), exchange
+        return exchange(x, received, sent)
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple:
         received, sent = ctx.splits
-        return _exchange(grad, sent, received, ctx.group), None, None, None
-
-
-_exchange_seconds = [0.0]  # spent in this process's all-to-alls since `take_exchange_seconds` last ran
-
-
-def _exchange(x: torch.Tensor, received: list[int] | None, sent: list[int] | None,
-              group: dist.ProcessGroup) -> torch.Tensor:
-    started = time.perf_counter()
-    out = x.new_empty((sum(received), *x.shape[1:])) if received is not None else torch.empty_like(x)
-    dist.all_to_all_single(out, x.contiguous(), received, sent, group=group)
-    _exchange_seconds[0] += time.perf_counter() - started
-    return out
-
-
-def take_exchange_seconds() -> float:
-    """Seconds this process has spent in expert parallel's all-to-alls (forward and backward, the
-    counts' and the rows') since the last call: their share of a step."""
-    seconds, _exchange_seconds[0] = _exchange_seconds[0], 0.0
-    return seconds
+        return ctx.exchange(grad, sent, received), None, None, None
 
 
 class ExpertDispatch:
-    """A MoE layer's dispatch when its experts are split over `group` (this rank holds experts
-    [rank x E / ep, (rank + 1) x E / ep))."""
+    """A MoE layer's dispatch when its experts are split over the `size` ranks `exchange` talks to
+    (this rank holds experts [rank x E / ep, (rank + 1) x E / ep))."""
 
-    def __init__(self, group: dist.ProcessGroup, size: int) -> None:
-        self.group, self.size = group, size
+    def __init__(self, exchange: Exchange, size: int) -> None:
+        self.exchange, self.size = exchange, size
 
     def __call__(self, rows: torch.Tensor, counts: torch.Tensor,
                  experts: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
         local = counts.numel() // self.size
         # [sender, local expert]: the rows each rank sends each of ours
-        arriving = _exchange(counts, None, None, self.group).view(self.size, local)
+        arriving = self.exchange(counts, None, None).view(self.size, local)
         # The splits, on the host for the all-to-alls: one copy of both.
         splits = torch.stack([counts.view(self.size, local).sum(1), arriving.sum(1)]).tolist()
         sent, received = splits
-        arrived = AllToAll.apply(rows, received, sent, self.group)
+        arrived = AllToAll.apply(rows, received, sent, self.exchange)
         # Arrived rows come sender by sender, each sender's by expert: regroup them by expert.
         expert = torch.arange(local, device=counts.device).repeat(self.size).repeat_interleave(
             arriving.flatten(), output_size=arrived.shape[0])
@@ -101,7 +104,7 @@ class ExpertDispatch:
         if arrived.requires_grad and not computed.requires_grad:  # no row for any expert here: still in the graph,
             computed = computed + arrived * 0  # so that this rank's backward runs both all-to-alls as the others do
         in_arrival_order = torch.empty_like(computed).index_copy(0, by_expert, computed)
-        return AllToAll.apply(in_arrival_order, sent, received, self.group)
+        return AllToAll.apply(in_arrival_order, sent, received, self.exchange)
 
 
 class TheirExperts:
@@ -132,6 +135,7 @@ class ExpertParallel:
         self.mesh = mesh
         self.size, self.rank, self.dp = mesh.size("ep"), mesh.rank("ep"), mesh.size("dp")
         self.group, self.replicas = mesh.group("ep"), mesh.group("edp")
+        self.exchange = Exchange(self.group)  # every MoE layer's all-to-alls, timed together
         self.model = model  # what parameters are named by
         self.full_shapes: dict[str, torch.Size] = {}  # expert parameter name -> its shape with every expert
         self.params: list[nn.Parameter] = []  # this rank's experts, as split so far
@@ -144,12 +148,12 @@ class ExpertParallel:
         names = {id(p): name for name, p in self.model.named_parameters()}
         for layer in moe_layers(module):
             self._keep_share(layer.experts, names)
-            layer.dispatch = ExpertDispatch(self.group, self.size)
+            layer.dispatch = ExpertDispatch(self.exchange, self.size)
         for experts in their_experts(module):
             n_experts = experts.num_experts
             self._keep_share(experts, names)
             experts.num_experts = n_experts // self.size
-            experts.forward = TheirExperts(experts.forward, ExpertDispatch(self.group, self.size), n_experts)
+            experts.forward = TheirExperts(experts.forward, ExpertDispatch(self.exchange, self.size), n_experts)
 
     def _keep_share(self, experts: nn.Module, names: dict[int, str]) -> None:
         """Replace each of `experts`' parameters (stacked by expert on dim 0) by this rank's rows."""

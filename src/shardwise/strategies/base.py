@@ -21,7 +21,7 @@ from shardwise.models.hf import decoder_layer_class
 from shardwise.models.plans import find_positions
 from shardwise.parallel.context.split import ContextParallel
 from shardwise.parallel.dims import Mesh, node_size
-from shardwise.parallel.experts import ExpertParallel, take_exchange_seconds
+from shardwise.parallel.experts import ExpertParallel
 from shardwise.precision import LossScaler, make_precision
 from shardwise.recompute import apply_recompute
 from shardwise.strategies.registry import spec
@@ -37,7 +37,7 @@ class Strategy:
     """Wraps a model (replicate, shard or split it), builds its optimizer, and owns backward,
     gradient synchronisation and clipping. Subclasses override what they do differently."""
 
-    def __init__(self, ctx: DistContext, cfg: ParallelConfig) -> None:
+    def __init__(self, ctx: DistContext, cfg: ParallelConfig, mesh: Mesh | None = None) -> None:
         self.ctx = ctx
         self.cfg = cfg
         self.precision = make_precision(cfg.precision, cfg.reduce_dtype)
@@ -51,13 +51,14 @@ class Strategy:
         self.materialiser: Materialiser | None = None  # a meta-built model's groups and initial values
         self.setup_peak_bytes: int | None = None  # counted bytes at wrap's peak, where the strategy counts them
         self.context: ContextParallel | None = None  # the sequence split over parallel.cp ranks, made by `prepare`
-        # The run's device mesh and its process groups (parallel/dims.py); none in one process without a group.
-        self.mesh: Mesh | None = None
+        # The run's device mesh and its process groups (parallel/dims.py): `mesh`, or made here; none in
+        # one process without a group.
+        self.mesh: Mesh | None = mesh
         self.experts: ExpertParallel | None = None  # which experts this rank holds, under parallel.ep > 1
         # The last step's routing by MoE layer (pairs per expert, max / mean): what metrics.jsonl records.
         self.router_stats: dict[str, list] | None = None
-        if ctx.distributed and not spec(cfg.strategy).parameter_servers:
-            self.mesh = Mesh.of(ctx, cfg.mesh(ctx.world_size, node_size(ctx.world_size)))
+        if mesh is None and ctx.distributed and not spec(cfg.strategy).parameter_servers:
+            self.mesh = Mesh(ctx, cfg.mesh(ctx.world_size, node_size(ctx.world_size)))
 
     @classmethod
     def check_config(cls, cfg: Config, world: int) -> None:
@@ -150,7 +151,7 @@ class Strategy:
         scale = (self.scaler.scale if self.scaler else 1.0) / accum
         for i, batch in enumerate(micro_batches):
             with nullcontext() if i == accum - 1 else self.no_sync(), self.split_sequence(batch) as (inputs, targets), \
-                    moe.loss_scale(scale):
+                    moe.loss_scale(model, scale):
                 with self.precision.autocast(self.ctx.device):
                     loss = loss_fn(model(inputs), targets)
                 scaled = loss / accum
@@ -216,7 +217,7 @@ class Strategy:
             rank_load = by_rank.float()
             self.router_stats.update(tokens_per_ep_rank=by_rank.tolist(),
                                      ep_imbalance=(rank_load.max(1).values / rank_load.mean(1).clamp(min=1)).tolist(),
-                                     all_to_all_s=take_exchange_seconds())
+                                     all_to_all_s=self.experts.exchange.take_seconds())
 
     def model_router_counts(self, routed: torch.Tensor) -> torch.Tensor:
         """Every MoE layer's counts of the model, in model order, from this rank's (`routed`, one

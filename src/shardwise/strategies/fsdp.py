@@ -32,6 +32,7 @@ from shardwise.materialise import Materialiser
 from shardwise.memory import MemoryBreakdown, count_memory, exact_storage, optimizer_state_tensors, storage_bytes
 from shardwise.models.plans import locate
 from shardwise.parallel.comm import gather_in_place
+from shardwise.parallel.dims import Mesh
 from shardwise.parallel.shard import GatherHooks, ShardGroup, Sharding, Unit, real_rows
 from shardwise.parallel.tensor import BlockSplitter, TensorParallelGroup, TensorShard
 from shardwise.strategies.base import HookedStrategy, OptimizerFactory
@@ -57,8 +58,8 @@ class ShardedDataParallel(HookedStrategy):
             raise ConfigError(f"parallel.tp = {tp}: {p.strategy} keeps a replica's tensor-parallel ranks within a "
                               f"node; launch.nproc = {cfg.launch.nproc} must be a multiple of it")
 
-    def __init__(self, ctx: DistContext, cfg: ParallelConfig) -> None:
-        super().__init__(ctx, cfg)
+    def __init__(self, ctx: DistContext, cfg: ParallelConfig, mesh: Mesh | None = None) -> None:
+        super().__init__(ctx, cfg, mesh)
         self.stage = spec(cfg.strategy).zero_stage
         precision = self.precision
         self.sharding = Sharding(self.stage, ctx.device, precision.param_dtype,

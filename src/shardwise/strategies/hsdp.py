@@ -19,17 +19,17 @@ from __future__ import annotations
 from shardwise.config.schema import ParallelConfig
 from shardwise.dist import DistContext
 from shardwise.gradients import all_reduce_packed
-from shardwise.parallel.dims import node_size
+from shardwise.parallel.dims import Mesh, node_size
 from shardwise.strategies.fsdp import ShardedDataParallel
 
 
 class HSDP(ShardedDataParallel):
-    def __init__(self, ctx: DistContext, cfg: ParallelConfig) -> None:
+    def __init__(self, ctx: DistContext, cfg: ParallelConfig, mesh: Mesh | None = None) -> None:
         if ctx.world_size % node_size(ctx.world_size):
             raise ValueError(f"hsdp: world size {ctx.world_size} is not a whole number of nodes of "
                              f"{node_size(ctx.world_size)} processes (LOCAL_WORLD_SIZE); every node must run "
                              "the same --nproc")
-        super().__init__(ctx, cfg)
+        super().__init__(ctx, cfg, mesh)
 
     def _init_mesh(self) -> None:
         """Shard over the mesh's dp_shard ranks (a node's), replicate over dp_replicate (the nodes)."""

@@ -63,8 +63,8 @@ class ShardedPipeline(Pipeline):
 
     def __init__(self, ctx: DistContext, cfg: ParallelConfig) -> None:
         super().__init__(ctx, cfg)
-        # fsdp.py's (hsdp.py's: sharded within a node, replicated across) on the same mesh (Mesh.of).
-        self.sharded = (HSDP if spec(cfg.strategy).across_nodes else ShardedDataParallel)(ctx, cfg)
+        # fsdp.py's (hsdp.py's: sharded within a node, replicated across) on the same mesh.
+        self.sharded = (HSDP if spec(cfg.strategy).across_nodes else ShardedDataParallel)(ctx, cfg, self.mesh)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         module = super().wrap(model)

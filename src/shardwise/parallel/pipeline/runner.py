@@ -126,7 +126,7 @@ class PipelineRun:
         started = time.perf_counter()
         # A Mixture-of-Experts layer's auxiliary loss is backpropagated as this micro-batch's loss is.
         scale = (self.scaler.scale if self.scaler else 1.0) / self.divisor
-        with self.precision.autocast(self.activations.device), moe.loss_scale(scale):
+        with self.precision.autocast(self.activations.device), moe.loss_scale(self.stages[s], scale):
             out = self.stages[s](x)
             if s == self.last:
                 out = self.loss_fn(out, self.targets[i])
