@@ -57,14 +57,8 @@ from shardwise.dist import DistContext, init_distributed, leave_process, seed_ev
 from shardwise.memory import ActivationCounter
 from shardwise.models import build_model, loss_fn
 from shardwise.models.plans import locate
-from shardwise.parallel.pipeline.schedules import (
-    BW,
-    Costs,
-    ScheduleError,
-    check_micro_batches,
-    simulate,
-    virtual_stages,
-)
+from shardwise.parallel.pipeline.schedules import BW, ScheduleError, check_micro_batches, virtual_stages
+from shardwise.parallel.pipeline.simulate import Costs, simulate
 from shardwise.parallel.pipeline.stages import Stage, separate
 from shardwise.trainer import Trainer, optimizer_factory
 

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from bench.pipeline import one_micro_batch_bytes
 from shardwise.dist import DistContext
-from shardwise.parallel.pipeline.schedules import peak_in_flight
+from shardwise.parallel.pipeline.simulate import peak_in_flight
 from shardwise.trainer import Trainer
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # set before transformers is first imported, here and in every rank

@@ -8,19 +8,8 @@ import re
 
 import pytest
 
-from shardwise.parallel.pipeline.schedules import (
-    SCHEDULES,
-    Action,
-    Costs,
-    Schedule,
-    ScheduleError,
-    Timeline,
-    build,
-    draw,
-    peak_in_flight,
-    simulate,
-    validate,
-)
+from shardwise.parallel.pipeline.schedules import SCHEDULES, Action, Schedule, ScheduleError, build, validate
+from shardwise.parallel.pipeline.simulate import Costs, Timeline, draw, peak_in_flight, simulate
 
 RANKS = range(2, 9)
 

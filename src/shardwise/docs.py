@@ -24,7 +24,8 @@ import tomli_w
 
 from shardwise.cli import _add_train_parser
 from shardwise.config.schema import SECTIONS
-from shardwise.parallel.pipeline.schedules import SCHEDULES, Costs, build, draw, simulate
+from shardwise.parallel.pipeline.schedules import SCHEDULES, build
+from shardwise.parallel.pipeline.simulate import Costs, draw, simulate
 
 OUT = Path("docs/config.md")
 SCHEDULE_PAGE = Path("docs/strategies/pipeline.md")

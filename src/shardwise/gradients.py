@@ -1,5 +1,4 @@
-"""What strategies do alike to a rank's gradients: clip them by their global L2 norm, and average
-them over a group of replicas in one packed all-reduce.
+"""Clipping a rank's gradients by their global L2 norm, as every strategy does.
 
 Clipping by the global norm scales every gradient by min(1, max_norm / (norm + 1e-6)), the factor
 torch.nn.utils.clip_grad_norm_ uses. Where gradients are split over ranks (shards, stages, tensor
@@ -40,14 +39,3 @@ def clip_grad_norm_(counted: Sequence[torch.Tensor], scaled: Sequence[torch.Tens
     for grad in scaled:
         grad.mul_(coefficient.to(grad.device))
     return norm
-
-
-def all_reduce_packed(grads: Sequence[torch.Tensor], group: dist.ProcessGroup, average: bool = True) -> int:
-    """Average (or, without `average`, sum) `grads` in place over `group` in one all-reduce of them
-    all, packed into one buffer (one collective's latency instead of one per tensor); returns the
-    bytes it sent and received."""
-    packed = torch.cat([grad.reshape(-1) for grad in grads])
-    dist.all_reduce(packed, op=dist.ReduceOp.AVG if average else dist.ReduceOp.SUM, group=group)
-    for grad, part in zip(grads, packed.split([grad.numel() for grad in grads]), strict=True):
-        grad.copy_(part.view_as(grad))
-    return 2 * packed.numel() * packed.element_size()

@@ -1,5 +1,7 @@
-"""Collective algorithms written from point-to-point messages, and the bytes they put on the wire:
-the ring all-reduce below, and a gather into the caller's buffers (`gather_in_place`).
+"""Communication primitives the parallelisms share: collective algorithms written from
+point-to-point messages, and the bytes they put on the wire (the ring all-reduce below, a gather
+into the caller's buffers, `gather_in_place`), and an all-reduce of many tensors packed into one
+(`all_reduce_packed`).
 
 Ring all-reduce (Patarasuk & Yuan 2009; what Gloo and NCCL run for large messages). The N ranks
 of a group form a ring: each sends only to its right neighbour (r + 1) and receives only from its
@@ -21,8 +23,12 @@ latencies, so small messages fare better with trees.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 import torch.distributed as dist
+
+from shardwise.parallel.flat import pack, unpack
 
 # A reduce-scatter step receives its chunk in segments of at most this many bytes, into two
 # alternating buffers: adding one segment overlaps the arrival of the next (as Gloo's own ring
@@ -127,3 +133,13 @@ def bus_bandwidth(nbytes: int, seconds: float, world_size: int) -> float:
     """nccl-tests' bus bandwidth of an all-reduce, bytes/s: what each rank's link carried per
     second, comparable across world sizes (the algorithm bandwidth, bytes / time, is not)."""
     return 2 * (world_size - 1) / world_size * nbytes / seconds
+
+
+def all_reduce_packed(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup, average: bool = True) -> int:
+    """Average (or, without `average`, sum) `tensors` in place over `group` in one all-reduce of them
+    all, packed into one buffer (one collective's latency instead of one per tensor); returns the
+    bytes it sent and received."""
+    packed = pack(tensors)
+    dist.all_reduce(packed, op=dist.ReduceOp.AVG if average else dist.ReduceOp.SUM, group=group)
+    unpack(packed, tensors)
+    return 2 * packed.numel() * packed.element_size()

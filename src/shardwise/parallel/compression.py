@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from shardwise.dist import new_group_of_all
 from shardwise.parallel.comm import ring_all_reduce, ring_bytes_sent
+from shardwise.parallel.flat import pack, unpack, views
 
 CAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # Per bucket: its flat gradient buffer, and each parameter's gradient as a view into it.
@@ -171,27 +172,27 @@ class PowerSGD:
         self.all_reduce = all_reduce
         self.start_step = start_step
         generator = torch.Generator().manual_seed(seed)  # the same first Q on every rank
-        self.buckets = [self._plan(buffer, views, rank, generator) for buffer, views in layout]
+        self.buckets = [self._plan(buffer, grads, rank, generator) for buffer, grads in layout]
 
     @staticmethod
-    def _plan(buffer: torch.Tensor, views: list[torch.Tensor], rank: int, generator: torch.Generator) -> PowerSGDBucket:
+    def _plan(buffer: torch.Tensor, grads: list[torch.Tensor], rank: int, generator: torch.Generator) -> PowerSGDBucket:
         def worth_it(grad: torch.Tensor) -> bool:
             if grad.dim() < 2:
                 return False
             rows, columns = grad.shape[0], grad[0].numel()
             return 2 * rank * (rows + columns) <= rows * columns
 
-        matrices = [v.view(v.shape[0], -1) for v in views if worth_it(v)]
-        like = dict(dtype=views[0].dtype, device=views[0].device)
+        matrices = [g.view(g.shape[0], -1) for g in grads if worth_it(g)]
+        like = dict(dtype=grads[0].dtype, device=grads[0].device)
         p_flat = torch.empty(sum(m.shape[0] for m in matrices) * rank, **like)
         q_flat = torch.randn(sum(m.shape[1] for m in matrices) * rank, generator=generator).to(**like)
         return PowerSGDBucket(
             buffer=buffer,
-            whole=[v for v in views if not worth_it(v)],
+            whole=[g for g in grads if not worth_it(g)],
             matrices=matrices,
             errors=[torch.zeros_like(m) for m in matrices],
-            p_flat=p_flat, ps=_split_matrices(p_flat, [m.shape[0] for m in matrices], rank),
-            q_flat=q_flat, qs=_split_matrices(q_flat, [m.shape[1] for m in matrices], rank),
+            p_flat=p_flat, ps=views(p_flat, [(m.shape[0], rank) for m in matrices]),
+            q_flat=q_flat, qs=views(q_flat, [(m.shape[1], rank) for m in matrices]),
         )
 
     def state(self) -> dict[str, torch.Tensor]:
@@ -210,10 +211,9 @@ class PowerSGD:
             self.all_reduce(bucket.buffer, average=True)
             return
         if bucket.whole:
-            flat = torch.cat([grad.reshape(-1) for grad in bucket.whole])
+            flat = pack(bucket.whole)
             self.all_reduce(flat, average=True)
-            for grad, mean in zip(bucket.whole, flat.split([g.numel() for g in bucket.whole]), strict=True):
-                grad.copy_(mean.view_as(grad))
+            unpack(flat, bucket.whole)
         if not bucket.matrices:
             return
         for grad, error, p, q in zip(bucket.matrices, bucket.errors, bucket.ps, bucket.qs, strict=True):
@@ -229,11 +229,6 @@ class PowerSGD:
             approximation = p @ q.T
             torch.sub(grad, approximation, out=error)
             grad.copy_(approximation)
-
-
-def _split_matrices(flat: torch.Tensor, rows: list[int], columns: int) -> list[torch.Tensor]:
-    """`flat` as consecutive (rows[i] x columns) matrices, each a view."""
-    return [part.view(n, columns) for part, n in zip(flat.split([n * columns for n in rows]), rows, strict=True)]
 
 
 class InBackground:

@@ -37,8 +37,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.gradients import all_reduce_packed, clip_coefficient, squared_norm
+from shardwise.gradients import clip_coefficient, squared_norm
 from shardwise.models.moe import combine_pairs, expert_counts, moe_layers, their_experts
+from shardwise.parallel.comm import all_reduce_packed
 from shardwise.parallel.dims import Mesh
 
 

@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from shardwise.parallel.compression import BucketReducer, Layout, Waitable
+from shardwise.parallel.flat import views
 
 
 @dataclass
@@ -74,13 +75,8 @@ class ReplicatedGradients:
 
     @staticmethod
     def _make_bucket(params: list[nn.Parameter], device: torch.device) -> Bucket:
-        numel = sum(p.numel() for p in params)
-        buffer = torch.zeros(numel, dtype=params[0].dtype, device=device)
-        views, offset = [], 0
-        for param in params:
-            views.append(buffer[offset : offset + param.numel()].view_as(param))
-            offset += param.numel()
-        return Bucket(buffer, params, views)
+        buffer = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=device)
+        return Bucket(buffer, params, views(buffer, [p.shape for p in params]))
 
     def attach(self) -> None:
         """Point every `.grad` back at its bucket view, before a backward; a step that starts with

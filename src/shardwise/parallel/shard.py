@@ -48,6 +48,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from shardwise.memory import return_free_memory
 from shardwise.parallel.comm import gather_in_place
+from shardwise.parallel.flat import views
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import Placement
@@ -129,12 +130,9 @@ def flatten(params: list[nn.Parameter], rows: list[int], dtype: torch.dtype, wor
     parameter made a view into it."""
     padded = [world * r * row_numel(p) for r, p in zip(rows, params, strict=True)]
     full = torch.zeros(sum(padded), dtype=dtype, device=device)
-    start = 0
-    for param, length in zip(params, padded, strict=True):
-        view = full[start : start + param.numel()].view_as(param)
+    for param, view in zip(params, views(full, [p.shape for p in params], padded), strict=True):
         view.copy_(param.detach())
         param.data = view
-        start += length
     return full
 
 

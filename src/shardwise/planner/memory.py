@@ -49,7 +49,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from shardwise.config.schema import Config
-from shardwise.parallel.pipeline.schedules import Schedule, build, layout_of, peak_held
+from shardwise.parallel.pipeline.schedules import Schedule, build, layout_of
+from shardwise.parallel.pipeline.simulate import peak_held
 from shardwise.planner.candidates import Candidate
 from shardwise.planner.model import (
     ModelFacts,

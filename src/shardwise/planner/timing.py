@@ -21,7 +21,7 @@ each strategy hides behind computation.
   unit during the previous one's forward and backward and reduce-scatters during backward, only
   the first gather exposed; `hsdp` is `fsdp` over a node's ranks plus an all-reduce of the
   gradient shards across nodes after backward, exposed; `pipeline`
-  runs its schedule's lists through the simulator (parallel.pipeline.schedules.simulate: each stage's
+  runs its schedule's lists through the simulator (parallel.pipeline.simulate.simulate: each stage's
   forward, input and weight gradients a third each of its micro-step, the recomputation in the
   input gradients), which gives the busiest rank's compute, the bubble (1F1B's (P-1)/(M+P-1) for
   equal stages) and the activation messages on the critical path; `tensor` all-reduces
@@ -52,7 +52,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from shardwise.config.schema import Config
-from shardwise.parallel.pipeline.schedules import SCHEDULES, Costs, Layout, Schedule, layout_of, makespan
+from shardwise.parallel.pipeline.schedules import SCHEDULES, Layout, Schedule, layout_of
+from shardwise.parallel.pipeline.simulate import Costs, makespan
 from shardwise.planner.candidates import Candidate
 from shardwise.planner.devices import DeviceProfile
 from shardwise.planner.memory import (
@@ -366,7 +367,7 @@ def _tensor(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceProfile,
 
 
 def _pipeline(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceProfile, traced: bool) -> StepTime:
-    """The candidate's schedule simulated (parallel.pipeline.schedules.simulate) with each stage's forward,
+    """The candidate's schedule simulated (parallel.pipeline.simulate.simulate) with each stage's forward,
     input- and weight-gradient times: the busiest rank's compute and the rest of the run, idle (the
     bubble). Without `traced`, a bound that runs no simulation instead (`_fewest_idle`). On the
     critical path besides: the first micro-batch's activations crossing every boundary between two

@@ -27,11 +27,11 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from shardwise.config.schema import Config, ConfigError, ParallelConfig
 from shardwise.dist import DistContext, broadcast_from_rank0
-from shardwise.gradients import all_reduce_packed, clip_grad_norm_
+from shardwise.gradients import clip_grad_norm_
 from shardwise.materialise import Materialiser
 from shardwise.memory import MemoryBreakdown, count_memory, exact_storage, optimizer_state_tensors, storage_bytes
 from shardwise.models.plans import locate
-from shardwise.parallel.comm import gather_in_place
+from shardwise.parallel.comm import all_reduce_packed, gather_in_place
 from shardwise.parallel.dims import Mesh
 from shardwise.parallel.shard import GatherHooks, ShardGroup, Sharding, Unit, real_rows
 from shardwise.parallel.tensor import BlockSplitter, TensorParallelGroup, TensorShard

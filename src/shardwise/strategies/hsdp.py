@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from shardwise.config.schema import ParallelConfig
 from shardwise.dist import DistContext
-from shardwise.gradients import all_reduce_packed
+from shardwise.parallel.comm import all_reduce_packed
 from shardwise.parallel.dims import Mesh, node_size
 from shardwise.strategies.fsdp import ShardedDataParallel
 

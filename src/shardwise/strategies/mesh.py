@@ -36,11 +36,11 @@ from torch import nn
 
 from shardwise.config.schema import DEFAULT_BLOCK, Config, ConfigError, ParallelConfig
 from shardwise.dist import DistContext
-from shardwise.gradients import all_reduce_packed, clip_grad_norm_
+from shardwise.gradients import clip_grad_norm_
 from shardwise.materialise import named_tensors
 from shardwise.memory import return_free_memory
 from shardwise.models.plans import NEEDS, Located, PlanError, locate, plan_for_name, plans
-from shardwise.parallel.comm import gather_in_place
+from shardwise.parallel.comm import all_reduce_packed, gather_in_place
 from shardwise.parallel.tensor import TensorShard
 from shardwise.strategies.base import DeferrableSync
 
