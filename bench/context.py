@@ -39,7 +39,7 @@ from shardwise.parallel.context import SequenceLayout, ring_attention
 from shardwise.parallel.context.ring import RehearsalRing
 from shardwise.planner.candidates import Candidate
 from shardwise.planner.devices import DeviceProfile
-from shardwise.planner.memory import predict_memory
+from shardwise.planner.memory_model import predict_memory
 from shardwise.planner.timing import predict_step_time
 
 RANKS = 4

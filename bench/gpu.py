@@ -58,7 +58,7 @@ def job_config(job: dict[str, Any], out: str) -> Config:
 
 def predicted_peak(cfg: Config, world: int) -> int | None:
     """The planner's bytes for the busiest rank (no margin); None for FSDP2 (it predicts ours)."""
-    from shardwise.planner.memory import predict_memory
+    from shardwise.planner.memory_model import predict_memory
 
     candidate = planned_candidate(cfg, world)
     return None if candidate is None else max(rank.total for rank in predict_memory(candidate, cfg, margin=0.0))

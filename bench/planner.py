@@ -41,7 +41,7 @@ from shardwise.dist import DistContext, init_distributed, leave_process, shutdow
 from shardwise.measure import measure_candidates
 from shardwise.planner.candidates import Candidate
 from shardwise.planner.devices import DeviceProfile
-from shardwise.planner.memory import predict_memory
+from shardwise.planner.memory_model import predict_memory
 from shardwise.planner.timing import predict_step_time
 
 NOISE = 0.10

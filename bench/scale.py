@@ -37,7 +37,7 @@ from bench.common import write_json
 from shardwise.config.load import load_config
 from shardwise.config.schema import Config
 from shardwise.planner.candidates import Candidate
-from shardwise.planner.memory import predict_memory, predict_phases, predict_setup_bytes
+from shardwise.planner.memory_model import predict_memory, predict_phases, predict_setup_bytes
 from shardwise.planner.model import model_facts, model_shape
 from shardwise.strategies.registry import spec
 

@@ -127,7 +127,7 @@ def test_bf16_mixed_with_recomputed_blocks_over_tensor_parallel_trains_as_one_de
 def test_each_rank_holds_the_model_state_the_planner_predicts(runs, name):
     """Parameters and optimizer state as counted after the last step (its gradients freed), on
     every rank; a pipeline's ranks, stage by stage."""
-    from shardwise.planner.memory import predict_memory
+    from shardwise.planner.memory_model import predict_memory
 
     _, counted = runs
     candidate = PLANNED[name]

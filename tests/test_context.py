@@ -24,7 +24,7 @@ from shardwise.config.load import load_config
 from shardwise.config.schema import ConfigError
 from shardwise.dist import DistContext
 from shardwise.planner.candidates import Candidate
-from shardwise.planner.memory import predict_memory
+from shardwise.planner.memory_model import predict_memory
 from shardwise.trainer import Trainer
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is first imported, here and in every rank

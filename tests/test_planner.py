@@ -21,7 +21,7 @@ from shardwise.models import build_model
 from shardwise.planner import PlanError, load_profile, make_plan
 from shardwise.planner import model as planner_model
 from shardwise.planner.candidates import Candidate
-from shardwise.planner.memory import ZERO_STAGES, predict_memory, zero_textbook_bytes
+from shardwise.planner.memory_model import ZERO_STAGES, predict_memory, zero_textbook_bytes
 from shardwise.planner.model import ModelShape, TraceKey, _trace, model_facts, model_shape, saved_bytes
 from shardwise.planner.timing import predict_step_time
 from shardwise.trainer import Trainer
@@ -307,7 +307,7 @@ def test_predicted_memory_equals_counted_for_model_splitting_strategies_on_tiny_
 
 
 def test_fsdp_predicted_gathered_peak_is_what_it_gathers():
-    from shardwise.planner.memory import fsdp_gathered_numel
+    from shardwise.planner.memory_model import fsdp_gathered_numel
 
     facts = model_facts(model_shape(config(preset="small").model))
     # gpt small, measured on 2 ranks (fp32): the root, the block computing, the next one's gather buffer

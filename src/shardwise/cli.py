@@ -343,7 +343,7 @@ def plan(args: argparse.Namespace) -> int:
     import json
 
     from shardwise.planner import PlanError, format_plan, load_profile, make_plan, plan_json
-    from shardwise.planner.report import format_measured
+    from shardwise.planner.table import format_measured
 
     try:
         if args.config is None and args.hf_config is None:

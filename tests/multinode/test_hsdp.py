@@ -29,7 +29,7 @@ from shardwise.config.load import load_config
 from shardwise.dist import DistContext
 from shardwise.models import build_model
 from shardwise.planner.candidates import Candidate
-from shardwise.planner.memory import predict_memory
+from shardwise.planner.memory_model import predict_memory
 from shardwise.trainer import Trainer
 
 STEPS, SAVE_EVERY, CRASH_AT = 20, 10, 14  # the last checkpoint is the final model

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from shardwise.config.schema import PRECISIONS, Config, ConfigError
 from shardwise.planner.candidates import DEFAULT_PRECISIONS, POLICIES, Candidate, enumerate_candidates
 from shardwise.planner.devices import DeviceProfile
-from shardwise.planner.memory import DEFAULT_MARGIN, RankMemory, dtype_bytes, predict_memory
+from shardwise.planner.memory_model import DEFAULT_MARGIN, RankMemory, dtype_bytes, predict_memory
 from shardwise.planner.model import PlanError, model_facts, model_shape
 from shardwise.planner.timing import StepTime, compute_dtype, predict_step_time
 from shardwise.precision import make_precision

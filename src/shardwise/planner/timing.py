@@ -56,7 +56,7 @@ from shardwise.parallel.pipeline.schedules import SCHEDULES, Layout, Schedule, l
 from shardwise.parallel.pipeline.simulate import Costs, makespan
 from shardwise.planner.candidates import Candidate
 from shardwise.planner.devices import DeviceProfile
-from shardwise.planner.memory import (
+from shardwise.planner.memory_model import (
     computing_params_dtype,
     dtype_bytes,
     expert_rows,
