@@ -182,7 +182,7 @@ def our_layer(ctx: Any) -> tuple[torch.nn.Module, Any]:
     for param in layer.parameters():
         torch.nn.init.normal_(param, std=0.02)
     model = torch.nn.Sequential(layer)
-    experts = ExpertParallel(Mesh(ctx, MeshShape(dp_replicate=LAYER_RANKS, ep=LAYER_EP)), model)
+    experts = ExpertParallel(Mesh.of(ctx, MeshShape(dp_replicate=LAYER_RANKS, ep=LAYER_EP)), model)
     experts.split(model)
     return model, experts
 

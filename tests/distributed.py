@@ -62,21 +62,6 @@ class FreshProcessState:
         torch.set_grad_enabled(True)
         for sig, handler in self.handlers.items():
             signal.signal(sig, handler)
-        self._destroy_groups()
-
-    @staticmethod
-    def _destroy_groups() -> None:
-        """The process groups the call made (a run's mesh makes its own): destroyed once every rank is
-        done with them, so that calls do not pile up Gloo's threads and connections."""
-        import torch.distributed as dist
-        from torch.distributed.distributed_c10d import _world
-
-        if not dist.is_initialized():
-            return
-        made = [group for group in _world.pg_map if group is not dist.group.WORLD]
-        dist.barrier()
-        for group in made:
-            dist.destroy_process_group(group)
 
 
 def _rank_main(rank: int, world_size: int, port: int, conn: Connection, init: dict[str, Any],

@@ -176,7 +176,7 @@ def ep_layer_with_idle_experts(ctx: DistContext) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         moe.router.weight[2:] = -100.0 * moe.router.weight[:2].abs().sum(0)  # never chosen
     model = torch.nn.Sequential(moe)
-    experts = ExpertParallel(Mesh(ctx, MeshShape(dp_replicate=2, ep=2)), model)
+    experts = ExpertParallel(Mesh.of(ctx, MeshShape(dp_replicate=2, ep=2)), model)
     experts.split(model)
     x = torch.rand(8, 16, generator=torch.Generator().manual_seed(ctx.rank)).add(0.1).requires_grad_()
     y = model(x)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import random
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import numpy as np
@@ -26,6 +26,10 @@ class DistContext:
     local_rank: int
     device: torch.device
     backend: str
+    # The device meshes made over this process group, by shape (parallel/dims.py `Mesh.of`): made once,
+    # then the same one for every run this process trains (a notebook, a pool of test ranks), since Gloo
+    # keeps threads and connections for every group.
+    meshes: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def is_main(self) -> bool:

@@ -87,7 +87,15 @@ FLATTENED = {"dp": ("dp_replicate", "dp_shard"), "dp_shard_cp": ("dp_shard", "cp
 class Mesh:
     """The run's mesh over the process group torchrun made: sizes, this rank's coordinates, and a
     process group per dimension and per flattened group above (made by every rank, in one order).
-    Made once per run (strategies/classes.py's `make_strategy`) and passed to whatever needs it."""
+    Made once per process group and shape (`of`) and passed to whatever needs it."""
+
+    @classmethod
+    def of(cls, ctx: DistContext, shape: MeshShape) -> Mesh:
+        """The mesh of `shape` over `ctx`'s process group: made the first time, then the same one
+        (held by the context, not by this module)."""
+        if shape not in ctx.meshes:
+            ctx.meshes[shape] = cls(ctx, shape)
+        return ctx.meshes[shape]
 
     def __init__(self, ctx: DistContext, shape: MeshShape) -> None:
         from torch.distributed.device_mesh import init_device_mesh

@@ -58,7 +58,7 @@ class Strategy:
         # The last step's routing by MoE layer (pairs per expert, max / mean): what metrics.jsonl records.
         self.router_stats: dict[str, list] | None = None
         if mesh is None and ctx.distributed and not spec(cfg.strategy).parameter_servers:
-            self.mesh = Mesh(ctx, cfg.mesh(ctx.world_size, node_size(ctx.world_size)))
+            self.mesh = Mesh.of(ctx, cfg.mesh(ctx.world_size, node_size(ctx.world_size)))
 
     @classmethod
     def check_config(cls, cfg: Config, world: int) -> None:
