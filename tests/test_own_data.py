@@ -141,6 +141,28 @@ def test_parquet_arrow_and_saved_datasets_hold_the_same_documents_as_json_lines(
     assert prepared_bytes(tmp_path / "dict", "data.split=test") == prepared_bytes(tmp_path / "first5.jsonl")
 
 
+def test_compressed_files_and_a_byte_order_mark_hold_the_same_documents(tmp_path, cache):
+    """A JSON Lines file and a text file gzip- and Zstandard-compressed, and each beginning with a
+    UTF-8 byte-order mark (as Windows editors write them): the same tokens and documents as the
+    plain files, the mark no token; a bad line in a compressed file is named by its number."""
+    import gzip
+
+    zstandard = pytest.importorskip("zstandard")
+    write_corpus(tmp_path / "corpus.jsonl")
+    (tmp_path / "book.txt").write_text((REPO / "README.md").read_text())
+    for name in ("corpus.jsonl", "book.txt"):
+        plain = (tmp_path / name).read_bytes()
+        (tmp_path / f"bom-{name}").write_bytes(b"\xef\xbb\xbf" + plain)
+        (tmp_path / f"{name}.gz").write_bytes(gzip.compress(plain))
+        (tmp_path / f"{name}.zst").write_bytes(zstandard.ZstdCompressor().compress(b"\xef\xbb\xbf" + plain))
+        expected = prepared_bytes(tmp_path / name)
+        for variant in (f"bom-{name}", f"{name}.gz", f"{name}.zst"):
+            assert prepared_bytes(tmp_path / variant) == expected, variant
+    (tmp_path / "bad.jsonl.gz").write_bytes(gzip.compress(b'{"text": "fine"}\n\n{"text": \n'))
+    with pytest.raises(ConfigError, match=r"bad.jsonl.gz, line 3: not JSON"):
+        prepared_bytes(tmp_path / "bad.jsonl.gz")
+
+
 def test_preparing_on_2_processes_writes_the_same_bytes_as_on_1_and_names_a_bad_line_as_1_does(
         tmp_path, cache, monkeypatch):
     """A directory of JSON Lines, text, Parquet and Arrow files, cut into parts of a few KiB (a

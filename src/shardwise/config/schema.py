@@ -150,9 +150,10 @@ class DataConfig:
                             "JSON line or table row of data.path), `paragraphs` (each block after a blank line; "
                             "built-ins only); `none`: one stream, attention across everything in a window "
                             "(docs/strategies/context.md)", DOCUMENTS)
-    path: str | None = option(None, "your own corpus instead of data.name (docs/data.md): a .txt, .jsonl, .parquet, "
-                              ".arrow or .feather file, a directory of them or a glob, or a Hugging Face dataset saved "
-                              "to disk; tokenized once into the cache (`shardwise prepare-data`)")
+    path: str | None = option(None, "your own corpus instead of data.name (docs/data.md): a .txt or .jsonl file "
+                              "(either may be .gz- or .zst-compressed), a .parquet, .arrow or .feather file, a "
+                              "directory of them or a glob, or a Hugging Face dataset saved to disk; tokenized once "
+                              "into the cache (`shardwise prepare-data`)")
     val_path: str | None = option(None, "with data.path: a corpus of its own to validate on (as data.path; a dataset "
                                   "dict's split by its directory), instead of the last data.val_fraction of "
                                   "data.path's")

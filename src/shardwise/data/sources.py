@@ -3,6 +3,8 @@ files, and Hugging Face datasets saved to disk, read in pieces so that several p
 tokenize one corpus (prepare.py).
 
 - `.txt`: the file is one document. `.jsonl`: each non-blank line is one, its `data.text_field`.
+  Either may be compressed, `.txt.gz`, `.jsonl.zst` and so on (gzip, or Zstandard with the
+  zstandard package), and may begin with a UTF-8 byte-order mark, which is not text.
 - `.parquet`, `.arrow`, `.feather`: each row is one, its `data.text_field` column (a string
   column). Arrow means the IPC file format or the IPC stream format, told apart by the file's
   first bytes. Tables are read with pyarrow a batch of rows at a time (Arrow files memory-mapped),
@@ -13,7 +15,8 @@ tokenize one corpus (prepare.py).
 - Any other directory: every file above under it, in sorted path order; a glob: its matches.
 
 A corpus is cut into pieces, each a range of one file (lines of a JSON Lines file by byte
-offset, row groups of a Parquet file, record batches of an Arrow file), so a large file is
+offset, row groups of a Parquet file, record batches of an Arrow file; a compressed file, which
+cannot be entered in the middle, is one piece), so a large file is
 tokenized by several processes; the documents of the pieces in order are the corpus's, however
 it is cut. Everything that can be checked without reading the text (a file that is not the format
 its name says, a missing column, a column that is not text, a missing split) is checked when the
@@ -23,27 +26,47 @@ pieces are planned, before any process starts.
 from __future__ import annotations
 
 import glob
+import gzip
+import io
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from shardwise.config.schema import ConfigError
 
 TEXT, JSONL, PARQUET, ARROW_FILE, ARROW_STREAM = "txt", "jsonl", "parquet", "arrow-file", "arrow-stream"
 KINDS = {".txt": TEXT, ".jsonl": JSONL, ".parquet": PARQUET, ".arrow": ARROW_FILE, ".feather": ARROW_FILE}
-SUFFIXES = tuple(KINDS)
+COMPRESSIONS = (".gz", ".zst")  # of a text or JSON Lines file (a table compresses its own columns)
+SUFFIXES = (*KINDS, *(f"{kind}{c}" for kind in (".txt", ".jsonl") for c in COMPRESSIONS))
+BOM = b"\xef\xbb\xbf"  # UTF-8's byte-order mark, which some editors write first: not text
 ROWS = 1024  # rows of a table converted to Python strings at once
 ARROW_MAGIC = b"ARROW1"  # how an Arrow IPC file begins (a stream begins with a message)
 
 
 @dataclass(frozen=True)
 class Source:
-    """One input file and how its documents are read (an Arrow file's kind is settled by `pieces`)."""
+    """One input file and how its documents are read (an Arrow file's kind is settled by `pieces`);
+    `compression`: a text or JSON Lines file's, `.gz` or `.zst` (None: none)."""
 
     path: Path
     kind: str
+    compression: str | None = None
+
+
+def suffix_of(path: Path) -> str:
+    """The suffix that says how `path` is read: `.jsonl`, or `.jsonl.gz` for a compressed one."""
+    if path.suffix in COMPRESSIONS:
+        return "".join(path.suffixes[-2:])
+    return path.suffix
+
+
+def source_of(path: Path) -> Source:
+    """A file of one of SUFFIXES as a source."""
+    suffix = suffix_of(path)
+    compression = path.suffix if path.suffix in COMPRESSIONS else None
+    return Source(path, KINDS[suffix.removesuffix(compression or "")], compression)
 
 
 @dataclass(frozen=True)
@@ -78,7 +101,7 @@ def _files(given: Path, path: str, what: str) -> list[Source]:
     if given.is_file():
         files = [given]
     elif given.is_dir():
-        files = sorted(p for p in given.rglob("*") if p.suffix in SUFFIXES and p.is_file())
+        files = sorted(p for p in given.rglob("*") if suffix_of(p) in SUFFIXES and p.is_file())
         saved = next((p.parent for p in sorted(given.rglob("*.json")) if p.name in ("state.json", "dataset_dict.json")),
                      None)
         if saved is not None:
@@ -88,12 +111,12 @@ def _files(given: Path, path: str, what: str) -> list[Source]:
         files = sorted(Path(p) for p in glob.glob(str(given), recursive=True) if Path(p).is_file())
         if not files:
             raise ConfigError(f"{what} = {path!r}: no such file, directory or glob match")
-    unknown = [p for p in files if p.suffix not in SUFFIXES]
+    unknown = [p for p in files if suffix_of(p) not in SUFFIXES]
     if unknown:
         raise ConfigError(f"{what} = {path!r}: {unknown[0]} is none of {', '.join(SUFFIXES)}")
     if not files:
         raise ConfigError(f"{what} = {path!r}: no {', '.join(SUFFIXES)} files in it")
-    return [Source(p, KINDS[p.suffix]) for p in files]
+    return [source_of(p) for p in files]
 
 
 def _dataset_dict(root: Path, path: str, split: str | None, what: str) -> list[Source]:
@@ -137,7 +160,7 @@ def pieces(sources: list[Source], text_field: str, piece_bytes: int) -> list[Pie
     cut = []
     for source in sources:
         size = source.path.stat().st_size
-        if source.kind == TEXT:
+        if source.kind == TEXT or source.compression:
             cut.append(Piece(source, 0, 1, size))
         elif source.kind == JSONL:
             cut += [Piece(source, a, min(a + piece_bytes, size), min(piece_bytes, size - a))
@@ -229,7 +252,14 @@ def documents(piece: Piece, text_field: str) -> Iterator[str]:
     """The texts of the documents that `piece` holds, in order."""
     kind, path = piece.source.kind, piece.source.path
     if kind == TEXT:
-        yield path.read_text(errors="replace")
+        with _opened(piece.source) as f:
+            yield f.read().removeprefix(BOM).decode("utf-8", errors="replace")
+    elif kind == JSONL and piece.source.compression:
+        with _opened(piece.source) as f:
+            for number, raw in enumerate(f, start=1):
+                text = _json_line(raw.removeprefix(BOM) if number == 1 else raw, path, lambda n=number: n, text_field)
+                if text is not None:
+                    yield text
     elif kind == JSONL:
         yield from _json_lines(path, piece.start, piece.stop, text_field)
     else:
@@ -248,19 +278,41 @@ def _json_lines(path: Path, start: int, stop: int, text_field: str) -> Iterator[
             raw = f.readline()
             if not raw:
                 return
-            line = raw.decode("utf-8", errors="replace")
-            if line.strip():
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as error:
-                    raise ConfigError(f"data.path: {path}, line {_line_number(path, position)}: not JSON "
-                                      f"({error.msg})") from None
-                text = record.get(text_field) if isinstance(record, dict) else None
-                if not isinstance(text, str):
-                    raise ConfigError(f"data.text_field = {text_field!r}: {path}, line {_line_number(path, position)} "
-                                      "has no such text field")
+            text = _json_line(raw.removeprefix(BOM) if position == 0 else raw, path,
+                              lambda at=position: _line_number(path, at), text_field)
+            if text is not None:
                 yield text
             position += len(raw)
+
+
+def _json_line(raw: bytes, path: Path, line_number: Callable[[], int], text_field: str) -> str | None:
+    """The text of one line of a JSON Lines file (None for a blank one); `line_number` names it
+    in an error."""
+    line = raw.decode("utf-8", errors="replace")
+    if not line.strip():
+        return None
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"data.path: {path}, line {line_number()}: not JSON ({error.msg})") from None
+    text = record.get(text_field) if isinstance(record, dict) else None
+    if not isinstance(text, str):
+        raise ConfigError(f"data.text_field = {text_field!r}: {path}, line {line_number()} has no such text field")
+    return text
+
+
+def _opened(source: Source) -> IO[bytes]:
+    """A text or JSON Lines file opened for reading its bytes, decompressed."""
+    if source.compression == ".gz":
+        return gzip.open(source.path, "rb")
+    if source.compression == ".zst":
+        try:
+            import zstandard
+        except ImportError:
+            raise ConfigError(f"data.path: {source.path} is Zstandard-compressed, which needs the zstandard package "
+                              "(pip install 'shardwise[data]')") from None
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(source.path, "rb"), closefd=True))
+    return open(source.path, "rb")
 
 
 def _line_number(path: Path, position: int) -> int:
