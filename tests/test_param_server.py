@@ -85,11 +85,12 @@ def test_async_param_server_trains_within_its_staleness_bound(tmp_path):
 @pytest.mark.slow
 def test_killing_an_async_worker_leaves_the_server_and_the_other_worker_training(tmp_path):
     out = tmp_path / "async-kill"
-    steps = 30
+    steps = 60  # asynchronous steps are quick: enough that the job is still running at the kill
     job = train(out, 3, "--set", "parallel.ps_mode=async", "--set", "train.global_batch=8",
                 "--set", "train.micro_batch=4", steps=steps)
+    wait_for_step(job, out, 1)
+    rank1 = next(pid for pid in worker_pids(out) if _rank(pid) == 1)  # found while the job surely runs
     wait_for_step(job, out, 5)
-    rank1 = next(pid for pid in worker_pids(out) if _rank(pid) == 1)
     os.kill(rank1, signal.SIGKILL)
     code, stderr = finish(job)
     assert code == 0, stderr
