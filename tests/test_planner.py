@@ -689,3 +689,23 @@ def test_moe_plans_count_experts_and_propose_ep_and_shipped_configs_plan():
     fsdp = {ep: predict_step_time(at("fsdp", ep), cfg, h100, 64) for ep in (1, 8, 16)}
     assert fsdp[8].communication_s - fsdp[8].all_to_all_s < fsdp[1].communication_s
     assert fsdp[16].all_to_all_s > 2 * fsdp[8].all_to_all_s > 0 == fsdp[1].all_to_all_s
+
+
+def test_on_several_nodes_the_planner_proposes_hsdp_over_pipeline_stages():
+    """hsdp over stages: each node a replica whose stages are sharded over the node's dp ranks
+    (test_compositions holds a real 2 x 2 x pp 2 run to its predicted model state); on one node it
+    is fsdp, not proposed."""
+    from shardwise.planner.candidates import enumerate_candidates
+
+    base = config(global_batch=16, n_layer=4)
+    two_nodes, _ = enumerate_candidates(base, 8, precisions=("fp32",), policies=("none",), nodes=2)
+    staged = [c for c in two_nodes if c.strategy == "hsdp" and c.pp > 1]
+    assert {(c.dp, c.pp, c.tp, c.shard) for c in staged} >= {(4, 2, 1, 2), (2, 4, 1, 1), (2, 2, 2, 1)}
+    one_node, _ = enumerate_candidates(base, 8, precisions=("fp32",), policies=("none",), nodes=1)
+    assert not [c for c in one_node if c.strategy == "hsdp"]
+    plan = make_plan(base, 8, load_profile("h100"), nodes=2, precisions=("fp32",), policies=("none",), exhaustive=True)
+    hsdp = [e for e in plan.ranked if e.candidate.strategy == "hsdp" and e.candidate.pp == 2 and e.candidate.tp == 1]
+    fsdp = [e for e in plan.ranked if e.candidate.strategy == "fsdp" and e.candidate.pp == 2 and e.candidate.tp == 1
+            and e.candidate.micro_batch == hsdp[0].candidate.micro_batch]
+    # A node's 2 dp ranks shard each stage: twice the model state of fsdp's 4, one cheap all-reduce across nodes.
+    assert hsdp[0].memory.optimizer > 1.9 * fsdp[0].memory.optimizer

@@ -30,7 +30,7 @@ class Candidate:
     micro_batch: int  # samples per forward on one model replica (train.micro_batch)
     micro_batches: int = 1  # pipeline: micro-batches per pipeline run (parallel.micro_batches)
     schedule: str | None = None  # pipeline: gpipe or 1f1b
-    shard: int | None = None  # hsdp: the ranks each parameter is split over (one node's); dp / shard replicas
+    shard: int | None = None  # hsdp: the ranks each parameter is split over (a node's dp ranks); dp / shard replicas
     cp: int = 1  # context parallel: ranks each sequence is split over (each of the dp replicas has cp of them)
     cp_mode: str | None = None  # context parallel: ring or all-to-all
     ep: int = 1  # expert parallel: the dp ranks each MoE layer's experts are split over
@@ -67,9 +67,9 @@ class Candidate:
         # The other sections are shared with `base`, not copied: nothing else changes them.
         cfg = copy.copy(base)
         cfg.parallel, cfg.train = parallel, train
-        if self.shard:  # hsdp: a node's processes, its shard group of each tp (and cp) rank
+        if self.shard:  # hsdp: a node's processes, its shard group of each tp (cp, pp) rank
             cfg.launch = copy.copy(base.launch)
-            cfg.launch.nproc = self.shard * self.tp * self.cp
+            cfg.launch.nproc = self.shard * self.tp * self.cp * self.pp
         validate(cfg, world_size=world)
         return cfg
 
@@ -98,8 +98,10 @@ def _meshes(world: int, nodes: int) -> Iterator[tuple[str, int, int, int, int, s
             dp = world // pp // tp
             own = "pp" if pp > 1 else "tp" if tp > 1 else None  # the strategy's own dimension takes what is left
             for s in planned:
-                # Over pipeline stages, the sharded strategies (not hsdp) too, without context parallel.
-                if own == "pp" and s.shards_split_model and not s.across_nodes:
+                # Over pipeline stages, the sharded strategies too, without context parallel; hsdp on several
+                # nodes, each holding whole replicas' stages (and their tp ranks).
+                across = nodes > 1 and (world // nodes) % (pp * tp) == 0
+                if own == "pp" and s.shards_split_model and (across or not s.across_nodes):
                     yield s.name, dp, pp, tp, 1, None
                 if s.mesh_dim == own:
                     yield s.name, dp, pp, tp, 1, None
@@ -131,7 +133,7 @@ def enumerate_candidates(base: Config, world: int, precisions: tuple[str, ...] =
             for policy in policies:
                 for micro_batch in sizes:
                     for m, schedule in _pipeline_runs(strategy, pp, micro_batch):
-                        shard = world // nodes // tp if spec(strategy).across_nodes else None
+                        shard = world // nodes // (tp * pp) if spec(strategy).across_nodes else None
                         candidate = Candidate(strategy, dp, pp, tp, precision, policy, micro_batch, m, schedule, shard,
                                               cp, cp_mode, ep)
                         try:

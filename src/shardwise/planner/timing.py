@@ -347,9 +347,17 @@ def _hsdp(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceProfile, w
 
 def _mesh_dp_all_reduce(c: Candidate, numel: int, device: DeviceProfile) -> float:
     """The model-splitting strategies average every gradient over the cp group, then over the dp
-    group, after backward."""
+    group, after backward; hsdp over stages over a node's dp ranks, then each shard across the
+    nodes."""
     over_cp = all_reduce_s(numel * 4, c.cp, device.bandwidth(_spans_nodes(c.cp, c.pp * c.tp, device.gpus_per_node)),
                            device.latency_s)
+    if c.spec.across_nodes and c.shard:
+        stride = c.cp * c.pp * c.tp
+        within = all_reduce_s(numel * 4, c.shard, device.bandwidth(_spans_nodes(c.shard, stride, device.gpus_per_node)),
+                              device.latency_s)
+        replicas = c.dp // c.shard
+        across = all_reduce_s(numel * 4 // c.shard, replicas, device.bandwidth(replicas > 1), device.latency_s)
+        return over_cp + within + across
     bandwidth = device.bandwidth(_spans_nodes(c.dp, c.cp * c.pp * c.tp, device.gpus_per_node))
     return over_cp + all_reduce_s(numel * 4, c.dp, bandwidth, device.latency_s)
 
@@ -408,7 +416,7 @@ def _pipeline(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceProfil
     # after the schedule and an all-gather (before the next one under fsdp), as exposed; their
     # optimizer steps on a dp shard.
     comm = sends + tp_comm + tied + _mesh_dp_all_reduce(c, stage_numel, device)
-    stepped = stage_numel // c.dp if c.spec.zero_stage else stage_numel
+    stepped = stage_numel // (c.shard or c.dp) if c.spec.zero_stage else stage_numel
     return StepTime(compute, comm, comm, bubble, _optimizer_s(stepped, 4, cfg, device))
 
 
