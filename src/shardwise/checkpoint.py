@@ -421,7 +421,7 @@ def consolidate(run_dir: Path, out: Path, progress: bool = False) -> Path:
     from shardwise.config.load import load_config
     from shardwise.config.schema import HF_MODELS
     from shardwise.hf_files import config_json, write_model_files
-    from shardwise.materialise import init_context
+    from shardwise.materialise import init_context, state_buffers
     from shardwise.models import build_model
     from shardwise.weights_file import WeightsLayout, WeightsWriter
 
@@ -435,9 +435,8 @@ def consolidate(run_dir: Path, out: Path, progress: bool = False) -> Path:
         raise CheckpointError(f"{checkpoint_dir(run_dir)}: no checkpoint to consolidate")
     with init_context():
         model = build_model(cfg.model)
-    state = model.state_dict(keep_vars=True)  # buffers not in it (rotary frequencies) are no strategy's to save
-    check_fits(path, {"model": {name: p for name, p in model.named_parameters()} |
-                      {name: b for name, b in model.named_buffers() if name in state}})
+    check_fits(path, {"model": dict(model.named_parameters()) | dict(state_buffers(model))})
+    state = model.state_dict(keep_vars=True)
     layout = WeightsLayout.transformers(model) if directory else WeightsLayout.of(model, tied_copies=True)
     reader = safe_reader(path)
     total = sum(state[name].nbytes for name in layout.names())

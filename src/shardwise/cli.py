@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import importlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -202,13 +202,15 @@ def bench_checkout() -> Path | None:
 
 
 def benches() -> dict[str, tuple[str, int]]:
-    """The checkout's benches (bench/__init__.py's BENCHES: name -> (module, ranks)); none without one."""
+    """The checkout's benches (bench/__init__.py's BENCHES: name -> (module, ranks)), read from that
+    file alone, this process's import path left as it is; none without a checkout."""
     root = bench_checkout()
     if root is None:
         return {}
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
-    return importlib.import_module("bench").BENCHES
+    spec = importlib.util.spec_from_file_location("bench", root / "bench" / "__init__.py")
+    registry = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(registry)
+    return registry.BENCHES
 
 
 def bench(args: argparse.Namespace) -> int:

@@ -49,6 +49,13 @@ def named_tensors(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     yield from model.named_buffers()
 
 
+def state_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The buffers that are the model's state (its state dict's), by name: not those a module
+    registers as not persistent (rotary frequencies), which are made anew with the model."""
+    state = model.state_dict(keep_vars=True)
+    return [(name, buffer) for name, buffer in model.named_buffers() if name in state]
+
+
 def check_one_device_kind(model: nn.Module, what: str) -> bool:
     """Whether `model` is meta-built (every tensor on the meta device) rather than ordinary (none
     is); a model that is partly both is an error naming one tensor of each kind."""

@@ -189,8 +189,7 @@ def load_weights(strategy: Strategy, path: str | Path, names: ModelNames) -> Non
     if unused and strategy.ctx.is_main:
         print(f"weights {path}: {len(unused)} of its tensors are not in this model, ignored (e.g. {min(unused)})",
               file=sys.stderr)
-    shapes = {key: matched.found[key].shape for key in matched.pieced}
-    dcp.load(matched.found, storage_reader=SafetensorsReader(files, matched.pieced, shapes))
+    dcp.load(matched.found, storage_reader=SafetensorsReader(files, matched.pieced))
     strategy.after_state_loaded()
 
 
@@ -211,15 +210,13 @@ class _Listing:
 class SafetensorsReader(HuggingFaceStorageReader):
     """DCP's reader of Hugging Face safetensors (memory-mapped, slices read as asked), over the
     given files alone, which may sit beside other safetensors files. `pieced`: tensors the files
-    hold in pieces (hub_layout.py), by key, each of the model's `shapes`; DCP sees each piece as a
-    chunk of the whole, so a rank reads only the pieces, and the rows of each, that it holds."""
+    hold in pieces (hub_layout.py), by key, their pieces covering the whole; DCP sees each piece as
+    a chunk of the whole, so a rank reads only the pieces, and the rows of each, that it holds."""
 
-    def __init__(self, files: list[Path], pieced: dict[str, list[tuple[Piece, Path]]] | None = None,
-                 shapes: dict[str, torch.Size] | None = None) -> None:
+    def __init__(self, files: list[Path], pieced: dict[str, list[tuple[Piece, Path]]] | None = None) -> None:
         super().__init__(str(files[0].parent))
         self.fs = _Listing(self.fs, files)
         self.pieced = pieced or {}
-        self.shapes = shapes or {}
         self.pieces: dict[MetadataIndex, Piece] = {}
 
     def read_metadata(self) -> Metadata:
@@ -227,8 +224,9 @@ class SafetensorsReader(HuggingFaceStorageReader):
         for key, held in self.pieced.items():
             dtype = metadata.state_dict_metadata[held[0][0].key].properties.dtype
             chunks = [ChunkStorageMetadata(torch.Size(piece.offsets), torch.Size(piece.sizes)) for piece, _ in held]
-            metadata.state_dict_metadata[key] = TensorStorageMetadata(TensorProperties(dtype=dtype),
-                                                                      self.shapes[key], chunks)
+            # The whole tensor: along each dimension, as far as its pieces reach.
+            whole = torch.Size(max(c.offsets[d] + c.sizes[d] for c in chunks) for d in range(len(chunks[0].sizes)))
+            metadata.state_dict_metadata[key] = TensorStorageMetadata(TensorProperties(dtype=dtype), whole, chunks)
             for piece, file in held:
                 index = MetadataIndex(key, piece.offsets)
                 metadata.storage_data[index] = _HFStorageInfo(str(file), torch.Size(piece.sizes), dtype)

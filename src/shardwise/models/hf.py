@@ -71,7 +71,8 @@ def build_causal_lm(cfg: ModelConfig) -> CausalLM:
     context = HF_SIZE_KEYS[cfg.name]["seq_len"]
     if values.get(context) is not None:  # the model's context is the file's; model.seq_len, the window, at most it
         del sizes[context]
-    values = {k: v for k, v in values.items() if not any(k in HF_SIZE_ALIASES.get(size, ()) for size in sizes)}
+    aliases = {alias for size in sizes for alias in HF_SIZE_ALIASES.get(size, ())}  # the sizes set here win
+    values = {k: v for k, v in values.items() if k not in aliases}
     no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0) if cfg.name == "hf-gpt2" else \
         dict(attention_dropout=0.0)
     config = families[cfg.name](**{**values, **sizes, **no_dropout, "bos_token_id": None, "eos_token_id": None})

@@ -14,7 +14,7 @@ from torch import nn
 from shardwise.config.schema import DEFAULT_BLOCK, Config, ParallelConfig
 from shardwise.dist import DistContext, init_distributed
 from shardwise.gradients import clip_grad_norm_
-from shardwise.materialise import Materialiser, check_one_device_kind
+from shardwise.materialise import Materialiser, check_one_device_kind, state_buffers
 from shardwise.memory import MemoryBreakdown, count_memory, local_tensor
 from shardwise.models import moe
 from shardwise.models.hf import decoder_layer_class
@@ -237,10 +237,8 @@ class Strategy:
         return list(self.module.named_parameters())
 
     def named_local_buffers(self) -> list[tuple[str, torch.Tensor]]:
-        """The buffers this rank holds that are the model's state, by the model's names: those a
-        module registers as not persistent (rotary frequencies) are made anew with the model."""
-        state = self.module.state_dict(keep_vars=True)
-        return [(name, buffer) for name, buffer in self.module.named_buffers() if name in state]
+        """The buffers this rank holds that are the model's state, by the model's names."""
+        return state_buffers(self.module)
 
     def as_global(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """`local`, a tensor shaped like this rank's part of parameter `name`, as the whole

@@ -88,7 +88,7 @@ class ShardedDataParallel(HookedStrategy):
                 self.experts.broadcast()
         splitter = self._tensor_splitter()
         blocks = self._make_units(splitter)
-        self._name_shards(dict(self.module.named_parameters()))
+        self._named = dict(self.module.named_parameters())  # each parameter by its name in checkpoints
         if splitter is not None:
             self.tensor_shards, self.tp_partial = splitter.shards, splitter.finish()
         for unit in self.sharding.units:
@@ -99,10 +99,6 @@ class ShardedDataParallel(HookedStrategy):
             GatherHooks(self.sharding, self.module, blocks)
             self.sharding.peak_gathered_bytes = 0  # the peak counts from the first step
         return self.module
-
-    def _name_shards(self, named: dict[str, nn.Parameter]) -> None:
-        """Each parameter by its name in checkpoints (`named`: the model's, or a pipeline's plain model's)."""
-        self._layout = {name: (p, self.sharding.rows_of(p)) for name, p in named.items()}
 
     def shard_stages(self, stages: nn.Module, block: str, named: dict[str, nn.Parameter], full: dict[str, torch.Tensor],
                      tensor_shards: dict[int, TensorShard], tp_partial: list[nn.Parameter]) -> None:
@@ -116,7 +112,7 @@ class ShardedDataParallel(HookedStrategy):
         self._init_mesh()
         self._full = full
         self._make_units(None)
-        self._name_shards(named)
+        self._named = named  # by the plain model's names
         self.tensor_shards, self.tp_partial = tensor_shards, tp_partial
         self.sharding.peak_gathered_bytes = self.sharding.gathered_bytes
 
@@ -334,7 +330,8 @@ class ShardedDataParallel(HookedStrategy):
         from torch.distributed.tensor import DTensor, Shard
         from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
-        param, rows = self._layout[name]
+        param = self._named[name]
+        rows = self.sharding.rows_of(param)
         over = self.sharding.unit_of(param).over
         real = local[: real_rows(param, rows, over.rank)]
         if self._is_expert(param):  # rows of this ep rank's experts: where they lie among all the experts
