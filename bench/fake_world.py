@@ -34,15 +34,18 @@ RESULT = "FAKE-WORLD-RESULT "  # the line a job prints its measurements on
 
 def rank_zero_of(world: int, node: int | None = None) -> DistContext:
     """This process as rank 0 of a fake world of `world` ranks, on the GPU if there is one (else the
-    CPU: a harness check), `node` ranks to a node (what hsdp shards over; torchrun's LOCAL_WORLD_SIZE)."""
+    CPU: a harness check), `node` ranks to a node (what hsdp shards over; torchrun's LOCAL_WORLD_SIZE).
+    A world of 1 is a real group (NCCL, or Gloo on the CPU): its collectives run, so its losses are
+    single's, where a fake all-gather or reduce-scatter would leave garbage even alone."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     os.environ["LOCAL_WORLD_SIZE"] = str(node or world)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
-    return DistContext(0, world, 0, device, "fake")
+    backend = ("nccl" if device.type == "cuda" else "gloo") if world == 1 else "fake"
+    dist.init_process_group(backend, store=dist.HashStore() if world == 1 else FakeStore(), rank=0, world_size=world)
+    return DistContext(0, world, 0, device, backend)
 
 
 def planned_candidate(cfg: Config, world: int) -> Candidate | None:
@@ -61,17 +64,18 @@ def planned_candidate(cfg: Config, world: int) -> Candidate | None:
                      shard=cfg.launch.nproc if p.strategy == "hsdp" else None)
 
 
-def median_step_s(trainer: Trainer, steps: int, warmup: int) -> float:
-    """`steps` training steps, each timed to the device's end; the median of those after the first
-    `warmup` (the allocator's first requests, the optimizer's state made at the first step)."""
-    seconds = []
+def median_step_and_losses(trainer: Trainer, steps: int, warmup: int) -> tuple[float, list[float]]:
+    """`steps` training steps, each timed to the device's end: the median of those after the first
+    `warmup` (the allocator's first requests, the optimizer's state made at the first step, a
+    compiled block's first call), and every step's loss."""
+    seconds, losses = [], []
     for step in range(steps):
         started = time.perf_counter()
-        trainer.run_step(step)
+        losses.append(trainer.run_step(step))
         if trainer.ctx.device.type == "cuda":
             torch.cuda.synchronize(trainer.ctx.device)
         seconds.append(time.perf_counter() - started)
-    return statistics.median(seconds[warmup:] or seconds)
+    return statistics.median(seconds[warmup:] or seconds), losses
 
 
 def report(result: dict[str, Any]) -> None:

@@ -1,11 +1,12 @@
 """`shardwise bench gpu` (issues 24 and 35): one GPU's measured ceilings, then gpt-2-124m training
-(sequence 1024, bf16-mixed, AdamW, eager) under every data-parallel strategy at world 1 and, as rank
+(sequence 1024, bf16-mixed, AdamW) under every data-parallel strategy at world 1 and, as rank
 0 of PyTorch's fake process group (bench/fake_world.py), at worlds 8 and 64: what the sharding
 machinery costs on the host and in copies when communication is free.
 
 - Ceilings: the best of a few bf16 matmuls of 8192 x 8192 (TFLOP/s) and of a 1 GiB device copy
   (GB/s, read plus write).
-- World 1: `single`, `ddp`, `zero2`, `fsdp`, `fsdp-native`: tokens/s, MFU over the measured
+- World 1 (a real group of one, NCCL): `single` eager and compiled per block (`train.compile`), `ddp`,
+  `zero2`, `fsdp`, `fsdp-native`: each step's loss against single's, tokens/s, MFU over the measured
   matmul ceiling and over the datasheet's bf16 peak (H100, H200: planner/devices.py; none for
   another device), `torch.cuda.max_memory_allocated`, and the planner's predicted peak.
 - Fake worlds 8 and 64: `fsdp`, `zero2`, `hsdp` (nodes of 8) and `pipeline` (4 stages, 4
@@ -15,7 +16,7 @@ machinery costs on the host and in copies when communication is free.
 Each job is its own process. Without CUDA the jobs run on the CPU as a harness check (`shardwise
 bench gpu` refuses): no device figures.
 
-    shardwise bench gpu [--steps 10]   (or python -m bench.gpu ... [--preset tiny] [--json FILE])
+    shardwise bench gpu [--steps 10]   (or python -m bench.gpu ... [--worlds 1,8] [--preset tiny] [--json FILE])
 """
 
 from __future__ import annotations
@@ -30,12 +31,12 @@ import torch
 
 from bench import fake_world
 from bench.common import write_json
-from bench.fake_world import device_name, median_step_s, planned_candidate, rank_zero_of, report
+from bench.fake_world import device_name, median_step_and_losses, planned_candidate, rank_zero_of, report
 from shardwise.config.load import load_config
 from shardwise.config.schema import Config
 
 WORLD_ONE = ("single", "ddp", "zero2", "fsdp", "fsdp-native")
-FAKE_WORLDS = (8, 64)
+WORLDS = (1, 8, 64)  # 1: WORLD_ONE's strategies on the one GPU; more: SHARDED's on a fake world
 SHARDED = ("fsdp", "zero2", "hsdp", "pipeline")
 NODE, STAGES = 8, 4  # hsdp's ranks per node; the pipeline's stages (and micro-batches per run)
 DATASHEET_BF16 = {"H100": "h100-sxm", "H200": "h200"}  # device name contains -> planner preset
@@ -52,8 +53,8 @@ def job_config(job: dict[str, Any], out: str) -> Config:
     return load_config(None, [
         f"model.preset={job['preset']}", "data.name=synthetic-tokens", f"parallel.strategy={strategy}", *mesh,
         "parallel.precision=bf16-mixed", "train.optimizer=adamw", f"train.micro_batch={mb}",
-        f"train.global_batch={dp * mb}", f"train.steps={job['steps']}", "train.warmup_steps=0", "train.eval_every=0",
-        f"run.out={out}"])
+        f"train.global_batch={dp * mb}", f"train.compile={str(job.get('compile', False)).lower()}",
+        f"train.steps={job['steps']}", "train.warmup_steps=0", "train.eval_every=0", f"run.out={out}"])
 
 
 def predicted_peak(cfg: Config, world: int) -> int | None:
@@ -72,13 +73,16 @@ def worker(job: dict[str, Any]) -> None:
         ctx = rank_zero_of(job["world"], node=cfg.launch.nproc)
         cuda = ctx.device.type == "cuda"
         trainer = Trainer(cfg, ctx)
-        step_s = median_step_s(trainer, job["steps"], warmup=2)
+        step_s, losses = median_step_and_losses(trainer, job["steps"], warmup=2)
         samples = cfg.train.micro_batch  # a replica's, each step (a pipeline's over its stages)
         stages = cfg.parallel.pp if cfg.parallel.strategy == "pipeline" else 1  # a stage computes its share
         result = {"step_s": step_s, "tokens_per_s": samples * cfg.model.seq_len / step_s,
                   "flops_per_s": (trainer.flops_per_sample or 0) * samples / stages / step_s,
                   "predicted_peak": predicted_peak(cfg, job["world"]),
-                  "max_allocated": torch.cuda.max_memory_allocated(ctx.device) if cuda else None}
+                  "max_allocated": torch.cuda.max_memory_allocated(ctx.device) if cuda else None,
+                  "losses": losses}
+        if trainer.strategy.compiler is not None:
+            result["compile"] = trainer.strategy.compiler.as_dict()
     report(result)
 
 
@@ -120,13 +124,17 @@ def run(steps: int, preset: str, micro_batch: int, worlds: tuple[int, ...]) -> d
     measured = ceilings(cuda)
     peak = datasheet_bf16(name)
     base = {"preset": preset, "micro_batch": micro_batch, "steps": steps}
-    jobs = [{**base, "strategy": s, "world": 1} for s in WORLD_ONE]
-    jobs += [{**base, "strategy": s, "world": w} for w in worlds for s in SHARDED]
+    # single first (what every job is compared with), then compiled (MFU eager and compiled), then the rest
+    jobs = [{**base, "strategy": "single", "world": 1}]
+    if 1 in worlds:
+        jobs.append({**base, "strategy": "single", "world": 1, "compile": True})
+        jobs += [{**base, "strategy": s, "world": 1} for s in WORLD_ONE if s != "single"]
+    jobs += [{**base, "strategy": s, "world": w} for w in worlds if w > 1 for s in SHARDED]
     results = []
     for job in jobs:
         print(f"gpu: {job['strategy']} world {job['world']}", file=sys.stderr, flush=True)
         results.append(fake_world.run_job("bench.gpu", job))
-    single = next((r for r in results if r["strategy"] == "single" and "step_s" in r), None)
+    single = next((r for r in results if r["strategy"] == "single" and not r.get("compile") and "step_s" in r), None)
     for r in results:
         if "step_s" not in r:
             continue
@@ -134,6 +142,9 @@ def run(steps: int, preset: str, micro_batch: int, worlds: tuple[int, ...]) -> d
         r["mfu_datasheet"] = r["flops_per_s"] / peak if peak else None
         if single is not None:
             r["step_vs_single"] = r["step_s"] / single["step_s"]
+            if r["world"] == 1:  # a real world of one: the same losses as single's (a fake world's mean nothing)
+                r["loss_vs_single"] = max(abs(a - b) / abs(b) for a, b in zip(r["losses"], single["losses"],
+                                                                              strict=True))
     return {"device": name, "torch": torch.__version__, "ceilings": measured, "datasheet_bf16_flops": peak,
             "jobs": results}
 
@@ -143,16 +154,18 @@ def format_result(result: dict[str, Any]) -> str:
     datasheet = (result["datasheet_bf16_flops"] or 0) / 1e12
     lines = [f"gpu bench on {result['device']}: bf16 matmul {c['matmul_bf16_flops'] / 1e12:.1f} TFLOP/s measured "
              f"({datasheet:.0f} datasheet), copy {c['copy_bytes_per_s'] / 1e9:.0f} GB/s",
-             f"  {'strategy':<12} {'world':>5} {'tokens/s':>10} {'MFU meas.':>9} {'vs single':>9} {'GiB':>7} "
-             f"{'pred.':>7}"]
+             f"  {'strategy':<15} {'world':>5} {'tokens/s':>10} {'MFU meas.':>9} {'vs single':>9} {'GiB':>7} "
+             f"{'pred.':>7} {'loss diff':>9}"]
     for r in result["jobs"]:
+        label = r["strategy"] + ("+compile" if r.get("compile") else "")
         if "step_s" not in r:
-            lines.append(f"  {r['strategy']:<12} {r['world']:>5}  failed: {r.get('error', '')}")
+            lines.append(f"  {label:<15} {r['world']:>5}  failed: {r.get('error', '')}")
             continue
         gib = f"{r['max_allocated'] / 2**30:.2f}" if r["max_allocated"] else "-"
         pred = f"{r['predicted_peak'] / 2**30:.2f}" if r["predicted_peak"] else "-"
-        lines.append(f"  {r['strategy']:<12} {r['world']:>5} {r['tokens_per_s']:>10.0f} {r['mfu_measured']:>9.1%} "
-                     f"{r.get('step_vs_single', 0):>9.3f} {gib:>7} {pred:>7}")
+        loss = f"{r['loss_vs_single']:.1e}" if "loss_vs_single" in r else "-"
+        lines.append(f"  {label:<15} {r['world']:>5} {r['tokens_per_s']:>10.0f} {r['mfu_measured']:>9.1%} "
+                     f"{r.get('step_vs_single', 0):>9.3f} {gib:>7} {pred:>7} {loss:>9}")
     return "\n".join(lines)
 
 
@@ -162,7 +175,9 @@ def main() -> None:
     parser.add_argument("--preset", default="gpt2-124m", help="the GPT preset to train (at least 4 blocks: the "
                         "pipeline's stages)")
     parser.add_argument("--micro-batch", type=int, default=8, help="sequences per rank per step")
-    parser.add_argument("--worlds", default=",".join(map(str, FAKE_WORLDS)), help="fake world sizes, comma-separated")
+    parser.add_argument("--worlds", default=",".join(map(str, WORLDS)), help="world sizes, comma-separated: 1 times "
+                        "every strategy on the GPU alone, a larger one the sharded ones as rank 0 of a fake world "
+                        "(single, the reference, always runs)")
     parser.add_argument("--json", action="append", default=[], help="write the result here (repeatable)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()

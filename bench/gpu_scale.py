@@ -29,7 +29,7 @@ from typing import Any
 
 from bench import fake_world
 from bench.common import write_json
-from bench.fake_world import device_name, median_step_s, planned_candidate, rank_zero_of, report
+from bench.fake_world import device_name, median_step_and_losses, planned_candidate, rank_zero_of, report
 from shardwise.config.load import load_config
 from shardwise.config.schema import Config
 
@@ -90,7 +90,7 @@ def worker(job: dict[str, Any]) -> None:
             if cuda:
                 result["setup_allocated"] = torch.cuda.max_memory_allocated(ctx.device)
                 torch.cuda.reset_peak_memory_stats(ctx.device)
-            step_s = median_step_s(trainer, job["steps"], warmup=1)
+            step_s, _ = median_step_and_losses(trainer, job["steps"], warmup=1)
             result.update(fits=True, step_s=step_s, counted=trainer.memory().as_dict())
             if cuda:
                 result.update(max_allocated=torch.cuda.max_memory_allocated(ctx.device),

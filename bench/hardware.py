@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from bench.common import bench_main
 from shardwise.dist import DistContext
+from shardwise.parallel.comm import all_gather_single, reduce_scatter_single
 from shardwise.planner.devices import DeviceProfile
 from shardwise.planner.model import OpCounter
 
@@ -77,8 +78,8 @@ def collective_bandwidths(world: int) -> dict[str, float]:
     full, shard = torch.ones(numel), torch.ones(numel // world)
     timings = {
         "all_reduce": _best_s(lambda: dist.all_reduce(full), 5),
-        "all_gather": _best_s(lambda: dist.all_gather_single(full, shard), 5),
-        "reduce_scatter": _best_s(lambda: dist.reduce_scatter_single(shard, full), 5),
+        "all_gather": _best_s(lambda: all_gather_single(full, shard), 5),
+        "reduce_scatter": _best_s(lambda: reduce_scatter_single(shard, full), 5),
     }
     factor = {"all_reduce": 2 * (world - 1) / world, "all_gather": (world - 1) / world,
               "reduce_scatter": (world - 1) / world}

@@ -123,6 +123,8 @@ def test_resolved_config_round_trips_through_toml(tmp_path):
         (("parallel.recompute=every:0",), "parallel.recompute = 'every:0': expected none, blocks, selective or"),
         (("parallel.recompute=some",), "parallel.recompute = 'some'"),
         (("parallel.recompute=blocks", "model.name=cnn", "data.name=digits"), "'cnn' has no blocks to recompute"),
+        (("train.compile=true", "model.name=cnn", "data.name=digits"), "train.compile: model.name = 'cnn' has no"),
+        (("train.compile=true", "parallel.recompute=selective"), "its policy cannot see the operations inside"),
         (("parallel.reduce_dtype=fp16",), "parallel.reduce_dtype = 'fp16': unknown; allowed: fp32, bf16"),
         (("parallel.reduce_dtype=bf16", "parallel.strategy=ddp"), "only the sharded strategies"),
         (("parallel.offload=params",), "parallel.offload = 'params': unknown; allowed: none, optimizer"),

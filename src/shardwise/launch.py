@@ -18,6 +18,7 @@ import sys
 import time
 import uuid
 
+import torch
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -34,8 +35,11 @@ class Stopped(RuntimeError):
 
 def torchrun_args(launch: LaunchConfig, entry: list[str]) -> list[str]:
     """torch.distributed.run's arguments for `python -m <entry...>` on every rank."""
-    args = [f"--nproc-per-node={launch.nproc}", f"--max-restarts={launch.max_restarts}",
-            f"--shutdown-timeout={launch.shutdown_timeout_s}", "--rdzv-backend=c10d"]
+    args = [f"--nproc-per-node={launch.nproc}", f"--max-restarts={launch.max_restarts}", "--rdzv-backend=c10d"]
+    # torchrun takes --shutdown-timeout from torch 2.12; under the GPU machines' torch 2.11 the workers get
+    # its fixed grace instead (and _hold_failure_shutdown_to's)
+    if torch.__version__ >= "2.12":
+        args.append(f"--shutdown-timeout={launch.shutdown_timeout_s}")
     if launch.nnodes == 1:
         args += ["--nnodes=1", "--rdzv-endpoint=127.0.0.1:0", "--local-addr=127.0.0.1", f"--rdzv-id={uuid.uuid4()}"]
     else:

@@ -99,7 +99,7 @@ class Trainer:
         self.weights_layout = final_layout(model)  # what the final weights file holds
         # An hf-* model's run directory is a transformers model directory: its config.json, as built.
         self.model_config = config_json(model, cfg.model.hf_config) if cfg.model.name in HF_MODELS else None
-        self.strategy: Strategy = make_strategy(cfg.parallel, ctx, cfg.train.seed)
+        self.strategy: Strategy = make_strategy(cfg.parallel, ctx, cfg.train.seed, cfg.train.compile)
         # Each phase's peak resident set (setup, load, steps, eval, checkpoint, final_weights): the summary's.
         self.peaks = PhasePeaks(ctx.device)
         with self.peaks("setup"):
@@ -296,6 +296,8 @@ class Trainer:
             # runtime's resident set before the model existed.
             "phases_by_rank": self.ctx.all_gather_object({"baseline_rss": self.baseline_rss, **self.peaks.as_dict()}),
             **({"stage_timeline": timeline} if timeline is not None else {}),
+            # train.compile: graphs inductor compiled (one per distinct block, more if it recompiled) and its seconds
+            **({"compile": self.strategy.compiler.as_dict()} if self.strategy.compiler else {}),
         }
 
     def _save_weights(self) -> None:

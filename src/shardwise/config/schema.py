@@ -191,6 +191,8 @@ class TrainConfig:
     seed: int = option(0, "model init and data order")
     checkpoint_every: int = option(0, "save a checkpoint every N steps; 0: none (SIGTERM still saves one)")
     keep_checkpoints: int = option(3, "keep the newest K checkpoints")
+    compile: bool = option(False, "compile each block's forward with torch.compile (inductor), regionally: identical "
+                           "blocks share one graph; compile time and graph count go in the summary (docs/compile.md)")
 
 
 @dataclass

@@ -80,6 +80,11 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             raise ConfigError(f"model.vocab_size = {m.vocab_size}: must be >= 256 for byte-level data")
     if p.recompute != "none" and m.name not in LANGUAGE_MODELS:
         raise ConfigError(f"parallel.recompute = {p.recompute!r}: model.name = {m.name!r} has no blocks to recompute")
+    if t.compile and m.name not in LANGUAGE_MODELS:
+        raise ConfigError(f"train.compile: model.name = {m.name!r} has no blocks to compile")
+    if t.compile and p.recompute == "selective":
+        raise ConfigError("train.compile with parallel.recompute = 'selective': its policy cannot see the operations "
+                          "inside a compiled block and would recompute nearly all of it; use 'blocks' or 'every:K'")
     _positive("model.width", m.width)
     _positive("model.num_classes", m.num_classes)
     if not 0 < d.val_fraction < 1:

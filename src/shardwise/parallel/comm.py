@@ -37,6 +37,12 @@ from shardwise.parallel.flat import pack, unpack
 SEGMENT_BYTES = 4 * 2**20
 
 
+# torch 2.13's names for the flat all-gather and reduce-scatter (its older names warn); the image of
+# the GPU machines we measure on runs torch 2.11, which has only the older names, same arguments.
+all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
 def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None, average: bool = False) -> int:
     """Sum `tensor` over the ranks of `group` (default: the world) in place, by the ring above;
     with `average`, divide by the group's size. Returns the bytes this rank sent."""

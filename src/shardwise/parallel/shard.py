@@ -47,7 +47,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from shardwise.memory import return_free_memory
-from shardwise.parallel.comm import gather_in_place
+from shardwise.parallel.comm import all_gather_single, gather_in_place, reduce_scatter_single
 from shardwise.parallel.flat import views
 
 if TYPE_CHECKING:
@@ -249,7 +249,7 @@ class Sharding:
             return
         send = self._packed_shards(unit, unit.full_dtype)
         out = torch.empty(unit.over.world * send.numel(), dtype=send.dtype, device=send.device)
-        work = dist.all_gather_single(out, send, group=unit.over.group, async_op=True)
+        work = all_gather_single(out, send, group=unit.over.group, async_op=True)
         moved = (out.numel() + send.numel()) * out.element_size()
         self.bytes_moved += moved
         self.bytes_gathered += moved
@@ -378,7 +378,7 @@ class Sharding:
         home = self._shard_grad_buffer(unit)
         same = home.dtype == packed.dtype and home.device == packed.device
         shard_grad = home if same else torch.empty(unit.shard_numel, dtype=packed.dtype, device=packed.device)
-        work = dist.reduce_scatter_single(shard_grad, packed.view(-1), op=dist.ReduceOp.AVG, group=unit.over.group,
+        work = reduce_scatter_single(shard_grad, packed.view(-1), op=dist.ReduceOp.AVG, group=unit.over.group,
                                           async_op=True)
         self.bytes_moved += (packed.numel() + unit.shard_numel) * packed.element_size()
         self._reductions.append((work, unit, shard_grad, home))

@@ -60,6 +60,7 @@ from torch import nn
 
 from shardwise.memory import exact_storage
 from shardwise.models.plans import ParallelPlan, PlanError, Region
+from shardwise.parallel.comm import all_gather_single, reduce_scatter_single
 from shardwise.parallel.module_input import module_input, with_input
 
 if TYPE_CHECKING:
@@ -152,14 +153,14 @@ class TensorParallelGroup:
     def gather_sequence(self, x: torch.Tensor) -> torch.Tensor:
         """The whole sequence from every rank's part of it."""
         parts = x.new_empty((self.size * x.shape[0], *x.shape[1:]))  # Gloo takes the parts concatenated on dim 0
-        dist.all_gather_single(parts, x.contiguous(), group=self.group)
+        all_gather_single(parts, x.contiguous(), group=self.group)
         return torch.cat(parts.chunk(self.size), dim=1)
 
     def reduce_scatter_sequence(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's part of the sequence of the sum of every rank's `x`."""
         parts = torch.cat(x.chunk(self.size, dim=1))  # rank r's part r-th along dim 0
         out = x.new_empty((x.shape[0], *parts.shape[1:]))
-        dist.reduce_scatter_single(out, parts, group=self.group)
+        reduce_scatter_single(out, parts, group=self.group)
         return out
 
     def sequence_part(self, x: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardwise.compile import BlockCompiler
 from shardwise.config.schema import DEFAULT_BLOCK, Config, ParallelConfig
 from shardwise.dist import DistContext, init_distributed
 from shardwise.gradients import clip_grad_norm_
@@ -48,6 +49,8 @@ class Strategy:
         self.module: nn.Module | None = None  # the model as the user built it
         self.optim: torch.optim.Optimizer | None = None
         self.seed = 0  # what a meta-built model's initial values derive from (make_strategy sets train.seed)
+        # Compiles each block's forward under train.compile (make_strategy sets it); None: eager
+        self.compiler: BlockCompiler | None = None
         self.materialiser: Materialiser | None = None  # a meta-built model's groups and initial values
         self.setup_peak_bytes: int | None = None  # counted bytes at wrap's peak, where the strategy counts them
         self.context: ContextParallel | None = None  # the sequence split over parallel.cp ranks, made by `prepare`
@@ -90,16 +93,19 @@ class Strategy:
     recompute_once = False
 
     def prepare(self, model: nn.Module, materialise: bool = True) -> nn.Module:
-        """What every strategy's `wrap` does first: settle the model's block class, checkpoint the
-        blocks `parallel.recompute` chooses, split sequences over the context-parallel group (the
-        model's positions become global ones), and put the model on this rank's device in the
-        parameters' storage dtype. A meta-built model (shardwise.init_context()) is materialised
-        there whole, every tensor initialised as `single` initialises it (materialise.py); a
-        strategy that keeps less passes `materialise=False` and materialises what it keeps from
-        `self.materialiser` itself (the model then stays on meta, in the storage dtype). Under expert
-        parallel (`parallel.ep`), a materialised model then keeps only this rank's experts; a strategy
-        that materialises parts itself splits their experts (`self.experts.split`)."""
+        """What every strategy's `wrap` does first: settle the model's block class, compile each block
+        under train.compile (compile.py), checkpoint the blocks `parallel.recompute` chooses, split
+        sequences over the context-parallel group (the model's positions become global ones), and put
+        the model on this rank's device in the parameters' storage dtype. A meta-built model
+        (shardwise.init_context()) is materialised there whole, every tensor initialised as `single`
+        initialises it (materialise.py); a strategy that keeps less passes `materialise=False` and
+        materialises what it keeps from `self.materialiser` itself (the model then stays on meta, in the
+        storage dtype). Under expert parallel (`parallel.ep`), a materialised model then keeps only this
+        rank's experts; a strategy that materialises parts itself splits their experts
+        (`self.experts.split`)."""
         self.cfg = dataclasses.replace(self.cfg, block=block_class(model, self.cfg.block))
+        if self.compiler is not None:
+            self.compiler.compile_blocks(model, self.cfg.block)
         apply_recompute(model, self.cfg.recompute, self.cfg.block, once=self.recompute_once)
         self.context = ContextParallel(self.cfg.cp_mode, self.context_group())
         if self.cfg.cp > 1:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 
+from shardwise.compile import BlockCompiler
 from shardwise.config.schema import ParallelConfig
 from shardwise.dist import DistContext
 from shardwise.strategies.base import Strategy
@@ -21,8 +22,10 @@ def strategy_class(name: str, pp: int = 1) -> type[Strategy]:
     return getattr(importlib.import_module(f"shardwise.strategies.{chosen.module}"), chosen.cls)
 
 
-def make_strategy(cfg: ParallelConfig, ctx: DistContext, seed: int = 0) -> Strategy:
-    """The configured strategy; a meta-built model it wraps is initialised from `seed`."""
+def make_strategy(cfg: ParallelConfig, ctx: DistContext, seed: int = 0, compile_blocks: bool = False) -> Strategy:
+    """The configured strategy; a meta-built model it wraps is initialised from `seed`, and its
+    blocks compiled with `compile_blocks` (train.compile)."""
     strategy = strategy_class(cfg.strategy, cfg.mesh_shape(ctx.world_size)[1])(ctx, cfg)
     strategy.seed = seed
+    strategy.compiler = BlockCompiler() if compile_blocks else None
     return strategy

