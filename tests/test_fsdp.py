@@ -25,7 +25,7 @@ from shardwise.config.load import load_config
 from shardwise.dist import DistContext
 from shardwise.memory import optimizer_state_tensors, storage_bytes, storage_key
 from shardwise.models import build_model
-from shardwise.parallel.shard import HOST
+from shardwise.parallel.shard import HOST, copy_in, copy_out
 from shardwise.strategies.classes import make_strategy
 from shardwise.trainer import Trainer
 
@@ -326,3 +326,24 @@ def test_a_0_dim_parameter_is_refused_by_name():
     strategy = make_strategy(cfg.parallel, DistContext(0, 1, 0, torch.device("cpu"), "gloo"))
     with pytest.raises(ValueError, match="gain are 0-dim"):
         strategy.wrap(Scaled())
+
+
+@pytest.mark.parametrize(("shape", "world"), [((12, 3), 4), ((10, 3), 4), ((5,), 8), ((3, 2, 2), 64), ((64,), 64)])
+def test_shards_pack_and_unpack_as_torch_chunk_cuts_them(shape, world):
+    # each rank's shard is its torch.chunk of dim 0, zero-padded to ceil(rows / world) rows; some ranks
+    # hold padding only (3 rows over 64 ranks), and the copies run per whole ranks, not per rank
+    full = torch.randn(shape)
+    rows = math.ceil(shape[0] / world)
+    numel = rows * math.prod(shape[1:])
+    packed = torch.full((world, 1 + numel + 2), float("nan"))  # another parameter's shard on each side
+    copy_in(packed, rows, 1, full)
+    chunks = torch.chunk(full, world)
+    for rank in range(world):
+        expected = torch.zeros(rows, *shape[1:])
+        if rank < len(chunks):
+            expected[: len(chunks[rank])] = chunks[rank]
+        assert torch.equal(packed[rank, 1 : 1 + numel], expected.view(-1)), rank
+    assert packed[:, 0].isnan().all() and packed[:, -2:].isnan().all()  # nothing written beside it
+    back = torch.full(shape, float("nan"))
+    copy_out(back, rows, 1, packed)
+    assert torch.equal(back, full)

@@ -107,6 +107,17 @@ class Unit:
             return self.full.nbytes
         return sum(p.numel() * p.element_size() for p in self.params)
 
+    @property
+    def lengths(self) -> list[int]:
+        """Elements of each parameter's shard, as packed."""
+        return [rows * row_numel(param) for param, rows in zip(self.params, self.rows, strict=True)]
+
+    @property
+    def padded(self) -> bool:
+        """Whether some parameter's rows do not divide evenly among the ranks (its last shards hold
+        padding): its whole value is then not its shards laid end to end."""
+        return any(param.shape[0] != rows * self.over.world for param, rows in zip(self.params, self.rows, strict=True))
+
     def regions(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """Each parameter's place in `buffer` (laid out as `full`) as [world, shard elements]: row r
         is rank r's shard of it."""
@@ -118,10 +129,10 @@ class Unit:
         return regions
 
 
-def rank_spans(param: torch.Tensor, rows: int, world: int) -> list[tuple[int, int]]:
-    """For each of `world` ranks, (start, length) of its chunk in `param` flattened."""
-    numel = row_numel(param)
-    return [(rank * rows * numel, real_rows(param, rows, rank) * numel) for rank in range(world)]
+def whole_ranks(param: torch.Tensor, rows: int) -> tuple[int, int]:
+    """How many ranks' shards of `param` are whole rows of data (the first ones), and the rows of
+    data in the next rank's (0 when none is partial); the ranks after hold padding only."""
+    return divmod(param.shape[0], rows)
 
 
 def flatten(params: list[nn.Parameter], rows: list[int], dtype: torch.dtype, world: int,
@@ -138,10 +149,25 @@ def flatten(params: list[nn.Parameter], rows: list[int], dtype: torch.dtype, wor
 
 def copy_out(full: torch.Tensor, rows: int, offset: int, per_rank: torch.Tensor) -> None:
     """Fill `full` (a parameter's whole value) from every rank's packed shards (`per_rank`, one row
-    each, a parameter's shard at `offset`)."""
-    flat = full.view(-1)
-    for rank, (start, n) in enumerate(rank_spans(full, rows, per_rank.shape[0])):
-        flat[start : start + n].copy_(per_rank[rank, offset : offset + n])
+    each, a parameter's shard at `offset`): one strided copy for the ranks whose shards are whole,
+    one for a partial one; a copy per rank would cost a launch per rank, 64 per parameter at 64."""
+    numel, (whole, partial) = row_numel(full), whole_ranks(full, rows)
+    flat, n = full.view(-1), rows * numel
+    flat[: whole * n].view(whole, n).copy_(per_rank[:whole, offset : offset + n])
+    if partial:
+        flat[whole * n :].copy_(per_rank[whole, offset : offset + partial * numel])
+
+
+def copy_in(packed: torch.Tensor, rows: int, offset: int, full: torch.Tensor) -> None:
+    """`copy_out` reversed: each rank's shard of `full` (a parameter's whole gradient) into its row
+    of `packed` at `offset`, the padding zeroed."""
+    numel, (whole, partial) = row_numel(full), whole_ranks(full, rows)
+    flat, n = full.view(-1), rows * numel
+    part = packed[:, offset : offset + n]
+    part[:whole].copy_(flat[: whole * n].view(whole, n))
+    part[whole:].zero_()
+    if partial:
+        part[whole, : partial * numel].copy_(flat[whole * n :])
 
 
 class Sharding:
@@ -277,11 +303,16 @@ class Sharding:
             for region, offset in zip(unit.regions(unit.full), unit.offsets, strict=True):
                 region.copy_(per_rank[:, offset : offset + region.shape[1]])
         else:  # stage 3: refill each parameter's freed storage
-            for param, rows, offset in zip(unit.params, unit.rows, unit.offsets, strict=True):
+            for param in unit.params:
                 storage = param.untyped_storage()
                 if storage.size() == 0:
                     storage.resize_(param.numel() * param.element_size())
-                copy_out(param.data, rows, offset, per_rank)
+            if unit.padded:
+                for param, rows, offset in zip(unit.params, unit.rows, unit.offsets, strict=True):
+                    copy_out(param.data, rows, offset, per_rank)
+            else:  # each parameter is its shards end to end: one copy for the whole unit
+                torch.split_with_sizes_copy(per_rank, unit.lengths, dim=1,
+                                            out=[param.data.view(unit.over.world, -1) for param in unit.params])
         if self.stage == 3:
             unit.gathered = True
             self.count_gathered(unit.full_bytes)  # both the parameters and the gather buffer are alive here
@@ -362,17 +393,14 @@ class Sharding:
             for region, offset in zip(unit.regions(unit.grads), unit.offsets, strict=True):
                 packed[:, offset : offset + region.shape[1]].copy_(region)
             unit.grads_spent = True
+        elif not unit.padded and all(param.grad is not None for param in unit.params):  # one copy for the unit
+            torch.cat([param.grad.view(world, -1) for param in unit.params], dim=1, out=packed)
         else:
             for param, rows, offset in zip(unit.params, unit.rows, unit.offsets, strict=True):
-                part = packed[:, offset : offset + rows * row_numel(param)]
-                if param.grad is not None and param.numel() == part.numel():  # no padding: one copy
-                    part.copy_(param.grad.view(world, -1))
-                    continue
-                part.zero_()  # padding, or no gradient on this rank: it contributes zeros
-                if param.grad is not None:
-                    flat = param.grad.view(-1)
-                    for rank, (start, n) in enumerate(rank_spans(param, rows, world)):
-                        packed[rank, offset : offset + n].copy_(flat[start : start + n])
+                if param.grad is None:  # no gradient on this rank: it contributes zeros
+                    packed[:, offset : offset + rows * row_numel(param)].zero_()
+                else:
+                    copy_in(packed, rows, offset, param.grad)
         for param in unit.params:
             param.grad = None
         home = self._shard_grad_buffer(unit)
