@@ -26,10 +26,11 @@ def train_cfg(out: Path, strategy: str, nproc: int, *overrides: str):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
-    """Each strategy eager and compiled, in one 2-rank world; single of each here."""
+    """Each strategy compiled, in one 2-rank world; single eager and compiled here. The strategies'
+    eager runs are held to single's within 1e-5 by their own tests: single eager is the reference."""
     root = tmp_path_factory.mktemp("compile")
-    both = {**RUNS, **{f"{name}-compiled": (*run, "train.compile=true") for name, run in RUNS.items()}}
-    run_ranks(train_runs, 2, root, both, train_cfg, timeout=600)
+    compiled = {f"{name}-compiled": (*run, "train.compile=true") for name, run in RUNS.items()}
+    run_ranks(train_runs, 2, root, compiled, train_cfg, timeout=600)
     for name, overrides in (("single", ()), ("single-compiled", ("train.compile=true",))):
         train_in_process(train_cfg(root / name, "single", 1, *overrides))
     return root
@@ -37,7 +38,7 @@ def runs(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("name", ["single", *RUNS])
 def test_compiled_blocks_train_as_the_eager_model_does(runs, name):
-    eager, compiled = losses(runs / name), losses(runs / f"{name}-compiled")
+    eager, compiled = losses(runs / "single"), losses(runs / f"{name}-compiled")
     assert len(compiled) == STEPS
     # inductor fuses each block's elementwise work, so fp32 rounding differs: within 1e-4 of eager
     for step, (a, b) in enumerate(zip(compiled, eager, strict=True)):
@@ -51,4 +52,4 @@ def test_each_distinct_block_compiles_once(runs, name):
     # gpt-tiny's blocks are alike: one graph for training, one for the evaluation's no_grad
     assert summary["compile"]["graphs"] == 2
     assert summary["compile"]["seconds"] > 0
-    assert "compile" not in read_records(runs / name, "summary")[0]
+    assert "compile" not in read_records(runs / "single", "summary")[0]

@@ -37,10 +37,22 @@ from shardwise.parallel.flat import pack, unpack
 SEGMENT_BYTES = 4 * 2**20
 
 
-# torch 2.13's names for the flat all-gather and reduce-scatter (its older names warn); the image of
-# the GPU machines we measure on runs torch 2.11, which has only the older names, same arguments.
-all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+def all_gather_single(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup | None = None,
+                      async_op: bool = False) -> dist.Work | None:
+    """Every rank's `input` laid end to end in `output`: torch 2.13's all_gather_single (its older
+    name warns there), or all_gather_into_tensor on the GPU machines' torch 2.11, which has only
+    that. Looked up at each call, so that what wraps torch.distributed (bench/multinode.py's
+    timing) sees it."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
+                          group: dist.ProcessGroup | None = None, async_op: bool = False) -> dist.Work | None:
+    """`input` reduced over the ranks, this rank's 1/N of it in `output`: torch 2.13's
+    reduce_scatter_single, or reduce_scatter_tensor on torch 2.11 (as `all_gather_single`)."""
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return scatter(output, input, op=op, group=group, async_op=async_op)
 
 
 def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None, average: bool = False) -> int:
