@@ -35,7 +35,8 @@ TINY_DEEPSEEK_V3 = Path(__file__).parent / "deepseek-v3-tiny.json"
 DEEPSEEK_V3 = ("model.name=hf-deepseek-v3", f"model.hf_config={json.dumps(str(TINY_DEEPSEEK_V3))}")
 MIXTRAL_MHA = (*MIXTRAL, "model.n_kv_head=2")  # a key/value head for each of 2 tp ranks
 # The first whose name a run's name holds is the run's reference (single-NAME) and model.
-FAMILIES = {"mixtral-mha": MIXTRAL_MHA, "mixtral": MIXTRAL, "qwen3-moe": QWEN3_MOE, "deepseek-v3": DEEPSEEK_V3}
+FAMILIES = {"mixtral-mha": MIXTRAL_MHA, "mixtral": MIXTRAL, "qwen3-moe": QWEN3_MOE, "deepseek-v3": DEEPSEEK_V3,
+            "4-blocks": ("model.n_layer=4",)}
 
 
 def cfg_for(out: Path, strategy: str, world: int, *overrides: str):
@@ -154,6 +155,12 @@ def test_gpt_moe_counts_its_active_parameters():
     (("parallel.strategy=fsdp", "parallel.ep=2", "model.n_experts=2", "launch.nproc=4"),
      "fsdp shards each ep rank's 1 experts over the dp / ep = 2 ranks"),
     (("parallel.ep=2", "parallel.cp=2", "model.balance=bias"), "parallel.ep = 2 with parallel.cp = 2"),
+    (("parallel.strategy=fsdp", "parallel.ep=2", "parallel.pp=2", "parallel.micro_batches=2", "launch.nproc=4"),
+     "parallel.ep = 2 with parallel.pp = 2: over pipeline stages, expert parallel runs under parallel.strategy = "
+     "'pipeline' only yet"),
+    (("parallel.strategy=pipeline", "parallel.ep=2", "parallel.tp=2", "parallel.micro_batches=2", "launch.nproc=8",
+      "parallel.dp=2"),
+     "parallel.ep = 2 with parallel.tp = 2: expert parallel composes with tensor parallel under zero1"),
     (("parallel.strategy=fsdp", "parallel.tp=2", "parallel.sequence_parallel=true"),
      "each tp rank would route only its part of the sequence"),
     (("parallel.cp=2",), "model.balance = 'aux-loss' with parallel.cp = 2"),
@@ -225,11 +232,19 @@ FOUR_RANK_RUNS = {
     "mixtral-mha-fsdp-ep2-tp2": ("fsdp", "parallel.ep=2", "parallel.tp=2", *MIXTRAL_MHA),
     "zero2-ep4-bf16-recompute": ("zero2", "parallel.ep=4", "parallel.precision=bf16-mixed",
                                  "parallel.recompute=blocks"),
+    # 2 stages of one block, each stage's experts over its 2 dp ranks (micro-batches of 2, as single's)
+    "pipeline-pp2-ep2": ("pipeline", "parallel.dp=2", "parallel.pp=2", "parallel.ep=2", "parallel.micro_batches=2",
+                         "train.micro_batch=4", f"train.checkpoint_every={SAVED_AT}"),
+    # 2 stages on each rank (interleaved), each stage's experts over ep 2
+    "pipeline-interleaved-ep2-4-blocks": ("pipeline", "parallel.dp=2", "parallel.pp=2", "parallel.ep=2",
+                                          "parallel.schedule=interleaved-1f1b", "parallel.micro_batches=2",
+                                          "train.micro_batch=4", "model.n_layer=4"),
 }
 # What share of every expert each rank holds: 1/ep, and under the sharded strategies 1/dp.
 EXPERTS_HELD = {"ddp-ep2": 2, "zero1-ep2-bias": 2, "mixtral-ddp-ep2": 2, "qwen3-moe-fsdp-ep2": 2, "ddp-ep4": 4,
                 "ddp-ep2-dp4": 2, "fsdp-ep2": 4, "fsdp-ep2-tp2": 2, "deepseek-v3-fsdp-ep2": 4,
-                "mixtral-mha-fsdp-ep2-tp2": 2, "zero2-ep4-bf16-recompute": 4}
+                "mixtral-mha-fsdp-ep2-tp2": 2, "zero2-ep4-bf16-recompute": 4,
+                "pipeline-pp2-ep2": 4, "pipeline-interleaved-ep2-4-blocks": 4}  # half the blocks, 1/ep of theirs
 
 
 def train_runs(ctx: DistContext, root: Path, runs: dict[str, tuple[str, ...]]) -> dict[str, int]:
@@ -264,6 +279,7 @@ def runs(tmp_path_factory) -> tuple[Path, dict[str, list[int]]]:
     train_in_process(cfg_for(root / "single-mixtral-mha", "single", 1, *MIXTRAL_MHA))
     train_in_process(cfg_for(root / "single-qwen3-moe", "single", 1, *QWEN3_MOE))
     train_in_process(cfg_for(root / "single-deepseek-v3", "single", 1, *DEEPSEEK_V3))
+    train_in_process(cfg_for(root / "single-4-blocks", "single", 1, *FAMILIES["4-blocks"]))
     held = {}
     for world, runs in ((2, TWO_RANK_RUNS), (4, FOUR_RANK_RUNS)):
         ranks = run_ranks(train_runs, world, root, runs, timeout=300)
@@ -325,17 +341,19 @@ def test_each_rank_holds_its_share_of_the_experts(runs, name):
 
 def test_a_checkpoint_reshards_to_another_ep_size_and_to_one_process(runs, tmp_path):
     """ddp ep 2's checkpoint at step 5 (2 ranks) resumed on 4 ranks under fsdp with ep 2 x 2 shards;
-    fsdp ep 2's (4 ranks, each expert's rows in pieces) resumed on one process under single: both
-    continue as the straight single run does."""
+    fsdp ep 2's (4 ranks, each expert's rows in pieces) and pipeline pp 2 x ep 2's (each stage's
+    experts in 2) resumed on one process under single: each continues as the straight single run does."""
     from shardwise.dist import init_distributed
 
     root, _ = runs
     threads = torch.get_num_threads()
     try:
-        resume(init_distributed(threads_per_rank=1), root / "fsdp-ep2", tmp_path / "single", "single")
+        ctx = init_distributed(threads_per_rank=1)
+        resume(ctx, root / "fsdp-ep2", tmp_path / "single", "single")
+        resume(ctx, root / "pipeline-pp2-ep2", tmp_path / "single-from-pipeline", "single")
     finally:
         torch.set_num_threads(threads)
-    for resumed in (root / "ddp-ep2-to-fsdp-ep2", tmp_path / "single"):
+    for resumed in (root / "ddp-ep2-to-fsdp-ep2", tmp_path / "single", tmp_path / "single-from-pipeline"):
         got, want = losses(resumed), losses(root / "single")[SAVED_AT:]
         assert len(got) == STEPS - SAVED_AT
         for step, (a, b) in enumerate(zip(got, want, strict=True)):

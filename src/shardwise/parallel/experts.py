@@ -142,11 +142,16 @@ class ExpertParallel:
         self.params: list[nn.Parameter] = []  # this rank's experts, as split so far
         self._ids: set[int] = set()
 
-    def split(self, module: nn.Module) -> None:
+    def split(self, module: nn.Module, prefix: str | None = None) -> None:
         """Keep this rank's share of the experts of every MoE layer in `module` (real now, the same
         on every rank: the model, or a block being made), ours or transformers', and route the
-        layers through `ExpertDispatch`."""
-        names = {id(p): name for name, p in self.model.named_parameters()}
+        layers through `ExpertDispatch`. Its parameters are named as in the model, or, given its
+        `prefix` there, as `prefix.name` (a pipeline's block on a later stage of this rank, which the
+        model no longer holds)."""
+        if prefix is None:
+            names = {id(p): name for name, p in self.model.named_parameters()}
+        else:
+            names = {id(p): f"{prefix}.{name}" for name, p in module.named_parameters()}
         for layer in moe_layers(module):
             self._keep_share(layer.experts, names)
             layer.dispatch = ExpertDispatch(self.exchange, self.size)

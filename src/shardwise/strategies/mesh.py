@@ -110,6 +110,9 @@ class MeshStrategy(DeferrableSync):
         # (sequence parallel: norms, row-parallel biases) or its heads only (Qwen3's q and k norms),
         # whose gradients are summed over tp.
         self.tp_partial: list[nn.Parameter] = []
+        # id(block) -> its name in the whole model, noted before a pipeline cuts it (expert parallel names
+        # the experts of a block that a later stage on this rank holds by it)
+        self.block_names: dict[int, str] = {}
 
     def locate(self, model: nn.Module) -> Located:
         """The model's parallel plan, found in it; its block class must be the unit `prepare` settled."""
@@ -157,10 +160,13 @@ class MeshStrategy(DeferrableSync):
         return_free_memory()
 
     def materialise_whole(self, model: nn.Module, blocks: list[nn.Module]) -> None:
-        """`blocks`, which this rank keeps whole (a pipeline stage's without tp), made real one by one."""
+        """`blocks`, which this rank keeps whole (a pipeline stage's without tp), made real one by one;
+        under expert parallel each keeps only this rank's experts, the rest freed with the block's
+        whole parameters (a model that was real already had them split by `prepare`)."""
         for block in blocks:
             with self.materialised(model, block):
-                pass
+                if self.experts is not None and self.materialiser is not None:
+                    self.experts.split(block, self.block_names.get(id(block)))
 
     def _note_setup_bytes(self, model: nn.Module, passing: int = 0) -> None:
         """`setup_peak_bytes`: the most the model's real tensors (and `passing` bytes beside them) came to."""
@@ -189,17 +195,30 @@ class MeshStrategy(DeferrableSync):
             all_reduce_packed(grads, self.tp_group, average=False)
         if self.cfg.cp > 1:
             all_reduce_packed(self.local_grads(), self.cp_group)
-        if self.dp > 1:
+        if self.experts is not None:  # an expert's gradient is summed over the ranks holding it, then / dp
+            all_reduce_packed([p.grad for p in self.local_parameters()
+                               if p.grad is not None and not self.experts.is_expert(p)], self.dp_group)
+            self.experts.average_gradients()
+        elif self.dp > 1:
             all_reduce_packed(self.local_grads(), self.dp_group)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """A tensor shard counts on every tp rank, a replicated tensor on tp rank 0 only, and a
-        tied weight on the first stage that holds it."""
+        tied weight on the first stage that holds it; under expert parallel an expert on its ep
+        rank, a dense parameter (the same on every ep rank) on ep rank 0 only."""
         params = [p for p in self.local_parameters() if p.grad is not None]
-        counted = [p.grad for p in params if id(p) not in self.duplicates
-                   and (id(p) in self.tensor_shards or self.tp_rank == 0)]
-        return clip_grad_norm_(counted, [p.grad for p in params], max_norm, self.ctx.device,
-                               (self.tp_group, self.pp_group))
+        experts, groups = self.experts, (self.tp_group, self.pp_group)
+        if experts is not None:
+            groups = (*groups, experts.group)
+
+        def counts(param: nn.Parameter) -> bool:
+            if experts is not None and experts.is_expert(param):
+                return True
+            once = experts is None or experts.rank == 0
+            return once and id(param) not in self.duplicates and (id(param) in self.tensor_shards or self.tp_rank == 0)
+
+        return clip_grad_norm_([p.grad for p in params if counts(p)], [p.grad for p in params], max_norm,
+                               self.ctx.device, groups)
 
     # --- the plain model's layout, and this rank's part of it -----------------------------
 
@@ -231,8 +250,10 @@ class MeshStrategy(DeferrableSync):
         return [(name, t) for name, t in self._local.items() if not isinstance(t, nn.Parameter)]
 
     def as_global(self, name: str, local: torch.Tensor) -> torch.Tensor:
-        """A tensor shard as a DTensor of the whole parameter on the tp dimension; anything else is
-        whole already."""
+        """A tensor shard as a DTensor of the whole parameter on the tp dimension, an ep rank's
+        experts as one of every expert on the ep dimension; anything else is whole already."""
+        if self.experts is not None and self.experts.holds(name):
+            return self.experts.as_global(name, local)
         shard = self.tensor_shards.get(id(self._local[name]))
         return local if shard is None else shard.as_dtensor(local, self._full[name], self.tp_mesh)
 
@@ -261,10 +282,16 @@ class MeshStrategy(DeferrableSync):
 
     def _whole_in_stage(self, name: str) -> torch.Tensor | None:
         """Tensor `name` whole on its stage's first rank (None on the others): collective over the
-        stage's ranks that hold a part of it (here the first replica's tp ranks)."""
+        stage's ranks that hold a part of it (here the first replica's tp ranks, or for experts the
+        ep ranks beside it, which hold the others)."""
+        tensor = self._local[name].detach()
+        if self.experts is not None and self.experts.holds(name):
+            if self.mesh.rank("edp") != 0:
+                return None
+            whole = self.experts.gather(tensor)  # collective over ep: dp ranks 0 to ep - 1
+            return whole if self.dp_rank == 0 else None
         if self.dp_rank != 0 or self.mesh.rank("cp") != 0:
             return None
-        tensor = self._local[name].detach()
         shard = self.tensor_shards.get(id(self._local[name]))
         return tensor if shard is None else self._gather_shards(tensor, shard)
 

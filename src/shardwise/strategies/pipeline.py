@@ -100,6 +100,7 @@ class Pipeline(MeshStrategy):
         located = self.locate(model)
         layout = self.schedule.layout
         blocks = located.blocks
+        self.block_names = {id(module): name for name, module in model.named_modules() if module in blocks}
         starts = [0, *(self.cfg.split_points or balanced_split(block_costs(located), layout.stages))]
         self.stage_blocks = list(zip(starts, [*starts[1:], len(blocks)], strict=True))  # [start, stop) per stage
         holds = stage_holds(located, self.stage_blocks)
