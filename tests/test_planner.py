@@ -663,6 +663,27 @@ def test_moe_predicted_memory_equals_counted_and_all_to_all_bytes_are_the_balanc
             assert sent[rank][i][1] == pytest.approx(predicted, rel=0.1), (candidate.label, rank)
 
 
+def test_pipeline_stages_with_expert_parallel_are_planned_as_they_hold_and_proposed():
+    # pp 2 x ep 2 on 4 ranks: each stage's experts split over its 2 dp ranks. Model state exact;
+    # activations within the imbalanced routing's 25%, as under ddp's ep.
+    from shardwise.planner.candidates import enumerate_candidates
+
+    base = config(global_batch=8, name="gpt-moe")
+    candidate = Candidate("pipeline", 2, 2, 1, "fp32", "none", 4, 2, "1f1b", ep=2)
+    counted = run_ranks(counted_memory, 4, [(candidate, base)])
+    predicted = predict_memory(candidate, base)
+    for rank in range(4):  # ranks are dp-major: rank % pp is the stage
+        got, want = counted[rank][0], predicted[rank % 2]
+        for key in ("params", "grads", "optimizer"):
+            assert getattr(want, key) == got[key], (rank, key)
+        assert want.activations == pytest.approx(got["activations"], rel=0.25), rank
+    whole = predict_memory(dataclasses.replace(candidate, ep=1), base)
+    assert all(split.params < kept.params for split, kept in zip(predicted, whole, strict=True))
+    found, _ = enumerate_candidates(base, 4)
+    assert any(c.strategy == "pipeline" and c.pp == 2 and c.ep == 2 for c in found)
+    assert predict_step_time(candidate, base, load_profile("h100"), 4).all_to_all_s > 0
+
+
 def test_moe_plans_count_experts_and_propose_ep_and_shipped_configs_plan():
     # The shipped Mixtral-8x7B and Qwen3-30B-A3B shapes: their published total and active
     # parameters; Qwen3's plan on 8 nodes of 8 H100s has ep among its candidates, all-to-alls in

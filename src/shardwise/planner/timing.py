@@ -380,8 +380,9 @@ def _pipeline(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceProfil
     bubble). Without `traced`, a bound that runs no simulation instead (`_fewest_idle`). On the
     critical path besides: the first micro-batch's activations crossing every boundary between two
     ranks' stages during the fill, and the last one's gradients during the drain; in between,
-    messages travel while the ranks compute."""
-    facts = rank_facts(shape, c.tp)
+    messages travel while the ranks compute. Under expert parallel a stage's experts are split ep
+    ways, and each micro-batch's all-to-alls in the busiest rank's MoE layers are exposed."""
+    facts = rank_facts(shape, c.tp, c.ep)
     runs = c.micro_batches  # 1 where the model is split without pipelining
     per_run = c.micro_batch / runs
     name = c.schedule or "gpipe"
@@ -415,9 +416,12 @@ def _pipeline(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceProfil
     # The sharded strategies over stages move what the replicas' all-reduce does, a reduce-scatter
     # after the schedule and an all-gather (before the next one under fsdp), as exposed; their
     # optimizer steps on a dp shard.
-    comm = sends + tp_comm + tied + _mesh_dp_all_reduce(c, stage_numel, device)
+    # expert_parallel_s is a micro-step's over every layer: the busiest rank's share of the layers, per micro-batch
+    per_micro_batch = dataclasses.replace(c, micro_batch=c.micro_batch // runs)
+    all_to_all = pipeline_runs * runs * expert_parallel_s(per_micro_batch, shape, device) * max(blocks) / shape.n_layer
+    comm = sends + tp_comm + tied + _mesh_dp_all_reduce(c, stage_numel, device) + all_to_all
     stepped = stage_numel // (c.shard or c.dp) if c.spec.zero_stage else stage_numel
-    return StepTime(compute, comm, comm, bubble, _optimizer_s(stepped, 4, cfg, device))
+    return StepTime(compute, comm, comm, bubble, _optimizer_s(stepped, 4, cfg, device), all_to_all)
 
 
 @functools.lru_cache(maxsize=4096)
