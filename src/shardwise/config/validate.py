@@ -300,6 +300,10 @@ def _validate_context(cfg: Config, world: int) -> None:
         splitting = ", ".join(name for name, each in SPECS.items() if each.context_parallel)
         raise ConfigError(f"{what}: parallel.strategy = {p.strategy!r} neither splits sequences nor masks documents; "
                           f"strategies that do: {splitting}")
+    if d.documents != "none" and spec(p.strategy).pipelined:
+        raise ConfigError(f"data.documents = {d.documents!r}: parallel.strategy = {p.strategy!r} does not mask "
+                          "documents yet (its micro-batches would need each one's documents); it splits sequences "
+                          "over parallel.cp without them")
     if m.name not in LANGUAGE_MODELS:
         raise ConfigError(f"{what}: model.name = {m.name!r} has no token sequences; use one of "
                           f"{', '.join(LANGUAGE_MODELS)}")

@@ -394,7 +394,8 @@ def _pipeline(c: Candidate, cfg: Config, shape: ModelShape, activations: bool) -
     """Each rank's stages' tensors, and the activations its schedule holds at most: the stages'
     saved bytes per micro-batch, each from its forward until its weight gradients (the simulator's
     count, peak_held); under expert parallel each stage's experts split ep ways, and one MoE layer's
-    rows in flight."""
+    rows in flight; under context parallel each stage's share of the sequence, and one layer's
+    messages in flight."""
     facts = rank_facts(shape, c.tp, c.ep)
     runs = c.micro_batches  # 1 where the model is split without pipelining
     per_run = c.micro_batch / runs
@@ -404,11 +405,12 @@ def _pipeline(c: Candidate, cfg: Config, shape: ModelShape, activations: bool) -
     peaks = [0.0] * c.pp
     if activations:
         saved = saved_bytes(trace_key(shape, c, c.tp, cfg.parallel.sequence_parallel))
+        a2a = all_to_all_outputs(replace(c, micro_batch=c.micro_batch // runs), shape)  # over every layer
         held = [saved.stage(start, stop, s == 0, s == last, c.recompute, per_run)
-                for s, (start, stop) in enumerate(bounds)]
+                + a2a * (stop - start) // shape.n_layer for s, (start, stop) in enumerate(bounds)]
         peaks = peak_held(pipeline_schedule(c.schedule, c.pp, runs), held)
-    activation = int(per_run * shape.seq_len * shape.d_model * 4)  # what crosses between stages
-    per_micro_batch = replace(c, micro_batch=c.micro_batch // runs)  # what one forward routes
+    activation = int(per_run * shape.seq_len // c.cp * shape.d_model * 4)  # what crosses between stages
+    per_micro_batch = replace(c, micro_batch=c.micro_batch // runs)  # what one forward routes and attends
     ranks = []
     for rank in range(c.pp):
         stages = layout.stages_of(rank)
@@ -416,7 +418,8 @@ def _pipeline(c: Candidate, cfg: Config, shape: ModelShape, activations: bool) -
         # Each neighbour on another rank: its M messages sent are kept until the run ends (outputs
         # forward, input gradients back), and a receive is posted one message ahead.
         crossings = sum(0 <= t <= last and layout.rank_of(t) != rank for s in stages for t in (s - 1, s + 1))
-        buffers = (runs + 2) * crossings * activation + expert_buffers(per_micro_batch, shape)
+        buffers = (runs + 2) * crossings * activation + expert_buffers(per_micro_batch, shape) \
+            + context_buffers(per_micro_batch, shape)
         if c.spec.zero_stage:
             held = facts.stage_facts(0 in stages, last in stages, sum(bounds[s][1] - bounds[s][0] for s in stages))
             ranks.append(_sharded_stages_rank(c, cfg, held, int(peaks[rank]), buffers))

@@ -389,7 +389,7 @@ def _pipeline(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceProfil
     layout = layout_of(name, c.pp)
     bounds = stage_bounds(shape, layout.stages)
     bandwidth = device.bandwidth(_spans_nodes(c.pp, c.tp, device.gpus_per_node), "p2p")
-    activation = per_run * shape.seq_len * shape.d_model * 4
+    activation = per_run * shape.seq_len / c.cp * shape.d_model * 4
     # Candidates differing only in data parallelism, batch or schedule have the same stages.
     costs = _stage_costs(dataclasses.replace(c, dp=1, micro_batch=1, micro_batches=1, schedule=None), shape, device,
                          bounds, per_run, traced)
@@ -416,12 +416,16 @@ def _pipeline(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceProfil
     # The sharded strategies over stages move what the replicas' all-reduce does, a reduce-scatter
     # after the schedule and an all-gather (before the next one under fsdp), as exposed; their
     # optimizer steps on a dp shard.
-    # expert_parallel_s is a micro-step's over every layer: the busiest rank's share of the layers, per micro-batch
+    # expert_parallel_s and context_s are a micro-step's over every layer: the busiest rank's share of the
+    # layers, per micro-batch
     per_micro_batch = dataclasses.replace(c, micro_batch=c.micro_batch // runs)
-    all_to_all = pipeline_runs * runs * expert_parallel_s(per_micro_batch, shape, device) * max(blocks) / shape.n_layer
+    share = pipeline_runs * runs * max(blocks) / shape.n_layer
+    all_to_all = share * expert_parallel_s(per_micro_batch, shape, device)
+    context, context_exposed = (share * t for t in context_s(per_micro_batch, shape, device))
     comm = sends + tp_comm + tied + _mesh_dp_all_reduce(c, stage_numel, device) + all_to_all
     stepped = stage_numel // (c.shard or c.dp) if c.spec.zero_stage else stage_numel
-    return StepTime(compute, comm, comm, bubble, _optimizer_s(stepped, 4, cfg, device), all_to_all)
+    return StepTime(compute, comm + context, comm + context_exposed, bubble, _optimizer_s(stepped, 4, cfg, device),
+                    all_to_all)
 
 
 @functools.lru_cache(maxsize=4096)

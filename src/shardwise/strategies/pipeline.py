@@ -136,7 +136,7 @@ class Pipeline(MeshStrategy):
 
     def _tie_first_and_last(self, shared: list[nn.Parameter]) -> None:
         """For parameters the first and the last stage both hold (an embedding tied to the head):
-        where the two stages are on two ranks, a process group per replica and tp rank to sum their
+        where the two stages are on two ranks, a process group per replica, cp and tp rank to sum their
         gradients between the two. On one rank (a V) they are one tensor, whose gradient adds up."""
         layout = self.schedule.layout
         holders = (layout.rank_of(0), layout.rank_of(layout.stages - 1))
@@ -144,11 +144,11 @@ class Pipeline(MeshStrategy):
             return
         # new_group is collective over the world: every rank makes every pair, in the same order.
         replicas = [(r, s) for r in range(self.mesh.size("dp_replicate")) for s in range(self.mesh.size("dp_shard"))]
-        pairs = {(d, t): dist.new_group([self.mesh.global_rank(dp_replicate=r, dp_shard=s, cp=0, pp=stage, tp=t)
-                                         for stage in holders])
-                 for d, (r, s) in enumerate(replicas) for t in range(self.tp)}
+        pairs = {(d, c, t): dist.new_group([self.mesh.global_rank(dp_replicate=r, dp_shard=s, cp=c, pp=stage, tp=t)
+                                            for stage in holders])
+                 for d, (r, s) in enumerate(replicas) for c in range(self.cfg.cp) for t in range(self.tp)}
         if self.pp_rank in holders:
-            self._tied = (shared, pairs[self.dp_rank, self.tp_rank])
+            self._tied = (shared, pairs[self.dp_rank, self.mesh.rank("cp"), self.tp_rank])
         if self.pp_rank == holders[1]:
             self.duplicates = {id(p) for p in shared}
 
@@ -163,11 +163,14 @@ class Pipeline(MeshStrategy):
         loss_sum = torch.zeros((), device=self.ctx.device)
         self.timeline = []
         started = time.perf_counter()
-        for inputs, targets in micro_batches:
-            run = PipelineRun(self.schedule, self.pp_rank, self.stages, self.first_blocks, self.pp_group,
-                              self.activations, self._split(inputs), self._split(targets), loss_fn,
-                              accum * self.micro_batches, self.precision, self.scaler)
-            run.run()
+        for batch in micro_batches:
+            # Under context parallel each of a stage's cp ranks runs the schedule on its tokens, its
+            # attention over the group (the context stays open through the backward's recomputation).
+            with self.split_sequence(batch) as (inputs, targets):
+                run = PipelineRun(self.schedule, self.pp_rank, self.stages, self.first_blocks, self.pp_group,
+                                  self.activations, self._split(inputs), self._split(targets), loss_fn,
+                                  accum * self.micro_batches, self.precision, self.scaler)
+                run.run()
             loss_sum += run.loss_sum / self.micro_batches
             self.timeline += run.timeline
         layout = self.schedule.layout
