@@ -158,9 +158,6 @@ def test_gpt_moe_counts_its_active_parameters():
     (("parallel.strategy=fsdp", "parallel.ep=2", "parallel.pp=2", "parallel.micro_batches=2", "launch.nproc=4"),
      "parallel.ep = 2 with parallel.pp = 2: over pipeline stages, expert parallel runs under parallel.strategy = "
      "'pipeline' only yet"),
-    (("parallel.strategy=pipeline", "parallel.ep=2", "parallel.tp=2", "parallel.micro_batches=2", "launch.nproc=8",
-      "parallel.dp=2"),
-     "parallel.ep = 2 with parallel.tp = 2: expert parallel composes with tensor parallel under zero1"),
     (("parallel.strategy=fsdp", "parallel.tp=2", "parallel.sequence_parallel=true"),
      "each tp rank would route only its part of the sequence"),
     (("parallel.cp=2",), "model.balance = 'aux-loss' with parallel.cp = 2"),
@@ -235,6 +232,9 @@ FOUR_RANK_RUNS = {
     # 2 stages of one block, each stage's experts over its 2 dp ranks (micro-batches of 2, as single's)
     "pipeline-pp2-ep2": ("pipeline", "parallel.dp=2", "parallel.pp=2", "parallel.ep=2", "parallel.micro_batches=2",
                          "train.micro_batch=4", f"train.checkpoint_every={SAVED_AT}"),
+    # attention split over tp 2, the MoE layers whole on each tp rank, their experts over ep 2 (ours, transformers')
+    "tensor-ep2-tp2": ("tensor", "parallel.dp=2", "parallel.tp=2", "parallel.ep=2"),
+    "mixtral-mha-tensor-ep2-tp2": ("tensor", "parallel.dp=2", "parallel.tp=2", "parallel.ep=2", *MIXTRAL_MHA),
     # 2 stages on each rank (interleaved), each stage's experts over ep 2
     "pipeline-interleaved-ep2-4-blocks": ("pipeline", "parallel.dp=2", "parallel.pp=2", "parallel.ep=2",
                                           "parallel.schedule=interleaved-1f1b", "parallel.micro_batches=2",
@@ -244,7 +244,8 @@ FOUR_RANK_RUNS = {
 EXPERTS_HELD = {"ddp-ep2": 2, "zero1-ep2-bias": 2, "mixtral-ddp-ep2": 2, "qwen3-moe-fsdp-ep2": 2, "ddp-ep4": 4,
                 "ddp-ep2-dp4": 2, "fsdp-ep2": 4, "fsdp-ep2-tp2": 2, "deepseek-v3-fsdp-ep2": 4,
                 "mixtral-mha-fsdp-ep2-tp2": 2, "zero2-ep4-bf16-recompute": 4,
-                "pipeline-pp2-ep2": 4, "pipeline-interleaved-ep2-4-blocks": 4}  # half the blocks, 1/ep of theirs
+                "pipeline-pp2-ep2": 4, "pipeline-interleaved-ep2-4-blocks": 4, "tensor-ep2-tp2": 2,
+                "mixtral-mha-tensor-ep2-tp2": 2}  # half the blocks, 1/ep of theirs
 
 
 def train_runs(ctx: DistContext, root: Path, runs: dict[str, tuple[str, ...]]) -> dict[str, int]:

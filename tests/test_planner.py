@@ -663,21 +663,22 @@ def test_moe_predicted_memory_equals_counted_and_all_to_all_bytes_are_the_balanc
             assert sent[rank][i][1] == pytest.approx(predicted, rel=0.1), (candidate.label, rank)
 
 
-def test_pipeline_stages_with_expert_or_context_parallel_are_planned_as_they_hold_and_proposed():
-    # pp 2 x ep 2 and pp 2 x cp 2 on 4 ranks (ranks are dp-major: rank % pp is the stage). Model state
-    # exact; activations within 0.1% under cp (int64 positions), within the imbalanced routing's 25%
-    # under ep, as under ddp's ep.
+def test_split_models_with_expert_or_context_parallel_are_planned_as_they_hold_and_proposed():
+    # pp 2 x ep 2, pp 2 x cp 2 and tp 2 x ep 2 on 4 ranks (ranks are dp-major: rank % pp is the stage).
+    # Model state exact; activations within 0.1% under cp (int64 positions), within the imbalanced
+    # routing's 25% under ep, as under ddp's ep.
     from shardwise.planner.candidates import enumerate_candidates
 
     moe, dense = config(global_batch=8, name="gpt-moe"), config(global_batch=8, n_head=4)
     split = Candidate("pipeline", 2, 2, 1, "fp32", "none", 4, 2, "1f1b", ep=2)
     context = Candidate("pipeline", 1, 2, 1, "fp32", "none", 4, 2, "1f1b", cp=2, cp_mode="ring")
-    cases = [(split, moe), (context, dense)]
+    tensor = Candidate("tensor", 2, 1, 2, "fp32", "none", 2, ep=2)
+    cases = [(split, moe), (context, dense), (tensor, moe)]
     counted = run_ranks(counted_memory, 4, cases)
-    for i, ((candidate, base), tolerance) in enumerate(zip(cases, (0.25, 0.001), strict=True)):
+    for i, ((candidate, base), tolerance) in enumerate(zip(cases, (0.25, 0.001, 0.25), strict=True)):
         predicted = predict_memory(candidate, base)
         for rank in range(4):
-            got, want = counted[rank][i], predicted[rank % 2]
+            got, want = counted[rank][i], predicted[rank % len(predicted)]
             for key in ("params", "grads", "optimizer"):
                 assert getattr(want, key) == got[key], (candidate.label, rank, key)
             assert want.activations == pytest.approx(got["activations"], rel=tolerance), (candidate.label, rank)
@@ -685,9 +686,12 @@ def test_pipeline_stages_with_expert_or_context_parallel_are_planned_as_they_hol
     assert all(mine.params < kept.params for mine, kept in zip(predict_memory(split, moe), whole, strict=True))
     h100 = load_profile("h100")
     assert predict_step_time(split, moe, h100, 4).all_to_all_s > 0
+    assert predict_step_time(tensor, moe, h100, 4).all_to_all_s > 0
     assert predict_step_time(context, dense, h100, 4).communication_s \
         > predict_step_time(dataclasses.replace(context, dp=2, cp=1, cp_mode=None), dense, h100, 4).communication_s
-    assert any(c.strategy == "pipeline" and c.pp == 2 and c.ep == 2 for c in enumerate_candidates(moe, 4)[0])
+    proposed = enumerate_candidates(moe, 4)[0]
+    assert any(c.strategy == "pipeline" and c.pp == 2 and c.ep == 2 for c in proposed)
+    assert any(c.strategy == "tensor" and c.tp == 2 and c.ep == 2 for c in proposed)
     assert any(c.strategy == "pipeline" and c.pp == 2 and c.cp == 2 for c in enumerate_candidates(dense, 4)[0])
 
 

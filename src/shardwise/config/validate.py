@@ -192,10 +192,6 @@ def _validate_experts(cfg: Config, world: int) -> None:
     if pp > 1 and p.strategy != "pipeline":
         raise ConfigError(f"parallel.ep = {p.ep} with parallel.pp = {pp}: over pipeline stages, expert parallel runs "
                           f"under parallel.strategy = 'pipeline' only yet (not {p.strategy}'s sharded stages)")
-    if tp > 1 and (not spec(p.strategy).zero_stage or p.sequence_parallel):
-        raise ConfigError(f"parallel.ep = {p.ep} with parallel.tp = {tp}: expert parallel composes with tensor "
-                          "parallel under zero1, zero2 and fsdp, without sequence_parallel (every tp rank then "
-                          "routes the same tokens, its MoE layers whole)")
     if dp % p.ep:
         raise ConfigError(f"parallel.ep = {p.ep}: the expert-parallel ranks are data-parallel ranks, so ep must "
                           f"divide dp = {dp} (world size {world}); e.g. --nproc {p.ep}")

@@ -444,13 +444,16 @@ def _sharded_stages_rank(c: Candidate, cfg: Config, held: ModelFacts, activation
 
 
 def _tensor(c: Candidate, cfg: Config, shape: ModelShape, activations: bool) -> RankMemory:
-    facts = rank_facts(shape, c.tp)
+    """A tensor-parallel rank: its blocks' shards and the rest whole (an MoE layer's experts split over
+    ep), and the activations of the split forward."""
+    facts = rank_facts(shape, c.tp, c.ep)
     key = trace_key(shape, c, c.tp, cfg.parallel.sequence_parallel)
     saved = saved_bytes(key).stage(0, shape.n_layer, True, True, c.recompute, c.micro_batch) \
         + all_to_all_outputs(c, shape) if activations else 0
     # An all-reduce's result is a copy of one activation (ReduceFromTensorParallel clones its input).
     activation = c.micro_batch * shape.seq_len // c.cp * shape.d_model * 4
-    return _mesh_rank(c, cfg, facts.params_total, facts.tensor_count, saved, activation + context_buffers(c, shape))
+    return _mesh_rank(c, cfg, facts.params_total, facts.tensor_count, saved,
+                      activation + context_buffers(c, shape) + expert_buffers(c, shape))
 
 
 def _mesh_rank(c: Candidate, cfg: Config, numel: int, count: int, activations: int, buffers: int) -> RankMemory:

@@ -363,15 +363,16 @@ def _mesh_dp_all_reduce(c: Candidate, numel: int, device: DeviceProfile) -> floa
 
 
 def _tensor(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceProfile, traced: bool) -> StepTime:
-    facts = rank_facts(shape, c.tp)
+    facts = rank_facts(shape, c.tp, c.ep)
     micro_steps = cfg.train.global_batch // (c.dp * c.micro_batch)
     compute = micro_steps * micro_step_s(c, shape, device, 0, shape.n_layer, True, True, c.micro_batch, traced)
-    tp_comm = micro_steps * _tensor_parallel_s(c, shape, device)
+    all_to_all = micro_steps * expert_parallel_s(c, shape, device)
+    tp_comm = micro_steps * _tensor_parallel_s(c, shape, device) + all_to_all
     numel = facts.params_total
     dp_comm = _mesh_dp_all_reduce(c, numel, device)
     context, context_exposed = (micro_steps * t for t in context_s(c, shape, device))
     return StepTime(compute, tp_comm + dp_comm + context, tp_comm + dp_comm + context_exposed, 0.0,
-                    _optimizer_s(numel, 4, cfg, device))
+                    _optimizer_s(numel, 4, cfg, device), all_to_all)
 
 
 def _pipeline(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceProfile, traced: bool) -> StepTime:

@@ -146,27 +146,27 @@ class MeshStrategy(DeferrableSync):
     @contextmanager
     def materialised(self, model: nn.Module, block: nn.Module) -> Iterator[None]:
         """`block`, one of `model`'s blocks, made real (as `single` initialises it) for the `with`,
-        which keeps this rank's part of it (tensor parallel: its shards); after, what `model` no
-        longer holds of it is freed. So setup holds this rank's part of the blocks before it and
-        one whole block."""
+        which keeps this rank's part of it (tensor parallel: its shards; expert parallel: its share
+        of the experts, cut here); after, what `model` no longer holds of it is freed. So setup
+        holds this rank's part of the blocks before it and one whole block. (A model that was real
+        already had its experts split by `prepare`.)"""
         if self.materialiser is None:
             yield
             return
         group = next(g for g in self.materialiser.groups if g.block is block)
         self.materialiser.materialise(group, self.ctx.device, self.precision.param_dtype)
         self._note_setup_bytes(model)
+        if self.experts is not None:  # this rank's share of the block's experts; the rest go with the whole
+            self.experts.split(block, self.block_names.get(id(block)))
         yield
         self.materialiser.release(group, model)
         return_free_memory()
 
     def materialise_whole(self, model: nn.Module, blocks: list[nn.Module]) -> None:
-        """`blocks`, which this rank keeps whole (a pipeline stage's without tp), made real one by one;
-        under expert parallel each keeps only this rank's experts, the rest freed with the block's
-        whole parameters (a model that was real already had them split by `prepare`)."""
+        """`blocks`, which this rank keeps whole (a pipeline stage's without tp), made real one by one."""
         for block in blocks:
             with self.materialised(model, block):
-                if self.experts is not None and self.materialiser is not None:
-                    self.experts.split(block, self.block_names.get(id(block)))
+                pass
 
     def _note_setup_bytes(self, model: nn.Module, passing: int = 0) -> None:
         """`setup_peak_bytes`: the most the model's real tensors (and `passing` bytes beside them) came to."""
@@ -205,7 +205,7 @@ class MeshStrategy(DeferrableSync):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """A tensor shard counts on every tp rank, a replicated tensor on tp rank 0 only, and a
         tied weight on the first stage that holds it; under expert parallel an expert on its ep
-        rank, a dense parameter (the same on every ep rank) on ep rank 0 only."""
+        rank (and tp rank 0), a dense parameter (the same on every ep rank) on ep rank 0 only."""
         params = [p for p in self.local_parameters() if p.grad is not None]
         experts, groups = self.experts, (self.tp_group, self.pp_group)
         if experts is not None:
@@ -213,7 +213,7 @@ class MeshStrategy(DeferrableSync):
 
         def counts(param: nn.Parameter) -> bool:
             if experts is not None and experts.is_expert(param):
-                return True
+                return self.tp_rank == 0  # whole on every tp rank, as the MoE layer is
             once = experts is None or experts.rank == 0
             return once and id(param) not in self.duplicates and (id(param) in self.tensor_shards or self.tp_rank == 0)
 
