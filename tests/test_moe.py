@@ -154,7 +154,6 @@ def test_gpt_moe_counts_its_active_parameters():
     (("parallel.strategy=hsdp", "parallel.ep=2"), "parallel.strategy = 'hsdp' does not split experts yet"),
     (("parallel.strategy=fsdp", "parallel.ep=2", "model.n_experts=2", "launch.nproc=4"),
      "fsdp shards each ep rank's 1 experts over the dp / ep = 2 ranks"),
-    (("parallel.ep=2", "parallel.cp=2", "model.balance=bias"), "parallel.ep = 2 with parallel.cp = 2"),
     (("parallel.strategy=fsdp", "parallel.ep=2", "parallel.pp=2", "parallel.micro_batches=2", "launch.nproc=4"),
      "parallel.ep = 2 with parallel.pp = 2: over pipeline stages, expert parallel runs under parallel.strategy = "
      "'pipeline' only yet"),
@@ -232,6 +231,9 @@ FOUR_RANK_RUNS = {
     # 2 stages of one block, each stage's experts over its 2 dp ranks (micro-batches of 2, as single's)
     "pipeline-pp2-ep2": ("pipeline", "parallel.dp=2", "parallel.pp=2", "parallel.ep=2", "parallel.micro_batches=2",
                          "train.micro_batch=4", f"train.checkpoint_every={SAVED_AT}"),
+    # each sequence split over cp 2, the experts over ep 2: an expert's gradient summed over its dp and cp ranks
+    "ddp-ep2-cp2-bias": ("ddp", "parallel.cp=2", "parallel.ep=2", *BIAS),
+    "fsdp-ep2-cp2-bias": ("fsdp", "parallel.cp=2", "parallel.ep=2", *BIAS),  # each ep rank's sharded over cp
     # attention split over tp 2, the MoE layers whole on each tp rank, their experts over ep 2 (ours, transformers')
     "tensor-ep2-tp2": ("tensor", "parallel.dp=2", "parallel.tp=2", "parallel.ep=2"),
     "mixtral-mha-tensor-ep2-tp2": ("tensor", "parallel.dp=2", "parallel.tp=2", "parallel.ep=2", *MIXTRAL_MHA),
@@ -244,8 +246,8 @@ FOUR_RANK_RUNS = {
 EXPERTS_HELD = {"ddp-ep2": 2, "zero1-ep2-bias": 2, "mixtral-ddp-ep2": 2, "qwen3-moe-fsdp-ep2": 2, "ddp-ep4": 4,
                 "ddp-ep2-dp4": 2, "fsdp-ep2": 4, "fsdp-ep2-tp2": 2, "deepseek-v3-fsdp-ep2": 4,
                 "mixtral-mha-fsdp-ep2-tp2": 2, "zero2-ep4-bf16-recompute": 4,
-                "pipeline-pp2-ep2": 4, "pipeline-interleaved-ep2-4-blocks": 4, "tensor-ep2-tp2": 2,
-                "mixtral-mha-tensor-ep2-tp2": 2}  # half the blocks, 1/ep of theirs
+                "pipeline-pp2-ep2": 4, "pipeline-interleaved-ep2-4-blocks": 4,  # half the blocks, 1/ep of theirs
+                "tensor-ep2-tp2": 2, "mixtral-mha-tensor-ep2-tp2": 2, "ddp-ep2-cp2-bias": 2, "fsdp-ep2-cp2-bias": 4}
 
 
 def train_runs(ctx: DistContext, root: Path, runs: dict[str, tuple[str, ...]]) -> dict[str, int]:

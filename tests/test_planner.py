@@ -664,7 +664,8 @@ def test_moe_predicted_memory_equals_counted_and_all_to_all_bytes_are_the_balanc
 
 
 def test_split_models_with_expert_or_context_parallel_are_planned_as_they_hold_and_proposed():
-    # pp 2 x ep 2, pp 2 x cp 2 and tp 2 x ep 2 on 4 ranks (ranks are dp-major: rank % pp is the stage).
+    # pp 2 x ep 2, pp 2 x cp 2, tp 2 x ep 2 and fsdp cp 2 x ep 2 on 4 ranks (ranks are dp-major: rank % pp
+    # is the stage).
     # Model state exact; activations within 0.1% under cp (int64 positions), within the imbalanced
     # routing's 25% under ep, as under ddp's ep.
     from shardwise.planner.candidates import enumerate_candidates
@@ -673,9 +674,11 @@ def test_split_models_with_expert_or_context_parallel_are_planned_as_they_hold_a
     split = Candidate("pipeline", 2, 2, 1, "fp32", "none", 4, 2, "1f1b", ep=2)
     context = Candidate("pipeline", 1, 2, 1, "fp32", "none", 4, 2, "1f1b", cp=2, cp_mode="ring")
     tensor = Candidate("tensor", 2, 1, 2, "fp32", "none", 2, ep=2)
-    cases = [(split, moe), (context, dense), (tensor, moe)]
+    sequences = Candidate("fsdp", 2, 1, 1, "fp32", "none", 2, cp=2, cp_mode="ring", ep=2)  # experts over dp x cp
+    biased = config(global_batch=8, name="gpt-moe", balance="bias")  # (aux-loss balancing refuses cp)
+    cases = [(split, moe), (context, dense), (tensor, moe), (sequences, biased)]
     counted = run_ranks(counted_memory, 4, cases)
-    for i, ((candidate, base), tolerance) in enumerate(zip(cases, (0.25, 0.001, 0.25), strict=True)):
+    for i, ((candidate, base), tolerance) in enumerate(zip(cases, (0.25, 0.001, 0.25, 0.25), strict=True)):
         predicted = predict_memory(candidate, base)
         for rank in range(4):
             got, want = counted[rank][i], predicted[rank % len(predicted)]
@@ -692,6 +695,7 @@ def test_split_models_with_expert_or_context_parallel_are_planned_as_they_hold_a
     proposed = enumerate_candidates(moe, 4)[0]
     assert any(c.strategy == "pipeline" and c.pp == 2 and c.ep == 2 for c in proposed)
     assert any(c.strategy == "tensor" and c.tp == 2 and c.ep == 2 for c in proposed)
+    assert any(c.strategy == "fsdp" and c.cp == 2 and c.ep == 2 for c in enumerate_candidates(biased, 4)[0])
     assert any(c.strategy == "pipeline" and c.pp == 2 and c.cp == 2 for c in enumerate_candidates(dense, 4)[0])
 
 

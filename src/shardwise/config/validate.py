@@ -186,9 +186,6 @@ def _validate_experts(cfg: Config, world: int) -> None:
         raise ConfigError(f"parallel.ep = {p.ep}: must divide model.n_experts = {m.n_experts}; each ep rank holds "
                           "an equal share of every layer's experts")
     dp, pp, tp = p.mesh_shape(world)
-    if p.cp > 1:
-        raise ConfigError(f"parallel.ep = {p.ep} with parallel.cp = {p.cp}: expert parallel does not compose with cp "
-                          "yet; it splits the experts over data-parallel ranks only")
     if pp > 1 and p.strategy != "pipeline":
         raise ConfigError(f"parallel.ep = {p.ep} with parallel.pp = {pp}: over pipeline stages, expert parallel runs "
                           f"under parallel.strategy = 'pipeline' only yet (not {p.strategy}'s sharded stages)")

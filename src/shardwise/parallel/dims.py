@@ -109,15 +109,23 @@ class Mesh:
             self._split_dp_for_experts(ctx, shape)
 
     def _split_dp_for_experts(self, ctx: DistContext, shape: MeshShape) -> None:
-        """The `ep` and `edp` groups: dp's ranks (same cp, pp and tp coordinates) as dp / ep x ep."""
+        """The `ep` and `edp` groups: dp's ranks (same cp, pp and tp coordinates) as dp / ep x ep; and
+        `edp_cp`, every rank holding the same experts (same ep, pp and tp coordinates), which read
+        different tokens: edp's ranks and, under context parallel, their cp ranks (`edp` without)."""
         from torch.distributed.device_mesh import DeviceMesh
 
         grid = self.device_mesh.mesh.reshape(shape.dp // shape.ep, shape.ep, shape.cp, shape.pp, shape.tp)
-        for name, dim in (("edp", 0), ("ep", 1)):
-            members = grid.movedim(dim, -1).reshape(-1, grid.shape[dim]).tolist()
+        groups = {"edp": grid.movedim(0, -1).reshape(-1, grid.shape[0]),
+                  "ep": grid.movedim(1, -1).reshape(-1, grid.shape[1])}
+        if shape.cp > 1:
+            groups["edp_cp"] = grid.permute(1, 3, 4, 0, 2).reshape(-1, grid.shape[0] * shape.cp)
+        for name, ranks in groups.items():
+            members = ranks.tolist()
             group, _ = dist.new_subgroups_by_enumeration(members)
-            mine = next(ranks for ranks in members if ctx.rank in ranks)
+            mine = next(each for each in members if ctx.rank in each)
             self.flattened[name] = DeviceMesh.from_group(group, ctx.device.type, mesh=mine, mesh_dim_names=(name,))
+        if shape.cp == 1:
+            self.flattened["edp_cp"] = self.flattened["edp"]
 
     def __getitem__(self, dims: str | tuple[str, ...]) -> DeviceMesh:
         """The sub-mesh of `dims` (a dimension, a flattened group, or several dimensions): what a

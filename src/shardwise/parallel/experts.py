@@ -134,8 +134,10 @@ class ExpertParallel:
 
     def __init__(self, mesh: Mesh, model: nn.Module) -> None:
         self.mesh = mesh
-        self.size, self.rank, self.dp = mesh.size("ep"), mesh.rank("ep"), mesh.size("dp")
-        self.group, self.replicas = mesh.group("ep"), mesh.group("edp")
+        self.size, self.rank = mesh.size("ep"), mesh.rank("ep")
+        self.readers = mesh.size("dp") * mesh.size("cp")  # the ranks reading different tokens
+        # ep's ranks; and the ranks holding the same experts (the edp ranks, and their cp ranks)
+        self.group, self.replicas = mesh.group("ep"), mesh.group("edp_cp")
         self.exchange = Exchange(self.group)  # every MoE layer's all-to-alls, timed together
         self.model = model  # what parameters are named by
         self.full_shapes: dict[str, torch.Size] = {}  # expert parameter name -> its shape with every expert
@@ -179,23 +181,24 @@ class ExpertParallel:
         return name in self.full_shapes
 
     def broadcast(self) -> None:
-        """Every expert as the first of its edp replicas holds it (what a replica's broadcast from
-        rank 0 is for the dense parameters)."""
+        """Every expert as the first of its replicas holds it (what a replica's broadcast from rank 0
+        is for the dense parameters)."""
         with torch.no_grad():
             for param in self.params:
                 dist.broadcast(param, group=self.replicas, group_src=0)
 
     def average_gradients(self) -> None:
-        """Each expert's gradient, summed over its edp replicas, over dp: the mean over the global
-        batch. An expert no token reached on any rank has a zero gradient, not none."""
+        """Each expert's gradient, summed over its replicas (edp, and cp's ranks, which hold other
+        tokens of the same sequences), over the ranks reading different tokens (dp x cp): the mean
+        over the global batch. An expert no token reached on any rank has a zero gradient, not none."""
         grads = []
         for param in self.params:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             grads.append(param.grad)
-        if self.dp > self.size:
+        if self.readers > self.size:
             all_reduce_packed(grads, self.replicas, average=False)
-        torch._foreach_div_(grads, float(self.dp))
+        torch._foreach_div_(grads, float(self.readers))
 
     def clip_grad_norm_(self, grads: Sequence[torch.Tensor], max_norm: float, device: torch.device) -> torch.Tensor:
         """Scale `grads` (this rank's, experts among them) to a global norm of at most `max_norm`;

@@ -151,12 +151,12 @@ def enumerate_candidates(base: Config, world: int, precisions: tuple[str, ...] =
 def _with_experts(meshes: Iterator[tuple[str, int, int, int, int, str | None]],
                   base: Config) -> Iterator[tuple[str, int, int, int, int, str | None, int]]:
     """Each mesh with ep 1 and, for a Mixture-of-Experts model under a strategy that splits
-    experts (over data-parallel ranks only; over pipeline stages under `pipeline`), with every ep
-    dividing both dp and the experts."""
+    experts (over data-parallel ranks, with or without context parallel; over pipeline stages under
+    `pipeline`), with every ep dividing both dp and the experts."""
     for strategy, dp, pp, tp, cp, cp_mode in meshes:
         yield strategy, dp, pp, tp, cp, cp_mode, 1
         staged = pp > 1 and strategy != "pipeline"
-        if base.model.name in MOE_MODELS and strategy in EP_STRATEGIES and not staged and cp == 1:
+        if base.model.name in MOE_MODELS and strategy in EP_STRATEGIES and not staged:
             for ep in _divisors(dp)[1:]:
                 if base.model.n_experts % ep == 0:
                     yield strategy, dp, pp, tp, cp, cp_mode, ep

@@ -242,8 +242,8 @@ def expert_buffers(c: Candidate, shape: ModelShape) -> int:
 
 
 def expert_rows(c: Candidate, shape: ModelShape) -> int:
-    """The (token, expert) pairs of one micro-batch on a rank: top_k per token."""
-    return c.micro_batch * shape.seq_len * shape.top_k
+    """The (token, expert) pairs of one micro-batch on a rank: top_k per token of its seq_len / cp."""
+    return c.micro_batch * shape.seq_len // c.cp * shape.top_k
 
 
 def _sharded_buffers(c: Candidate, cfg: Config, facts: ModelFacts, world: int, stored: int) -> int:

@@ -154,11 +154,11 @@ class ShardedDataParallel(HookedStrategy):
 
     def _shard_groups(self) -> tuple[ShardGroup, ShardGroup | None]:
         """What dense units are sharded over (`_init_mesh`'s group), and experts split over ep (the
-        edp ranks); None without expert parallel."""
+        ranks holding the same experts: edp's, and their cp ranks); None without expert parallel."""
         dense = ShardGroup(self.group, self.world, self.rank, self._mesh, tuple(self._placements))
         if self.experts is None:
             return dense, None
-        edp = self.mesh["edp"]
+        edp = self.mesh["edp_cp"]
         return dense, ShardGroup(edp.get_group(), edp.size(), edp.get_local_rank(), edp, tuple(self._placements),
                                  1 / self.experts.size, experts=True)
 

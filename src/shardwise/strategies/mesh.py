@@ -38,7 +38,7 @@ from shardwise.config.schema import DEFAULT_BLOCK, Config, ConfigError, Parallel
 from shardwise.dist import DistContext
 from shardwise.gradients import clip_grad_norm_
 from shardwise.materialise import named_tensors
-from shardwise.memory import return_free_memory
+from shardwise.memory import local_tensor, return_free_memory
 from shardwise.models.plans import NEEDS, Located, PlanError, locate, plan_for_name, plans
 from shardwise.parallel.comm import all_reduce_packed, gather_in_place
 from shardwise.parallel.tensor import TensorShard
@@ -193,14 +193,15 @@ class MeshStrategy(DeferrableSync):
         grads = [p.grad for p in self.tp_partial if p.grad is not None]
         if grads:
             all_reduce_packed(grads, self.tp_group, average=False)
+        experts = self.experts
+        dense = [local_tensor(p.grad) for p in self.local_parameters()
+                 if p.grad is not None and not (experts is not None and experts.is_expert(p))]
         if self.cfg.cp > 1:
-            all_reduce_packed(self.local_grads(), self.cp_group)
-        if self.experts is not None:  # an expert's gradient is summed over the ranks holding it, then / dp
-            all_reduce_packed([p.grad for p in self.local_parameters()
-                               if p.grad is not None and not self.experts.is_expert(p)], self.dp_group)
-            self.experts.average_gradients()
-        elif self.dp > 1:
-            all_reduce_packed(self.local_grads(), self.dp_group)
+            all_reduce_packed(dense, self.cp_group)
+        if self.dp > 1:
+            all_reduce_packed(dense, self.dp_group)
+        if experts is not None:  # summed over the ranks holding the same experts, then / (dp x cp)
+            experts.average_gradients()
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """A tensor shard counts on every tp rank, a replicated tensor on tp rank 0 only, and a
@@ -286,7 +287,7 @@ class MeshStrategy(DeferrableSync):
         ep ranks beside it, which hold the others)."""
         tensor = self._local[name].detach()
         if self.experts is not None and self.experts.holds(name):
-            if self.mesh.rank("edp") != 0:
+            if self.mesh.rank("edp") != 0 or self.mesh.rank("cp") != 0:
                 return None
             whole = self.experts.gather(tensor)  # collective over ep: dp ranks 0 to ep - 1
             return whole if self.dp_rank == 0 else None
