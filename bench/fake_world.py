@@ -43,8 +43,11 @@ def rank_zero_of(world: int, node: int | None = None) -> DistContext:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     os.environ["LOCAL_WORLD_SIZE"] = str(node or world)
-    backend = ("nccl" if device.type == "cuda" else "gloo") if world == 1 else "fake"
-    dist.init_process_group(backend, store=dist.HashStore() if world == 1 else FakeStore(), rank=0, world_size=world)
+    if world == 1:
+        backend, store = ("nccl" if device.type == "cuda" else "gloo"), dist.HashStore()
+    else:
+        backend, store = "fake", FakeStore()
+    dist.init_process_group(backend, store=store, rank=0, world_size=world)
     return DistContext(0, world, 0, device, backend)
 
 

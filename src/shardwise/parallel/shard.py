@@ -407,7 +407,7 @@ class Sharding:
         same = home.dtype == packed.dtype and home.device == packed.device
         shard_grad = home if same else torch.empty(unit.shard_numel, dtype=packed.dtype, device=packed.device)
         work = reduce_scatter_single(shard_grad, packed.view(-1), op=dist.ReduceOp.AVG, group=unit.over.group,
-                                          async_op=True)
+                                     async_op=True)
         self.bytes_moved += (packed.numel() + unit.shard_numel) * packed.element_size()
         self._reductions.append((work, unit, shard_grad, home))
 

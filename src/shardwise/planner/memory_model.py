@@ -403,14 +403,14 @@ def _pipeline(c: Candidate, cfg: Config, shape: ModelShape, activations: bool) -
     bounds = stage_bounds(shape, layout.stages)
     last = layout.stages - 1
     peaks = [0.0] * c.pp
+    per_micro_batch = replace(c, micro_batch=c.micro_batch // runs)  # what one forward routes and attends
     if activations:
         saved = saved_bytes(trace_key(shape, c, c.tp, cfg.parallel.sequence_parallel))
-        a2a = all_to_all_outputs(replace(c, micro_batch=c.micro_batch // runs), shape)  # over every layer
+        a2a = all_to_all_outputs(per_micro_batch, shape)  # over every layer
         held = [saved.stage(start, stop, s == 0, s == last, c.recompute, per_run)
                 + a2a * (stop - start) // shape.n_layer for s, (start, stop) in enumerate(bounds)]
         peaks = peak_held(pipeline_schedule(c.schedule, c.pp, runs), held)
     activation = int(per_run * shape.seq_len // c.cp * shape.d_model * 4)  # what crosses between stages
-    per_micro_batch = replace(c, micro_batch=c.micro_batch // runs)  # what one forward routes and attends
     ranks = []
     for rank in range(c.pp):
         stages = layout.stages_of(rank)

@@ -146,7 +146,7 @@ class Pipeline(MeshStrategy):
         replicas = [(r, s) for r in range(self.mesh.size("dp_replicate")) for s in range(self.mesh.size("dp_shard"))]
         pairs = {(d, c, t): dist.new_group([self.mesh.global_rank(dp_replicate=r, dp_shard=s, cp=c, pp=stage, tp=t)
                                             for stage in holders])
-                 for d, (r, s) in enumerate(replicas) for c in range(self.cfg.cp) for t in range(self.tp)}
+                 for d, (r, s) in enumerate(replicas) for c in range(self.mesh.size("cp")) for t in range(self.tp)}
         if self.pp_rank in holders:
             self._tied = (shared, pairs[self.dp_rank, self.mesh.rank("cp"), self.tp_rank])
         if self.pp_rank == holders[1]:
