@@ -90,7 +90,7 @@ def crash_at(trainer: Trainer, step: int) -> Trainer:
 
 def optimizer_tensors(trainer: Trainer) -> dict[str, torch.Tensor]:
     """This rank's optimizer state, copied."""
-    return {k: local_tensor(v).clone() for k, v in trainer.strategy.state_dict()["optimizer"].items()}
+    return {k: local_tensor(v).clone() for k, v in trainer.strategy.view.state_dict()["optimizer"].items()}
 
 
 def in_process(fn, *args):

@@ -58,7 +58,7 @@ def train_gpt(strategy: str, steps: int = STEPS, inf_at: int | None = None, **op
         if (i + 1) % run.grad_accum == 0:
             losses.append(run.reduce_mean(torch.tensor(total / run.grad_accum)).item())
             total = 0.0
-    return {"losses": losses, "stepped": stepped, "state": run.strategy.full_state_dict(),
+    return {"losses": losses, "stepped": stepped, "state": run.strategy.view.full_state_dict(),
             "scale": run.scaler.scale if run.scaler else None, "skipped": run.skipped_steps}
 
 
@@ -71,7 +71,7 @@ def train_gpt_pipelined(strategy: str, **options) -> dict:
     for _ in range(STEPS):
         losses.append(run.forward_backward([next(batches) for _ in range(run.grad_accum)], loss_fn).item())
         assert run.step(optimizer)
-    return {"losses": losses, "state": run.strategy.full_state_dict()}
+    return {"losses": losses, "state": run.strategy.view.full_state_dict()}
 
 
 def in_one_thread(fn, *args, **kwargs):
@@ -146,7 +146,7 @@ def manual_accumulation() -> dict:
         run.backward(second)
         assert run.step(optimizer)
         losses.append(run.reduce_mean((first + second).detach()).item())
-    return {"losses": losses, "state": run.strategy.full_state_dict()}
+    return {"losses": losses, "state": run.strategy.view.full_state_dict()}
 
 
 def test_accumulating_by_hand_with_no_sync_matches_grad_accum(two_ranks, single):
@@ -187,7 +187,7 @@ def resume_single(path: Path) -> dict:
         if i % 2:
             losses.append(total / 2)
             total = 0.0
-    return {"losses": losses, "state": run.strategy.full_state_dict(), "step": run.global_step, "loaded": loaded}
+    return {"losses": losses, "state": run.strategy.view.full_state_dict(), "step": run.global_step, "loaded": loaded}
 
 
 def test_a_checkpoint_saved_by_fsdp_on_2_ranks_resumes_under_single(two_ranks, single):

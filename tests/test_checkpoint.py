@@ -247,7 +247,7 @@ def state_at_the_checkpoint(ctx: DistContext, out: Path, strategy: str, *overrid
     trainer = Trainer(cfg_for(out, strategy, ctx.world_size, *RESHARD, *overrides), ctx)
     with pytest.raises(Crash):
         crash_at(trainer, SAVED_AT).fit()  # fails right after saving at step 20
-    return trainer.strategy.full_state_dict()
+    return trainer.strategy.view.full_state_dict()
 
 
 def consolidated(run: Path) -> dict[str, torch.Tensor]:

@@ -98,7 +98,7 @@ def final_weights_runs(ctx: DistContext, root: Path) -> bytes | None:
             ctx).fit()
     tensor = Trainer(parity_cfg(root / "tensor", "tensor", 2, "llama"), ctx)
     tensor.fit()
-    state = tensor.strategy.full_state_dict()
+    state = tensor.strategy.view.full_state_dict()
     if not ctx.is_main:
         return None
     with init_context():

@@ -23,6 +23,7 @@ from helpers import (
 
 from shardwise.config.load import load_config
 from shardwise.dist import DistContext
+from shardwise.gradients import local_grads
 from shardwise.memory import optimizer_state_tensors, storage_bytes, storage_key
 from shardwise.models import build_model
 from shardwise.parallel.shard import HOST, copy_in, copy_out
@@ -184,7 +185,7 @@ def layout_after_a_step(ctx: DistContext, root: Path) -> dict:
             units = trainer.strategy.sharding.units
             full = {storage_key(unit.full.untyped_storage()) for unit in units}
             grads = {storage_key(unit.grads.untyped_storage()) for unit in units if unit.grads is not None}
-            shards = dict(trainer.strategy.named_local_parameters())
+            shards = dict(trainer.strategy.view.named_parameters())
             own_rows = []  # this rank's rows of each whole parameter, and its master shard (padding dropped)
             for name, param in trainer.model.named_parameters():
                 rows = math.ceil(param.shape[0] / ctx.world_size)
@@ -194,7 +195,7 @@ def layout_after_a_step(ctx: DistContext, root: Path) -> dict:
                 "params_in_full": all(storage_key(p.untyped_storage()) in full for p in trainer.model.parameters()),
                 "shards_in_full": {storage_key(s.untyped_storage()) in full for s in shards.values()},
                 "shard_grads_in_grads": {storage_key(g.untyped_storage()) in grads
-                                         for g in trainer.strategy.local_grads()},
+                                         for g in local_grads(trainer.strategy.local_parameters())},
                 "whole_is_master": all(own_rows),
             }
     return out
@@ -222,11 +223,12 @@ def offloaded_or_not(ctx: DistContext, root: Path) -> dict:
                 losses = [trainer.run_step(step) for step in range(3)]
                 trainer.train_step(3)  # gradients alive, as the trainer counts them
                 strategy_ = trainer.strategy
-                offloaded = [*strategy_.local_parameters(), *strategy_.local_grads(),
+                offloaded = [*strategy_.local_parameters(), *local_grads(strategy_.local_parameters()),
                              *optimizer_state_tensors(trainer.optimizer)]
                 full = [unit.full for unit in strategy_.sharding.units if unit.full is not None]
                 out[strategy, precision, offload] = {
-                    "losses": losses, "weights": strategy_.full_state_dict(), "memory": strategy_.memory(0).as_dict(),
+                    "losses": losses, "weights": strategy_.view.full_state_dict(),
+                    "memory": strategy_.memory(0).as_dict(),
                     "master_device": strategy_.sharding.master_device, "devices": {t.device for t in offloaded},
                     "host_bytes": storage_bytes(offloaded),
                     "device_params": storage_bytes(full), "device_grads": storage_bytes(
@@ -294,9 +296,9 @@ def save_sharded_with_dcp(ctx: DistContext, root: Path, strategy_name: str) -> d
     for step in range(3):  # the shards move away from their initial values
         trainer.train_step(step)
         trainer.optimizer.zero_grad(set_to_none=True)
-    state = trainer.strategy.state_dict()["model"]
+    state = trainer.strategy.view.state_dict()["model"]
     dcp.save(state, checkpoint_id=root / "dcp")
-    return trainer.strategy.full_state_dict()
+    return trainer.strategy.view.full_state_dict()
 
 
 @pytest.mark.parametrize("strategy", ["zero1", "fsdp"])

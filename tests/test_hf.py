@@ -58,7 +58,8 @@ def train_llama(strategy: str, build: Callable[[], torch.nn.Module] = tiny_llama
             total = 0.0
     units = len(run.strategy.sharding.units) if hasattr(run.strategy, "sharding") else \
         sum(isinstance(m, FSDPModule) for m in run.strategy.module.modules())
-    return {"losses": losses, "state": run.strategy.full_state_dict(), "units": units, "block": run.strategy.cfg.block}
+    return {"losses": losses, "state": run.strategy.view.full_state_dict(), "units": units,
+            "block": run.strategy.cfg.block}
 
 
 class TupleLayer(torch.nn.Module):

@@ -57,7 +57,7 @@ def step0(cfg: Config, ctx: DistContext) -> dict[str, torch.Tensor]:
     """The whole initial state a strategy materialises from a meta-built model, gathered on rank 0."""
     strategy = make_strategy(cfg.parallel, ctx, cfg.train.seed)
     strategy.wrap(meta_model(cfg))
-    return strategy.full_state_dict()
+    return strategy.view.full_state_dict()
 
 
 def cases(world: int) -> dict[str, Config]:
@@ -276,12 +276,12 @@ def load_pretrained(ctx: DistContext, llama_dir: Path, gpt_file: Path) -> dict[s
         run = sw.setup(strategy)
         run.prepare(lambda: AutoModelForCausalLM.from_config(tiny_llama_config()),
                     lambda params: torch.optim.SGD(params, lr=0.1), weights=llama_dir)
-        out[f"llama {strategy}"] = run.strategy.full_state_dict()
+        out[f"llama {strategy}"] = run.strategy.view.full_state_dict()
     for strategy in ("fsdp", "pipeline", "tensor"):
         cfg = config("gpt", strategy, ctx.world_size)
         run = sw.setup(strategy, seed=SEED)
         run.prepare(meta_model(cfg), lambda params: torch.optim.SGD(params, lr=0.1), weights=gpt_file)
-        out[f"gpt {strategy}"] = run.strategy.full_state_dict()
+        out[f"gpt {strategy}"] = run.strategy.view.full_state_dict()
     return out
 
 

@@ -184,7 +184,7 @@ def train_api(strategy: str, **options) -> dict:
     for step in range(STEPS):
         losses.append(run.forward_backward(batches[2 * step: 2 * step + 2], lm_loss).item())
         run.step(optimizer)
-    return {"losses": losses, "state": run.strategy.full_state_dict()}
+    return {"losses": losses, "state": run.strategy.view.full_state_dict()}
 
 
 def api_runs(ctx: DistContext) -> dict:

@@ -256,7 +256,7 @@ def train_runs(ctx: DistContext, root: Path, runs: dict[str, tuple[str, ...]]) -
     for name, (strategy, *overrides) in runs.items():
         trainer = Trainer(cfg_for(root / name, strategy, ctx.world_size, *overrides), ctx)
         trainer.fit()
-        held[name] = sum(p.numel() for n, p in trainer.strategy.named_local_parameters() if ".experts." in n)
+        held[name] = sum(p.numel() for n, p in trainer.strategy.view.named_parameters() if ".experts." in n)
     if ctx.world_size == 4:  # ddp ep 2's checkpoint at step 5 (2 ranks), resumed under fsdp, ep 2 x 2 shards
         resume(ctx, root / "ddp-ep2", root / "ddp-ep2-to-fsdp-ep2", "fsdp", "parallel.ep=2")
     return held

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from shardwise.config.load import load_config
 from shardwise.dist import DistContext, init_distributed
+from shardwise.gradients import local_grads
 from shardwise.memory import optimizer_state_tensors
 from shardwise.precision import LossScaler
 from shardwise.trainer import Trainer
@@ -54,7 +55,7 @@ def steps_with_an_inf_on_rank_1(ctx: DistContext, out: Path, strategy: str, *ove
         before = [p.detach().clone() for p in trainer.strategy.local_parameters()]
         trainer.forward_backward(step)
         if step == INJECT_AT and ctx.rank == 1:  # after synchronisation: only this rank's gradient has it
-            trainer.strategy.local_grads()[0].view(-1)[0] = float("inf")
+            local_grads(trainer.strategy.local_parameters())[0].view(-1)[0] = float("inf")
         stepped = trainer.optimizer_step()
         after = trainer.strategy.local_parameters()
         log.append({"stepped": stepped, "scale": trainer.scaler.scale,
@@ -205,7 +206,7 @@ def sharded_dtypes_and_bytes(ctx: DistContext, out: Path) -> dict:
                 "gathered_per_step": trainer.strategy.sharding.bytes_gathered - gathered,
                 "computed_with": set(computed), "kept": {p.dtype for p in trainer.model.parameters()},
                 "shards": {s.dtype for s in trainer.strategy.local_parameters()},
-                "shard_grads": {g.dtype for g in trainer.strategy.local_grads()},
+                "shard_grads": {g.dtype for g in local_grads(trainer.strategy.local_parameters())},
                 "optimizer": {t.dtype for t in optimizer_state_tensors(trainer.optimizer) if t.dim()},
             }
     return result

@@ -9,6 +9,7 @@ from helpers import CONFIGS
 
 from shardwise.config.load import load_config
 from shardwise.dist import DistContext
+from shardwise.gradients import local_grads
 from shardwise.memory import ActivationCounter
 from shardwise.models import build_model, loss_fn
 from shardwise.recompute import estimate_saved_bytes
@@ -38,7 +39,7 @@ def gradients_and_saved_bytes(ctx: DistContext, strategy_name: str) -> dict[str,
         mine = tokens[strategy.data_rank :: strategy.data_size]
         with ActivationCounter(model) as counter:
             strategy.forward_backward(model, [(mine[:, :-1], mine[:, 1:])], loss_fn, accum=1)
-        out[policy] = ([g.clone() for g in strategy.local_grads()], counter.bytes)
+        out[policy] = ([g.clone() for g in local_grads(strategy.local_parameters())], counter.bytes)
     return out
 
 

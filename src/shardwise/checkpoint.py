@@ -114,14 +114,14 @@ def _from_rank0(value: Any) -> Any:
 
 def training_state(trainer: TrainingRun, world_size: int, with_rng: bool = True) -> dict[str, Any]:
     """What a checkpoint holds, as live tensors a load overwrites in place."""
-    state: dict[str, Any] = trainer.strategy.state_dict()
+    state: dict[str, Any] = trainer.strategy.view.state_dict()
     state["trainer"] = {"step": torch.zeros((), dtype=torch.int64)}
     if trainer.scaler:
         state["trainer"]["loss_scale"] = torch.tensor(trainer.scaler.scale, dtype=torch.float64)
         state["trainer"]["clean_steps"] = torch.tensor(trainer.scaler.clean_steps)
     if with_rng:  # one per rank: only a load at the same world size can use them
         state["rng"] = {f"rank{trainer.ctx.rank}": torch.get_rng_state()}
-        own = trainer.strategy.rank_state()
+        own = trainer.strategy.view.rank_state()
         if own:
             state["rank_state"] = {f"rank{trainer.ctx.rank}.{key}": value for key, value in own.items()}
     return state
@@ -159,7 +159,7 @@ def save_checkpoint(trainer: TrainingRun, step: int, keep: int) -> Path:
                 "strategy": trainer.cfg.parallel.strategy,
                 "precision": trainer.cfg.parallel.precision,
                 "shapes": _model_shapes(state),
-                "rank_state": sorted(trainer.strategy.rank_state()),
+                "rank_state": sorted(trainer.strategy.view.rank_state()),
             }
             problem = _agreed_from_rank0(trainer.ctx.is_main, lambda: _seal(tmp, final, manifest, keep))
     if problem is not None:
@@ -372,13 +372,13 @@ def load_checkpoint(trainer: TrainingRun) -> int:
     check_fits(path, state)
     if trainer.scaler is None:
         state["trainer"] = {"step": state["trainer"]["step"]}
-    if "rank_state" in state and manifest.get("rank_state") != sorted(trainer.strategy.rank_state()):
+    if "rank_state" in state and manifest.get("rank_state") != sorted(trainer.strategy.view.rank_state()):
         del state["rank_state"]  # saved without it (another strategy or option): it starts afresh
         if trainer.ctx.is_main:
             print(f"{path} holds none of this run's per-rank state (PowerSGD's factors and error feedback): "
                   "it starts afresh", file=sys.stderr)
     dcp.load(state, storage_reader=safe_reader(path))
-    trainer.strategy.after_state_loaded()
+    trainer.strategy.view.after_load()
     if trainer.scaler:
         trainer.scaler.scale = state["trainer"]["loss_scale"].item()
         trainer.scaler.clean_steps = int(state["trainer"]["clean_steps"])

@@ -96,7 +96,6 @@ def _train_config(args: argparse.Namespace) -> Config:
 
 def train(args: argparse.Namespace) -> int:
     from shardwise.launch import Stopped, WorkerFailed, launch_local, launch_workers
-    from shardwise.strategies.classes import strategy_class
 
     cfg = _train_config(args)
     _check_before_launch(cfg)  # before anything is written or any worker starts
@@ -106,7 +105,9 @@ def train(args: argparse.Namespace) -> int:
     try:
         strategy = spec(cfg.parallel.strategy)
         if strategy.own_launcher:
-            lost = launch_local(cfg.launch, entry, strategy_class(cfg.parallel.strategy).expendable_ranks(cfg))
+            from shardwise.strategies.param_server import expendable_ranks  # the one strategy with its own launcher
+
+            lost = launch_local(cfg.launch, entry, expendable_ranks(cfg))
             if lost:
                 print(f"shardwise train: finished without worker rank(s) {', '.join(map(str, lost))}", file=sys.stderr)
         else:

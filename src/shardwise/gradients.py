@@ -13,6 +13,15 @@ from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist
+from torch import nn
+
+from shardwise.memory import local_tensor
+
+
+def local_grads(params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
+    """The gradients of `params` (what a strategy's rank holds: `Strategy.local_parameters()`), as
+    plain tensors on this rank."""
+    return [local_tensor(p.grad) for p in params if p.grad is not None]
 
 
 def squared_norm(grads: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:

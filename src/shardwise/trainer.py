@@ -18,6 +18,7 @@ from shardwise.checkpoint import CheckpointError, load_checkpoint, save_checkpoi
 from shardwise.config.schema import HF_MODELS, LANGUAGE_MODELS, Config, TrainConfig
 from shardwise.data import Dataset, DocumentWindows, GlobalBatchSampler, make_datasets
 from shardwise.dist import DistContext, seed_everything
+from shardwise.gradients import local_grads
 from shardwise.hf_files import config_json, write_model_files
 from shardwise.materialise import init_context
 from shardwise.memory import (
@@ -69,7 +70,7 @@ def optimizer_step(strategy: Strategy, optimizer: torch.optim.Optimizer, grad_cl
     trainer and the Python API (api.py) both step through this."""
     stepped = True
     if strategy.scaler:
-        found_inf = strategy.scaler.unscale_(strategy.local_grads(), strategy.ctx.device)
+        found_inf = strategy.scaler.unscale_(local_grads(strategy.local_parameters()), strategy.ctx.device)
         strategy.scaler.update(found_inf)
         stepped = not found_inf
     if stepped:
@@ -178,7 +179,7 @@ class Trainer:
         for batch in range(self.cfg.train.eval_batches):
             indices = sampler.micro_batches(batch, *share, self.cfg.train.micro_batch)
             for batch in self.micro_batches(self.val_set, indices):
-                with self.strategy.split_sequence(batch) as (inputs, targets):
+                with self.strategy.context.split(batch) as (inputs, targets):
                     with self.strategy.precision.autocast(self.ctx.device):
                         loss_sum += loss_fn(self.model(inputs), targets)
                 count += 1

@@ -2,8 +2,8 @@
 
 `load_weights(strategy, path)` takes a `.safetensors` file or a directory of them (what
 `from_pretrained` reads: `model.safetensors`, or the shards an index names) and fills every tensor
-the strategy holds, by the plain model's names (`Strategy.state_dict()`: whole tensors, DTensors
-where it shards or splits them). The reading is DCP's, through its reader of Hugging Face
+the strategy holds, by the plain model's names (`Strategy.view.state_dict()`, state_view.py: whole
+tensors, DTensors where it shards or splits them). The reading is DCP's, through its reader of Hugging Face
 safetensors: each file is memory-mapped, and each rank reads only the part of each tensor it
 holds (`get_slice`), one tensor at a time: `fsdp` on N ranks reads 1/N of each, and no rank ever
 holds a whole copy of the model.
@@ -175,8 +175,8 @@ def load_weights(strategy: Strategy, path: str | Path, names: ModelNames) -> Non
     shape."""
     files = weight_files(Path(path))
     stored = stored_shapes(files)
-    state = strategy.state_dict()["model"]
-    parameters = {name for name, _ in strategy.named_local_parameters()}
+    state = strategy.view.state_dict()["model"]
+    parameters = {name for name, _ in strategy.view.named_parameters()}
     matched = match(state, parameters, stored, names)
     # Ranks hold different tensors (a pipeline's stages): they agree on the problems and the use.
     used = sorted({*matched.found, *(piece.key for held in matched.pieced.values() for piece, _ in held)})
@@ -190,7 +190,7 @@ def load_weights(strategy: Strategy, path: str | Path, names: ModelNames) -> Non
         print(f"weights {path}: {len(unused)} of its tensors are not in this model, ignored (e.g. {min(unused)})",
               file=sys.stderr)
     dcp.load(matched.found, storage_reader=SafetensorsReader(files, matched.pieced))
-    strategy.after_state_loaded()
+    strategy.view.after_load()
 
 
 class _Listing:

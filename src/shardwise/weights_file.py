@@ -197,12 +197,12 @@ def final_layout(model: nn.Module) -> WeightsLayout:
 
 def save_weights(strategy: Strategy, layout: WeightsLayout, path: Path) -> None:
     """Write the plain model's weights, as `strategy`'s ranks hold them, to `path` (rank 0 writes):
-    each tensor gathered whole on rank 0 alone (`Strategy.full_tensors`), written and dropped.
+    each tensor gathered whole on rank 0 alone (`Strategy.view.full_tensors`, state_view.py), written and dropped.
     `layout`: the plain model's (`final_layout` of the model before the strategy wrapped it, or
     of one built on the meta device). Every rank calls it. A write that fails (a full disk) raises
     WeightsFileError on every rank, leaving whatever `path` held before."""
     names = layout.names()
-    tensors = _trimmed(strategy.full_tensors(names))
+    tensors = _trimmed(strategy.view.full_tensors(names))
     problem = None
     if strategy.ctx.is_main:
         problem = _write_all(path, layout, names, tensors)

@@ -15,10 +15,11 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from shardwise.config.load import load_config
 from shardwise.config.validate import validate
-from shardwise.dist import leave_process, shutdown_distributed
+from shardwise.dist import init_distributed, leave_process, shutdown_distributed
 from shardwise.metrics import format_summary
 from shardwise.stalls import explain, is_collective_failure
-from shardwise.strategies.classes import strategy_class
+from shardwise.strategies import param_server
+from shardwise.strategies.registry import spec
 from shardwise.trainer import Trainer, optimizer_factory
 
 
@@ -33,10 +34,13 @@ def main(argv: list[str] | None = None) -> None:
     # The world the launcher actually made is what counts, whatever the file's launch.nproc says.
     cfg.launch.nproc = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.launch.nproc))
     validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", 1)))
-    strategy = strategy_class(cfg.parallel.strategy)
-    ctx = strategy.join(cfg, optimizer_factory(cfg.train))
-    if ctx is None:  # a parameter server, done serving
-        return
+    servers = spec(cfg.parallel.strategy).parameter_servers
+    if servers:
+        ctx = param_server.join(cfg, optimizer_factory(cfg.train))
+        if ctx is None:  # a parameter server, done serving
+            return
+    else:
+        ctx = init_distributed(launch.backend, launch.timeout_s, launch.threads_per_rank, launch.debug_collectives)
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
         cfg.run.resume = True  # the group was restarted after a failure: go on from the last checkpoint
     if ctx.is_main:
@@ -52,7 +56,8 @@ def main(argv: list[str] | None = None) -> None:
         raise explain(error, ctx, launch.timeout_s, where) from error
     if ctx.is_main:
         print(format_summary(summary), flush=True)
-    strategy.leave(ctx, cfg)
+    if servers:
+        param_server.leave(ctx, cfg)
     # Reached only on success: after a failure another rank may be gone, and a barrier would hang.
     shutdown_distributed()
 

@@ -228,3 +228,37 @@ class ExpertParallel:
         shares = [torch.empty_like(local) for _ in range(self.size)]
         dist.all_gather(shares, local.contiguous(), group=self.group)
         return torch.cat(shares)
+
+
+def balance_routers(model: nn.Module, group: dist.ProcessGroup | None, experts: ExpertParallel | None,
+                    device: torch.device,
+                    whole_model: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, list] | None:
+    """After an optimizer step: each of `model`'s MoE layers' pairs per expert over the step, summed
+    over `group` (the ranks that read different tokens: dp and cp), balance its router (moe.py).
+    Return the step's routing record: pairs per expert and their imbalance (max / mean) per layer,
+    under expert parallel also the pairs each ep rank computed and the seconds this rank spent in
+    all-to-alls; None for a model without MoE layers. `whole_model`: the whole model's counts, in
+    model order, from this rank's (a pipeline's stages gather theirs, a collective; called even
+    where this rank holds no MoE layer), None where this rank holds every layer."""
+    layers = moe_layers(model)
+    if not layers and whole_model is None:
+        return None
+    routed = torch.stack([torch.zeros(layer.cfg.n_experts, dtype=torch.int64, device=device)
+                          if layer.routed is None else layer.routed for layer in layers]) if layers else \
+        torch.zeros(0, 0, dtype=torch.int64, device=device)
+    if group is not None and layers:
+        dist.all_reduce(routed, group=group)
+    for layer, counts in zip(layers, routed, strict=True):
+        layer.update_balance(counts)
+    if whole_model is not None:
+        routed = whole_model(routed)
+    load = routed.float()
+    stats = {"tokens_per_expert": routed.tolist(),
+             "imbalance": (load.max(1).values / load.mean(1).clamp(min=1)).tolist()}
+    if experts is not None:
+        by_rank = routed.view(routed.shape[0], experts.size, -1).sum(-1)
+        rank_load = by_rank.float()
+        stats.update(tokens_per_ep_rank=by_rank.tolist(),
+                     ep_imbalance=(rank_load.max(1).values / rank_load.mean(1).clamp(min=1)).tolist(),
+                     all_to_all_s=experts.exchange.take_seconds())
+    return stats

@@ -8,23 +8,23 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from shardwise.compile import BlockCompiler
 from shardwise.config.schema import DEFAULT_BLOCK, Config, ParallelConfig
-from shardwise.dist import DistContext, init_distributed
-from shardwise.gradients import clip_grad_norm_
-from shardwise.materialise import Materialiser, check_one_device_kind, state_buffers
-from shardwise.memory import MemoryBreakdown, count_memory, local_tensor
+from shardwise.dist import DistContext
+from shardwise.gradients import clip_grad_norm_, local_grads
+from shardwise.materialise import Materialiser, check_one_device_kind
+from shardwise.memory import MemoryBreakdown, count_memory
 from shardwise.models import moe
 from shardwise.models.hf import decoder_layer_class
 from shardwise.models.plans import find_positions
 from shardwise.parallel.context.split import ContextParallel
 from shardwise.parallel.dims import Mesh, node_size
-from shardwise.parallel.experts import ExpertParallel
+from shardwise.parallel.experts import ExpertParallel, balance_routers
 from shardwise.precision import LossScaler, make_precision
 from shardwise.recompute import apply_recompute
+from shardwise.state_view import StateView
 from shardwise.strategies.registry import spec
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -60,29 +60,21 @@ class Strategy:
         self.experts: ExpertParallel | None = None  # which experts this rank holds, under parallel.ep > 1
         # The last step's routing by MoE layer (pairs per expert, max / mean): what metrics.jsonl records.
         self.router_stats: dict[str, list] | None = None
+        # The model's state by the plain model's names, for checkpoints and final weights: whole
+        # here; a strategy that splits or shards the model makes the view of its layout in `wrap`.
+        self.view: StateView = StateView(self)
         if mesh is None and ctx.distributed and not spec(cfg.strategy).parameter_servers:
             self.mesh = Mesh.of(ctx, cfg.mesh(ctx.world_size, node_size(ctx.world_size)))
+        # Which share of the global batch this rank reads (its place on the mesh's dp ranks), of how
+        # many: ranks that split one model between them (pipeline stages, tensor shards) or its
+        # sequences (context parallel) read the same share.
+        self.data_rank = self.mesh.rank("dp") if self.mesh is not None else 0
+        self.data_size = self.mesh.size("dp") if self.mesh is not None else 1
 
     @classmethod
     def check_config(cls, cfg: Config, world: int) -> None:
         """Raise ConfigError for what only this strategy refuses, before any worker starts
         (config.validate has checked everything else)."""
-
-    @classmethod
-    def join(cls, cfg: Config, make_optimizer: OptimizerFactory) -> DistContext | None:
-        """A worker process joins the job: the process group torchrun describes. None: this
-        process served the job (a parameter server) and has nothing left to train."""
-        launch = cfg.launch
-        return init_distributed(launch.backend, launch.timeout_s, launch.threads_per_rank, launch.debug_collectives)
-
-    @classmethod
-    def leave(cls, ctx: DistContext, cfg: Config) -> None:
-        """A worker has finished training, before the process group shuts down."""
-
-    @classmethod
-    def expendable_ranks(cls, cfg: Config) -> frozenset[int]:
-        """Ranks the job may finish without (under its own launcher, `StrategySpec.own_launcher`)."""
-        return frozenset()
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """Return the module the trainer calls forward on."""
@@ -107,7 +99,7 @@ class Strategy:
         if self.compiler is not None:
             self.compiler.compile_blocks(model, self.cfg.block)
         apply_recompute(model, self.cfg.recompute, self.cfg.block, once=self.recompute_once)
-        self.context = ContextParallel(self.cfg.cp_mode, self.context_group())
+        self.context = ContextParallel(self.cfg.cp_mode, self.mesh.group("cp") if self.cfg.cp > 1 else None)
         if self.cfg.cp > 1:
             self.context.feed_positions(*find_positions(model))
         if self.cfg.ep > 1:
@@ -123,26 +115,9 @@ class Strategy:
             self.experts.split(model)
         return model
 
-    def context_group(self) -> dist.ProcessGroup | None:
-        """The ranks this rank's sequences are split over (the mesh's cp); None for one. Their
-        gradients are averaged as replicas' are: each holds a share of the tokens."""
-        return self.mesh.group("cp") if self.cfg.cp > 1 else None
-
     def optimizer(self, make: OptimizerFactory) -> torch.optim.Optimizer:
         self.optim = make(self.local_parameters())
         return self.optim
-
-    @property
-    def data_rank(self) -> int:
-        """Which share of the global batch this rank reads: its place on the mesh's dp ranks. Ranks
-        that split one model between them (pipeline stages, tensor shards) or its sequences
-        (context parallel) read the same share."""
-        return self.mesh.rank("dp") if self.mesh is not None else 0
-
-    @property
-    def data_size(self) -> int:
-        """How many shares the global batch is cut into: the mesh's dp ranks."""
-        return self.mesh.size("dp") if self.mesh is not None else 1
 
     def local_parameters(self) -> list[nn.Parameter]:
         """The parameters (or shards) this rank holds and its optimizer steps on."""
@@ -156,7 +131,7 @@ class Strategy:
         loss_sum = torch.zeros((), device=self.ctx.device)
         scale = (self.scaler.scale if self.scaler else 1.0) / accum
         for i, batch in enumerate(micro_batches):
-            with nullcontext() if i == accum - 1 else self.no_sync(), self.split_sequence(batch) as (inputs, targets), \
+            with nullcontext() if i == accum - 1 else self.no_sync(), self.context.split(batch) as (inputs, targets), \
                     moe.loss_scale(model, scale):
                 with self.precision.autocast(self.ctx.device):
                     loss = loss_fn(model(inputs), targets)
@@ -165,27 +140,8 @@ class Strategy:
             loss_sum += loss.detach()
         return loss_sum
 
-    @contextmanager
-    def split_sequence(self, batch: MicroBatch) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's inputs and targets of `batch`: its tokens under context parallelism, the
-        whole batch otherwise. Inside, the model's attention runs over the context-parallel group
-        and within the batch's documents; keep it open for backward too (recomputation runs the
-        forward again there). The loss over this rank's tokens is their mean: every rank of the
-        group holds as many, so the mean over the group is the sequence's."""
-        inputs, targets, *documents = batch
-        documents = documents[0] if documents else None
-        if self.cfg.cp == 1 and documents is None:
-            yield inputs, targets
-            return
-        with self.context.attending(documents):
-            yield self.context.shard(inputs), self.context.shard(targets)
-
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
-
-    def local_grads(self) -> list[torch.Tensor]:
-        """The gradients of `local_parameters()`, as plain tensors on this rank."""
-        return [local_tensor(p.grad) for p in self.local_parameters() if p.grad is not None]
 
     def no_sync(self) -> AbstractContextManager:
         """Inside it, backward only accumulates local gradients (gradient accumulation)."""
@@ -195,40 +151,17 @@ class Strategy:
         """Scale gradients so their global L2 norm is at most max_norm; return the norm before.
         Here every rank holds every gradient whole (replicas agree after synchronising), but for
         experts split over ep."""
-        grads = self.local_grads()
+        grads = local_grads(self.local_parameters())
         if self.experts is not None:
             return self.experts.clip_grad_norm_(grads, max_norm, self.ctx.device)
         return clip_grad_norm_(grads, grads, max_norm, self.ctx.device)
 
     def update_routers(self) -> None:
-        """After an optimizer step: each MoE layer's pairs per expert over the step, summed over
-        the ranks that read different tokens (dp and cp), balance its router (moe.py) and become
-        `router_stats` (under expert parallel, with the pairs each ep rank computed and the seconds
-        this rank spent in all-to-alls over the step). Collective where there is a mesh."""
-        layers = moe.moe_layers(self.module)
-        if not layers:
-            return
-        routed = torch.stack([torch.zeros(layer.cfg.n_experts, dtype=torch.int64, device=self.ctx.device)
-                              if layer.routed is None else layer.routed for layer in layers])
-        if self.mesh is not None:
-            dist.all_reduce(routed, group=self.mesh.group("dp_cp"))
-        for layer, counts in zip(layers, routed, strict=True):
-            layer.update_balance(counts)
-        routed = self.model_router_counts(routed)
-        load = routed.float()
-        self.router_stats = {"tokens_per_expert": routed.tolist(),
-                             "imbalance": (load.max(1).values / load.mean(1).clamp(min=1)).tolist()}
-        if self.experts is not None:
-            by_rank = routed.view(len(layers), self.experts.size, -1).sum(-1)
-            rank_load = by_rank.float()
-            self.router_stats.update(tokens_per_ep_rank=by_rank.tolist(),
-                                     ep_imbalance=(rank_load.max(1).values / rank_load.mean(1).clamp(min=1)).tolist(),
-                                     all_to_all_s=self.experts.exchange.take_seconds())
-
-    def model_router_counts(self, routed: torch.Tensor) -> torch.Tensor:
-        """Every MoE layer's counts of the model, in model order, from this rank's (`routed`, one
-        row per layer it holds): its own, where it holds every layer."""
-        return routed
+        """After an optimizer step: each MoE layer's pairs per expert over the step, summed over the
+        ranks that read different tokens (dp and cp), balance its router and become `router_stats`
+        (parallel/experts.py). Collective where there is a mesh."""
+        group = self.mesh.group("dp_cp") if self.mesh is not None else None
+        self.router_stats = balance_routers(self.module, group, self.experts, self.ctx.device)
 
     def stage_timeline(self) -> list[dict[str, Any]] | None:
         """A pipeline's last step, stage by stage, for metrics (a collective where there is one);
@@ -237,67 +170,6 @@ class Strategy:
 
     def memory(self, activations: int) -> MemoryBreakdown:
         return count_memory(self.local_parameters(), self.optim, activations, self.ctx.device)
-
-    def named_local_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        """`local_parameters()` by the model's parameter names (a tied weight under its first)."""
-        return list(self.module.named_parameters())
-
-    def named_local_buffers(self) -> list[tuple[str, torch.Tensor]]:
-        """The buffers this rank holds that are the model's state, by the model's names."""
-        return state_buffers(self.module)
-
-    def as_global(self, name: str, local: torch.Tensor) -> torch.Tensor:
-        """`local`, a tensor shaped like this rank's part of parameter `name`, as the whole
-        parameter's tensor: itself where the rank holds it whole, a DTensor where it holds a shard."""
-        if self.experts is not None and self.experts.holds(name):
-            return self.experts.as_global(name, local)
-        return local
-
-    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Model and optimizer state by parameter name, every tensor in its global shape and
-        sharing storage with the live state: what a checkpoint saves, and loads in place."""
-        params = self.named_local_parameters()
-        model = {name: self.as_global(name, p.detach()) for name, p in params}
-        model.update(self.named_local_buffers())
-        optimizer = {}
-        state = self.optim.state if self.optim is not None else {}  # none yet: sampling, loading weights
-        for name, param in params:
-            for key, value in state.get(param, {}).items():
-                optimizer[f"{name}.{key}"] = self.as_global(name, value) if value.shape == param.shape else value
-        return {"model": model, "optimizer": optimizer}
-
-    def rank_state(self) -> dict[str, torch.Tensor]:
-        """State of this rank alone that an exact resume needs (ddp's PowerSGD error feedback), as
-        live tensors: a checkpoint keeps it per rank, and only a load at the same world size
-        restores it (another one starts it afresh)."""
-        return {}
-
-    def after_state_loaded(self) -> None:
-        """Called once `state_dict()`'s tensors have been overwritten by a load."""
-
-    def state_names(self) -> list[str]:
-        """The plain model's state-dict keys (a tied weight under each of its names)."""
-        return list(self.module.state_dict(keep_vars=True))
-
-    def full_tensors(self, names: list[str]) -> Iterator[torch.Tensor | None]:
-        """Each of `names` (keys of the plain model's state dict), whole, in the storage dtype, on
-        rank 0 (None on the others), one at a time and in the order given: what final weights are
-        written from (weights_file.py), so no rank ever holds more than its part and one tensor.
-        Collective where the model is sharded or split: every rank iterates over the same names.
-        Here every rank holds the whole model, but for experts split over ep."""
-        state = self.module.state_dict(keep_vars=True)
-        for name in names:
-            tensor = state[name].detach()
-            if self.experts is not None and self.experts.holds(name):
-                tensor = self.experts.gather(tensor)
-            yield tensor if self.ctx.is_main else None
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The plain model's complete state dict on rank 0, on CPU (empty on the others): the whole
-        model in one process, for tests and small models. Every rank calls it."""
-        names = self.state_names()
-        return {name: tensor.cpu() for name, tensor in zip(names, self.full_tensors(names), strict=True)
-                if tensor is not None}
 
 
 def block_class(model: nn.Module, block: str) -> str:

@@ -25,6 +25,7 @@ from torch import nn
 from shardwise.dist import broadcast_from_rank0
 from shardwise.parallel.compression import make_reducer
 from shardwise.parallel.replicate import ReplicatedGradients, UnusedParameters
+from shardwise.state_view import StateView
 from shardwise.strategies.base import HookedStrategy
 from shardwise.strategies.sync_batchnorm import convert_sync_batchnorm
 
@@ -48,6 +49,7 @@ class DDP(HookedStrategy):
         self.gradients = ReplicatedGradients(list(reversed(trainable)), int(cfg.bucket_mb * 2**20), self.ctx.device,
                                              reducer, {id(p): n for n, p in self.module.named_parameters()},
                                              cfg.find_unused_parameters)
+        self.view = StateView(self, rank_state=self.gradients.reducer.state)  # PowerSGD's error feedback
         for param in trainable:
             param.register_post_accumulate_grad_hook(self._on_grad_ready)
         self._init_backward_state()
@@ -76,9 +78,6 @@ class DDP(HookedStrategy):
     def bytes_sent(self) -> int:
         """Bytes this rank has sent averaging gradients since `wrap`."""
         return self.gradients.reducer.bytes_sent
-
-    def rank_state(self) -> dict[str, torch.Tensor]:
-        return self.gradients.reducer.state()
 
     def _finish_backward(self) -> None:
         """Runs once the autograd engine is done: every bucket averaged, then the experts."""

@@ -18,7 +18,6 @@ shards made so far and one whole unit (`setup_peak_bytes`, counted). `parallel.o
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,14 +26,15 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from shardwise.config.schema import Config, ConfigError, ParallelConfig
 from shardwise.dist import DistContext, broadcast_from_rank0
-from shardwise.gradients import clip_grad_norm_
+from shardwise.gradients import clip_grad_norm_, local_grads
 from shardwise.materialise import Materialiser
-from shardwise.memory import MemoryBreakdown, count_memory, exact_storage, optimizer_state_tensors, storage_bytes
+from shardwise.memory import MemoryBreakdown, count_memory, optimizer_state_tensors, storage_bytes
 from shardwise.models.plans import locate
-from shardwise.parallel.comm import all_reduce_packed, gather_in_place
+from shardwise.parallel.comm import all_reduce_packed
 from shardwise.parallel.dims import Mesh
-from shardwise.parallel.shard import GatherHooks, ShardGroup, Sharding, Unit, real_rows
+from shardwise.parallel.shard import GatherHooks, ShardGroup, Sharding, Unit
 from shardwise.parallel.tensor import BlockSplitter, TensorParallelGroup, TensorShard
+from shardwise.state_view import ShardedView
 from shardwise.strategies.base import HookedStrategy, OptimizerFactory
 from shardwise.strategies.mesh import check_model_split
 from shardwise.strategies.registry import spec
@@ -68,6 +68,7 @@ class ShardedDataParallel(HookedStrategy):
                                  cfg.reshard_after_forward)
         self.tensor_shards: dict[int, TensorShard] = {}  # id(parameter) -> how tensor parallel split it
         self.tp_partial: list[nn.Parameter] = []  # parameters whole on every tp rank, their gradients partial over tp
+        self._full: dict[str, torch.Tensor] = {}  # over tp: the plain model's state on meta, noted before the split
 
     def wrap(self, model: nn.Module) -> nn.Module:
         if self.cfg.sync_batchnorm:
@@ -88,9 +89,9 @@ class ShardedDataParallel(HookedStrategy):
                 self.experts.broadcast()
         splitter = self._tensor_splitter()
         blocks = self._make_units(splitter)
-        self._named = dict(self.module.named_parameters())  # each parameter by its name in checkpoints
         if splitter is not None:
             self.tensor_shards, self.tp_partial = splitter.shards, splitter.finish()
+        self.view = ShardedView(self, dict(self.module.named_parameters()), self._full)
         for unit in self.sharding.units:
             for param in unit.params:
                 param.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -110,10 +111,9 @@ class ShardedDataParallel(HookedStrategy):
         self.module, self.cfg = stages, dataclasses.replace(self.cfg, block=block)
         self.tp, self.tp_rank = self.mesh.size("tp"), self.mesh.rank("tp")
         self._init_mesh()
-        self._full = full
         self._make_units(None)
-        self._named = named  # by the plain model's names
         self.tensor_shards, self.tp_partial = tensor_shards, tp_partial
+        self.view = ShardedView(self, named, full)
         self.sharding.peak_gathered_bytes = self.sharding.gathered_bytes
 
     def begin_step(self) -> None:
@@ -146,8 +146,8 @@ class ShardedDataParallel(HookedStrategy):
         self.world, self.rank = self.mesh.size("dp_shard_cp"), self.mesh.rank("dp_shard_cp")
         self.replica = self.mesh.rank("dp_replicate")
         self._mesh: DeviceMesh = self.mesh["dp_shard_cp"]
-        # Imported here and in as_global, not at the top: torch.distributed.tensor takes 0.6 s to
-        # import, and `shardwise plan` checks thousands of configs of this class without running one.
+        # Imported here, not at the top: torch.distributed.tensor takes 0.6 s to import, and
+        # `shardwise plan` checks thousands of configs of this class without running one.
         from torch.distributed.tensor import Shard
 
         self._placements: list[Placement] = [Shard(0)]
@@ -260,7 +260,7 @@ class ShardedDataParallel(HookedStrategy):
         then over the data-parallel ranks sharding them; over tensor parallel, a tp shard's on
         every tp rank and a tensor every tp rank holds whole on tp rank 0's only, then summed over
         the tp ranks. So each parameter counts once."""
-        grads = self.local_grads()
+        grads = local_grads(self.local_parameters())
         if self.tp == 1:
             return clip_grad_norm_(grads, grads, max_norm, self.ctx.device, (self.group,))
         counted = [shard.grad for unit in self.sharding.units
@@ -287,72 +287,3 @@ class ShardedDataParallel(HookedStrategy):
             breakdown.grads = storage_bytes(shard_grads + full_grads)
         breakdown.gathered_peak = self.sharding.peak_gathered_bytes
         return breakdown
-
-    def full_tensors(self, names: list[str]) -> Iterator[torch.Tensor | None]:
-        """A parameter gathered from its master shards to rank 0 (in their dtype, whatever the
-        compute dtype): every rank's padded shard, the first rows of which are the whole; a buffer
-        is whole on every rank already. Under hsdp the first replica's shard group gathers; over
-        tensor parallel the first data-parallel rank of each tp rank gathers its tp shard, and the
-        tp shards are then gathered and joined (a tensor every tp rank holds whole, from tp rank 0)."""
-        state = self.module.state_dict(keep_vars=True)
-        for name in names:
-            if not self.sharding.holds(state[name]):  # a buffer or a frozen parameter: whole on every rank
-                yield state[name].detach() if self.ctx.is_main else None
-            else:
-                whole = self.whole(state[name])
-                yield whole if self.ctx.is_main else None
-
-    def whole(self, param: nn.Parameter) -> torch.Tensor | None:
-        """`param` whole on the first rank of the first replica's shard group at tp rank 0, None on
-        the others: collective over the ranks that hold a shard of it."""
-        over = self.sharding.unit_of(param).over
-        split = self.tensor_shards.get(id(param))
-        if self.replica != 0 or (split is None and self.tp_rank != 0):
-            return None
-        whole = self.sharding.gather_to_first(param)
-        if self._is_expert(param):  # the first of each expert group's edp ranks holds its experts: join them
-            return self.experts.gather(whole) if over.rank == 0 else None
-        if split is not None and over.rank == 0:
-            parts = [torch.empty_like(whole) for _ in range(self.tp)] if self.tp_rank == 0 else None
-            gather_in_place(whole, parts, self.mesh.group("tp"))
-            whole = split.join(parts) if parts is not None else None
-        return whole
-
-    def named_local_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        return [(name, self.sharding.shard_of(param)) for name, param in self.module.named_parameters()]
-
-    def as_global(self, name: str, local: torch.Tensor) -> torch.Tensor:
-        """This rank's shard as a DTensor sharded along dim 0 over the data-parallel ranks, padding
-        dropped: torch.chunk's layout, which is DTensor's, so checkpoints reshard to any world
-        size. Over tensor parallel, a tp shard's rows are pieces of the whole tensor wherever its
-        split puts them (qkv's rows of q and k, a row-parallel layer's columns): they are named
-        with their offsets there (TensorShard.pieces), and load into any other layout alike."""
-        from torch.distributed.tensor import DTensor, Shard
-        from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
-
-        param = self._named[name]
-        rows = self.sharding.rows_of(param)
-        over = self.sharding.unit_of(param).over
-        real = local[: real_rows(param, rows, over.rank)]
-        if self._is_expert(param):  # rows of this ep rank's experts: where they lie among all the experts
-            full = torch.empty(self.experts.full_shapes[name], device="meta")
-            start = self.experts.rank * param.shape[0] + over.rank * rows
-            wrapper = LocalShardsWrapper([exact_storage(real)], [(start,) + (0,) * (param.dim() - 1)])
-            return DTensor.from_local(wrapper, self.mesh["ep"], [Shard(0)], run_check=False, shape=full.shape,
-                                      stride=full.stride())
-        split = self.tensor_shards.get(id(param))
-        if split is None:
-            return DTensor.from_local(exact_storage(real), over.mesh, over.placements, run_check=False,
-                                      shape=param.shape, stride=param.stride())
-        full = self._full[name]
-        pieces = split.pieces(real, over.rank * rows, full.shape, self.tp_rank, self.tp)
-        if not pieces:
-            raise ValueError(f"{self.cfg.strategy} over tensor parallel: {name} has {param.shape[0]} rows on each of "
-                             f"the {self.tp} tp ranks, fewer than the {self.world} data-parallel ranks sharding them")
-        wrapper = LocalShardsWrapper([exact_storage(piece) for piece, _ in pieces], [offset for _, offset in pieces])
-        return DTensor.from_local(wrapper, self.mesh["tp"], [Shard(split.dim)], run_check=False, shape=full.shape,
-                                  stride=full.stride())
-
-    def after_state_loaded(self) -> None:
-        if self.stage < 3:
-            self.sharding.gather_all()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from shardwise.config.schema import ParallelConfig
 from shardwise.dist import DistContext
+from shardwise.gradients import local_grads
 from shardwise.parallel.comm import all_reduce_packed
 from shardwise.parallel.dims import Mesh, node_size
 from shardwise.strategies.fsdp import ShardedDataParallel
@@ -48,4 +49,4 @@ class HSDP(ShardedDataParallel):
 
     def _average_over_replicas(self) -> None:
         """Average every gradient shard over the nodes."""
-        self.sharding.bytes_moved += all_reduce_packed(self.local_grads(), self.replicate_group)
+        self.sharding.bytes_moved += all_reduce_packed(local_grads(self.local_parameters()), self.replicate_group)

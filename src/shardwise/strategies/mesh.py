@@ -15,23 +15,17 @@ the mesh.
   of its tp ranks, a replicated parameter (layer norms, embeddings) on tp rank 0 only, a parameter
   held by two stages (a tied embedding and head) on the first only; then the sum goes over
   the tp and pp groups. The norm is then the one a single device computes.
-- State: `full_tensors` gathers a tensor's shards within its stage's first tp group and sends it
-  to rank 0, one tensor at a time (what final weights are written from).
-- Checkpoints: `state_dict` names each entry this rank holds by the plain model's name, a tensor
-  shard as a DTensor of the whole parameter on the tp dimension. Whatever is held whole on several
-  ranks (a replicated parameter on each tp rank, every entry on each dp replica, the tied weight on
-  the first and the last stage) is the same tensor on each: DCP writes it once and loads it into
-  every rank that holds it. So a checkpoint loads into any strategy and mesh.
+- State: checkpoints and final weights see the model through state_view.py's `SplitView`, which
+  `wrap` fills with the plain model's layout before it splits the model and with this rank's part
+  after.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from shardwise.config.schema import DEFAULT_BLOCK, Config, ConfigError, ParallelConfig
@@ -40,12 +34,10 @@ from shardwise.gradients import clip_grad_norm_
 from shardwise.materialise import named_tensors
 from shardwise.memory import local_tensor, return_free_memory
 from shardwise.models.plans import NEEDS, Located, PlanError, locate, plan_for_name, plans
-from shardwise.parallel.comm import all_reduce_packed, gather_in_place
+from shardwise.parallel.comm import all_reduce_packed
 from shardwise.parallel.tensor import TensorShard
+from shardwise.state_view import SplitView
 from shardwise.strategies.base import DeferrableSync
-
-if TYPE_CHECKING:
-    pass
 
 
 def check_model_split(cfg: Config, world: int) -> None:
@@ -103,7 +95,6 @@ class MeshStrategy(DeferrableSync):
         self.dp_group, self.pp_group, self.tp_group = (self.mesh.group(dim) for dim in ("dp", "pp", "tp"))
         self.cp_group = self.mesh.group("cp")
         self.dp_rank, self.pp_rank, self.tp_rank = (self.mesh.rank(dim) for dim in ("dp", "pp", "tp"))
-        self.tp_mesh = self.mesh["tp"]  # what tensor shards are DTensors over, in checkpoints
         self.tensor_shards: dict[int, TensorShard] = {}  # id(parameter) -> how it is split over tp
         self.duplicates: set[int] = set()  # ids of parameters an earlier stage also holds (a tied head)
         # The blocks' parameters each tp rank holds whole but trains on its part of the sequence only
@@ -113,6 +104,7 @@ class MeshStrategy(DeferrableSync):
         # id(block) -> its name in the whole model, noted before a pipeline cuts it (expert parallel names
         # the experts of a block that a later stage on this rank holds by it)
         self.block_names: dict[int, str] = {}
+        self.view: SplitView = SplitView(self)  # wrap records the layout before it splits the model
 
     def locate(self, model: nn.Module) -> Located:
         """The model's parallel plan, found in it; its block class must be the unit `prepare` settled."""
@@ -122,9 +114,6 @@ class MeshStrategy(DeferrableSync):
                             f"{located.plan.family} plan's blocks ({', '.join(located.plan.blocks)}); another unit "
                             "would cut inside a block. Leave parallel.block unset")
         return located
-
-    def context_group(self) -> dist.ProcessGroup | None:
-        return self.cp_group if self.cfg.cp > 1 else None
 
     # --- a meta-built model: only what this rank holds made real --------------------------------
 
@@ -173,14 +162,6 @@ class MeshStrategy(DeferrableSync):
         live = sum(tensor.nbytes for _, tensor in named_tensors(model) if not tensor.is_meta) + passing
         self.setup_peak_bytes = max(self.setup_peak_bytes or 0, live)
 
-    @property
-    def data_rank(self) -> int:
-        return self.dp_rank
-
-    @property
-    def data_size(self) -> int:
-        return self.dp
-
     def backward(self, loss: torch.Tensor) -> None:
         loss.backward()
         if self._sync:
@@ -220,84 +201,3 @@ class MeshStrategy(DeferrableSync):
 
         return clip_grad_norm_([p.grad for p in params if counts(p)], [p.grad for p in params], max_norm,
                                self.ctx.device, groups)
-
-    # --- the plain model's layout, and this rank's part of it -----------------------------
-
-    def record_layout(self, model: nn.Module, stage_holds: list[set[int]]) -> None:
-        """Note, before the model is split, each state entry's full shape, stride and dtype (as a
-        meta tensor), which stage owns it (the first whose `stage_holds`, ids of state tensors,
-        has it) and which names are aliases (a tied weight's second name)."""
-        state = model.state_dict(keep_vars=True)
-        self._full = {name: t.detach().to("meta") for name, t in state.items()}
-        first_name: dict[int, str] = {}
-        self._canonical = {name: first_name.setdefault(id(t), name) for name, t in state.items()}
-        self._owner = {name: next(s for s, ids in enumerate(stage_holds) if id(t) in ids)
-                       for name, t in state.items() if self._canonical[name] == name}
-
-    def record_local_state(self, *models: nn.Module) -> None:
-        """After splitting (which keeps the names of what it keeps): the entries of the state this
-        rank holds (shards where tensor parallel) by full name, in the model or models it cut (a
-        pipeline rank's several stages); a tied weight under its first name, on each stage that
-        holds it."""
-        self._local = {self._canonical[name]: t for model in models
-                       for name, t in model.state_dict(keep_vars=True).items()}
-
-    # --- checkpoints: the state by the plain model's names ------------------------------
-
-    def named_local_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        return [(name, t) for name, t in self._local.items() if isinstance(t, nn.Parameter)]
-
-    def named_local_buffers(self) -> list[tuple[str, torch.Tensor]]:
-        return [(name, t) for name, t in self._local.items() if not isinstance(t, nn.Parameter)]
-
-    def as_global(self, name: str, local: torch.Tensor) -> torch.Tensor:
-        """A tensor shard as a DTensor of the whole parameter on the tp dimension, an ep rank's
-        experts as one of every expert on the ep dimension; anything else is whole already."""
-        if self.experts is not None and self.experts.holds(name):
-            return self.experts.as_global(name, local)
-        shard = self.tensor_shards.get(id(self._local[name]))
-        return local if shard is None else shard.as_dtensor(local, self._full[name], self.tp_mesh)
-
-    # --- the plain model's state, tensor by tensor on rank 0 --------------------------------
-
-    def state_names(self) -> list[str]:
-        return list(self._canonical)
-
-    def full_tensors(self, names: list[str]) -> Iterator[torch.Tensor | None]:
-        """Each tensor from the first replica of the stage that owns it: its tp shards gathered to
-        the stage's first tp rank, which sends it to rank 0 unless it is rank 0."""
-        for name in names:
-            yield self._full_tensor(self._canonical[name])
-
-    def _full_tensor(self, name: str) -> torch.Tensor | None:
-        stage = self._owner[name]
-        tensor = self._whole_in_stage(name) if self.pp_rank == stage else None
-        source = self.mesh.global_rank(dp_replicate=0, dp_shard=0, cp=0, pp=stage, tp=0)
-        if source != 0:
-            if self.ctx.rank == source:
-                dist.send(tensor.contiguous(), dst=0)
-            elif self.ctx.is_main:
-                tensor = torch.empty_like(self._full[name], device=self.ctx.device)
-                dist.recv(tensor, src=source)
-        return tensor if self.ctx.is_main else None
-
-    def _whole_in_stage(self, name: str) -> torch.Tensor | None:
-        """Tensor `name` whole on its stage's first rank (None on the others): collective over the
-        stage's ranks that hold a part of it (here the first replica's tp ranks, or for experts the
-        ep ranks beside it, which hold the others)."""
-        tensor = self._local[name].detach()
-        if self.experts is not None and self.experts.holds(name):
-            if self.mesh.rank("edp") != 0 or self.mesh.rank("cp") != 0:
-                return None
-            whole = self.experts.gather(tensor)  # collective over ep: dp ranks 0 to ep - 1
-            return whole if self.dp_rank == 0 else None
-        if self.dp_rank != 0 or self.mesh.rank("cp") != 0:
-            return None
-        shard = self.tensor_shards.get(id(self._local[name]))
-        return tensor if shard is None else self._gather_shards(tensor, shard)
-
-    def _gather_shards(self, shard_tensor: torch.Tensor, shard: TensorShard) -> torch.Tensor | None:
-        """The whole tensor on the first tp rank from every tp rank's shard; None on the others."""
-        parts = [torch.empty_like(shard_tensor) for _ in range(self.tp)] if self.tp_rank == 0 else None
-        gather_in_place(shard_tensor, parts, self.tp_group)
-        return shard.join(parts) if parts is not None else None

@@ -8,7 +8,6 @@ from contextlib import AbstractContextManager, contextmanager
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from shardwise.config.schema import Config, ConfigError
@@ -94,11 +93,3 @@ class NativeFSDP(NativeStrategy):
         breakdown = super().memory(activations)
         breakdown.gathered_peak = None  # FSDP2 does not expose how much it holds unsharded at once
         return breakdown
-
-    def full_tensors(self, names: list[str]) -> Iterator[torch.Tensor | None]:
-        """Each DTensor's `full_tensor()`: gathered on every rank, kept on rank 0."""
-        state = self.module.state_dict(keep_vars=True)
-        for name in names:
-            tensor = state[name].detach()
-            whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-            yield whole if self.ctx.is_main else None

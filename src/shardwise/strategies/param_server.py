@@ -106,6 +106,13 @@ def _init_rpc(name: str, cfg: Config) -> None:
                  rpc_backend_options=options)
 
 
+def expendable_ranks(cfg: Config) -> frozenset[int]:
+    """Ranks the job may finish without: under `async`, a lost worker, except rank 0, which writes
+    the run (the launcher, launch.launch_local, goes on without them)."""
+    workers = cfg.parallel.mesh_shape(cfg.world_size)[0]
+    return frozenset(range(1, workers)) if cfg.parallel.ps_mode == "async" else frozenset()
+
+
 def leave(ctx: DistContext, cfg: Config) -> None:
     """A worker is done: tell the servers (through the store) and close RPC: in sync mode together
     with every rank, in async mode at once, as other workers may be gone."""
@@ -334,20 +341,6 @@ class ParamServer(Strategy):
             raise ConfigError("parallel.dp / pp / tp: param-server's replicas are its workers, "
                               "launch.nproc - parallel.ps_servers; leave them unset")
 
-    @classmethod
-    def join(cls, cfg: Config, make_optimizer: OptimizerFactory) -> DistContext | None:
-        return join(cfg, make_optimizer)
-
-    @classmethod
-    def leave(cls, ctx: DistContext, cfg: Config) -> None:
-        leave(ctx, cfg)
-
-    @classmethod
-    def expendable_ranks(cls, cfg: Config) -> frozenset[int]:
-        """An asynchronous job goes on without a lost worker, except rank 0, which writes the run."""
-        workers = cfg.parallel.mesh_shape(cfg.world_size)[0]
-        return frozenset(range(1, workers)) if cfg.parallel.ps_mode == "async" else frozenset()
-
     def __init__(self, ctx: DistContext, cfg: ParallelConfig) -> None:
         super().__init__(ctx, cfg)
         self.sync = cfg.ps_mode == "sync"
@@ -355,15 +348,8 @@ class ParamServer(Strategy):
         self.versions = [0] * cfg.ps_servers  # async: each server's version of our parameters
         self.norm_sq: float | None = None  # sync: this round's pushed gradient, its squared global norm
         self.clip_coef = 1.0
-
-    @property
-    def data_rank(self) -> int:
-        """A worker's share of the global batch: its rank among the workers (their group's)."""
-        return self.ctx.rank
-
-    @property
-    def data_size(self) -> int:
-        return self.ctx.world_size
+        # A worker's share of the global batch: its rank among the workers (their group's).
+        self.data_rank, self.data_size = ctx.rank, ctx.world_size
 
     def wrap(self, model: nn.Module) -> nn.Module:
         self.module = self.prepare(model)
@@ -418,6 +404,3 @@ class ParamServer(Strategy):
         with torch.no_grad():
             for param, value in zip(self.shards[index], values, strict=True):
                 param.copy_(value)
-
-    def state_dict(self) -> dict[str, dict[str, torch.Tensor]]:
-        raise RuntimeError("param-server keeps no checkpoints: its optimizer state lives on the servers")

@@ -33,6 +33,7 @@ from torch import nn
 from shardwise.config.schema import Config, ConfigError, ParallelConfig
 from shardwise.dist import DistContext
 from shardwise.models import moe
+from shardwise.parallel.experts import balance_routers
 from shardwise.parallel.pipeline.runner import Activations, PipelineModule, PipelineRun
 from shardwise.parallel.pipeline.schedules import SCHEDULES, ScheduleError, build, check_micro_batches, virtual_stages
 from shardwise.parallel.pipeline.stages import Stage, balanced_split, block_costs, separate, stage_holds
@@ -98,13 +99,14 @@ class Pipeline(MeshStrategy):
         # blocks (each split as soon as it is real under tp) and what it keeps outside them are made real.
         model = self.prepare(model, materialise=False)
         located = self.locate(model)
+        self.has_moe = bool(moe.moe_layers(model))  # before the cut: a stage may hold none of them
         layout = self.schedule.layout
         blocks = located.blocks
         self.block_names = {id(module): name for name, module in model.named_modules() if module in blocks}
         starts = [0, *(self.cfg.split_points or balanced_split(block_costs(located), layout.stages))]
         self.stage_blocks = list(zip(starts, [*starts[1:], len(blocks)], strict=True))  # [start, stop) per stage
         holds = stage_holds(located, self.stage_blocks)
-        self.record_layout(model, [set().union(*(holds[s] for s in layout.stages_of(r))) for r in range(self.pp)])
+        self.view.record_layout(model, [set().union(*(holds[s] for s in layout.stages_of(r))) for r in range(self.pp)])
         first, last = list(located.first.values()), list(located.last.values())
         embedding = first[0]
         self.activations = Activations(embedding.embedding_dim, embedding.weight.dtype, self.ctx.device)
@@ -128,7 +130,7 @@ class Pipeline(MeshStrategy):
         # After materialising (it installs new parameters, in the removed modules too, a tie kept).
         first_params = {id(p) for m in first for p in m.parameters()}
         tied = [p for m in last for p in m.parameters() if id(p) in first_params]
-        self.record_local_state(*part)
+        self.view.record_local_state(*part)
         self._tie_first_and_last(tied)
         self.module = PipelineModule(self.stages, self.schedule, self.pp_rank, self.pp_group, self.activations,
                                      vocab_size)
@@ -166,7 +168,7 @@ class Pipeline(MeshStrategy):
         for batch in micro_batches:
             # Under context parallel each of a stage's cp ranks runs the schedule on its tokens, its
             # attention over the group (the context stays open through the backward's recomputation).
-            with self.split_sequence(batch) as (inputs, targets):
+            with self.context.split(batch) as (inputs, targets):
                 run = PipelineRun(self.schedule, self.pp_rank, self.stages, self.first_blocks, self.pp_group,
                                   self.activations, self._split(inputs), self._split(targets), loss_fn,
                                   accum * self.micro_batches, self.precision, self.scaler)
@@ -183,9 +185,17 @@ class Pipeline(MeshStrategy):
         self.window = (started, time.perf_counter())
         return loss_sum
 
-    def model_router_counts(self, routed: torch.Tensor) -> torch.Tensor:
-        """Every stage's MoE layers' counts, gathered over pp in stage order (a collective): rank
-        0 writes the router record of the whole model, not of its stages only."""
+    def update_routers(self) -> None:
+        """The router record is of the whole model, not of this rank's stages only: its stages'
+        counts are gathered over pp (`_every_stage_counts`)."""
+        if not self.has_moe:
+            return
+        group = self.mesh.group("dp_cp")
+        self.router_stats = balance_routers(self.module, group, self.experts, self.ctx.device, self._every_stage_counts)
+
+    def _every_stage_counts(self, routed: torch.Tensor) -> torch.Tensor:
+        """Every stage's MoE layers' counts from this rank's (`routed`), gathered over pp in stage
+        order (a collective)."""
         rows = iter(routed.cpu())
         mine = {s: [next(rows) for _ in moe.moe_layers(stage.model)] for s, stage in self.stages.items()}
         every: list[dict[int, list[torch.Tensor]]] = [{} for _ in range(self.pp)]

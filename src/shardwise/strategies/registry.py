@@ -65,7 +65,7 @@ SPECS: dict[str, StrategySpec] = {spec.name: spec for spec in (
     StrategySpec("pipeline", "pipeline", "Pipeline", mesh_dim="pp", zero_stage=None, pipelined=True, planned=True,
                  context_parallel=True),
     StrategySpec("model-parallel", "pipeline", "ModelParallel", mesh_dim="pp", zero_stage=None, planned=True),
-    StrategySpec("tensor", "tensor", "TensorParallel", mesh_dim="tp", zero_stage=None, planned=True,
+    StrategySpec("tensor", "tensor_parallel", "TensorParallel", mesh_dim="tp", zero_stage=None, planned=True,
                  context_parallel=True),
     StrategySpec("param-server", "param_server", "ParamServer", parameter_servers=True, own_launcher=True,
                  checkpoints=False, api=False),

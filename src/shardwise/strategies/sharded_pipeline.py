@@ -36,9 +36,10 @@ from torch import nn
 
 from shardwise.config.schema import Config, ConfigError, ParallelConfig
 from shardwise.dist import DistContext
-from shardwise.gradients import clip_grad_norm_
+from shardwise.gradients import clip_grad_norm_, local_grads
 from shardwise.memory import MemoryBreakdown
 from shardwise.parallel.pipeline.runner import Activations
+from shardwise.state_view import ShardedSplitView
 from shardwise.strategies.base import LossFn, OptimizerFactory
 from shardwise.strategies.fsdp import ShardedDataParallel
 from shardwise.strategies.hsdp import HSDP
@@ -65,12 +66,14 @@ class ShardedPipeline(Pipeline):
         super().__init__(ctx, cfg)
         # fsdp.py's (hsdp.py's: sharded within a node, replicated across) on the same mesh.
         self.sharded = (HSDP if spec(cfg.strategy).across_nodes else ShardedDataParallel)(ctx, cfg, self.mesh)
+        self.view: ShardedSplitView = ShardedSplitView(self)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         module = super().wrap(model)
         stages = nn.ModuleList(stage.model for stage in self.stages.values())
-        self.sharded.shard_stages(stages, self.cfg.block, dict(super().named_local_parameters()), self._full,
+        self.sharded.shard_stages(stages, self.cfg.block, dict(self.view.held_parameters()), self.view.full,
                                    self.tensor_shards, self.tp_partial)
+        self.view.sharded = self.sharded.view
         # What a stage sends: the working dtype its parameters are gathered in (mixed precision's compute dtype).
         working = self.sharded.sharding.working_dtype
         self.activations = self.module.activations = Activations(self.activations.width, working, self.ctx.device)
@@ -98,31 +101,12 @@ class ShardedPipeline(Pipeline):
         """A shard counts where its parameter would in a plain pipeline: a tp shard on every tp rank,
         what tp ranks hold whole on tp rank 0, a tied weight on the first stage; then summed over the
         stage's data-parallel ranks, its tp ranks and the stages."""
-        counted = [self.sharded.sharding.shard_of(p).grad for _, p in super().named_local_parameters()
+        counted = [self.sharded.sharding.shard_of(p).grad for _, p in self.view.held_parameters()
                    if self.sharded.sharding.shard_of(p).grad is not None and id(p) not in self.duplicates
                    and (id(p) in self.tensor_shards or self.tp_rank == 0)]
-        grads = self.local_grads()
+        grads = local_grads(self.local_parameters())
         return clip_grad_norm_(counted, grads, max_norm, self.ctx.device,
                                (self.sharded.group, self.tp_group, self.pp_group))
 
     def memory(self, activations: int) -> MemoryBreakdown:
         return self.sharded.memory(activations)
-
-    # --- state: this rank's shards by the plain model's names ------------------------------
-
-    def named_local_parameters(self) -> list[tuple[str, nn.Parameter]]:
-        return [(name, self.sharded.sharding.shard_of(p)) for name, p in super().named_local_parameters()]
-
-    def as_global(self, name: str, local: torch.Tensor) -> torch.Tensor:
-        return self.sharded.as_global(name, local)
-
-    def after_state_loaded(self) -> None:
-        self.sharded.after_state_loaded()
-
-    def _whole_in_stage(self, name: str) -> torch.Tensor | None:
-        """A parameter gathered over the stage's data-parallel ranks, then its tp ranks; a buffer,
-        whole on every rank, from the first."""
-        held = self._local[name]
-        if isinstance(held, nn.Parameter):
-            return self.sharded.whole(held)
-        return held.detach() if self.dp_rank == 0 and self.tp_rank == 0 else None

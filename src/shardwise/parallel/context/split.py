@@ -80,6 +80,22 @@ class ContextParallel:
         return module.register_forward_pre_hook(hook, with_kwargs=True)
 
     @contextmanager
+    def split(self, batch: tuple[torch.Tensor, ...]) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's inputs and targets of `batch` ((inputs, targets), or with each input token's
+        document for packed documents): its tokens over a group, the whole batch otherwise.
+        Inside, the model's attention runs over the group and within the batch's documents; keep it
+        open for backward too (recomputation runs the forward again there). The loss over this
+        rank's tokens is their mean: every rank of the group holds as many, so the mean over the
+        group is the sequence's."""
+        inputs, targets, *documents = batch
+        documents = documents[0] if documents else None
+        if self.group is None and documents is None:
+            yield inputs, targets
+            return
+        with self.attending(documents):
+            yield self.shard(inputs), self.shard(targets)
+
+    @contextmanager
     def attending(self, documents: torch.Tensor | None = None) -> Iterator[None]:
         """Inside, the model's causal attention calls run over the group, within `documents` (each
         token's document over the whole sequence, `[batch, seq_len]`) where given. Keep it open for

@@ -28,11 +28,11 @@ class TensorParallel(MeshStrategy):
         # A meta-built model is made real here block by block, each split as soon as it is real.
         model = self.prepare(model, materialise=False)
         located = self.locate(model)
-        self.record_layout(model, [{id(t) for t in model.state_dict(keep_vars=True).values()}])
+        self.view.record_layout(model, [{id(t) for t in model.state_dict(keep_vars=True).values()}])
         self.materialise_outside_blocks(model)
         self.tensor_shards, self.tp_partial = parallelize_blocks(
             located.blocks, located.plan, TensorParallelGroup(self.tp_group), self.cfg.sequence_parallel,
             functools.partial(self.materialised, model))
-        self.record_local_state(model)
+        self.view.record_local_state(model)
         self.module = model
         return model
