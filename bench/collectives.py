@@ -38,10 +38,10 @@ from shardwise.trainer import Trainer
 SIZES = [4**k * 2**10 for k in range(10)]  # 1 KiB .. 256 MiB
 SPEED_VARIANTS: dict[str, tuple[str, ...]] = {
     "ddp": (),
-    "ring": ("parallel.all_reduce=ring",),
-    "fp16": ("parallel.grad_compression=fp16",),
-    "bf16": ("parallel.grad_compression=bf16",),
-    "powersgd": ("parallel.grad_compression=powersgd", "parallel.powersgd_start_step=0"),
+    "ring": ("parallel.ddp.all_reduce=ring",),
+    "fp16": ("parallel.ddp.grad_compression=fp16",),
+    "bf16": ("parallel.ddp.grad_compression=bf16",),
+    "powersgd": ("parallel.ddp.grad_compression=powersgd", "parallel.ddp.powersgd_start_step=0"),
 }
 ACCURACY_STEPS = 200
 # configs/gpt-tiny.toml's settings, which the tests train PowerSGD with too
@@ -49,12 +49,12 @@ GPT_TINY = ("model.preset=tiny", "data.name=shakespeare", "train.global_batch=16
             "train.lr=3e-3", "train.min_lr=3e-4", "train.warmup_steps=10", "train.seed=0")
 ACCURACY_VARIANTS: dict[str, tuple[str, ...]] = {
     "ddp": (),
-    "ring": ("parallel.all_reduce=ring",),
-    "fp16": ("parallel.grad_compression=fp16",),
-    "bf16": ("parallel.grad_compression=bf16",),
-    "powersgd": ("parallel.grad_compression=powersgd",),
-    "powersgd from step 0": ("parallel.grad_compression=powersgd", "parallel.powersgd_start_step=0"),
-    "powersgd rank 8": ("parallel.grad_compression=powersgd", "parallel.powersgd_rank=8"),
+    "ring": ("parallel.ddp.all_reduce=ring",),
+    "fp16": ("parallel.ddp.grad_compression=fp16",),
+    "bf16": ("parallel.ddp.grad_compression=bf16",),
+    "powersgd": ("parallel.ddp.grad_compression=powersgd",),
+    "powersgd from step 0": ("parallel.ddp.grad_compression=powersgd", "parallel.ddp.powersgd_start_step=0"),
+    "powersgd rank 8": ("parallel.ddp.grad_compression=powersgd", "parallel.ddp.powersgd_rank=8"),
 }
 
 

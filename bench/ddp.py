@@ -75,7 +75,7 @@ def run(ctx: DistContext, steps: int, rounds: int, micro_batch: int) -> dict[str
     times = alternate({name: trainer.run_step for name, trainer in trainers.items()}, steps, rounds)
     per_round = max(1, steps // rounds)
 
-    bucket_bytes = int(trainers["ddp"].cfg.parallel.bucket_mb * 2**20)
+    bucket_bytes = int(trainers["ddp"].cfg.parallel.ddp.bucket_mb * 2**20)
     comm = all_reduce_seconds(trainers["ddp"], bucket_bytes, repeats=5)
     overlap = {name: backward_timings(trainer, samples=2, repeats=10) for name, trainer in trainers.items()}
 

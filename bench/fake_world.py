@@ -63,7 +63,7 @@ def planned_candidate(cfg: Config, world: int) -> Candidate | None:
     dp, pp, tp = p.mesh_shape(world)
     pipelined = pp > 1 or p.strategy == "pipeline"
     return Candidate(p.strategy, dp, pp, tp, p.precision, p.recompute, cfg.train.micro_batch,
-                     p.micro_batches if pipelined else 1, p.schedule if pipelined else None,
+                     p.pipeline.micro_batches if pipelined else 1, p.pipeline.schedule if pipelined else None,
                      shard=cfg.launch.nproc if p.strategy == "hsdp" else None)
 
 

@@ -49,7 +49,7 @@ def job_config(job: dict[str, Any], out: str) -> Config:
         mesh = [f"launch.nproc={NODE}", f"launch.nnodes={world // NODE}"]
     elif strategy == "pipeline":
         dp = world // STAGES
-        mesh = [*mesh, f"parallel.dp={dp}", f"parallel.pp={STAGES}", f"parallel.micro_batches={STAGES}"]
+        mesh = [*mesh, f"parallel.dp={dp}", f"parallel.pp={STAGES}", f"parallel.pipeline.micro_batches={STAGES}"]
     return load_config(None, [
         f"model.preset={job['preset']}", "data.name=synthetic-tokens", f"parallel.strategy={strategy}", *mesh,
         "parallel.precision=bf16-mixed", "train.optimizer=adamw", f"train.micro_batch={mb}",

@@ -86,7 +86,7 @@ def pipeline_config(strategy: str, stages: int, schedule: str, micro_batches: in
     cfg = bench_config(strategy, stages, micro_batch, steps, *MODEL, *overrides)
     cfg.train.global_batch = micro_batch  # one replica: the whole per-replica batch is one pipeline run
     cfg.train.grad_clip = 0.0
-    cfg.parallel.schedule, cfg.parallel.micro_batches = schedule, micro_batches
+    cfg.parallel.pipeline.schedule, cfg.parallel.pipeline.micro_batches = schedule, micro_batches
     validate(cfg, world_size=stages)
     return cfg
 

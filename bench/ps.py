@@ -27,8 +27,8 @@ WORKERS = 2
 MODEL = ["model.preset=small", "data.name=shakespeare", "train.global_batch=16", "train.micro_batch=8",
          "train.warmup_steps=2", "train.eval_every=0", "train.eval_batches=2", "launch.threads_per_rank=1"]
 JOBS = {  # name -> (strategy, processes, extra overrides); every one trains on 2 workers' worth of devices
-    "ps-sync": ("param-server", WORKERS + 1, ["parallel.ps_mode=sync"]),
-    "ps-async": ("param-server", WORKERS + 1, ["parallel.ps_mode=async"]),
+    "ps-sync": ("param-server", WORKERS + 1, ["parallel.param_server.mode=sync"]),
+    "ps-async": ("param-server", WORKERS + 1, ["parallel.param_server.mode=async"]),
     "dp": ("dp", 1, [f"parallel.replicas={WORKERS}"]),
     "ddp": ("ddp", WORKERS, []),
 }

@@ -60,7 +60,8 @@ def test_single_resumes_bit_identically(tmp_path, precision):
 
 
 # compressing from step 5, so the checkpoint at 20 holds its Q factors and error feedback
-POWERSGD = ("parallel.grad_compression=powersgd", "parallel.powersgd_start_step=5", "parallel.bucket_mb=0.2")
+POWERSGD = ("parallel.ddp.grad_compression=powersgd", "parallel.ddp.powersgd_start_step=5",
+            "parallel.ddp.bucket_mb=0.2")
 
 
 @pytest.mark.parametrize(("strategy", "precision"), [("ddp", FP32), ("fsdp", FP32), ("ddp", BF16), ("fsdp", FP16),
@@ -99,7 +100,7 @@ def test_a_split_model_resumes_bit_identically_on_2_ranks(tmp_path, strategy):
 # held to single's within 1e-5: SGD with momentum (its state resharded like Adam's moments), since
 # Adam turns the rounding noise of a near-zero gradient into a full step, which a loss spike (this
 # model has them) shows at well above 1e-5.
-RESHARD = ("train.micro_batch=2", "parallel.micro_batches=2", "train.optimizer=sgd", "train.lr=0.1")
+RESHARD = ("train.micro_batch=2", "parallel.pipeline.micro_batches=2", "train.optimizer=sgd", "train.lr=0.1")
 
 
 def save_then_crash(ctx: DistContext, out: Path, strategy: str, *overrides: str) -> None:
@@ -145,7 +146,8 @@ def test_a_split_model_checkpoint_reshards_to_and_from_data_parallel_on_2_ranks(
 
 def dp2_tensor_to_pp2_tp2_pipeline(ctx: DistContext, out: Path) -> None:
     save_then_crash(ctx, out, "tensor", "parallel.dp=2")
-    resume(ctx, out, "pipeline", "parallel.tp=2", "parallel.micro_batches=1")  # 4 ranks on 2 cores: fewer messages
+    resume(ctx, out, "pipeline", "parallel.tp=2",
+           "parallel.pipeline.micro_batches=1")  # 4 ranks on 2 cores: fewer messages
 
 
 def test_a_dp2_tp2_checkpoint_resumes_as_2_stages_of_2_tensor_shards(tmp_path, reference):

@@ -146,11 +146,11 @@ def ddp_runs(tmp_path_factory) -> tuple[Path, list[dict[str, int]]]:
     root = tmp_path_factory.mktemp("collectives")
     runs = {
         "plain": (PARITY_STEPS, *SGD),
-        "ring": (PARITY_STEPS, *SGD, "parallel.all_reduce=ring", "parallel.bucket_mb=0.1"),  # several buckets
-        "fp16": (PARITY_STEPS, *SGD, "parallel.grad_compression=fp16"),
-        "bf16": (PARITY_STEPS, *SGD, "parallel.grad_compression=bf16", "parallel.all_reduce=ring"),
+        "ring": (PARITY_STEPS, *SGD, "parallel.ddp.all_reduce=ring", "parallel.ddp.bucket_mb=0.1"),  # several buckets
+        "fp16": (PARITY_STEPS, *SGD, "parallel.ddp.grad_compression=fp16"),
+        "bf16": (PARITY_STEPS, *SGD, "parallel.ddp.grad_compression=bf16", "parallel.ddp.all_reduce=ring"),
         "plain-200": (ACCURACY_STEPS,),
-        "powersgd-200": (ACCURACY_STEPS, "parallel.grad_compression=powersgd", "parallel.bucket_mb=0.1"),
+        "powersgd-200": (ACCURACY_STEPS, "parallel.ddp.grad_compression=powersgd", "parallel.ddp.bucket_mb=0.1"),
     }
     sent = run_ranks(train_variants, 2, root, runs)
     train_in_process(ddp_cfg(root / "single", PARITY_STEPS, *SGD, "parallel.strategy=single", "launch.nproc=1"))
@@ -193,7 +193,7 @@ def test_powersgd_sends_rank_r_factors_instead_of_matrices(ddp_runs):
     """After its 10 plain steps, a compressed matrix of n x m costs r (n + m) numbers, a vector n."""
     _, sent = ddp_runs
     cfg = load_config(CONFIGS / "gpt-tiny.toml")
-    rank, start = cfg.parallel.powersgd_rank, cfg.parallel.powersgd_start_step
+    rank, start = cfg.parallel.ddp.powersgd_rank, cfg.parallel.ddp.powersgd_start_step
     per_step = 0
     for param in build_model(cfg.model).parameters():
         rows, columns = param.shape[0], param[0].numel()

@@ -16,7 +16,7 @@ RUNS = {
     "ddp": ("ddp", "train.micro_batch=4"),
     "fsdp": ("fsdp", "train.micro_batch=4"),
     "fsdp-tp2": ("fsdp", "parallel.tp=2"),
-    "pipeline-pp2": ("pipeline", "parallel.pp=2", "parallel.micro_batches=2"),
+    "pipeline-pp2": ("pipeline", "parallel.pp=2", "parallel.pipeline.micro_batches=2"),
 }
 
 

@@ -47,18 +47,19 @@ RUNS = {  # on 4 ranks: 2 data-parallel x 2 tensor-parallel
     "fsdp-tp2-llama": ("fsdp", "parallel.tp=2", *LLAMA),
     "zero1-tp2-bf16-recompute": ("zero1", "parallel.tp=2", *BF16_RECOMPUTE),
     # 2 data-parallel x 2 pipeline stages: the tied embedding and head on two ranks, sharded on each
-    "zero2-pp2": ("zero2", "parallel.pp=2", "parallel.micro_batches=2"),
-    "fsdp-pp2-zbv-llama": ("fsdp", "parallel.pp=2", "parallel.micro_batches=2", "parallel.schedule=zbv",
+    "zero2-pp2": ("zero2", "parallel.pp=2", "parallel.pipeline.micro_batches=2"),
+    "fsdp-pp2-zbv-llama": ("fsdp", "parallel.pp=2", "parallel.pipeline.micro_batches=2",
+                           "parallel.pipeline.schedule=zbv",
                            "model.n_layer=4", *LLAMA),
 }
 EIGHT_RANK_RUNS = {
     # 2 "nodes" of 4 processes: each node's 2 x 2 (dp_shard x tp) holds a replica; a global batch of 8 over 4.
     "hsdp-2x2-tp2": ("hsdp", "parallel.tp=2", "train.micro_batch=2"),
     "fsdp-cp2-tp2-recompute": ("fsdp", "parallel.tp=2", "parallel.cp=2", "parallel.recompute=blocks"),
-    "fsdp-pp2-tp2": ("fsdp", "parallel.pp=2", "parallel.tp=2", "parallel.micro_batches=2",
+    "fsdp-pp2-tp2": ("fsdp", "parallel.pp=2", "parallel.tp=2", "parallel.pipeline.micro_batches=2",
                      f"train.checkpoint_every={SAVED_AT}"),
     # 2 nodes of (2 x pp 2): each node a replica whose stages are sharded over its 2 dp ranks
-    "hsdp-2x2-pp2": ("hsdp", "parallel.pp=2", "parallel.micro_batches=2", "train.micro_batch=2"),
+    "hsdp-2x2-pp2": ("hsdp", "parallel.pp=2", "parallel.pipeline.micro_batches=2", "train.micro_batch=2"),
 }
 # What the planner is asked about each run (its config is the candidate's).
 PLANNED = {
@@ -203,7 +204,8 @@ def to_pipeline_and_back(ctx: DistContext, run: Path, out: Path) -> None:
         shutil.copytree(run / "checkpoints" / saved, out / "checkpoints" / saved)
         (out / "checkpoints" / "latest").write_text(saved)
     ctx.barrier()
-    pipeline = Trainer(cfg_for(out, "pipeline", 4, "parallel.tp=2", "parallel.micro_batches=2", "run.resume=true",
+    pipeline = Trainer(cfg_for(out, "pipeline", 4, "parallel.tp=2", "parallel.pipeline.micro_batches=2",
+                               "run.resume=true",
                                f"train.checkpoint_every={RESHARDED_AT}"), ctx)
     with pytest.raises(Crash):
         crash_at(pipeline, RESHARDED_AT).fit()
@@ -228,8 +230,9 @@ def test_a_checkpoint_of_fsdp_over_tensor_parallel_reshards_to_a_pipeline_and_ba
 @pytest.mark.parametrize("overrides, message", [
     (("parallel.strategy=hsdp", "parallel.pp=2", "launch.nproc=3"), "launch.nproc = 3 must be a multiple of pp x tp"),
     (("parallel.strategy=fsdp", "parallel.pp=2", "parallel.cp=2"), "a pipeline (parallel.pp = 2) does not split"),
-    (("parallel.strategy=zero2", "parallel.pp=2", "parallel.offload=optimizer"), "not over pipeline stages"),
-    (("parallel.strategy=fsdp", "parallel.pp=2", "parallel.micro_batches=3"), "must divide train.micro_batch = 4"),
+    (("parallel.strategy=zero2", "parallel.pp=2", "parallel.sharding.offload=optimizer"), "not over pipeline stages"),
+    (("parallel.strategy=fsdp", "parallel.pp=2", "parallel.pipeline.micro_batches=3"),
+     "must divide train.micro_batch = 4"),
     (("parallel.strategy=zero1", "parallel.pp=3"), "must equal the world size 4"),
 ])
 def test_a_sharded_pipeline_that_cannot_run_is_refused_before_any_worker_starts(overrides, message):

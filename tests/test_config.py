@@ -39,6 +39,30 @@ def test_unknown_key_is_named_with_the_allowed_keys(tmp_path):
     assert "train.learning_rate" in message and "allowed in [train]" in message and "lr" in message
 
 
+@pytest.mark.parametrize(("toml", "overrides", "moved"), [
+    ("", ("parallel.micro_batches=4",), "parallel.micro_batches in --set: moved to parallel.pipeline.micro_batches"),
+    ("[parallel]\nbucket_mb = 4.0\n", (), "parallel.bucket_mb in "),
+    ("[parallel]\nps_servers = 2\n", (), "moved to parallel.param_server.servers"),
+    ("", ("parallel.offload=optimizer",), "moved to parallel.sharding.offload"),
+], ids=["set", "file", "renamed", "sharding"])
+def test_a_key_that_moved_into_its_table_names_its_new_place(tmp_path, toml, overrides, moved):
+    assert moved in error_for(tmp_path, toml, overrides)
+
+
+def test_a_table_of_parallel_is_read_from_the_file_from_set_and_dotted(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[parallel]\nstrategy = 'ddp'\n\n[parallel.pipeline]\nschedule = 'gpipe'\nmicro_batches = 2\n")
+    cfg = load_config(path, ["parallel.pipeline.micro_batches=8", "parallel.ddp.bucket_mb=4"])
+    assert (cfg.parallel.pipeline.schedule, cfg.parallel.pipeline.micro_batches) == ("gpipe", 8)
+    assert cfg.parallel.ddp.bucket_mb == 4.0
+    assert "parallel.pipeline.micro_batches = 'many'" in error_for(tmp_path, overrides=(
+        "parallel.pipeline.micro_batches=many",))
+    assert "parallel.pipeline.stages in --set: unknown key; allowed in [parallel.pipeline]: micro_batches" in \
+        error_for(tmp_path, overrides=("parallel.pipeline.stages=2",))
+    assert "parallel.strategy.x in --set: parallel.strategy is a value" in error_for(tmp_path, overrides=(
+        "parallel.strategy.x=2",))
+
+
 def test_unknown_section_is_named(tmp_path):
     assert "[optimiser]" in error_for(tmp_path, "[optimiser]\nlr = 1.0\n")
 
@@ -61,7 +85,7 @@ def test_a_float_is_not_accepted_for_an_int(tmp_path):
         ("train.lr=-1e-3", "train.lr"),
         ("model.n_layer=0", "model.n_layer"),
         ("launch.nproc=0", "launch.nproc"),
-        ("parallel.bucket_mb=0", "parallel.bucket_mb"),
+        ("parallel.ddp.bucket_mb=0", "parallel.ddp.bucket_mb"),
         ("train.warmup_steps=-1", "train.warmup_steps"),
         ("launch.shutdown_timeout_s=-1", "launch.shutdown_timeout_s"),
     ],
@@ -110,10 +134,11 @@ def test_cli_reports_config_errors_before_any_worker_starts(tmp_path, tiny_confi
 
 
 def test_resolved_config_round_trips_through_toml(tmp_path):
-    cfg = load_config(None, ["train.lr=0.01", "model.preset=small"])
+    cfg = load_config(None, ["train.lr=0.01", "model.preset=small", "parallel.pipeline.split_points=[1]"])
     cfg.save(tmp_path / "config.toml")
     again = load_config(tmp_path / "config.toml")
-    assert again == cfg and again.model.d_model == 384
+    assert again == cfg and again.model.d_model == 384 and again.parallel.pipeline.split_points == [1]
+    assert "[parallel.pipeline]" in (tmp_path / "config.toml").read_text()
 
 
 @pytest.mark.parametrize(
@@ -125,11 +150,13 @@ def test_resolved_config_round_trips_through_toml(tmp_path):
         (("parallel.recompute=blocks", "model.name=cnn", "data.name=digits"), "'cnn' has no blocks to recompute"),
         (("train.compile=true", "model.name=cnn", "data.name=digits"), "train.compile: model.name = 'cnn' has no"),
         (("train.compile=true", "parallel.recompute=selective"), "its policy cannot see the operations inside"),
-        (("parallel.reduce_dtype=fp16",), "parallel.reduce_dtype = 'fp16': unknown; allowed: fp32, bf16"),
-        (("parallel.reduce_dtype=bf16", "parallel.strategy=ddp"), "only the sharded strategies"),
-        (("parallel.offload=params",), "parallel.offload = 'params': unknown; allowed: none, optimizer"),
-        (("parallel.offload=optimizer", "parallel.strategy=hsdp"),
-         "parallel.offload = 'optimizer': only zero1, zero2, fsdp offload their optimizer state to the host; "
+        (("parallel.sharding.reduce_dtype=fp16",),
+         "parallel.sharding.reduce_dtype = 'fp16': unknown; allowed: fp32, bf16"),
+        (("parallel.sharding.reduce_dtype=bf16", "parallel.strategy=ddp"), "only the sharded strategies"),
+        (("parallel.sharding.offload=params",),
+         "parallel.sharding.offload = 'params': unknown; allowed: none, optimizer"),
+        (("parallel.sharding.offload=optimizer", "parallel.strategy=hsdp"),
+         "parallel.sharding.offload = 'optimizer': only zero1, zero2, fsdp offload their optimizer state to the host; "
          "parallel.strategy is 'hsdp'"),
         (("parallel.loss_scale=0",), "parallel.loss_scale = 0.0: must be > 0"),
     ],
@@ -147,17 +174,18 @@ def test_debug_collectives_is_refused_for_ddp_native_which_crashes_under_it(tmp_
 @pytest.mark.parametrize(
     "overrides, expected",
     [
-        (("parallel.all_reduce=tree",), "parallel.all_reduce = 'tree': unknown; allowed: backend, ring"),
-        (("parallel.grad_compression=int8",), "parallel.grad_compression = 'int8': unknown; allowed: none, fp16"),
-        (("parallel.powersgd_rank=0",), "parallel.powersgd_rank = 0: must be > 0"),
-        (("parallel.powersgd_start_step=-1",), "parallel.powersgd_start_step = -1: must be >= 0"),
-        (("parallel.all_reduce=ring", "parallel.strategy=ddp-native"),
-         "parallel.all_reduce = 'ring': only parallel.strategy = 'ddp' (ours) has it; parallel.strategy is "
+        (("parallel.ddp.all_reduce=tree",), "parallel.ddp.all_reduce = 'tree': unknown; allowed: backend, ring"),
+        (("parallel.ddp.grad_compression=int8",),
+         "parallel.ddp.grad_compression = 'int8': unknown; allowed: none, fp16"),
+        (("parallel.ddp.powersgd_rank=0",), "parallel.ddp.powersgd_rank = 0: must be > 0"),
+        (("parallel.ddp.powersgd_start_step=-1",), "parallel.ddp.powersgd_start_step = -1: must be >= 0"),
+        (("parallel.ddp.all_reduce=ring", "parallel.strategy=ddp-native"),
+         "parallel.ddp.all_reduce = 'ring': only parallel.strategy = 'ddp' (ours) has it; parallel.strategy is "
          "'ddp-native'"),
-        (("parallel.grad_compression=fp16", "parallel.strategy=fsdp"),
-         "parallel.grad_compression = 'fp16': only parallel.strategy = 'ddp' (ours) has it"),
-        (("parallel.grad_compression=powersgd", "parallel.strategy=ddp", "parallel.precision=fp16-mixed"),
-         "parallel.grad_compression = 'powersgd': needs fp32 gradients on a steady scale"),
+        (("parallel.ddp.grad_compression=fp16", "parallel.strategy=fsdp"),
+         "parallel.ddp.grad_compression = 'fp16': only parallel.strategy = 'ddp' (ours) has it"),
+        (("parallel.ddp.grad_compression=powersgd", "parallel.strategy=ddp", "parallel.precision=fp16-mixed"),
+         "parallel.ddp.grad_compression = 'powersgd': needs fp32 gradients on a steady scale"),
     ],
 )
 def test_bad_gradient_reduction_settings_are_named(tmp_path, overrides, expected):
@@ -195,19 +223,20 @@ PIPE2 = ("parallel.strategy=pipeline", "model.n_layer=4")
 
 
 @pytest.mark.parametrize(("overrides", "expected"), [
-    (("parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=3"),
-     "parallel.pp = 2 x parallel.virtual_stages = 3 (interleaved-1f1b): 6 stages, more pipeline stages than the "
-     "model's 4 blocks"),
-    (("parallel.schedule=interleaved-1f1b", "parallel.virtual_stages=1"),
-     "parallel.virtual_stages = 1: interleaved-1f1b needs at least 2 stages per rank"),
-    (("parallel.schedule=zbv", "parallel.virtual_stages=3"),
-     "parallel.virtual_stages = 3: zbv always has 2 stages per rank; leave it unset"),
-    (("parallel.schedule=zb-h1", "parallel.virtual_stages=2"), "zb-h1 always has 1 stage per rank"),
-    (("parallel.schedule=dualpipev", "parallel.micro_batches=2"),
-     "parallel.schedule = 'dualpipev': dualpipev on 2 ranks needs at least 4 micro-batches, got 2"),
-    (("parallel.schedule=zbv", "parallel.split_points=[2]"),
-     "parallel.split_points = [2]: expected 3 increasing block indices in [1, 3], the first block of stages 2..4"),
-    (("parallel.schedule=zb-h1", "parallel.recompute=selective"),
+    (("parallel.pipeline.schedule=interleaved-1f1b", "parallel.pipeline.virtual_stages=3"),
+     "parallel.pp = 2 x parallel.pipeline.virtual_stages = 3 (interleaved-1f1b): 6 stages, more pipeline stages "
+     "than the model's 4 blocks"),
+    (("parallel.pipeline.schedule=interleaved-1f1b", "parallel.pipeline.virtual_stages=1"),
+     "parallel.pipeline.virtual_stages = 1: interleaved-1f1b needs at least 2 stages per rank"),
+    (("parallel.pipeline.schedule=zbv", "parallel.pipeline.virtual_stages=3"),
+     "parallel.pipeline.virtual_stages = 3: zbv always has 2 stages per rank; leave it unset"),
+    (("parallel.pipeline.schedule=zb-h1", "parallel.pipeline.virtual_stages=2"), "zb-h1 always has 1 stage per rank"),
+    (("parallel.pipeline.schedule=dualpipev", "parallel.pipeline.micro_batches=2"),
+     "parallel.pipeline.schedule = 'dualpipev': dualpipev on 2 ranks needs at least 4 micro-batches, got 2"),
+    (("parallel.pipeline.schedule=zbv", "parallel.pipeline.split_points=[2]"),
+     "parallel.pipeline.split_points = [2]: expected 3 increasing block indices in [1, 3], the first block of "
+     "stages 2..4"),
+    (("parallel.pipeline.schedule=zb-h1", "parallel.recompute=selective"),
      "parallel.recompute = 'selective': does not compose with zb-h1's split backward"),
 ], ids=["interleaved-too-many-stages", "interleaved-one", "zbv-three", "zb-h1-two", "dualpipev-few", "zbv-points",
         "selective"])
@@ -216,9 +245,9 @@ def test_pipeline_schedules_and_virtual_stages_are_checked(tmp_path, overrides, 
 
 
 def test_micro_batches_must_divide_the_per_replica_batch(tmp_path):
-    message = error_for(tmp_path, overrides=("parallel.strategy=pipeline", "parallel.micro_batches=3"),
+    message = error_for(tmp_path, overrides=("parallel.strategy=pipeline", "parallel.pipeline.micro_batches=3"),
                         flags={"launch.nproc": 2})
-    assert "parallel.micro_batches = 3" in message and "must divide train.micro_batch = 8" in message
+    assert "parallel.pipeline.micro_batches = 3" in message and "must divide train.micro_batch = 8" in message
 
 
 def test_tensor_parallel_size_must_divide_the_heads(tmp_path):
@@ -229,9 +258,10 @@ def test_tensor_parallel_size_must_divide_the_heads(tmp_path):
 
 def test_split_points_must_be_increasing_block_indices(tmp_path):
     message = error_for(tmp_path, flags={"launch.nproc": 2},
-                        overrides=("parallel.strategy=pipeline", "model.n_layer=4", "parallel.split_points=[0]"))
-    assert "parallel.split_points = [0]" in message and "[1, 3]" in message
-    assert "a list of integers" in error_for(tmp_path, overrides=("parallel.split_points=[1.5]",))
+                        overrides=("parallel.strategy=pipeline", "model.n_layer=4",
+                                   "parallel.pipeline.split_points=[0]"))
+    assert "parallel.pipeline.split_points = [0]" in message and "[1, 3]" in message
+    assert "a list of integers" in error_for(tmp_path, overrides=("parallel.pipeline.split_points=[1.5]",))
 
 
 def test_data_parallel_strategies_take_no_model_split(tmp_path):

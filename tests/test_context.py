@@ -75,7 +75,7 @@ def train_on_4_ranks(ctx: DistContext, root: Path, names: tuple[str, ...]) -> No
         model, strategy, cp, mode, documents, recompute = RUNS[name]
         tp = ["parallel.tp=2"] if strategy == "tensor" else []
         if strategy == "pipeline":
-            tp = ["parallel.pp=2", "parallel.micro_batches=2"]
+            tp = ["parallel.pp=2", "parallel.pipeline.micro_batches=2"]
         Trainer(config(root / name, model, documents, f"parallel.strategy={strategy}", f"parallel.cp={cp}",
                        f"parallel.cp_mode={mode}", f"parallel.recompute={recompute}", *tp,
                        f"launch.nproc={ctx.world_size}"), ctx).fit()
@@ -172,7 +172,7 @@ def test_saved_activations_of_the_llama_runs_are_1_over_cp_and_as_predicted_with
      "model.n_head = 2, model.seq_len = 64: parallel.cp_mode = 'all-to-all' gives each of the parallel.cp = 4"),
     (["parallel.cp=2", "launch.nproc=2", "parallel.strategy=model-parallel"],
      "parallel.cp = 2: parallel.strategy = 'model-parallel' neither splits sequences nor masks documents"),
-    (["data.documents=paragraphs", "launch.nproc=2", "parallel.strategy=pipeline", "parallel.micro_batches=2"],
+    (["data.documents=paragraphs", "launch.nproc=2", "parallel.strategy=pipeline", "parallel.pipeline.micro_batches=2"],
      "data.documents = 'paragraphs': parallel.strategy = 'pipeline' does not mask documents yet"),
     (["parallel.cp=4", "launch.nproc=2", "parallel.strategy=ddp"], "parallel.cp = 4: must divide the world size 2"),
     (["data.documents=files", "data.name=synthetic-tokens"],

@@ -12,7 +12,7 @@ from distributed import run_ranks
 from helpers import SGD, assert_same_training, cnn_config, gpt_tiny, losses, train_in_process, train_runs
 from torch import nn
 
-from shardwise.config.schema import ParallelConfig
+from shardwise.config.schema import DDPConfig, ParallelConfig
 from shardwise.dist import DistContext
 from shardwise.models import CNN
 from shardwise.parallel.replicate import plan_buckets
@@ -33,7 +33,7 @@ def gpt_runs(tmp_path_factory) -> Path:
     runs = {
         "ddp": ("ddp", "train.micro_batch=4"),
         "ddp-accum2": ("ddp", "train.micro_batch=2"),
-        "ddp-small-buckets": ("ddp", "train.micro_batch=4", "parallel.bucket_mb=0.01"),
+        "ddp-small-buckets": ("ddp", "train.micro_batch=4", "parallel.ddp.bucket_mb=0.01"),
         "ddp-native": ("ddp-native", "train.micro_batch=4"),
         "ddp-native-accum2": ("ddp-native", "train.micro_batch=2"),
     }
@@ -83,7 +83,7 @@ def ddp_behaviour(ctx: DistContext) -> dict:
     torch.manual_seed(100 + ctx.rank)  # each rank starts from different weights
     model = CNN(width=4)
     model.features[1].running_mean.fill_(float(ctx.rank))
-    strategy = DDP(ctx, ParallelConfig(strategy="ddp", bucket_mb=0.0005))
+    strategy = DDP(ctx, ParallelConfig(strategy="ddp", ddp=DDPConfig(bucket_mb=0.0005)))
     model = strategy.wrap(model)
     flat = torch.cat([t.flatten() for t in [*model.parameters(), *model.buffers()]])
     gathered = [torch.empty_like(flat) for _ in range(ctx.world_size)]
@@ -146,7 +146,7 @@ def ddp_behaviour(ctx: DistContext) -> dict:
         out["unused_error"] = None
     except RuntimeError as error:
         out["unused_error"] = str(error)
-    lenient = DDP(ctx, ParallelConfig(strategy="ddp", find_unused_parameters=True))
+    lenient = DDP(ctx, ParallelConfig(strategy="ddp", ddp=DDPConfig(find_unused_parameters=True)))
     twoheads = lenient.wrap(TwoHeads())
     lenient.backward(twoheads(torch.full((2, 4), float(ctx.rank + 1))).sum())
     out["unused_grad"] = twoheads.unused.weight.grad.abs().sum().item()

@@ -94,7 +94,8 @@ def final_weights_runs(ctx: DistContext, root: Path) -> bytes | None:
     gradient sums its two ends in another order across stages). Rank 0 returns what transformers'
     save_pretrained writes for tensor's gathered state."""
     Trainer(parity_cfg(root / "fsdp", "fsdp", 2, "gpt"), ctx).fit()
-    Trainer(parity_cfg(root / "pipeline", "pipeline", 2, "llama", "train.micro_batch=2", "parallel.micro_batches=2"),
+    Trainer(parity_cfg(root / "pipeline", "pipeline", 2, "llama", "train.micro_batch=2",
+                       "parallel.pipeline.micro_batches=2"),
             ctx).fit()
     tensor = Trainer(parity_cfg(root / "tensor", "tensor", 2, "llama"), ctx)
     tensor.fit()
@@ -135,7 +136,7 @@ MODEL_BYTES = 8 * UNIT + 0.2 * MB  # and the embeddings: 101 MB
 def end_of_run_rises(ctx: DistContext, root: Path) -> dict[str, dict[str, int]]:
     """Each strategy's run of a 101 MB GPT: how much each phase added to the rank's resident set."""
     runs = {"fsdp": (), "tensor": ("train.global_batch=1",),
-            "pipeline": ("train.micro_batch=2", "parallel.micro_batches=2")}
+            "pipeline": ("train.micro_batch=2", "parallel.pipeline.micro_batches=2")}
     rises = {}
     for strategy, overrides in runs.items():
         trainer = Trainer(parity_cfg(root / strategy, strategy, 2, "gpt", *WIDE, *overrides), ctx)

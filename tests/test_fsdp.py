@@ -218,7 +218,7 @@ def offloaded_or_not(ctx: DistContext, root: Path) -> dict:
         for precision in ("fp32", "bf16-mixed"):
             for offload in ("none", "optimizer"):
                 cfg = cfg_for(root / strategy, strategy, ctx.world_size, "train.micro_batch=2", "train.grad_clip=0.5",
-                              f"parallel.precision={precision}", f"parallel.offload={offload}", *ODD_GPT)
+                              f"parallel.precision={precision}", f"parallel.sharding.offload={offload}", *ODD_GPT)
                 trainer = Trainer(cfg, ctx)
                 losses = [trainer.run_step(step) for step in range(3)]
                 trainer.train_step(3)  # gradients alive, as the trainer counts them

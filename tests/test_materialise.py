@@ -44,7 +44,7 @@ MESH_ON_4 = {"pipeline": ("parallel.tp=2",), "model-parallel": ("parallel.dp=2",
 
 def config(family: str, strategy: str, world: int, *extra: str) -> Config:
     return load_config(None, [f"model.name={family}", *FAMILIES[family], f"parallel.strategy={strategy}",
-                              f"launch.nproc={world}", "train.micro_batch=2", "parallel.micro_batches=2",
+                              f"launch.nproc={world}", "train.micro_batch=2", "parallel.pipeline.micro_batches=2",
                               f"train.seed={SEED}", *extra])
 
 
@@ -104,14 +104,16 @@ def test_every_strategy_starts_from_singles_weights_bit_for_bit(single, world):
         assert_same_state(state, single[label.split()[0]], f"{label} on {world} ranks")
 
 
-V_STAGES = ("model.n_layer=4", "train.micro_batch=4", "parallel.micro_batches=4")  # 2 ranks x 2 stages of a block
+V_STAGES = ("model.n_layer=4", "train.micro_batch=4",
+            "parallel.pipeline.micro_batches=4")  # 2 ranks x 2 stages of a block
 
 
 def stages_per_rank(ctx: DistContext) -> dict[str, dict[str, torch.Tensor]]:
     states = {}
     for family in ("gpt", "hf-gpt2"):  # GPT-2's head is tied to its embedding: a V holds both on rank 0
         for schedule in ("interleaved-1f1b", "zbv"):
-            state = step0(config(family, "pipeline", ctx.world_size, *V_STAGES, f"parallel.schedule={schedule}"), ctx)
+            state = step0(config(family, "pipeline", ctx.world_size, *V_STAGES,
+                                 f"parallel.pipeline.schedule={schedule}"), ctx)
             if ctx.is_main:
                 states[f"{family} {schedule}"] = state
     return states
@@ -134,7 +136,7 @@ def test_dp_and_the_parameter_servers_start_from_singles_weights(single):
     ctx = init_distributed(threads_per_rank=torch.get_num_threads())
     for family in ("gpt", "cnn"):
         assert_same_state(step0(config(family, "dp", 1), ctx), single[family], f"{family} dp")
-    cfg = config("gpt", "param-server", 4, "parallel.ps_servers=2")
+    cfg = config("gpt", "param-server", 4, "parallel.param_server.servers=2")
     shares = [server_parameters(cfg, index) for index in range(2)]
     assert all(shares) and not shares[0].keys() & shares[1].keys()  # each parameter on one server
     served = {name: param.detach() for share in shares for name, param in share.items()}

@@ -27,8 +27,7 @@ from shardwise.config.schema import ConfigError
 from shardwise.data.corpus import TokenWindows, load_corpus, split_tokens
 from shardwise.dist import DistContext
 from shardwise.models import build_model, loss_fn
-from shardwise.models import plans as plans_module
-from shardwise.models.plans import ParallelPlan, PlanError, Region, locate, plan_for, register_plan
+from shardwise.models.plans import ParallelPlan, PlanError, Region, locate, plan_for
 from shardwise.trainer import Trainer
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # set before transformers is first imported, here and in every rank
@@ -90,8 +89,8 @@ def test_clipping_is_active_and_every_family_learns_in_these_runs(singles):
 TWO_RANK_RUNS = {
     "tensor": ("tensor",),
     "tensor-sp": ("tensor", "parallel.sequence_parallel=true"),
-    "gpipe": ("pipeline", "parallel.schedule=gpipe"),
-    "1f1b": ("pipeline", "parallel.schedule=1f1b"),
+    "gpipe": ("pipeline", "parallel.pipeline.schedule=gpipe"),
+    "1f1b": ("pipeline", "parallel.pipeline.schedule=1f1b"),
     "model-parallel": ("model-parallel",),
 }
 
@@ -110,8 +109,8 @@ def test_matches_single_device_over_10_steps_on_2_ranks(two_rank_runs, singles, 
 
 
 THREE_STAGE_RUNS = {
-    "gpipe": ("pipeline", "parallel.schedule=gpipe"),
-    "1f1b": ("pipeline", "parallel.schedule=1f1b"),
+    "gpipe": ("pipeline", "parallel.pipeline.schedule=gpipe"),
+    "1f1b": ("pipeline", "parallel.pipeline.schedule=1f1b"),
 }
 
 
@@ -227,7 +226,7 @@ def test_python_api_splits_a_transformers_llama_as_one_device_trains_it(api, str
 def test_python_api_refuses_a_split_the_model_does_not_allow_naming_what_it_needs(api):
     errors = api[0]
     assert "must divide the attention's 1 key/value heads" in errors["one kv head"]
-    assert "no parallel plan for Sequential" in errors["no plan"] and "register_plan" in errors["no plan"]
+    assert "no parallel plan for Sequential" in errors["no plan"] and "parallel_plan" in errors["no plan"]
 
 
 # --- the CLI, and the 8-rank mesh -----------------------------------------------------------------
@@ -252,7 +251,7 @@ def test_cli_trains_qwen2_tensor_parallel_with_sequence_parallel_as_one_device(t
 @pytest.mark.slow
 def test_dp2_pp2_tp2_matches_single_device_on_8_ranks_for_every_family(tmp_path, singles):
     runs = {"dp2-pp2-tp2-sp": ("pipeline", "parallel.dp=2", "parallel.tp=2", "train.micro_batch=4",
-                               "parallel.micro_batches=2", "parallel.schedule=gpipe",
+                               "parallel.pipeline.micro_batches=2", "parallel.pipeline.schedule=gpipe",
                                "parallel.sequence_parallel=true")}
     # Each plan once: the Llama plan (through Qwen2) and GPT-2's Conv1D, with sequence parallel. The Llama
     # itself over a mesh: fsdp x tp2 and fsdp x pp2 (test_compositions); tensor and pipeline alone above.
@@ -318,8 +317,6 @@ def test_a_plan_finds_its_modules_by_name_and_says_what_does_not_fit():
         locate(Tower(), dataclasses.replace(TOWER, first_stage=("norm",), last_stage=("out",)))
     with pytest.raises(PlanError, match="no parallel plan for Tower"):
         locate(Tower())
-    register_plan(TOWER)
-    try:
-        assert plan_for(Tower()) is TOWER
-    finally:
-        plans_module._PLANS.remove(TOWER)
+    tower = Tower()
+    tower.parallel_plan = TOWER  # a model of its own family carries its plan
+    assert plan_for(tower) is TOWER and locate(tower).plan is TOWER

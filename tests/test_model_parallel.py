@@ -53,12 +53,12 @@ def test_clipping_is_active_in_these_runs(singles):
 # --- 2 ranks: pipeline stages (pp = 2) or tensor shards (tp = 2) ----------------------------------
 
 TWO_RANK_RUNS = {
-    "gpipe-m1": ("pipeline", "parallel.schedule=gpipe", "parallel.micro_batches=1"),
-    "gpipe-m4": ("pipeline", "parallel.schedule=gpipe", "parallel.micro_batches=4"),
-    "1f1b-m1": ("pipeline", "parallel.schedule=1f1b", "parallel.micro_batches=1"),
-    "1f1b-m4": ("pipeline", "parallel.schedule=1f1b", "parallel.micro_batches=4"),
+    "gpipe-m1": ("pipeline", "parallel.pipeline.schedule=gpipe", "parallel.pipeline.micro_batches=1"),
+    "gpipe-m4": ("pipeline", "parallel.pipeline.schedule=gpipe", "parallel.pipeline.micro_batches=4"),
+    "1f1b-m1": ("pipeline", "parallel.pipeline.schedule=1f1b", "parallel.pipeline.micro_batches=1"),
+    "1f1b-m4": ("pipeline", "parallel.pipeline.schedule=1f1b", "parallel.pipeline.micro_batches=4"),
     # two pipeline runs of 2 micro-batches each, gradients accumulated between them
-    "1f1b-m2-accum2": ("pipeline", "train.micro_batch=4", "parallel.micro_batches=2"),
+    "1f1b-m2-accum2": ("pipeline", "train.micro_batch=4", "parallel.pipeline.micro_batches=2"),
     "model-parallel": ("model-parallel",),
     "tensor": ("tensor",),
 }
@@ -111,15 +111,15 @@ def schedule_behaviour(ctx: DistContext, root: Path) -> dict:
     out = {}
     for schedule in ("gpipe", "1f1b"):
         for m in (4, 8):
-            trainer = Trainer(cfg_for(root / f"{schedule}-{m}", "pipeline", 2, f"parallel.schedule={schedule}",
-                                      f"parallel.micro_batches={m}"), ctx)
+            trainer = Trainer(cfg_for(root / f"{schedule}-{m}", "pipeline", 2, f"parallel.pipeline.schedule={schedule}",
+                                      f"parallel.pipeline.micro_batches={m}"), ctx)
             trainer.train_step(0)  # the trainer counts activations in its first step
             order = [f"{kind}{i}" for kind, i, _, _, _ in trainer.strategy.timeline]
             out[schedule, m] = {"peak": trainer.activation_bytes, "one": one_micro_batch_bytes(trainer, 8 // m),
                                 "order": order}
     for points, expected_blocks in (([1], [(0, 1), (1, 4)]), (None, [(0, 2), (2, 4)])):
         cfg = cfg_for(root / "split", "pipeline", 2, "model.n_layer=4")
-        cfg.parallel.split_points = points
+        cfg.parallel.pipeline.split_points = points
         out["split", str(points)] = (Trainer(cfg, ctx).strategy.stage_blocks, expected_blocks)
     return out
 
@@ -174,7 +174,8 @@ def three_stage_runs(ctx: DistContext, root: Path) -> dict:
     and one micro-batch's."""
     out = {}
     for schedule in ("gpipe", "1f1b"):
-        trainer = Trainer(cfg_for(root / schedule, "pipeline", 3, "model.n_layer=3", f"parallel.schedule={schedule}"),
+        trainer = Trainer(cfg_for(root / schedule, "pipeline", 3, "model.n_layer=3",
+                                  f"parallel.pipeline.schedule={schedule}"),
                           ctx)
         trainer.fit()
         out[schedule] = {"peak": trainer.activation_bytes, "one": one_micro_batch_bytes(trainer, 2)}
@@ -194,9 +195,9 @@ def test_3_stages_match_single_and_1f1b_holds_p_minus_stage_micro_batches(tmp_pa
 # --- compositions on a device mesh --------------------------------------------------------------
 
 FOUR_RANK_RUNS = {
-    "dp2-pp2": ("pipeline", "parallel.dp=2", "train.micro_batch=4", "parallel.micro_batches=2"),
-    "dp2-pp2-gpipe-accum2": ("pipeline", "parallel.dp=2", "train.micro_batch=2", "parallel.micro_batches=2",
-                             "parallel.schedule=gpipe"),
+    "dp2-pp2": ("pipeline", "parallel.dp=2", "train.micro_batch=4", "parallel.pipeline.micro_batches=2"),
+    "dp2-pp2-gpipe-accum2": ("pipeline", "parallel.dp=2", "train.micro_batch=2", "parallel.pipeline.micro_batches=2",
+                             "parallel.pipeline.schedule=gpipe"),
     "dp2-tp2": ("tensor", "parallel.dp=2", "train.micro_batch=4"),
     "pp2-tp2": ("pipeline", "parallel.tp=2"),
 }

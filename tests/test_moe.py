@@ -154,7 +154,8 @@ def test_gpt_moe_counts_its_active_parameters():
     (("parallel.strategy=hsdp", "parallel.ep=2"), "parallel.strategy = 'hsdp' does not split experts yet"),
     (("parallel.strategy=fsdp", "parallel.ep=2", "model.n_experts=2", "launch.nproc=4"),
      "fsdp shards each ep rank's 1 experts over the dp / ep = 2 ranks"),
-    (("parallel.strategy=fsdp", "parallel.ep=2", "parallel.pp=2", "parallel.micro_batches=2", "launch.nproc=4"),
+    (("parallel.strategy=fsdp", "parallel.ep=2", "parallel.pp=2", "parallel.pipeline.micro_batches=2",
+      "launch.nproc=4"),
      "parallel.ep = 2 with parallel.pp = 2: over pipeline stages, expert parallel runs under parallel.strategy = "
      "'pipeline' only yet"),
     (("parallel.strategy=fsdp", "parallel.tp=2", "parallel.sequence_parallel=true"),
@@ -214,7 +215,7 @@ TWO_RANK_RUNS = {
     "qwen3-moe-fsdp-ep2": ("fsdp", "parallel.ep=2", *QWEN3_MOE),
     # the auxiliary loss injected on each stage, scaled as the pipeline scales a micro-batch's loss; it
     # is over a micro-batch's tokens, so the pipeline's micro-batches are single's (4 / 2 = 2 samples)
-    "pipeline-pp2": ("pipeline", "parallel.micro_batches=2", "train.micro_batch=4"),
+    "pipeline-pp2": ("pipeline", "parallel.pipeline.micro_batches=2", "train.micro_batch=4"),
 }
 FOUR_RANK_RUNS = {
     "ddp-ep4": ("ddp", "parallel.ep=4"),
@@ -229,7 +230,8 @@ FOUR_RANK_RUNS = {
     "zero2-ep4-bf16-recompute": ("zero2", "parallel.ep=4", "parallel.precision=bf16-mixed",
                                  "parallel.recompute=blocks"),
     # 2 stages of one block, each stage's experts over its 2 dp ranks (micro-batches of 2, as single's)
-    "pipeline-pp2-ep2": ("pipeline", "parallel.dp=2", "parallel.pp=2", "parallel.ep=2", "parallel.micro_batches=2",
+    "pipeline-pp2-ep2": ("pipeline", "parallel.dp=2", "parallel.pp=2", "parallel.ep=2",
+                         "parallel.pipeline.micro_batches=2",
                          "train.micro_batch=4", f"train.checkpoint_every={SAVED_AT}"),
     # each sequence split over cp 2, the experts over ep 2: an expert's gradient summed over its dp and cp ranks
     "ddp-ep2-cp2-bias": ("ddp", "parallel.cp=2", "parallel.ep=2", *BIAS),
@@ -239,7 +241,8 @@ FOUR_RANK_RUNS = {
     "mixtral-mha-tensor-ep2-tp2": ("tensor", "parallel.dp=2", "parallel.tp=2", "parallel.ep=2", *MIXTRAL_MHA),
     # 2 stages on each rank (interleaved), each stage's experts over ep 2
     "pipeline-interleaved-ep2-4-blocks": ("pipeline", "parallel.dp=2", "parallel.pp=2", "parallel.ep=2",
-                                          "parallel.schedule=interleaved-1f1b", "parallel.micro_batches=2",
+                                          "parallel.pipeline.schedule=interleaved-1f1b",
+                                          "parallel.pipeline.micro_batches=2",
                                           "train.micro_batch=4", "model.n_layer=4"),
 }
 # What share of every expert each rank holds: 1/ep, and under the sharded strategies 1/dp.

@@ -117,7 +117,8 @@ def runs(user, tmp_path_factory) -> dict[tuple[str, str], Path]:
     run_ranks(train_each, 4, [cli_config(train_args(user, family, out[family, "fsdp-tp2"], "--strategy", "fsdp",
                                                     "--nproc", "4", "--tp", "2", *tp[family])) for family in FAMILIES])
     run_ranks(train_each, 2, [cli_config(train_args(user, family, out[family, "pipeline-pp2"], "--strategy",
-                                                    "pipeline", "--nproc", "2", "--set", "parallel.micro_batches=2"))
+                                                    "pipeline", "--nproc", "2", "--set",
+                                                    "parallel.pipeline.micro_batches=2"))
                               for family in FAMILIES])
     return out
 

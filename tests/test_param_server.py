@@ -54,7 +54,7 @@ def test_sync_param_server_matches_single_over_12_steps(tmp_path, single_12):
     servers = 2
     out = tmp_path / f"ps{servers}"
     sgd = [arg for setting in SGD for arg in ("--set", setting)]
-    code, stderr = finish(train(out, 2 + servers, "--set", f"parallel.ps_servers={servers}", *sgd))
+    code, stderr = finish(train(out, 2 + servers, "--set", f"parallel.param_server.servers={servers}", *sgd))
     assert code == 0, stderr
     assert_same_training(out, single_12, steps=12)
     stats = [server_stats(out, index) for index in range(servers)]
@@ -66,7 +66,8 @@ def test_sync_param_server_matches_single_over_12_steps(tmp_path, single_12):
 def test_async_param_server_trains_within_its_staleness_bound(tmp_path):
     out = tmp_path / "async"
     steps = 30
-    code, stderr = finish(train(out, 3, "--set", "parallel.ps_mode=async", "--set", "parallel.ps_max_staleness=1",
+    code, stderr = finish(train(out, 3, "--set", "parallel.param_server.mode=async", "--set",
+                                "parallel.param_server.max_staleness=1",
                                 steps=steps))
     assert code == 0, stderr
     run = losses(out)
@@ -86,7 +87,7 @@ def test_async_param_server_trains_within_its_staleness_bound(tmp_path):
 def test_killing_an_async_worker_leaves_the_server_and_the_other_worker_training(tmp_path):
     out = tmp_path / "async-kill"
     steps = 60  # asynchronous steps are quick: enough that the job is still running at the kill
-    job = train(out, 3, "--set", "parallel.ps_mode=async", "--set", "train.global_batch=8",
+    job = train(out, 3, "--set", "parallel.param_server.mode=async", "--set", "train.global_batch=8",
                 "--set", "train.micro_batch=4", steps=steps)
     wait_for_step(job, out, 1)
     rank1 = next(pid for pid in worker_pids(out) if _rank(pid) == 1)  # found while the job surely runs
@@ -135,8 +136,8 @@ def test_parameters_are_dealt_largest_first_to_the_least_loaded_server():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["launch.nproc=1"], "needs parallel.ps_servers = 1 server rank(s) plus at least one worker"),
-    (["launch.nproc=3", "parallel.ps_mode=sometimes"], "parallel.ps_mode = 'sometimes'"),
+    (["launch.nproc=1"], "needs parallel.param_server.servers = 1 server rank(s) plus at least one worker"),
+    (["launch.nproc=3", "parallel.param_server.mode=sometimes"], "parallel.param_server.mode = 'sometimes'"),
     (["launch.nproc=3", "train.checkpoint_every=5"], "param-server keeps no checkpoints"),
     (["launch.nproc=3", "launch.nnodes=2"], "param-server runs on one machine"),
     (["launch.nproc=3", "parallel.dp=2"], "param-server's replicas are its workers"),

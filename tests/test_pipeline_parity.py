@@ -52,10 +52,11 @@ def singles(tmp_path_factory) -> Path:
 # --- 2 stages: 4 blocks, as 4 stages of one block where a rank holds 2 -------------------------
 
 TWO_RANK_RUNS = {
-    **{schedule: (4, (f"parallel.schedule={schedule}", "parallel.micro_batches=4")) for schedule in SCHEDULES},
-    **{f"{schedule}-recompute": (4, (f"parallel.schedule={schedule}", "parallel.micro_batches=4",
+    **{schedule: (4, (f"parallel.pipeline.schedule={schedule}",
+                      "parallel.pipeline.micro_batches=4")) for schedule in SCHEDULES},
+    **{f"{schedule}-recompute": (4, (f"parallel.pipeline.schedule={schedule}", "parallel.pipeline.micro_batches=4",
                                      "parallel.recompute=blocks")) for schedule in SCHEDULES},
-    **{f"llama-{schedule}": (4, (*LLAMA, f"parallel.schedule={schedule}", "parallel.micro_batches=4"))
+    **{f"llama-{schedule}": (4, (*LLAMA, f"parallel.pipeline.schedule={schedule}", "parallel.pipeline.micro_batches=4"))
        for schedule in SCHEDULES},
 }
 
@@ -76,12 +77,12 @@ def test_matches_single_device_over_10_steps_on_2_stages(two_rank_runs, singles,
 # --- 4 stages (8 blocks), and 2 replicas of 2 stages ----------------------------------------------
 
 FOUR_RANK_RUNS = {
-    "interleaved-1f1b": (8, ("parallel.schedule=interleaved-1f1b", "parallel.micro_batches=8")),
-    "zb-h1": (8, ("parallel.schedule=zb-h1", "parallel.micro_batches=4")),
-    "zbv": (8, ("parallel.schedule=zbv", "parallel.micro_batches=8")),
-    "dualpipev": (8, ("parallel.schedule=dualpipev", "parallel.micro_batches=8")),
-    **{f"dp2-{schedule}": (4, (f"parallel.schedule={schedule}", "parallel.dp=2", "train.micro_batch=4",
-                               "parallel.micro_batches=4")) for schedule in SCHEDULES},
+    "interleaved-1f1b": (8, ("parallel.pipeline.schedule=interleaved-1f1b", "parallel.pipeline.micro_batches=8")),
+    "zb-h1": (8, ("parallel.pipeline.schedule=zb-h1", "parallel.pipeline.micro_batches=4")),
+    "zbv": (8, ("parallel.pipeline.schedule=zbv", "parallel.pipeline.micro_batches=8")),
+    "dualpipev": (8, ("parallel.pipeline.schedule=dualpipev", "parallel.pipeline.micro_batches=8")),
+    **{f"dp2-{schedule}": (4, (f"parallel.pipeline.schedule={schedule}", "parallel.dp=2", "train.micro_batch=4",
+                               "parallel.pipeline.micro_batches=4")) for schedule in SCHEDULES},
 }
 
 
@@ -105,8 +106,8 @@ def split_behaviour(ctx: DistContext, root: Path) -> dict:
     activations held at once, and one micro-batch's bytes on the rank's stages."""
     out = {}
     for schedule in ("1f1b", "zb-h1", "zbv"):
-        trainer = Trainer(cfg_for(root / schedule, "pipeline", 2, 4, f"parallel.schedule={schedule}",
-                                  "parallel.micro_batches=4"), ctx)
+        trainer = Trainer(cfg_for(root / schedule, "pipeline", 2, 4, f"parallel.pipeline.schedule={schedule}",
+                                  "parallel.pipeline.micro_batches=4"), ctx)
         trainer.train_step(0)  # the trainer counts activations in its first step
         out[schedule] = {"order": [f"{kind}{i}@{s}" for kind, i, s, _, _ in trainer.strategy.timeline],
                          "peak": trainer.activation_bytes, "one": one_micro_batch_bytes(trainer, 2),
@@ -144,7 +145,7 @@ def test_split_schedules_hold_the_micro_batches_the_simulator_counts(behaviour):
 # --- checkpoints --------------------------------------------------------------------------------
 
 SAVED_AT, CRASH_AT = 5, 7
-ZBV = ("parallel.schedule=zbv", "parallel.micro_batches=4", f"train.checkpoint_every={SAVED_AT}")
+ZBV = ("parallel.pipeline.schedule=zbv", "parallel.pipeline.micro_batches=4", f"train.checkpoint_every={SAVED_AT}")
 
 
 def checkpointed_runs(ctx: DistContext, root: Path) -> None:

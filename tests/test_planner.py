@@ -236,7 +236,7 @@ def test_predicted_memory_equals_counted_on_4_ranks_with_padded_shards():
 
 def test_offloaded_optimizer_state_is_predicted_on_the_host_and_off_the_device():
     base = config(global_batch=8)
-    base.parallel.offload = "optimizer"
+    base.parallel.sharding.offload = "optimizer"
     cases = [Candidate(strategy, 2, 1, 1, precision, "none", 4) for strategy in ("zero1", "zero2", "fsdp")
              for precision in ("fp32", "bf16-mixed")]
     assert_predicted_equals_counted([(candidate, base) for candidate in cases])

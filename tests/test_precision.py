@@ -68,9 +68,9 @@ def steps_with_an_inf_on_rank_1(ctx: DistContext, out: Path, strategy: str, *ove
 @pytest.mark.parametrize("strategy", [
     ("ddp",), ("zero1",), ("zero2",), ("fsdp",),
     # rank 1 is the second stage, or the second tensor shard: a rank that holds other parameters
-    ("pipeline", "model.n_layer=2", "parallel.micro_batches=2"), ("tensor",),
+    ("pipeline", "model.n_layer=2", "parallel.pipeline.micro_batches=2"), ("tensor",),
     # a split backward on a V: rank 1 holds the middle stages 1 and 2, its weight gradients run last
-    ("pipeline", "model.n_layer=4", "parallel.micro_batches=2", "parallel.schedule=zbv"),
+    ("pipeline", "model.n_layer=4", "parallel.pipeline.micro_batches=2", "parallel.pipeline.schedule=zbv"),
 ], ids=["ddp", "zero1", "zero2", "fsdp", "pipeline", "tensor", "pipeline-zbv"])
 def test_an_inf_on_one_rank_skips_that_step_on_every_rank(tmp_path, strategy):
     for rank, log in enumerate(run_ranks(steps_with_an_inf_on_rank_1, 2, tmp_path, *strategy)):
@@ -192,7 +192,8 @@ def sharded_dtypes_and_bytes(ctx: DistContext, out: Path) -> dict:
     for strategy in SHARDED:
         for precision, reduce in (("fp32", "fp32"), ("bf16-mixed", "fp32"), ("bf16-mixed", "bf16")):
             cfg = load_config(CONFIGS / "gpt-tiny.toml", [
-                f"parallel.strategy={strategy}", f"parallel.precision={precision}", f"parallel.reduce_dtype={reduce}",
+                f"parallel.strategy={strategy}", f"parallel.precision={precision}",
+                                                          f"parallel.sharding.reduce_dtype={reduce}",
                 f"launch.nproc={ctx.world_size}", f"run.out={out}"])
             trainer = Trainer(cfg, ctx)
             computed: list[torch.dtype] = []

@@ -32,7 +32,8 @@ def runs(tmp_path_factory) -> tuple[Path, Path]:
     overrides = [arg for text in SHORT for arg in ("--set", text)]
     result = subprocess.run(
         [sys.executable, "-m", "shardwise.cli", "train", str(CONFIGS / "gpt-tiny.toml"), "--strategy", "pipeline",
-         "--nproc", "2", "--tensorboard", "--out", str(pipe), "--set", f"parallel.micro_batches={MICRO_BATCHES}",
+         "--nproc", "2", "--tensorboard", "--out", str(pipe), "--set",
+         f"parallel.pipeline.micro_batches={MICRO_BATCHES}",
          *overrides],
         cwd=REPO, capture_output=True, text=True, env=dict(os.environ), timeout=300)
     assert result.returncode == 0, result.stderr

@@ -67,7 +67,7 @@ def test_sequence_parallel_in_bf16_mixed_trains_as_one_device_does(two_rank_runs
 
 def test_pipeline_of_tensor_parallel_stages_with_sequence_parallel_matches_single_device_on_4_ranks(tmp_path, single):
     runs = {"pp2-tp2-sp": ("pipeline", "parallel.tp=2", "parallel.sequence_parallel=true",
-                           "parallel.micro_batches=2")}
+                           "parallel.pipeline.micro_batches=2")}
     run_ranks(train_runs, 4, tmp_path, runs, cfg_for)
     assert_same_training(tmp_path / "pp2-tp2-sp", single, STEPS)
 

@@ -25,7 +25,7 @@ after it and returns False before.
 
 Strategies that split the model (`pipeline`, `model-parallel`, `tensor`) work on a model whose family
 has a parallel plan (models/plans.py: shardwise's GPT, transformers' Llama, Mistral, Qwen2 and GPT-2,
-or one registered with `register_plan`): they cut its blocks and matrices as the plan says. `tensor`
+or the model's own `parallel_plan`): they cut its blocks and matrices as the plan says. `tensor`
 trains through the same loop. A pipeline cannot run a
 whole forward and then a backward (its stages interleave micro-batches), so under `pipeline` and
 `model-parallel` each step is `run.forward_backward(micro_batches, loss_fn)` then `run.step`; that

@@ -1,5 +1,5 @@
-"""Writes docs/config.md, the config reference, from the config schema itself: every section's
-dataclass in `config.SECTIONS`, every key's type, default, allowed values and description (the
+"""Writes docs/config.md, the config reference, from the config schema itself: every table's
+dataclass (`config.schema.tables()`), every key's type, default, allowed values and description (the
 `option(...)` beside each field), and the `shardwise train` flag that sets it; and the pictures
 of the pipeline schedules in docs/strategies/pipeline.md, drawn by their simulator, as text and
 (where matplotlib is installed) as one PNG, docs/images/pipeline-schedules.png.
@@ -23,7 +23,7 @@ from typing import Any
 import tomli_w
 
 from shardwise.cli import _add_train_parser
-from shardwise.config.schema import SECTIONS
+from shardwise.config.schema import tables
 from shardwise.parallel.pipeline.schedules import SCHEDULES, build
 from shardwise.parallel.pipeline.simulate import Costs, draw, simulate
 
@@ -89,11 +89,13 @@ def section_doc(cls: type) -> str:
 def render() -> str:
     flags = train_flags()
     parts = [HEADER]
-    for section, cls in SECTIONS.items():
-        parts.append(f"## [{section}]\n\n{section_doc(cls)}\n")
+    for table, cls in tables().items():
+        parts.append(f"## [{table}]\n\n{section_doc(cls)}\n")
         rows = ["| key | type | default | allowed | flag | description |", "| --- | --- | --- | --- | --- | --- |"]
         for f in dataclasses.fields(cls):
-            dotted = f"{section}.{f.name}"
+            if f.default_factory is not dataclasses.MISSING:  # a table of its own, after this one
+                continue
+            dotted = f"{table}.{f.name}"
             choices = ", ".join(f"`{choice}`" for choice in f.metadata.get("choices", ()))
             flag = f"`{flags[dotted]}`" if dotted in flags else ""
             doc = f.metadata.get("doc", "").replace("|", "\\|")

@@ -32,7 +32,7 @@ class MemoryBreakdown:
     peak: int
     # the most bytes of full (unsharded) parameters held at once during a step; None: unknown
     gathered_peak: int | None = 0
-    # bytes in host memory, apart from the device's categories (parallel.offload: master shards, their
+    # bytes in host memory, apart from the device's categories (parallel.sharding.offload: master shards, their
     # gradients, optimizer state); None: nothing offloaded
     host: int | None = None
 

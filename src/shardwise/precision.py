@@ -5,7 +5,7 @@ scaler that keeps small gradients from flushing to zero.
 - `bf16-mixed`: matmuls under autocast in bfloat16; parameters (master weights) and optimizer
   state stay float32. The sharded strategies keep (zero1, zero2) or gather (fsdp) the whole
   parameters in bfloat16 beside float32 master shards, and reduce gradients in
-  `parallel.reduce_dtype` (float32 by default).
+  `parallel.sharding.reduce_dtype` (float32 by default).
 - `fp16-mixed`: the same in float16, plus a dynamic loss scaler (`LossScaler`).
 - `bf16-true`: parameters, gradients and optimizer state in bfloat16 too. Half the memory of
   master weights, but an update smaller than a weight's bf16 spacing (about 1/256 of it) is

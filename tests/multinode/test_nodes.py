@@ -56,7 +56,8 @@ def runs(two_nodes, tmp_path_factory) -> Path:
                                              "train.micro_batch=2"]},
         # dp is the mesh's outer dimension: each node holds one replica's 2 stages, replicas average across nodes
         {"out": root / "pipeline", "overrides": [*steps, "launch.nproc=2", "parallel.strategy=pipeline",
-                                                 "parallel.dp=2", "parallel.pp=2", "parallel.micro_batches=2"]},
+                                                 "parallel.dp=2", "parallel.pp=2",
+                                                 "parallel.pipeline.micro_batches=2"]},
     ], nproc=2)
     train_in_process(load_config(CONFIGS / "gpt-tiny.toml", [*BATCH, *SGD, f"train.steps={STEPS}",
                                                              f"run.out={root / 'single'}"]))

@@ -20,6 +20,7 @@ from shardwise.config.schema import (
     HF_SIZE_KEYS,
     LANGUAGE_MODELS,
     MOE_MODELS,
+    MOVED_KEYS,
     SECTIONS,
     Config,
     ConfigError,
@@ -51,20 +52,32 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
 
 
 def apply_section(cfg: Config, section: str, values: dict[str, Any], origin: str) -> None:
-    """Set `values` (by key) in `cfg`'s [section], each checked for its key and type."""
+    """Set `values` (by key) in `cfg`'s [section], each checked for its key and type; a key may be
+    dotted (`pipeline.schedule`) or a table (`[parallel.pipeline]`) for a section's own tables."""
     if section not in SECTIONS:
         raise ConfigError(f"[{section}] in {origin}: unknown section; allowed: {', '.join(SECTIONS)}")
+    _apply_table(getattr(cfg, section), section, values, origin)
+
+
+def _apply_table(target: Any, name: str, values: Any, origin: str) -> None:
     if not isinstance(values, dict):
-        raise ConfigError(f"{section} in {origin}: expected a [{section}] table, got {values!r}")
-    target = getattr(cfg, section)
+        raise ConfigError(f"{name} in {origin}: expected a [{name}] table, got {values!r}")
     fields = {f.name: f for f in dataclasses.fields(target)}
     hints = typing.get_type_hints(type(target))
-    for key, value in values.items():
+    for dotted, value in values.items():
+        key, _, rest = dotted.partition(".")
         if key not in fields:
-            raise ConfigError(
-                f"{section}.{key} in {origin}: unknown key; allowed in [{section}]: {', '.join(fields)}"
-            )
-        setattr(target, key, _coerce(f"{section}.{key}", value, hints[key]))
+            moved = MOVED_KEYS.get(f"{name}.{dotted}")
+            if moved is not None:
+                raise ConfigError(f"{name}.{dotted} in {origin}: moved to {moved}")
+            raise ConfigError(f"{name}.{dotted} in {origin}: unknown key; allowed in [{name}]: {', '.join(fields)}")
+        inner = getattr(target, key)
+        if dataclasses.is_dataclass(inner):
+            _apply_table(inner, f"{name}.{key}", {rest: value} if rest else value, origin)
+        elif rest:
+            raise ConfigError(f"{name}.{dotted} in {origin}: {name}.{key} is a value, not a table")
+        else:
+            setattr(target, key, _coerce(f"{name}.{key}", value, hints[key]))
 
 
 def parse_override(text: str) -> tuple[str, str, Any]:

@@ -174,7 +174,8 @@ class TrainConfig:
     optimizer: str = option("adamw", "`adamw`, or `sgd` with `train.momentum`", OPTIMIZERS)
     global_batch: int = option(16, "samples per optimizer step, over all ranks")
     micro_batch: int = option(8, "samples per forward on one model replica (`pipeline`: per pipeline run, split "
-                              "into `parallel.micro_batches`); global_batch / (replicas x micro_batch) micro-steps "
+                              "into `parallel.pipeline.micro_batches`); global_batch / (replicas x micro_batch) "
+                              "micro-steps "
                               "are accumulated, replicas being the world size, `parallel.dp` or param-server's "
                               "workers")
     lr: float = option(1e-3, "peak learning rate: linear warm-up over `warmup_steps`, then cosine to `min_lr`")
@@ -196,52 +197,10 @@ class TrainConfig:
 
 
 @dataclass
-class ParallelConfig:
-    """How training is spread over ranks: the strategy (docs/strategies/), precision, recomputation and
-    each strategy's own settings."""
+class PipelineConfig:
+    """How micro-batches run through the stages (`pipeline`, `model-parallel`, and the
+    sharded strategies with pp > 1)."""
 
-    strategy: str = option("single", "how training is spread over ranks; one page each in docs/strategies/",
-                           STRATEGIES)
-    precision: str = option("fp32", "what computes and what is stored in which dtype (docs/precision.md)",
-                            PRECISIONS)
-    loss_scale: float = option(65536.0, "`fp16-mixed`: the dynamic loss scaler's starting scale")
-    loss_scale_growth_interval: int = option(2000, "`fp16-mixed`: clean steps before the loss scale doubles")
-    recompute: str = option("none", "activation checkpointing of the blocks, every:K with K >= 1 "
-                            "(docs/recompute.md)", ("none", "blocks", "every:K", "selective"))
-    bucket_mb: float = option(25.0, "`ddp`, `ddp-native`: gradient bucket size in MiB")
-    all_reduce: str = option("backend", "`ddp`: average buckets with the backend's all-reduce or our `ring` "
-                             "(parallel/comm.py)", ALL_REDUCES)
-    grad_compression: str = option("none", "`ddp`: send buckets as they are, cast to `fp16` or `bf16`, or "
-                                   "`powersgd`-compressed (parallel/compression.py; PowerSGD needs fp32 or bf16-mixed)",
-                                   GRAD_COMPRESSIONS)
-    powersgd_rank: int = option(4, "`powersgd`: rank r of the factors")
-    powersgd_start_step: int = option(10, "`powersgd`: plain averaged steps before compressing")
-    find_unused_parameters: bool = option(False, "data parallel: allow parameters that get no gradient (reduced "
-                                          "as zero) instead of failing")
-    sync_batchnorm: bool = option(False, "data parallel: BatchNorm statistics over the global batch")
-    block: str = option(DEFAULT_BLOCK, "class name of the model's repeated block: the unit sharded as one (zero1/2, "
-                        "fsdp, fsdp-native), recomputed, cut into stages (pipeline) or split (tensor); left at the "
-                        "default, a model without a `Block` (a transformers model) has the layer class its "
-                        "`_no_split_modules` declares used")
-    reshard_after_forward: bool = option(True, "`fsdp`, `fsdp-native`: free a unit's full parameters after its "
-                                         "forward")
-    prefetch: int = option(1, "`fsdp`: units whose all-gather is issued ahead")
-    reduce_dtype: str = option("fp32", "sharded strategies: the dtype gradients are reduce-scattered in",
-                               REDUCE_DTYPES)
-    offload: str = option("none", "`zero1`, `zero2`, `fsdp`: `optimizer` keeps the fp32 master shards, their "
-                          "gradients and the optimizer state in host memory and steps there (ZeRO-Offload)", OFFLOADS)
-    dp: int | None = option(None, "data-parallel ranks on the device mesh (docs/strategies/mesh.md): dp x cp x pp x "
-                            "tp = world size. Left unset, the strategy's own dimension (pp for the pipelines, tp "
-                            "for tensor, dp for the others) takes the ranks the others leave; the others are 1")
-    pp: int | None = option(None, "`pipeline`, `model-parallel`, and `zero1`, `zero2`, `fsdp` sharding each stage "
-                            "over its dp ranks: pipeline stages per replica (as for dp)")
-    tp: int | None = option(None, "`tensor`, `pipeline` / `model-parallel` with tensor-parallel stages, and `zero1`, "
-                            "`zero2`, `fsdp`, `hsdp` sharding a tensor-parallel model: tensor-parallel ranks per "
-                            "stage; divides model.n_head, n_kv_head and d_ff (as for dp)")
-    sequence_parallel: bool = option(False, "with tp > 1 (`tensor`, the pipelines, the sharded strategies): split the "
-                                     "norms and the residual stream along the sequence over the tp ranks too "
-                                     "(Megatron's sequence parallelism), so each block saves 1/tp of its activations; "
-                                     "tp must divide model.seq_len")
     micro_batches: int = option(4, "`pipeline` (and the sharded strategies with pp > 1): micro-batches per "
                                 "pipeline run (M); must divide `train.micro_batch`")
     schedule: str = option("1f1b", "`pipeline` (and the sharded strategies with pp > 1): the schedule "
@@ -254,6 +213,80 @@ class ParallelConfig:
                                         "into pp x virtual_stages stages of at least one block each")
     split_points: list[int] | None = option(None, "`pipeline`: the first block of stages 2..P, e.g. [3]; unset, "
                                             "stages are balanced by parameter count")
+
+
+@dataclass
+class DDPConfig:
+    """How data parallel averages gradients (`ddp`; `ddp-native` takes the bucket size and
+    `find_unused_parameters`)."""
+
+    bucket_mb: float = option(25.0, "`ddp`, `ddp-native`: gradient bucket size in MiB")
+    all_reduce: str = option("backend", "`ddp`: average buckets with the backend's all-reduce or our `ring` "
+                             "(parallel/comm.py)", ALL_REDUCES)
+    grad_compression: str = option("none", "`ddp`: send buckets as they are, cast to `fp16` or `bf16`, or "
+                                   "`powersgd`-compressed (parallel/compression.py; PowerSGD needs fp32 or bf16-mixed)",
+                                   GRAD_COMPRESSIONS)
+    powersgd_rank: int = option(4, "`powersgd`: rank r of the factors")
+    powersgd_start_step: int = option(10, "`powersgd`: plain averaged steps before compressing")
+    find_unused_parameters: bool = option(False, "data parallel: allow parameters that get no gradient (reduced "
+                                          "as zero) instead of failing")
+
+
+@dataclass
+class ShardingConfig:
+    """How the sharded strategies (`zero1`, `zero2`, `fsdp`, `hsdp`, `fsdp-native`) gather,
+    reduce and keep their shards."""
+
+    reshard_after_forward: bool = option(True, "`fsdp`, `fsdp-native`: free a unit's full parameters after its "
+                                         "forward")
+    prefetch: int = option(1, "`fsdp`: units whose all-gather is issued ahead")
+    reduce_dtype: str = option("fp32", "sharded strategies: the dtype gradients are reduce-scattered in",
+                               REDUCE_DTYPES)
+    offload: str = option("none", "`zero1`, `zero2`, `fsdp`: `optimizer` keeps the fp32 master shards, their "
+                          "gradients and the optimizer state in host memory and steps there (ZeRO-Offload)", OFFLOADS)
+
+
+@dataclass
+class ParamServerConfig:
+    """The servers of `param-server` and how they apply pushes."""
+
+    servers: int = option(1, "the last `servers` ranks hold the parameters and their optimizer; the others are "
+                          "workers")
+    mode: str = option("sync", "`sync` averages every worker's gradients each step, `async` applies each push on "
+                       "arrival", PS_MODES)
+    max_staleness: int = option(4, "`async`: drop a push computed on parameters more than this many updates old")
+
+
+@dataclass
+class ParallelConfig:
+    """How training is spread over ranks: the strategy (docs/strategies/), precision, recomputation, the
+    mesh's sizes, and each kind of strategy's own settings in a table of its own."""
+
+    strategy: str = option("single", "how training is spread over ranks; one page each in docs/strategies/",
+                           STRATEGIES)
+    precision: str = option("fp32", "what computes and what is stored in which dtype (docs/precision.md)",
+                            PRECISIONS)
+    loss_scale: float = option(65536.0, "`fp16-mixed`: the dynamic loss scaler's starting scale")
+    loss_scale_growth_interval: int = option(2000, "`fp16-mixed`: clean steps before the loss scale doubles")
+    recompute: str = option("none", "activation checkpointing of the blocks, every:K with K >= 1 "
+                            "(docs/recompute.md)", ("none", "blocks", "every:K", "selective"))
+    sync_batchnorm: bool = option(False, "data parallel: BatchNorm statistics over the global batch")
+    block: str = option(DEFAULT_BLOCK, "class name of the model's repeated block: the unit sharded as one (zero1/2, "
+                        "fsdp, fsdp-native), recomputed, cut into stages (pipeline) or split (tensor); left at the "
+                        "default, a model without a `Block` (a transformers model) has the layer class its "
+                        "`_no_split_modules` declares used")
+    dp: int | None = option(None, "data-parallel ranks on the device mesh (docs/strategies/mesh.md): dp x cp x pp x "
+                            "tp = world size. Left unset, the strategy's own dimension (pp for the pipelines, tp "
+                            "for tensor, dp for the others) takes the ranks the others leave; the others are 1")
+    pp: int | None = option(None, "`pipeline`, `model-parallel`, and `zero1`, `zero2`, `fsdp` sharding each stage "
+                            "over its dp ranks: pipeline stages per replica (as for dp)")
+    tp: int | None = option(None, "`tensor`, `pipeline` / `model-parallel` with tensor-parallel stages, and `zero1`, "
+                            "`zero2`, `fsdp`, `hsdp` sharding a tensor-parallel model: tensor-parallel ranks per "
+                            "stage; divides model.n_head, n_kv_head and d_ff (as for dp)")
+    sequence_parallel: bool = option(False, "with tp > 1 (`tensor`, the pipelines, the sharded strategies): split the "
+                                     "norms and the residual stream along the sequence over the tp ranks too "
+                                     "(Megatron's sequence parallelism), so each block saves 1/tp of its activations; "
+                                     "tp must divide model.seq_len")
     ep: int = option(1, "expert parallel: ranks each MoE layer's experts are split over (`gpt-moe`; "
                      "docs/strategies/moe.md), taken from the data-parallel ranks: they read different data and "
                      "send each token to the rank of its experts; must divide model.n_experts and dp")
@@ -264,12 +297,10 @@ class ParallelConfig:
                           "around it (model.n_head divisible by cp)", CP_MODES)
     replicas: int = option(2, "`dp`: replicas the one process runs, each on its own device (all on the CPU "
                            "without GPUs)")
-    ps_servers: int = option(1, "`param-server`: the last ps_servers ranks hold the parameters and their "
-                             "optimizer; the others are workers")
-    ps_mode: str = option("sync", "`param-server`: `sync` averages every worker's gradients each step, `async` "
-                          "applies each push on arrival", PS_MODES)
-    ps_max_staleness: int = option(4, "`param-server`, `async`: drop a push computed on parameters more than this "
-                                   "many updates old")
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    ddp: DDPConfig = field(default_factory=DDPConfig)
+    sharding: ShardingConfig = field(default_factory=ShardingConfig)
+    param_server: ParamServerConfig = field(default_factory=ParamServerConfig)
 
     def mesh(self, world_size: int, node_size: int | None = None) -> MeshShape:
         """The run's device mesh (parallel/dims.py): `mesh_shape`'s dp split into the replicas that average
@@ -289,7 +320,7 @@ class ParallelConfig:
         """(dp, pp, tp): the device mesh's sizes, unset ones filled in as described above (each of
         the dp replicas spans cp x pp x tp ranks). A parameter-server job's replicas are its workers."""
         if spec(self.strategy).parameter_servers:
-            return world_size - self.ps_servers, 1, 1
+            return world_size - self.param_server.servers, 1, 1
         own = spec(self.strategy).mesh_dim
         sizes = {"dp": self.dp, "pp": self.pp, "tp": self.tp}
         others = self.cp * math.prod(size for dim, size in sizes.items() if dim != own and size is not None)
@@ -353,10 +384,12 @@ class Config:
         return self.train.global_batch // (dp * self.train.micro_batch)
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return {
-            section: {k: v for k, v in dataclasses.asdict(getattr(self, section)).items() if v is not None}
-            for section in SECTIONS
-        }
+        """The config as TOML tables (unset keys left out: TOML has no null)."""
+
+        def set_only(table: dict[str, Any]) -> dict[str, Any]:
+            return {k: set_only(v) if isinstance(v, dict) else v for k, v in table.items() if v is not None}
+
+        return {section: set_only(dataclasses.asdict(getattr(self, section))) for section in SECTIONS}
 
     def save(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -370,6 +403,35 @@ SECTIONS: dict[str, type] = {
     "parallel": ParallelConfig,
     "launch": LaunchConfig,
     "run": RunConfig,
+}
+
+def tables() -> dict[str, type]:
+    """Every table of the config by its dotted name, a section's own tables (`parallel.pipeline`)
+    right after it: what the docs and the loader walk."""
+    found: dict[str, type] = {}
+
+    def visit(name: str, cls: type) -> None:
+        found[name] = cls
+        for f in dataclasses.fields(cls):
+            if f.default_factory is not dataclasses.MISSING:
+                visit(f"{name}.{f.name}", f.default_factory)
+
+    for section, cls in SECTIONS.items():
+        visit(section, cls)
+    return found
+
+
+# Keys that moved into a table of their own (issue 41): the old name -> the new one, for the error
+# that names it.
+MOVED_KEYS: dict[str, str] = {
+    **{f"parallel.{key}": f"parallel.pipeline.{key}"
+       for key in ("micro_batches", "schedule", "virtual_stages", "split_points")},
+    **{f"parallel.{key}": f"parallel.ddp.{key}"
+       for key in ("bucket_mb", "all_reduce", "grad_compression", "powersgd_rank", "powersgd_start_step",
+                   "find_unused_parameters")},
+    **{f"parallel.{key}": f"parallel.sharding.{key}"
+       for key in ("reshard_after_forward", "prefetch", "reduce_dtype", "offload")},
+    **{f"parallel.ps_{key}": f"parallel.param_server.{key}" for key in ("servers", "mode", "max_staleness")},
 }
 
 GPT_PRESET_SIZES: dict[str, dict[str, int]] = {

@@ -115,9 +115,9 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
                           "pip install 'shardwise[tensorboard]' (or pip install tensorboard), or leave it off")
     world = world_size or cfg.world_size
     _positive("parallel.replicas", p.replicas)
-    _choice("parallel.ps_mode", p.ps_mode, PS_MODES)
-    _positive("parallel.ps_servers", p.ps_servers)
-    _positive("parallel.ps_max_staleness", p.ps_max_staleness, zero_ok=True)
+    _choice("parallel.param_server.mode", p.param_server.mode, PS_MODES)
+    _positive("parallel.param_server.servers", p.param_server.servers)
+    _positive("parallel.param_server.max_staleness", p.param_server.max_staleness, zero_ok=True)
     strategy = spec(p.strategy)
     _validate_context(cfg, world)
     strategy_class(p.strategy, cfg.parallel.mesh_shape(world)[1]).check_config(cfg, world)
@@ -213,23 +213,25 @@ def validate_parallel(p: ParallelConfig) -> None:
     (api.py) can check before it sees a model."""
     _choice("parallel.strategy", p.strategy, STRATEGIES)
     _choice("parallel.precision", p.precision, PRECISIONS)
-    _choice("parallel.reduce_dtype", p.reduce_dtype, REDUCE_DTYPES)
-    _choice("parallel.schedule", p.schedule, SCHEDULES)
-    _positive("parallel.micro_batches", p.micro_batches)
+    _choice("parallel.sharding.reduce_dtype", p.sharding.reduce_dtype, REDUCE_DTYPES)
+    _choice("parallel.pipeline.schedule", p.pipeline.schedule, SCHEDULES)
+    _positive("parallel.pipeline.micro_batches", p.pipeline.micro_batches)
     try:
-        virtual_stages(p.schedule, p.virtual_stages)
+        virtual_stages(p.pipeline.schedule, p.pipeline.virtual_stages)
     except ScheduleError as exc:
-        raise ConfigError(f"parallel.{exc}") from None
+        raise ConfigError(f"parallel.pipeline.{exc}") from None
     sharded = [name for name, each in SPECS.items() if each.zero_stage]
-    if p.reduce_dtype != "fp32" and p.strategy not in sharded:
+    if p.sharding.reduce_dtype != "fp32" and p.strategy not in sharded:
         raise ConfigError(
-            f"parallel.reduce_dtype = {p.reduce_dtype!r}: only the sharded strategies ({', '.join(sharded)}) "
+            f"parallel.sharding.reduce_dtype = {p.sharding.reduce_dtype!r}: only the sharded strategies "
+            f"({', '.join(sharded)}) "
             f"reduce in another dtype; parallel.strategy is {p.strategy!r}"
         )
-    _choice("parallel.offload", p.offload, OFFLOADS)
+    _choice("parallel.sharding.offload", p.sharding.offload, OFFLOADS)
     offloading = [name for name, each in SPECS.items() if each.offloads]
-    if p.offload != "none" and p.strategy not in offloading:
-        raise ConfigError(f"parallel.offload = {p.offload!r}: only {', '.join(offloading)} offload their optimizer "
+    if p.sharding.offload != "none" and p.strategy not in offloading:
+        raise ConfigError(f"parallel.sharding.offload = {p.sharding.offload!r}: only {', '.join(offloading)} offload "
+                          "their optimizer "
                           f"state to the host; parallel.strategy is {p.strategy!r}")
     _validate_gradient_reduction(p)
     if p.sequence_parallel and not (spec(p.strategy).splits_model or spec(p.strategy).shards_split_model):
@@ -240,8 +242,8 @@ def validate_parallel(p: ParallelConfig) -> None:
         parse_policy(p.recompute)
     except ValueError as exc:
         raise ConfigError(f"parallel.recompute = {exc}") from None
-    _positive("parallel.bucket_mb", p.bucket_mb)
-    _positive("parallel.prefetch", p.prefetch, zero_ok=True)
+    _positive("parallel.ddp.bucket_mb", p.ddp.bucket_mb)
+    _positive("parallel.sharding.prefetch", p.sharding.prefetch, zero_ok=True)
     _positive("parallel.cp", p.cp)
     _choice("parallel.cp_mode", p.cp_mode, CP_MODES)
     _positive("parallel.loss_scale", p.loss_scale)
@@ -250,18 +252,18 @@ def validate_parallel(p: ParallelConfig) -> None:
 
 def _validate_gradient_reduction(p: ParallelConfig) -> None:
     """The ring and gradient compression are our ddp's, and PowerSGD needs steady fp32 gradients."""
-    _choice("parallel.all_reduce", p.all_reduce, ALL_REDUCES)
-    _choice("parallel.grad_compression", p.grad_compression, GRAD_COMPRESSIONS)
-    _positive("parallel.powersgd_rank", p.powersgd_rank)
-    _positive("parallel.powersgd_start_step", p.powersgd_start_step, zero_ok=True)
-    for key, value, plain in (("parallel.all_reduce", p.all_reduce, "backend"),
-                              ("parallel.grad_compression", p.grad_compression, "none")):
+    _choice("parallel.ddp.all_reduce", p.ddp.all_reduce, ALL_REDUCES)
+    _choice("parallel.ddp.grad_compression", p.ddp.grad_compression, GRAD_COMPRESSIONS)
+    _positive("parallel.ddp.powersgd_rank", p.ddp.powersgd_rank)
+    _positive("parallel.ddp.powersgd_start_step", p.ddp.powersgd_start_step, zero_ok=True)
+    for key, value, plain in (("parallel.ddp.all_reduce", p.ddp.all_reduce, "backend"),
+                              ("parallel.ddp.grad_compression", p.ddp.grad_compression, "none")):
         if value != plain and p.strategy != "ddp":
             raise ConfigError(f"{key} = {value!r}: only parallel.strategy = 'ddp' (ours) has it; "
                               f"parallel.strategy is {p.strategy!r}")
-    if p.grad_compression == "powersgd" and p.precision in ("fp16-mixed", "bf16-true"):
+    if p.ddp.grad_compression == "powersgd" and p.precision in ("fp16-mixed", "bf16-true"):
         raise ConfigError(
-            f"parallel.grad_compression = 'powersgd': needs fp32 gradients on a steady scale (its error feedback "
+            f"parallel.ddp.grad_compression = 'powersgd': needs fp32 gradients on a steady scale (its error feedback "
             f"carries them from step to step), not parallel.precision = {p.precision!r}; use fp32 or bf16-mixed"
         )
 

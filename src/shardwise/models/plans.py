@@ -27,8 +27,8 @@ A plan declares:
 
 Names are matched on their last components: `embed_tokens` finds `model.embed_tokens` in a
 LlamaForCausalLM and `lm.model.embed_tokens` in shardwise's wrapper of one. A region's names are
-relative to the block. `docs/model-families.md` walks through writing a plan; `register_plan`
-adds one for your own family.
+relative to the block. `docs/model-families.md` walks through writing a plan; a model of your own
+family carries its plan as its `parallel_plan` attribute.
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ MIXTRAL = ParallelPlan(
     positions=LLAMA.positions,
 )
 
-_PLANS: list[ParallelPlan] = [GPT, LLAMA, GPT2, GPT_MOE, MIXTRAL]
+PLANS: tuple[ParallelPlan, ...] = (GPT, LLAMA, GPT2, GPT_MOE, MIXTRAL)  # shipped, the first found for a model first
 
 NEEDS = ("the class of its repeated block; per block, its tensor-parallel regions (a module whose input enters "
          "column-parallel layers and whose output leaves a row-parallel one, and for attention where its head "
@@ -162,32 +162,26 @@ class PlanError(ValueError):
     """A model has no plan, or does not fit its plan; the message says what is missing."""
 
 
-def register_plan(plan: ParallelPlan) -> None:
-    """Make `plan` the one for models holding its blocks, ahead of any plan registered before."""
-    _PLANS.insert(0, plan)
-
-
-def plans() -> tuple[ParallelPlan, ...]:
-    """Every plan, the first found for a model first."""
-    return tuple(_PLANS)
-
-
 def plan_for_name(model_name: str) -> ParallelPlan | None:
     """The plan for the config's `model.name`, or None."""
-    return next((plan for plan in _PLANS if model_name in plan.models), None)
+    return next((plan for plan in PLANS if model_name in plan.models), None)
 
 
 def plan_for(model: nn.Module) -> ParallelPlan:
-    """The plan whose block class the model holds and whose regions its first block has (the GPT
-    and gpt-moe share a block class); PlanError naming what a plan needs if none."""
-    for plan in _PLANS:
+    """The model's own plan (its `parallel_plan` attribute, for your own family), or else the shipped
+    plan whose block class the model holds and whose regions its first block has (the GPT and gpt-moe
+    share a block class); PlanError naming what a plan needs if none."""
+    own = getattr(model, "parallel_plan", None)
+    if isinstance(own, ParallelPlan):
+        return own
+    for plan in PLANS:
         block = next((m for m in model.modules() if type(m).__name__ in plan.blocks), None)
         if block is not None and all(_has_region(block, region) for region in plan.regions):
             return plan
-    known = "; ".join(f"{plan.family} ({', '.join(plan.blocks)})" for plan in _PLANS)
+    known = "; ".join(f"{plan.family} ({', '.join(plan.blocks)})" for plan in PLANS)
     raise PlanError(f"no parallel plan for {type(model).__name__}: none of its modules is a block of a known plan "
-                    f"({known}). A plan names {NEEDS}; write one (docs/model-families.md) and register it with "
-                    "shardwise.models.plans.register_plan")
+                    f"({known}). A plan names {NEEDS}; write one (docs/model-families.md) and give it to the model "
+                    "as its `parallel_plan` attribute")
 
 
 def _has_region(block: nn.Module, region: Region) -> bool:

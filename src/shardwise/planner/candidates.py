@@ -28,7 +28,7 @@ class Candidate:
     precision: str
     recompute: str
     micro_batch: int  # samples per forward on one model replica (train.micro_batch)
-    micro_batches: int = 1  # pipeline: micro-batches per pipeline run (parallel.micro_batches)
+    micro_batches: int = 1  # pipeline: micro-batches per pipeline run (parallel.pipeline.micro_batches)
     schedule: str | None = None  # pipeline: gpipe or 1f1b
     shard: int | None = None  # hsdp: the ranks each parameter is split over (a node's dp ranks); dp / shard replicas
     cp: int = 1  # context parallel: ranks each sequence is split over (each of the dp replicas has cp of them)
@@ -59,7 +59,7 @@ class Candidate:
         parallel.strategy, parallel.precision, parallel.recompute = self.strategy, self.precision, self.recompute
         parallel.dp, parallel.pp, parallel.tp = (self.dp, self.pp, self.tp) if mesh else (None, None, None)
         if self.schedule is not None:  # the pipelines, and the sharded strategies over stages
-            parallel.micro_batches, parallel.schedule = self.micro_batches, self.schedule
+            parallel.pipeline.micro_batches, parallel.pipeline.schedule = self.micro_batches, self.schedule
         parallel.cp, parallel.cp_mode = self.cp, self.cp_mode or parallel.cp_mode
         parallel.ep = self.ep
         train = copy.copy(base.train)

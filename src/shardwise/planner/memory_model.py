@@ -18,7 +18,7 @@ padded to equal rows, N(Ψ/N) the whole model so padded; "4 per tensor" AdamW's 
 otherwise they are views into the whole parameters. zero1's shard gradients live in its
 gradient buffer, hence the max.
 
-With `parallel.offload = "optimizer"` the master shards, their gradients ((Ψ/N)·p each) and the
+With `parallel.sharding.offload = "optimizer"` the master shards, their gradients ((Ψ/N)·p each) and the
 optimizer state are in host memory: `host`, outside the device's total; the device keeps
 zero1's and zero2's whole parameters and zero1's gradient buffer.
 
@@ -80,7 +80,7 @@ class RankMemory:
     activations: int
     buffers: int
     margin: int = 0
-    host: int = 0  # parallel.offload: bytes in host memory, not in `total` (the device's)
+    host: int = 0  # parallel.sharding.offload: bytes in host memory, not in `total` (the device's)
 
     @property
     def total(self) -> int:
@@ -146,7 +146,7 @@ def _data_parallel(c: Candidate, cfg: Config, shape: ModelShape, activations: bo
     split, the rest whole), replicated or sharded over the data-parallel (and cp) ranks."""
     facts = rank_facts(shape, c.tp, c.ep)
     world = c.shard or c.dp * c.cp  # the ranks each parameter is split over: hsdp's is one node
-    precision = make_precision(c.precision, cfg.parallel.reduce_dtype)
+    precision = make_precision(c.precision, cfg.parallel.sharding.reduce_dtype)
     stored = dtype_bytes(precision.param_dtype)
     shard = facts.shard_numel(world)
     state = model_state(c.spec.zero_stage, precision, facts, world, cfg)  # hsdp holds what fsdp over its node does
@@ -182,7 +182,7 @@ def model_state(stage: int, precision: Precision, facts: ModelFacts, world: int,
     whole = facts.padded_numel(world) * dtype_bytes(working_dtype(precision))  # zero1, zero2: the whole parameters
     params = {1: whole, 2: whole, 3: 0}[stage]
     grads = {1: max(whole, master), 2: 0, 3: 0}[stage]  # zero1's gradient buffer holds its shard gradients
-    if cfg.parallel.offload == "optimizer":
+    if cfg.parallel.sharding.offload == "optimizer":
         return ModelState(params, grads, 0, host=2 * master + optimizer)
     if stage == 3 or precision.mixed:
         params += master
@@ -251,7 +251,7 @@ def _sharded_buffers(c: Candidate, cfg: Config, facts: ModelFacts, world: int, s
     stage = c.spec.zero_stage
     if stage == 0:
         return 0
-    precision = make_precision(c.precision, cfg.parallel.reduce_dtype)
+    precision = make_precision(c.precision, cfg.parallel.sharding.reduce_dtype)
     reduce = dtype_bytes(precision.reduce_dtype)
     # What one unit's all-gather and reduce-scatter move: every rank's padded shards.
     padded = facts.unit_padded(world)
@@ -267,7 +267,8 @@ def _sharded_buffers(c: Candidate, cfg: Config, facts: ModelFacts, world: int, s
     if stage == 2:  # the unit's gradients and their packed copy; two gathers after the step
         return sum(largest) * max(reduce, working) + kept_whole
     gathered = dtype_bytes(precision.compute_dtype if precision.mixed else precision.param_dtype)
-    elements = fsdp_gathered_numel(facts, world, cfg.parallel.prefetch, cfg.parallel.reshard_after_forward)
+    elements = fsdp_gathered_numel(facts, world, cfg.parallel.sharding.prefetch,
+                                   cfg.parallel.sharding.reshard_after_forward)
     return elements * gathered + sum(largest) * reduce + kept_whole
 
 
@@ -296,7 +297,7 @@ def predict_setup_bytes(candidate: Candidate, cfg: Config) -> int:
     whole model."""
     shape = model_shape(cfg.model)
     facts = model_facts(shape)
-    precision = make_precision(candidate.precision, cfg.parallel.reduce_dtype)
+    precision = make_precision(candidate.precision, cfg.parallel.sharding.reduce_dtype)
     stored = dtype_bytes(precision.param_dtype)
     if candidate.spec.splits_model or candidate.pp > 1:
         held = rank_facts(shape, candidate.tp)
@@ -344,7 +345,7 @@ def predict_phases(candidate: Candidate, cfg: Config, margin: float = DEFAULT_MA
     steps = max(rank.total for rank in predict_memory(candidate, cfg, margin))
     ranks = predict_memory(candidate, cfg, 0.0, activations=False)
     shape = model_shape(cfg.model)
-    precision = make_precision(candidate.precision, cfg.parallel.reduce_dtype)
+    precision = make_precision(candidate.precision, cfg.parallel.sharding.reduce_dtype)
     persistent = candidate.spec.zero_stage in (0, 1)  # ddp's buckets, zero1's gradient buffer
     kept = max(r.params + r.optimizer + (r.grads if persistent else 0) for r in ranks)
     master = max(_optimizer_grads(candidate, cfg, r) for r in ranks)
@@ -357,7 +358,7 @@ def predict_phases(candidate: Candidate, cfg: Config, margin: float = DEFAULT_MA
     gathered = 0
     if candidate.spec.zero_stage == 3:
         gathered = fsdp_gathered_numel(rank_facts(shape, candidate.tp, candidate.ep),
-                                       candidate.shard or candidate.dp * candidate.cp, cfg.parallel.prefetch,
+                                       candidate.shard or candidate.dp * candidate.cp, cfg.parallel.sharding.prefetch,
                                        True) * dtype_bytes(working_dtype(precision))
     return {"setup": predict_setup_bytes(candidate, cfg), "load": kept + master, "steps": steps,
             "eval": kept + gathered + _forward_temporaries(candidate, shape), "checkpoint": kept,
@@ -433,7 +434,7 @@ def _sharded_stages_rank(c: Candidate, cfg: Config, held: ModelFacts, activation
     dp ranks (hsdp's of a node; the model state as data parallel's over `held`), and within a step fsdp's stages
     gathered whole and the whole gradients zero2 and fsdp accumulate over the micro-batches (zero1's
     are its gradient buffer), with one unit packed for its reduce-scatter."""
-    precision = make_precision(c.precision, cfg.parallel.reduce_dtype)
+    precision = make_precision(c.precision, cfg.parallel.sharding.reduce_dtype)
     world = c.shard or c.dp  # hsdp: a node's dp ranks
     state = model_state(c.spec.zero_stage, precision, held, world, cfg)
     working = dtype_bytes(working_dtype(precision))
@@ -460,7 +461,7 @@ def _mesh_rank(c: Candidate, cfg: Config, numel: int, count: int, activations: i
     """A rank of the model-splitting strategies: the `numel` elements (`count` tensors) it holds
     whole and their gradients, in the precision's storage dtype, plus, with data (or context)
     parallel beside, the packed copy of its gradients the dp (cp) all-reduce sends."""
-    stored = dtype_bytes(make_precision(c.precision, cfg.parallel.reduce_dtype).param_dtype)
+    stored = dtype_bytes(make_precision(c.precision, cfg.parallel.sharding.reduce_dtype).param_dtype)
     held = numel * stored
     packed = held if c.dp > 1 or c.cp > 1 else 0
     return RankMemory(held, held, optimizer_bytes(numel, count, stored, cfg), activations, buffers + packed)

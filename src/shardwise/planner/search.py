@@ -186,7 +186,7 @@ def precision_twins(precisions: tuple[str, ...], cfg: Config, device: DeviceProf
     stored and reduce dtypes, mixed or not alike, a compute dtype of the same size and the same
     matmul throughput (bf16-mixed and fp16-mixed on a GPU; not on a CPU, whose fp16 is slow)."""
     def signature(name: str) -> tuple:
-        p = make_precision(name, cfg.parallel.reduce_dtype)
+        p = make_precision(name, cfg.parallel.sharding.reduce_dtype)
         return (p.param_dtype, p.reduce_dtype, p.mixed, dtype_bytes(p.compute_dtype), device.flops(compute_dtype(name)))
 
     first: dict[tuple, str] = {}

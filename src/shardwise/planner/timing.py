@@ -245,7 +245,7 @@ def _data_parallel(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceP
     """Replicated or sharded over the data-parallel (and cp) ranks; over tensor parallel, each
     tp rank's part so, and each block's four activation all-reduces over tp on top, exposed."""
     facts = rank_facts(shape, c.tp, c.ep)
-    precision = make_precision(c.precision, cfg.parallel.reduce_dtype)
+    precision = make_precision(c.precision, cfg.parallel.sharding.reduce_dtype)
     micro_steps = cfg.train.global_batch // (c.dp * c.micro_batch)
     micro_step = micro_step_s(c, shape, device, 0, shape.n_layer, True, True, c.micro_batch, traced)
     compute = micro_steps * micro_step
@@ -266,7 +266,7 @@ def _data_parallel(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceP
     if stage == 0:
         grads = facts.params_total * stored
         experts = facts.n_layer * facts.experts.numel * stored if facts.ep > 1 else 0  # kept out of the buckets
-        buckets = math.ceil((grads - experts) / (cfg.parallel.bucket_mb * 2**20))
+        buckets = math.ceil((grads - experts) / (cfg.parallel.ddp.bucket_mb * 2**20))
         comm = all_reduce_s(grads - experts, ranks, device.bandwidth(inter_node), latency) \
             + (buckets - 1) * 2 * (ranks - 1) * latency \
             + all_reduce_s(experts, ranks // facts.ep, device.bandwidth(inter_node), latency)

@@ -41,7 +41,7 @@ class Strategy:
     def __init__(self, ctx: DistContext, cfg: ParallelConfig, mesh: Mesh | None = None) -> None:
         self.ctx = ctx
         self.cfg = cfg
-        self.precision = make_precision(cfg.precision, cfg.reduce_dtype)
+        self.precision = make_precision(cfg.precision, cfg.sharding.reduce_dtype)
         # fp16's dynamic loss scaler: forward_backward scales the loss, the trainer unscales and may skip
         self.scaler: LossScaler | None = None
         if cfg.precision == "fp16-mixed":

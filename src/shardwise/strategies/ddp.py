@@ -5,8 +5,8 @@ running (parallel/replicate.py).
 `wrap` broadcasts parameters and buffers from rank 0, then buckets the parameters' gradients;
 each parameter's post-accumulate hook hands its gradient to the buckets, and a callback at the
 end of the autograd engine's work waits for them all. By default a bucket is averaged by the
-backend's all-reduce; with `parallel.all_reduce = "ring"` by our ring (parallel/comm.py); with
-`parallel.grad_compression` cast to 16 bits or PowerSGD-compressed (parallel/compression.py).
+backend's all-reduce; with `parallel.ddp.all_reduce = "ring"` by our ring (parallel/comm.py); with
+`parallel.ddp.grad_compression` cast to 16 bits or PowerSGD-compressed (parallel/compression.py).
 Inside `no_sync()` the hooks do nothing and gradients accumulate locally in the buckets.
 
 Under expert parallel (`parallel.ep`) each rank holds other experts: they are left out of the
@@ -43,12 +43,13 @@ class DDP(HookedStrategy):
         # Experts split over ep are averaged on their own, after backward (parallel/experts.py).
         trainable = [p for p in self.module.parameters() if p.requires_grad and not (experts and experts.is_expert(p))]
         cfg = self.cfg
-        reducer = functools.partial(make_reducer, all_reduce=cfg.all_reduce, compression=cfg.grad_compression,
-                                    powersgd_rank=cfg.powersgd_rank, powersgd_start_step=cfg.powersgd_start_step)
+        reducer = functools.partial(make_reducer, all_reduce=cfg.ddp.all_reduce, compression=cfg.ddp.grad_compression,
+                                    powersgd_rank=cfg.ddp.powersgd_rank,
+                                    powersgd_start_step=cfg.ddp.powersgd_start_step)
         # Backward produces gradients roughly in reverse registration order.
-        self.gradients = ReplicatedGradients(list(reversed(trainable)), int(cfg.bucket_mb * 2**20), self.ctx.device,
+        self.gradients = ReplicatedGradients(list(reversed(trainable)), int(cfg.ddp.bucket_mb * 2**20), self.ctx.device,
                                              reducer, {id(p): n for n, p in self.module.named_parameters()},
-                                             cfg.find_unused_parameters)
+                                             cfg.ddp.find_unused_parameters)
         self.view = StateView(self, rank_state=self.gradients.reducer.state)  # PowerSGD's error feedback
         for param in trainable:
             param.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -87,7 +88,7 @@ class DDP(HookedStrategy):
         except UnusedParameters as unused:
             raise RuntimeError(
                 f"ddp: these parameters got no gradient in this backward: {unused}. If the model skips "
-                "them on purpose, set parallel.find_unused_parameters = true (their gradient is then zero "
+                "them on purpose, set parallel.ddp.find_unused_parameters = true (their gradient is then zero "
                 "on this rank and averaged like any other)."
             ) from None
         if self.experts is not None:

@@ -10,7 +10,7 @@ block is split over the tp ranks as it is made (parallel/tensor.py), then sharde
 
 A meta-built model is made real unit by unit (materialise.py) under fsdp and over tensor
 parallel, each unit's shards kept and the rest freed before the next, so setup holds at most the
-shards made so far and one whole unit (`setup_peak_bytes`, counted). `parallel.offload =
+shards made so far and one whole unit (`setup_peak_bytes`, counted). `parallel.sharding.offload =
 "optimizer"` keeps the master shards, their gradients and the optimizer state on the host
 (ZeRO-Offload).
 """
@@ -64,8 +64,8 @@ class ShardedDataParallel(HookedStrategy):
         precision = self.precision
         self.sharding = Sharding(self.stage, ctx.device, precision.param_dtype,
                                  precision.compute_dtype if precision.mixed else precision.param_dtype,
-                                 precision.reduce_dtype, cfg.offload == "optimizer", cfg.prefetch,
-                                 cfg.reshard_after_forward)
+                                 precision.reduce_dtype, cfg.sharding.offload == "optimizer", cfg.sharding.prefetch,
+                                 cfg.sharding.reshard_after_forward)
         self.tensor_shards: dict[int, TensorShard] = {}  # id(parameter) -> how tensor parallel split it
         self.tp_partial: list[nn.Parameter] = []  # parameters whole on every tp rank, their gradients partial over tp
         self._full: dict[str, torch.Tensor] = {}  # over tp: the plain model's state on meta, noted before the split

@@ -33,7 +33,7 @@ from shardwise.dist import DistContext
 from shardwise.gradients import clip_grad_norm_
 from shardwise.materialise import named_tensors
 from shardwise.memory import local_tensor, return_free_memory
-from shardwise.models.plans import NEEDS, Located, PlanError, locate, plan_for_name, plans
+from shardwise.models.plans import NEEDS, PLANS, Located, PlanError, locate, plan_for_name
 from shardwise.parallel.comm import all_reduce_packed
 from shardwise.parallel.tensor import TensorShard
 from shardwise.state_view import SplitView
@@ -49,7 +49,7 @@ def check_model_split(cfg: Config, world: int) -> None:
     dp, pp, tp = p.mesh_shape(world)
     plan = plan_for_name(m.name)
     if plan is None:
-        covered = ", ".join(name for each in plans() for name in each.models)
+        covered = ", ".join(name for each in PLANS for name in each.models)
         raise ConfigError(f"parallel.strategy = {p.strategy!r}: splits a model as its family's parallel plan says; "
                           f"model.name = {m.name!r} has none (plans exist for {covered}). A plan names {NEEDS} "
                           "(docs/model-families.md)")

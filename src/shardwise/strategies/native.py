@@ -46,8 +46,8 @@ class NativeDDP(NativeStrategy):
         self.ddp = DistributedDataParallel(
             model,
             device_ids=[self.ctx.device.index] if self.ctx.device.type == "cuda" else None,
-            bucket_cap_mb=self.cfg.bucket_mb,
-            find_unused_parameters=self.cfg.find_unused_parameters,
+            bucket_cap_mb=self.cfg.ddp.bucket_mb,
+            find_unused_parameters=self.cfg.ddp.find_unused_parameters,
             process_group=self.mesh.group("dp_cp"),
         )
         return self.ddp
@@ -69,7 +69,8 @@ class NativeFSDP(NativeStrategy):
         mesh = self.mesh["dp_shard_cp"]
         for module in model.modules():
             if type(module).__name__ == self.cfg.block:
-                fully_shard(module, mesh=mesh, reshard_after_forward=self.cfg.reshard_after_forward, mp_policy=policy)
+                fully_shard(module, mesh=mesh, reshard_after_forward=self.cfg.sharding.reshard_after_forward,
+                            mp_policy=policy)
         fully_shard(model, mesh=mesh, mp_policy=policy)
         if self.materialiser is not None:
             model.to_empty(device=self.ctx.device)

@@ -1,22 +1,22 @@
 """Parameter-server training over RPC (`param-server`): servers hold the parameters and step the
 optimizer; workers compute gradients.
 
-A job of N ranks has S = `parallel.ps_servers` servers (the last S ranks) and W = N - S workers
+A job of N ranks has S = `parallel.param_server.servers` servers (the last S ranks) and W = N - S workers
 (ranks 0..W-1). Each server owns whole parameters, dealt out largest first to the least loaded
 server, with their optimizer state. Each worker holds a copy of the model, computes gradients on
 its share of each global batch, pushes each server the gradients of that server's parameters,
 and copies back the parameters the server answers with. Everything travels by
 torch.distributed.rpc (TensorPipe); servers keep their tensors on the CPU.
 
-`ps_mode = "sync"`: a step is two round trips. Push: a server sums the W workers' gradients in
+`parallel.param_server.mode = "sync"`: a step is two round trips. Push: a server sums the W workers' gradients in
 worker order and averages them, and when the last one arrives it answers every worker with the
 squared norm of its share of the average (or, after launch.timeout_s, fails them all naming the
 workers that never pushed). The shares add up to the global norm, so every worker computes the
 same clipping factor. Update: the first worker to send it makes the server clip and step; every
 worker gets the new parameters. This is one process training on the global batch, exactly.
 
-`ps_mode = "async"`: a push carries the version (updates applied so far) of the parameters its
-gradients were computed on. The server applies it at once if it is at most `ps_max_staleness`
+`parallel.param_server.mode = "async"`: a push carries the version (updates applied so far) of the parameters its
+gradients were computed on. The server applies it at once if it is at most `parallel.param_server.max_staleness`
 updates old, drops it otherwise, and answers with its current parameters and version. Workers
 clip their own gradients and never wait for each other, so one that dies costs only its pushes;
 they share no process group (each evaluates the whole validation set itself). Each server writes
@@ -84,7 +84,7 @@ def join(cfg: Config, make_optimizer: OptimizerFactory) -> DistContext | None:
     returns its context."""
     launch, p = cfg.launch, cfg.parallel
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    workers = world - p.ps_servers
+    workers = world - p.param_server.servers
     configure_process(launch.threads_per_rank, launch.debug_collectives)
     if rank >= workers:
         serve(cfg, rank - workers, workers, make_optimizer)
@@ -92,7 +92,7 @@ def join(cfg: Config, make_optimizer: OptimizerFactory) -> DistContext | None:
     _init_rpc(f"worker{rank}", cfg)
     backend = choose_backend(launch.backend)
     device = rank_device(backend, rank)
-    if p.ps_mode == "sync" and workers > 1:
+    if p.param_server.mode == "sync" and workers > 1:
         store = dist.PrefixStore("workers", job_store(launch.timeout_s))
         dist.init_process_group(backend, store=store, rank=rank, world_size=workers,
                                 timeout=timedelta(seconds=launch.timeout_s))
@@ -110,14 +110,14 @@ def expendable_ranks(cfg: Config) -> frozenset[int]:
     """Ranks the job may finish without: under `async`, a lost worker, except rank 0, which writes
     the run (the launcher, launch.launch_local, goes on without them)."""
     workers = cfg.parallel.mesh_shape(cfg.world_size)[0]
-    return frozenset(range(1, workers)) if cfg.parallel.ps_mode == "async" else frozenset()
+    return frozenset(range(1, workers)) if cfg.parallel.param_server.mode == "async" else frozenset()
 
 
 def leave(ctx: DistContext, cfg: Config) -> None:
     """A worker is done: tell the servers (through the store) and close RPC: in sync mode together
     with every rank, in async mode at once, as other workers may be gone."""
     job_store(cfg.launch.timeout_s).set(f"finished/{ctx.rank}", "1")
-    rpc.shutdown(graceful=cfg.parallel.ps_mode == "sync")
+    rpc.shutdown(graceful=cfg.parallel.param_server.mode == "sync")
 
 
 class _Round:
@@ -139,7 +139,7 @@ class ParameterServer:
         self.params = params
         self.optimizer = optimizer
         self.workers = workers
-        self.max_staleness = cfg.ps_max_staleness
+        self.max_staleness = cfg.param_server.max_staleness
         self.wait_s = wait_s
         self.lock = threading.Lock()
         self.version = 0  # updates applied
@@ -271,13 +271,13 @@ def serve(cfg: Config, index: int, workers: int, make_optimizer: OptimizerFactor
     store = job_store(launch.timeout_s)
     while not all(store.check([f"finished/{w}"]) or store.check([f"exited/{w}"]) for w in range(workers)):
         time.sleep(0.2)
-    stats = _server.stats(p.ps_mode)
+    stats = _server.stats(p.param_server.mode)
     out = Path(cfg.run.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"param-server-{index}.json").write_text(json.dumps(stats, indent=1) + "\n")
     print(f"{_server.name}: {stats['updates']} updates, staleness {stats['staleness']}, dropped {stats['dropped']}",
           flush=True)
-    rpc.shutdown(graceful=p.ps_mode == "sync")
+    rpc.shutdown(graceful=p.param_server.mode == "sync")
 
 
 def server_parameters(cfg: Config, index: int) -> dict[str, nn.Parameter]:
@@ -287,10 +287,10 @@ def server_parameters(cfg: Config, index: int) -> dict[str, nn.Parameter]:
     p = cfg.parallel
     with init_context():
         model = build_model(cfg.model)
-    owned = {id(param) for param in server_share(list(model.parameters()), p.ps_servers, index)}
+    owned = {id(param) for param in server_share(list(model.parameters()), p.param_server.servers, index)}
     names = [name for name, param in model.named_parameters() if id(param) in owned]
     materialiser = Materialiser(model, block_class(model, p.block), cfg.train.seed)
-    dtype = make_precision(p.precision, p.reduce_dtype).param_dtype
+    dtype = make_precision(p.precision, p.sharding.reduce_dtype).param_dtype
     kept: dict[str, nn.Parameter] = {}
     for group in materialiser.groups:
         wanted = [name for name in group.names if name in names]
@@ -331,21 +331,22 @@ class ParamServer(Strategy):
     def check_config(cls, cfg: Config, world: int) -> None:
         """Servers plus workers on one machine, under our own launcher."""
         p = cfg.parallel
-        if world <= p.ps_servers:
-            raise ConfigError(f"world size {world}: param-server needs parallel.ps_servers = {p.ps_servers} server "
-                              f"rank(s) plus at least one worker; e.g. --nproc {p.ps_servers + 2}")
+        if world <= p.param_server.servers:
+            raise ConfigError(f"world size {world}: param-server needs parallel.param_server.servers = "
+                              f"{p.param_server.servers} server "
+                              f"rank(s) plus at least one worker; e.g. --nproc {p.param_server.servers + 2}")
         if cfg.launch.nnodes != 1:
             raise ConfigError(f"launch.nnodes = {cfg.launch.nnodes}: param-server runs on one machine (its launcher "
                               "hosts the store and watches every rank)")
         if (p.dp, p.pp, p.tp) != (None, None, None):
             raise ConfigError("parallel.dp / pp / tp: param-server's replicas are its workers, "
-                              "launch.nproc - parallel.ps_servers; leave them unset")
+                              "launch.nproc - parallel.param_server.servers; leave them unset")
 
     def __init__(self, ctx: DistContext, cfg: ParallelConfig) -> None:
         super().__init__(ctx, cfg)
-        self.sync = cfg.ps_mode == "sync"
+        self.sync = cfg.param_server.mode == "sync"
         self.round = 0  # sync: steps exchanged, the servers' round number
-        self.versions = [0] * cfg.ps_servers  # async: each server's version of our parameters
+        self.versions = [0] * cfg.param_server.servers  # async: each server's version of our parameters
         self.norm_sq: float | None = None  # sync: this round's pushed gradient, its squared global norm
         self.clip_coef = 1.0
         # A worker's share of the global batch: its rank among the workers (their group's).
@@ -354,7 +355,8 @@ class ParamServer(Strategy):
     def wrap(self, model: nn.Module) -> nn.Module:
         self.module = self.prepare(model)
         params = list(self.module.parameters())
-        self.shards = [server_share(params, self.cfg.ps_servers, index) for index in range(self.cfg.ps_servers)]
+        servers = self.cfg.param_server.servers
+        self.shards = [server_share(params, servers, index) for index in range(servers)]
         for index, future in enumerate(self._call_servers(_pull, lambda index: ())):
             values, self.versions[index] = future.wait()
             self._load(index, values)

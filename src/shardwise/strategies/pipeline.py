@@ -3,7 +3,7 @@
 stages split over tp where the mesh has tp ranks (parallel/tensor.py), micro-batches run through
 the configured schedule (parallel/pipeline/runner.py).
 
-Each train.micro_batch of samples is split into M = parallel.micro_batches micro-batches. The
+Each train.micro_batch of samples is split into M = parallel.pipeline.micro_batches micro-batches. The
 head tied to the token embedding (the GPT's, GPT-2's), where the first and the last stage are on
 two ranks, is held by each: after backward their two gradients are summed between them, so both
 copies take the same step, as the one tensor does on one device. Being equal, the two copies are
@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from shardwise.config.schema import Config, ConfigError, ParallelConfig
+from shardwise.config.schema import Config, ConfigError, ParallelConfig, PipelineConfig
 from shardwise.dist import DistContext
 from shardwise.models import moe
 from shardwise.parallel.experts import balance_routers
@@ -45,7 +45,7 @@ Group = dist.ProcessGroup
 
 
 class Pipeline(MeshStrategy):
-    runs_schedule = True  # micro-batches through parallel.schedule (model-parallel: one, on GPipe's lists)
+    runs_schedule = True  # micro-batches through parallel.pipeline.schedule (model-parallel: one, on GPipe's lists)
 
     @classmethod
     def check_split(cls, cfg: Config, dp: int, pp: int, tp: int) -> None:
@@ -54,38 +54,40 @@ class Pipeline(MeshStrategy):
         if pp < 2:
             raise ConfigError(f"parallel.pp = {pp}: a pipeline needs at least 2 stages; "
                               "for data parallel alone use --strategy ddp")
-        v = virtual_stages(p.schedule, p.virtual_stages) if pipelined else 1
+        v = virtual_stages(p.pipeline.schedule, p.pipeline.virtual_stages) if pipelined else 1
         stages = pp * v
         if stages > m.n_layer:
-            count = f" x parallel.virtual_stages = {v} ({p.schedule}): {stages} stages," if v > 1 else ":"
+            count = (f" x parallel.pipeline.virtual_stages = {v} ({p.pipeline.schedule}): {stages} stages,"
+                     if v > 1 else ":")
             raise ConfigError(f"parallel.pp = {pp}{count} more pipeline stages than the model's {m.n_layer} blocks "
                               "(model.n_layer); every stage needs at least one block")
-        points = p.split_points
+        points = p.pipeline.split_points
         if points is not None and (len(points) != stages - 1 or points != sorted(set(points))
                                    or not 0 < points[0] <= points[-1] < m.n_layer):
             raise ConfigError(
-                f"parallel.split_points = {points}: expected {stages - 1} increasing block indices in "
+                f"parallel.pipeline.split_points = {points}: expected {stages - 1} increasing block indices in "
                 f"[1, {m.n_layer - 1}], the first block of stages 2..{stages}"
             )
         if not pipelined:
             return
-        if cfg.train.micro_batch % p.micro_batches:
+        if cfg.train.micro_batch % p.pipeline.micro_batches:
             raise ConfigError(
-                f"parallel.micro_batches = {p.micro_batches}: must divide train.micro_batch = "
+                f"parallel.pipeline.micro_batches = {p.pipeline.micro_batches}: must divide train.micro_batch = "
                 f"{cfg.train.micro_batch}, the per-replica batch one pipeline run splits into micro-batches"
             )
         try:
-            check_micro_batches(p.schedule, pp, p.micro_batches)
+            check_micro_batches(p.pipeline.schedule, pp, p.pipeline.micro_batches)
         except ScheduleError as exc:
-            raise ConfigError(f"parallel.schedule = {p.schedule!r}: {exc}; raise parallel.micro_batches") from None
-        if SCHEDULES[p.schedule].splits_backward and p.recompute == "selective":
-            raise ConfigError(f"parallel.recompute = 'selective': does not compose with {p.schedule}'s split "
+            raise ConfigError(f"parallel.pipeline.schedule = {p.pipeline.schedule!r}: {exc}; raise "
+                              "parallel.pipeline.micro_batches") from None
+        if SCHEDULES[p.pipeline.schedule].splits_backward and p.recompute == "selective":
+            raise ConfigError(f"parallel.recompute = 'selective': does not compose with {p.pipeline.schedule}'s split "
                               "backward (its weight gradients run later, from what B kept); use blocks or every:K")
 
     def __init__(self, ctx: DistContext, cfg: ParallelConfig) -> None:
         super().__init__(ctx, cfg)
-        self.micro_batches = cfg.micro_batches
-        self.schedule = build(cfg.schedule, self.pp, cfg.micro_batches, cfg.virtual_stages)
+        self.micro_batches = cfg.pipeline.micro_batches
+        self.schedule = build(cfg.pipeline.schedule, self.pp, cfg.pipeline.micro_batches, cfg.pipeline.virtual_stages)
         self.timeline: list[tuple[str, int, int, float, float]] = []  # the last step's, all its runs
         self.window = (0.0, 0.0)  # the last step's forward_backward: perf_counter start and end
         self._tied: tuple[list[nn.Parameter], Group] | None = None  # see _tie_first_and_last
@@ -103,7 +105,7 @@ class Pipeline(MeshStrategy):
         layout = self.schedule.layout
         blocks = located.blocks
         self.block_names = {id(module): name for name, module in model.named_modules() if module in blocks}
-        starts = [0, *(self.cfg.split_points or balanced_split(block_costs(located), layout.stages))]
+        starts = [0, *(self.cfg.pipeline.split_points or balanced_split(block_costs(located), layout.stages))]
         self.stage_blocks = list(zip(starts, [*starts[1:], len(blocks)], strict=True))  # [start, stop) per stage
         holds = stage_holds(located, self.stage_blocks)
         self.view.record_layout(model, [set().union(*(holds[s] for s in layout.stages_of(r))) for r in range(self.pp)])
@@ -233,4 +235,4 @@ class ModelParallel(Pipeline):
     runs_schedule = False
 
     def __init__(self, ctx: DistContext, cfg: ParallelConfig) -> None:
-        super().__init__(ctx, dataclasses.replace(cfg, micro_batches=1, schedule="gpipe", virtual_stages=None))
+        super().__init__(ctx, dataclasses.replace(cfg, pipeline=PipelineConfig(micro_batches=1, schedule="gpipe")))

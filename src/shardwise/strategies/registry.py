@@ -23,12 +23,13 @@ class StrategySpec:
     # Data parallel: which model state it shards over the replicas, as ZeRO's stages count (0: none,
     # 1: optimizer state, 2: + gradients, 3: + parameters); None where it is not data parallel.
     zero_stage: int | None = 0
-    pipelined: bool = False  # runs micro-batches through a schedule (parallel.micro_batches, .schedule)
+    pipelined: bool = False  # runs micro-batches through a schedule (parallel.pipeline.micro_batches, .schedule)
     one_process: bool = False  # one process, however many devices
-    parameter_servers: bool = False  # the last parallel.ps_servers ranks serve; the others are its replicas
+    parameter_servers: bool = False  # the last parallel.param_server.servers ranks serve; the others are its replicas
     own_launcher: bool = False  # started by our launcher (launch.launch_local), which can outlive a rank, not torchrun
     across_nodes: bool = False  # replicates across nodes what it shards within one (worth it only on several)
-    offloads: bool = False  # parallel.offload = "optimizer" keeps its master shards and optimizer state on the host
+    # parallel.sharding.offload = "optimizer" keeps its master shards and optimizer state on the host
+    offloads: bool = False
     checkpoints: bool = True  # saves and resumes checkpoints
     api: bool = True  # runs under the Python API (not only under `shardwise train`'s own launcher)
     # Splits each sequence over parallel.cp ranks and masks documents (data.documents): it runs the model

@@ -58,8 +58,9 @@ class ShardedPipeline(Pipeline):
         if p.cp > 1:
             raise ConfigError(f"parallel.cp = {p.cp}: a pipeline (parallel.pp = {p.pp}) does not split sequences; "
                               "context parallel composes with fsdp, zero1 and zero2 over tensor parallel alone")
-        if p.offload != "none":
-            raise ConfigError(f"parallel.offload = {p.offload!r}: not over pipeline stages (parallel.pp = {p.pp})")
+        if p.sharding.offload != "none":
+            raise ConfigError(f"parallel.sharding.offload = {p.sharding.offload!r}: not over pipeline stages "
+                              f"(parallel.pp = {p.pp})")
         super().check_config(cfg, world)
 
     def __init__(self, ctx: DistContext, cfg: ParallelConfig) -> None:

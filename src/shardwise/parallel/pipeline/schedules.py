@@ -267,7 +267,7 @@ def _dualpipev_rank(p: int, r: int, micro_batches: int) -> list[Action]:
 class ScheduleKind:
     generate: Callable[[Layout, int], Lists]
     v_shape: bool = False
-    virtual: int | None = 1  # stages per rank; None: any V >= 2 (parallel.virtual_stages)
+    virtual: int | None = 1  # stages per rank; None: any V >= 2 (parallel.pipeline.virtual_stages)
     splits_backward: bool = False  # B and W apart (W actions), or whole backwards (BW) only
     min_micro_batches: Callable[[int], int] = lambda ranks: 1
 
