@@ -212,6 +212,8 @@ def test_errors_name_the_bad_value(two_ranks):
         sw.setup("single", grad_accum=0)
     with pytest.raises(ConfigError, match="cp = 2: context parallel runs under `shardwise train`"):
         sw.setup("ddp", cp=2)
+    tables = sw.setup("single", bucket_mb=4.0, pipeline={"schedule": "gpipe"}).cfg.parallel  # a table's key or whole
+    assert (tables.ddp.bucket_mb, tables.pipeline.schedule) == (4.0, "gpipe")
     run = sw.setup("single", grad_accum=2)
     with pytest.raises(RuntimeError, match="call run.prepare"):
         run.backward(torch.ones(()))

@@ -47,7 +47,7 @@ from torch.utils.data import default_collate
 
 from shardwise.checkpoint import load_checkpoint, save_checkpoint
 from shardwise.config.load import apply_section
-from shardwise.config.schema import Config, ConfigError
+from shardwise.config.schema import MOVED_KEYS, Config, ConfigError, LoraConfig
 from shardwise.config.validate import validate_parallel
 from shardwise.data import Dataset, GlobalBatchSampler
 from shardwise.dist import DistContext, init_distributed, seed_everything, shutdown_distributed
@@ -75,12 +75,16 @@ def setup(strategy: str, precision: str = "fp32", recompute: str = "none", *, gr
     grad_accum: micro-batches per global batch on each replica. grad_clip: global gradient-norm
     clip (0: none). seed: model init (through the torch seed) and data order. backend, timeout_s:
     as launch.backend and launch.timeout_s. threads_per_rank: torch CPU threads (unset: as they are).
-    parallel: any other [parallel] key of the config (bucket_mb, prefetch, block, dp, pp, tp,
-    micro_batches, schedule, ...).
+    parallel: any other key of [parallel] or of its tables, by its own name (block, dp, pp, tp;
+    bucket_mb, prefetch, micro_batches, schedule, ... wherever their table is), or a table whole
+    (`pipeline={"schedule": "gpipe"}`).
     """
     cfg = Config()
-    apply_section(cfg, "parallel", {"strategy": strategy, "precision": precision, "recompute": recompute,
-                                    **parallel}, "shardwise.setup")
+    # A table's key by its own name: a keyword argument cannot be dotted.
+    keys = {MOVED_KEYS.get(f"parallel.{key}", f"parallel.{key}").removeprefix("parallel."): value
+            for key, value in parallel.items()}
+    apply_section(cfg, "parallel", {"strategy": strategy, "precision": precision, "recompute": recompute, **keys},
+                  "shardwise.setup")
     validate_parallel(cfg.parallel)
     if not spec(strategy).api:
         raise ConfigError(f"shardwise.setup: strategy = {strategy!r} runs only under `shardwise train`, whose own "
@@ -140,7 +144,8 @@ class Run:
         return self.ctx.device
 
     def prepare(self, model: nn.Module | Callable[[], nn.Module], make_optimizer: OptimizerFactory,
-                weights: str | Path | None = None) -> tuple[nn.Module, torch.optim.Optimizer]:
+                weights: str | Path | None = None,
+                lora: LoraConfig | None = None) -> tuple[nn.Module, torch.optim.Optimizer]:
         """Wrap `model` with the strategy (replicate, shard or split it; recompute blocks; move it to
         this rank's device and the precision's storage dtype) and build its optimizer over the
         parameters this rank holds: `make_optimizer(params)`. Returns (model to call, optimizer).
@@ -153,13 +158,19 @@ class Run:
         values `single` gives it, from `setup`'s seed (materialise.py).
 
         `weights`: pretrained weights to start from, a `.safetensors` file or a directory of them
-        (what `from_pretrained` reads), each rank reading only the part it holds (weights.py)."""
+        (what `from_pretrained` reads), each rank reading only the part it holds (weights.py).
+
+        `lora`: fine-tune with low-rank adapters (lora.py) of `lora.rank` > 0: the model's weights
+        frozen, adapters beside the layers `lora.targets` names (default: its family's attention and
+        MLP projections); the optimizer then holds the adapters alone."""
         if self.model is not None:
             raise RuntimeError("run.prepare: this run has a model already; call shardwise.setup again for another")
         if not isinstance(model, nn.Module):
             model = build_on_meta(model, "run.prepare")
         names = ModelNames.of(model)
         self._weights_layout = final_layout(model)
+        if lora is not None and lora.rank > 0:
+            self.strategy.lora = lora
         wrapped = self.strategy.wrap(model)
         self.optimizer = self.strategy.optimizer(make_optimizer)
         if weights is not None:

@@ -124,9 +124,10 @@ def train(args: argparse.Namespace) -> int:
 def _check_before_launch(cfg: Config) -> None:
     """What would otherwise fail inside every worker, after a cluster's start-up: pretrained weights
     that do not fit the model (read from the files' headers against the model built on the meta
-    device), a tokenizer larger than the vocabulary, a corpus too short for one sequence. Each
-    raises ConfigError, one line."""
-    if cfg.model.weights is not None:
+    device), LoRA targets that name no layer of it or a rank too large for one, a tokenizer larger than
+    the vocabulary, a corpus too short for one sequence. Each raises ConfigError, one line."""
+    if cfg.model.weights is not None or cfg.lora.rank > 0:
+        from shardwise.lora import LoraError, apply_lora
         from shardwise.materialise import init_context
         from shardwise.models import build_model
         from shardwise.weights import WeightsError, check_weights
@@ -134,8 +135,11 @@ def _check_before_launch(cfg: Config) -> None:
         with init_context():
             model = build_model(cfg.model)
         try:
-            check_weights(model, cfg.model.weights)
-        except WeightsError as error:
+            if cfg.model.weights is not None:
+                check_weights(model, cfg.model.weights)
+            if cfg.lora.rank > 0:  # its targets and rank against the model's layers
+                apply_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.targets, cfg.train.seed)
+        except (WeightsError, LoraError) as error:
             raise ConfigError(str(error)) from None
     if _prepare_own_data(cfg) is not None:
         from shardwise.data import make_datasets
@@ -352,6 +356,10 @@ def plan(args: argparse.Namespace) -> int:
         if args.config is None and args.hf_config is None:
             raise ConfigError("give a CONFIG file, --hf-config CONFIG.JSON, or both")
         cfg = load_config(args.config, [*hf_config_overrides(args.hf_config), *args.set])
+        if cfg.lora.rank > 0:
+            raise ConfigError(f"lora.rank = {cfg.lora.rank}: the planner does not model LoRA's memory yet (a frozen "
+                              "model, the adapters' gradients and optimizer state); plan without [lora]: a full "
+                              "fine-tune's figures bound it from above")
         if args.nodes is not None:
             nodes, world = args.nodes, args.nodes * args.gpus_per_node
         else:

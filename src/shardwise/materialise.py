@@ -210,7 +210,7 @@ class Materialiser:
         values = {name: self._blank(name, device) for name in group.names}
         with self._installed(group, values):
             for name, module in group.modules:
-                with _seeded(seed_for(self.seed, name), device), torch.no_grad():
+                with seeded(seed_for(self.seed, name), device), torch.no_grad():
                     self._initialisers[id(module)](module, name)
         for name, value in values.items():
             if value.is_floating_point() and _has_nan(value):
@@ -327,7 +327,7 @@ def _reset(module: nn.Module, name: str) -> None:
 
 
 @contextmanager
-def _seeded(seed: int, device: torch.device) -> Iterator[None]:
+def seeded(seed: int, device: torch.device) -> Iterator[None]:
     """The global generators (the CPU's and the device's) seeded with `seed` inside, restored after."""
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):

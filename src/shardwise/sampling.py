@@ -103,7 +103,7 @@ def sample_on_ranks(run: Path, prompt: str, tokens: int, seed: int, strategy: st
     with init_context():
         model = build_model(cfg.model)
     names = ModelNames.of(model)
-    runner = make_strategy(cfg.parallel, ctx, cfg.train.seed)
+    runner = make_strategy(cfg.parallel, ctx, cfg.train.seed, lora=cfg.lora)
     wrapped = runner.wrap(model).eval()
     load_weights(runner, run / WEIGHTS, names)
 

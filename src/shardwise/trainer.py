@@ -100,7 +100,7 @@ class Trainer:
         self.weights_layout = final_layout(model)  # what the final weights file holds
         # An hf-* model's run directory is a transformers model directory: its config.json, as built.
         self.model_config = config_json(model, cfg.model.hf_config) if cfg.model.name in HF_MODELS else None
-        self.strategy: Strategy = make_strategy(cfg.parallel, ctx, cfg.train.seed, cfg.train.compile)
+        self.strategy: Strategy = make_strategy(cfg.parallel, ctx, cfg.train.seed, cfg.train.compile, cfg.lora)
         # Each phase's peak resident set (setup, load, steps, eval, checkpoint, final_weights): the summary's.
         self.peaks = PhasePeaks(ctx.device)
         with self.peaks("setup"):

@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.metadata import (
 from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
 from shardwise.hub_layout import Piece, model_type, pieces
+from shardwise.lora import is_adapter
 
 if TYPE_CHECKING:
     from shardwise.strategies.base import Strategy
@@ -175,7 +176,7 @@ def load_weights(strategy: Strategy, path: str | Path, names: ModelNames) -> Non
     shape."""
     files = weight_files(Path(path))
     stored = stored_shapes(files)
-    state = strategy.view.state_dict()["model"]
+    state = {name: t for name, t in strategy.view.state_dict()["model"].items() if not is_adapter(name)}
     parameters = {name for name, _ in strategy.view.named_parameters()}
     matched = match(state, parameters, stored, names)
     # Ranks hold different tensors (a pipeline's stages): they agree on the problems and the use.

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from shardwise.hub_layout import Piece, model_type, pieces
+from shardwise.lora import merged
 from shardwise.memory import return_free_memory
 
 if TYPE_CHECKING:
@@ -197,12 +198,16 @@ def final_layout(model: nn.Module) -> WeightsLayout:
 
 def save_weights(strategy: Strategy, layout: WeightsLayout, path: Path) -> None:
     """Write the plain model's weights, as `strategy`'s ranks hold them, to `path` (rank 0 writes):
-    each tensor gathered whole on rank 0 alone (`Strategy.view.full_tensors`, state_view.py), written and dropped.
-    `layout`: the plain model's (`final_layout` of the model before the strategy wrapped it, or
-    of one built on the meta device). Every rank calls it. A write that fails (a full disk) raises
-    WeightsFileError on every rank, leaving whatever `path` held before."""
+    each tensor gathered whole on rank 0 alone (`Strategy.view.full_tensors`, state_view.py), written
+    and dropped; under LoRA, each adapted weight with its adapter's update merged in. `layout`: the
+    plain model's (`final_layout` of the model before the strategy wrapped it, or of one built on the
+    meta device). Every rank calls it. A write that fails (a full disk) raises WeightsFileError on
+    every rank, leaving whatever `path` held before."""
     names = layout.names()
-    tensors = _trimmed(strategy.view.full_tensors(names))
+    view, lora = strategy.view, strategy.lora
+    whole = view.full_tensors(names) if lora is None else merged(view.full_tensors, names, set(view.names()),
+                                                                   lora.alpha / lora.rank)
+    tensors = _trimmed(whole)
     problem = None
     if strategy.ctx.is_main:
         problem = _write_all(path, layout, names, tensors)

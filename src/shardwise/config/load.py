@@ -41,6 +41,10 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
     kind = type(value)
     if kind in allowed:
         return value
+    if list[str] in allowed:
+        if kind is list and all(type(item) is str for item in value):
+            return value
+        raise ConfigError(f"{key} = {value!r}: expected a list of strings, e.g. [\"q_proj\", \"v_proj\"]")
     if list[int] in allowed:
         if kind is list and all(type(item) is int for item in value):
             return value

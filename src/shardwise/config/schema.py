@@ -175,9 +175,8 @@ class TrainConfig:
     global_batch: int = option(16, "samples per optimizer step, over all ranks")
     micro_batch: int = option(8, "samples per forward on one model replica (`pipeline`: per pipeline run, split "
                               "into `parallel.pipeline.micro_batches`); global_batch / (replicas x micro_batch) "
-                              "micro-steps "
-                              "are accumulated, replicas being the world size, `parallel.dp` or param-server's "
-                              "workers")
+                              "micro-steps are accumulated, replicas being the world size, `parallel.dp` or "
+                              "param-server's workers")
     lr: float = option(1e-3, "peak learning rate: linear warm-up over `warmup_steps`, then cosine to `min_lr`")
     min_lr: float = option(1e-4, "learning rate at the end of the cosine; at most `lr`")
     warmup_steps: int = option(10, "steps of linear learning-rate warm-up")
@@ -194,6 +193,19 @@ class TrainConfig:
     keep_checkpoints: int = option(3, "keep the newest K checkpoints")
     compile: bool = option(False, "compile each block's forward with torch.compile (inductor), regionally: identical "
                            "blocks share one graph; compile time and graph count go in the summary (docs/compile.md)")
+
+
+@dataclass
+class LoraConfig:
+    """Low-rank adapters (LoRA, docs/finetuning.md): the model's weights frozen, and beside each target linear
+    layer two trainable matrices whose product, scaled by alpha / rank, adds to its output."""
+
+    rank: int = option(0, "the adapters' rank r; 0: no adapters, every parameter trains")
+    alpha: float = option(16.0, "the update's scale is alpha / rank")
+    dropout: float = option(0.0, "dropout on the adapters' input, in [0, 1)")
+    targets: list[str] | None = option(None, "the linear layers that get adapters, by name or its last components "
+                                       "(`attn.qkv`, `q_proj`; `*` matches within a component); unset: the "
+                                       "attention and MLP projections of the model family's parallel plan")
 
 
 @dataclass
@@ -370,6 +382,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
     run: RunConfig = field(default_factory=RunConfig)
@@ -400,6 +413,7 @@ SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "data": DataConfig,
     "train": TrainConfig,
+    "lora": LoraConfig,
     "parallel": ParallelConfig,
     "launch": LaunchConfig,
     "run": RunConfig,

@@ -62,6 +62,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _choice("train.optimizer", t.optimizer, OPTIMIZERS)
     datasets = TEXT_DATASETS if m.name in LANGUAGE_MODELS else IMAGE_DATASETS
     _validate_own_data(cfg)
+    _validate_lora(cfg, world_size or cfg.world_size)
     if d.name not in datasets:
         raise ConfigError(
             f"data.name = {d.name!r}: not usable with model.name = {m.name!r}; allowed: {', '.join(datasets)}"
@@ -206,6 +207,27 @@ def _validate_weights(weights: str, strategy: str) -> None:
     if not spec(strategy).checkpoints:  # the state a checkpoint loads into is what weights load into
         raise ConfigError(f"model.weights = {weights!r}: {strategy} keeps the parameters on its servers, which "
                           "start from initial values; use another strategy to start from weights")
+
+
+# The strategies LoRA is tested under (tests/test_lora.py); the others refuse it until they are.
+LORA_STRATEGIES = ("single", "ddp", "zero1", "zero2", "fsdp", "pipeline")
+
+
+def _validate_lora(cfg: Config, world: int) -> None:
+    lora, p = cfg.lora, cfg.parallel
+    _positive("lora.rank", lora.rank, zero_ok=True)
+    if lora.rank == 0:
+        return
+    _positive("lora.alpha", lora.alpha)
+    if not 0 <= lora.dropout < 1:
+        raise ConfigError(f"lora.dropout = {lora.dropout!r}: must be in [0, 1)")
+    if cfg.model.name not in LANGUAGE_MODELS and lora.targets is None:
+        raise ConfigError(f"lora.targets: model.name = {cfg.model.name!r} has no family default; name the layers")
+    dp, pp, tp = p.mesh_shape(world)
+    if p.strategy not in LORA_STRATEGIES or tp > 1 or (pp > 1 and p.strategy != "pipeline"):
+        mesh = f" with parallel.tp = {tp}" if tp > 1 else f" with parallel.pp = {pp}" if pp > 1 else ""
+        raise ConfigError(f"lora.rank = {lora.rank}: adapters train under {', '.join(LORA_STRATEGIES)} (tp 1, pp only "
+                          f"under pipeline) so far; not under parallel.strategy = {p.strategy!r}{mesh}")
 
 
 def validate_parallel(p: ParallelConfig) -> None:

@@ -11,9 +11,10 @@ import torch
 from torch import nn
 
 from shardwise.compile import BlockCompiler
-from shardwise.config.schema import DEFAULT_BLOCK, Config, ParallelConfig
+from shardwise.config.schema import DEFAULT_BLOCK, Config, LoraConfig, ParallelConfig
 from shardwise.dist import DistContext
 from shardwise.gradients import clip_grad_norm_, local_grads
+from shardwise.lora import apply_lora
 from shardwise.materialise import Materialiser, check_one_device_kind
 from shardwise.memory import MemoryBreakdown, count_memory
 from shardwise.models import moe
@@ -51,6 +52,7 @@ class Strategy:
         self.seed = 0  # what a meta-built model's initial values derive from (make_strategy sets train.seed)
         # Compiles each block's forward under train.compile (make_strategy sets it); None: eager
         self.compiler: BlockCompiler | None = None
+        self.lora: LoraConfig | None = None  # adapters on the frozen model (lora.rank > 0; make_strategy sets it)
         self.materialiser: Materialiser | None = None  # a meta-built model's groups and initial values
         self.setup_peak_bytes: int | None = None  # counted bytes at wrap's peak, where the strategy counts them
         self.context: ContextParallel | None = None  # the sequence split over parallel.cp ranks, made by `prepare`
@@ -96,6 +98,8 @@ class Strategy:
         rank's experts; a strategy that materialises parts itself splits their experts
         (`self.experts.split`)."""
         self.cfg = dataclasses.replace(self.cfg, block=block_class(model, self.cfg.block))
+        if self.lora is not None:
+            apply_lora(model, self.lora.rank, self.lora.alpha, self.lora.dropout, self.lora.targets, self.seed)
         if self.compiler is not None:
             self.compiler.compile_blocks(model, self.cfg.block)
         apply_recompute(model, self.cfg.recompute, self.cfg.block, once=self.recompute_once)
@@ -116,7 +120,8 @@ class Strategy:
         return model
 
     def optimizer(self, make: OptimizerFactory) -> torch.optim.Optimizer:
-        self.optim = make(self.local_parameters())
+        """The optimizer over what this rank holds and trains (under LoRA, the adapters alone)."""
+        self.optim = make([p for p in self.local_parameters() if p.requires_grad])
         return self.optim
 
     def local_parameters(self) -> list[nn.Parameter]:

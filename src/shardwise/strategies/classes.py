@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib
 
 from shardwise.compile import BlockCompiler
-from shardwise.config.schema import ParallelConfig
+from shardwise.config.schema import LoraConfig, ParallelConfig
 from shardwise.dist import DistContext
 from shardwise.strategies.base import Strategy
 from shardwise.strategies.registry import spec
@@ -22,10 +22,12 @@ def strategy_class(name: str, pp: int = 1) -> type[Strategy]:
     return getattr(importlib.import_module(f"shardwise.strategies.{chosen.module}"), chosen.cls)
 
 
-def make_strategy(cfg: ParallelConfig, ctx: DistContext, seed: int = 0, compile_blocks: bool = False) -> Strategy:
-    """The configured strategy; a meta-built model it wraps is initialised from `seed`, and its
-    blocks compiled with `compile_blocks` (train.compile)."""
+def make_strategy(cfg: ParallelConfig, ctx: DistContext, seed: int = 0, compile_blocks: bool = False,
+                  lora: LoraConfig | None = None) -> Strategy:
+    """The configured strategy; a meta-built model it wraps is initialised from `seed`, its blocks
+    compiled with `compile_blocks` (train.compile), and given adapters where `lora.rank` > 0."""
     strategy = strategy_class(cfg.strategy, cfg.mesh_shape(ctx.world_size)[1])(ctx, cfg)
     strategy.seed = seed
     strategy.compiler = BlockCompiler() if compile_blocks else None
+    strategy.lora = lora if lora is not None and lora.rank > 0 else None
     return strategy

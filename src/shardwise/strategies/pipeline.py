@@ -182,7 +182,8 @@ class Pipeline(MeshStrategy):
         if self._tied is not None:
             params, group = self._tied
             for param in params:
-                dist.all_reduce(param.grad, group=group)
+                if param.requires_grad:  # a frozen tie (LoRA) has no gradient to sum
+                    dist.all_reduce(param.grad, group=group)
         self.synchronize_gradients()
         self.window = (started, time.perf_counter())
         return loss_sum

@@ -1,0 +1,122 @@
+"""LoRA: adapters beside the frozen model's projections train as one device trains them, under
+every strategy that takes them, and the final weights are the plain model with the updates merged."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from distributed import run_ranks
+from helpers import CONFIGS, SGD, assert_same_training, gpt_tiny, in_process, train_runs
+from safetensors.torch import load_file
+
+from shardwise.cli import main
+from shardwise.config.load import load_config
+from shardwise.dist import DistContext
+from shardwise.lora import LoraError, apply_lora
+from shardwise.materialise import init_context
+from shardwise.models import build_model
+from shardwise.strategies.classes import make_strategy
+from shardwise.trainer import Trainer
+
+STEPS = 10
+LORA = ("lora.rank=4", "lora.alpha=8")
+
+
+def cfg_for(out: Path, strategy: str, world: int, *overrides: str):
+    """gpt-tiny with rank-4 adapters on its four projections, SGD at a rate the adapters move by."""
+    return gpt_tiny(out, strategy, world, "train.micro_batch=4", *SGD, "train.lr=0.5", *LORA, *overrides, steps=STEPS)
+
+
+def tiny_gpt() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return build_model(load_config(None).model)
+
+
+def test_adapters_start_as_the_model_add_their_low_rank_update_and_alone_get_gradients():
+    model, tokens = tiny_gpt(), torch.randint(0, 256, (2, 16))
+    before = model(tokens)
+    adapted = apply_lora(model, 4, 8.0, 0.0, None, seed=0)
+    layers = ("attn.qkv", "attn.proj", "mlp.up", "mlp.down")  # the GPT plan's regions' layers
+    assert adapted == [f"blocks.{b}.{layer}" for b in (0, 1) for layer in layers]
+    assert torch.equal(model(tokens), before)  # B starts at zero
+    qkv = model.blocks[0].attn.qkv
+    torch.nn.init.normal_(qkv.lora.B)
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(qkv(x), x @ qkv.weight.T + 2.0 * (x @ qkv.lora.A.T @ qkv.lora.B.T))  # no bias
+    model(tokens).sum().backward()
+    trained = {name for name, p in model.named_parameters() if p.grad is not None}
+    assert trained == {f"{name}.lora.{m}" for name in adapted for m in "AB"}
+
+
+def test_a_meta_built_models_adapters_get_the_values_a_real_ones_do():
+    real = tiny_gpt()
+    apply_lora(real, 4, 8.0, 0.0, None, seed=3)
+    with init_context():
+        meta = build_model(load_config(None).model)
+    made = dict(in_process(_wrap_single, meta).named_parameters())
+    adapters = [name for name, _ in real.named_parameters() if ".lora." in name]
+    assert len(adapters) == 16
+    for name in adapters:
+        assert torch.equal(made[name], dict(real.named_parameters())[name]), name
+
+
+def _wrap_single(ctx: DistContext, model: torch.nn.Module) -> torch.nn.Module:
+    cfg = load_config(None, ["train.seed=3", *LORA])
+    return make_strategy(cfg.parallel, ctx, cfg.train.seed, lora=cfg.lora).wrap(model)
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tmp_path_factory) -> Path:
+    """single on one rank; ddp, zero2, fsdp and a 2-stage pipeline on two, all with adapters."""
+    root = tmp_path_factory.mktemp("lora")
+    base = in_process(_train_single, root)
+    run_ranks(train_runs, 2, root, {"ddp": ("ddp",), "zero2": ("zero2",), "fsdp": ("fsdp",),
+                                    "pipeline": ("pipeline", "parallel.pipeline.micro_batches=2")}, cfg_for)
+    return root, base
+
+
+def _train_single(ctx: DistContext, root: Path) -> tuple[dict, dict]:
+    """single, and its model's frozen weights before and after training."""
+    trainer = Trainer(cfg_for(root / "single", "single", 1), ctx)
+    frozen = {n: p.detach().clone() for n, p in trainer.strategy.module.named_parameters() if not p.requires_grad}
+    trainer.fit()
+    after = {n: p.detach().clone() for n, p in trainer.strategy.module.named_parameters() if not p.requires_grad}
+    return frozen, after
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "fsdp", "pipeline"])
+def test_lora_trains_as_one_device_does_under_every_strategy(lora_runs, strategy):
+    root, _ = lora_runs
+    assert_same_training(root / strategy, root / "single", STEPS)
+
+
+def test_the_model_stays_frozen_and_the_final_weights_merge_the_updates(lora_runs):
+    root, (before, after) = lora_runs
+    assert before.keys() == after.keys() and all(torch.equal(before[n], after[n]) for n in before)
+    final = load_file(str(root / "single" / "model.safetensors"))
+    assert not any(".lora." in name for name in final)  # the plain model's names: the updates merged in
+    moved = final["blocks.0.attn.qkv.weight"] - before["blocks.0.attn.qkv.weight"]
+    assert moved.abs().max() > 1e-4  # the adapters trained and their update is in the weight
+    assert torch.equal(final["blocks.0.ln_1.weight"], before["blocks.0.ln_1.weight"])  # not adapted: as it was
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    (("lora.targets=[\"attn.qkv\", \"wq\"]",), "lora.targets: 'wq' matches no module of GPT; its linear layers are "
+                                               "named down, head, proj, qkv, up"),
+    (("lora.rank=65",), "lora.rank = 65: must be at least 1 and at most blocks.0.attn.qkv's smaller dimension"),
+    (("lora.rank=-1",), "lora.rank = -1: must be >= 0"),
+    (("lora.dropout=1.0",), "lora.dropout = 1.0: must be in [0, 1)"),
+    (("parallel.strategy=tensor", "launch.nproc=2"), "not under parallel.strategy = 'tensor' with parallel.tp = 2"),
+], ids=["target", "rank", "negative", "dropout", "tensor"])
+def test_bad_lora_settings_stop_the_cli_before_any_worker_starts(tmp_path, capsys, overrides, expected):
+    sets = [arg for override in ("lora.rank=4", *overrides) for arg in ("--set", override)]
+    assert main(["train", str(CONFIGS / "gpt-tiny.toml"), "--out", str(tmp_path / "run"), *sets]) == 2
+    assert expected in capsys.readouterr().err
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_target_that_is_not_a_linear_layer_is_named():
+    with pytest.raises(LoraError, match="ln_1 is a LayerNorm; adapters go beside nn.Linear layers"):
+        apply_lora(tiny_gpt(), 4, 8.0, 0.0, ["ln_1"], seed=0)
