@@ -8,7 +8,18 @@ from pathlib import Path
 import pytest
 import torch
 from distributed import run_ranks
-from helpers import CONFIGS, SGD, assert_same_training, gpt_tiny, in_process, train_runs
+from helpers import (
+    CONFIGS,
+    SGD,
+    Crash,
+    assert_same_training,
+    crash_at,
+    gpt_tiny,
+    in_process,
+    losses,
+    read_records,
+    train_runs,
+)
 from safetensors.torch import load_file
 
 from shardwise.cli import main
@@ -20,7 +31,7 @@ from shardwise.models import build_model
 from shardwise.strategies.classes import make_strategy
 from shardwise.trainer import Trainer
 
-STEPS = 10
+STEPS, SAVED_AT = 10, 5
 LORA = ("lora.rank=4", "lora.alpha=8")
 
 
@@ -74,7 +85,15 @@ def lora_runs(tmp_path_factory) -> Path:
     base = in_process(_train_single, root)
     run_ranks(train_runs, 2, root, {"ddp": ("ddp",), "zero2": ("zero2",), "fsdp": ("fsdp",),
                                     "pipeline": ("pipeline", "parallel.pipeline.micro_batches=2")}, cfg_for)
+    run_ranks(_crash_then_resume, 2, root / "fsdp-resumed")
     return root, base
+
+
+def _crash_then_resume(ctx: DistContext, out: Path) -> None:
+    """fsdp with adapters, a checkpoint at step 5, killed at 6, resumed."""
+    with pytest.raises(Crash):
+        crash_at(Trainer(cfg_for(out, "fsdp", 2, f"train.checkpoint_every={SAVED_AT}"), ctx), SAVED_AT + 1).fit()
+    Trainer(cfg_for(out, "fsdp", 2, f"train.checkpoint_every={SAVED_AT}", "run.resume=true"), ctx).fit()
 
 
 def _train_single(ctx: DistContext, root: Path) -> tuple[dict, dict]:
@@ -90,6 +109,18 @@ def _train_single(ctx: DistContext, root: Path) -> tuple[dict, dict]:
 def test_lora_trains_as_one_device_does_under_every_strategy(lora_runs, strategy):
     root, _ = lora_runs
     assert_same_training(root / strategy, root / "single", STEPS)
+
+
+def test_fsdp_shards_the_frozen_model_and_resumes_a_lora_run_bit_for_bit(lora_runs):
+    root, _ = lora_runs
+    single = read_records(root / "single")[-1]["memory"]["params"]
+    fsdp = [m["params"] for m in read_records(root / "fsdp")[-1]["memory_by_rank"]]
+    zero2 = [m["params"] for m in read_records(root / "zero2")[-1]["memory_by_rank"]]
+    assert all(held <= 0.55 * single for held in fsdp), (fsdp, single)  # half the frozen model each, and padding
+    assert all(held >= single for held in zero2)  # zero1 and zero2 hold the whole model: nothing to shard of it
+    assert losses(root / "fsdp-resumed") == losses(root / "fsdp")  # the same computation: exactly
+    resumed, straight = (load_file(str(root / run / "model.safetensors")) for run in ("fsdp-resumed", "fsdp"))
+    assert resumed.keys() == straight.keys() and all(torch.equal(resumed[k], straight[k]) for k in straight)
 
 
 def test_the_model_stays_frozen_and_the_final_weights_merge_the_updates(lora_runs):

@@ -243,8 +243,10 @@ class ShardedView(StateView):
         self.named, self.full = named, full
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """Each parameter's shard; a frozen one zero1 and zero2 hold whole, whole."""
         sharding = self.owner.sharding
-        return [(name, sharding.shard_of(param)) for name, param in self.owner.module.named_parameters()]
+        return [(name, sharding.shard_of(param) if sharding.holds(param) else param)
+                for name, param in self.owner.module.named_parameters()]
 
     def as_global(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """Over tensor parallel, a tp shard's rows are pieces of the whole tensor wherever its
@@ -257,6 +259,8 @@ class ShardedView(StateView):
 
         owner = self.owner
         param = self.named[name]
+        if not owner.sharding.holds(param):  # frozen and whole on every rank (zero1, zero2)
+            return local
         rows = owner.sharding.rows_of(param)
         over = owner.sharding.unit_of(param).over
         real = local[: real_rows(param, rows, over.rank)]
@@ -326,7 +330,7 @@ class ShardedSplitView(SplitView):
 
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         sharding = self.sharded.owner.sharding
-        return [(name, sharding.shard_of(p)) for name, p in self.held_parameters()]
+        return [(name, sharding.shard_of(p) if sharding.holds(p) else p) for name, p in self.held_parameters()]
 
     def as_global(self, name: str, local: torch.Tensor) -> torch.Tensor:
         return self.sharded.as_global(name, local)

@@ -98,6 +98,10 @@ class Unit:
     grads: torch.Tensor | None = None  # stage 1: the whole gradients, laid out as `full`; then the shard gradients
     grads_spent: bool = False  # stage 1: `grads` holds shard gradients now, not gradients to accumulate into
     gathered: bool = True
+    # Frozen parameters (LoRA's model): gathered and freed as any, never reduce-scattered, their
+    # shards trained by no optimizer.
+    frozen: bool = False
+    root: bool = False  # what no block holds: gathered for the whole of forward and backward
     pending_gather: tuple[dist.Work, torch.Tensor] | None = None
     ready: set[int] = field(default_factory=set)
 
@@ -194,10 +198,12 @@ class Sharding:
 
     # --- making units ----------------------------------------------------------------------
 
-    def add(self, over: ShardGroup, params: list[nn.Parameter]) -> Unit:
+    def add(self, over: ShardGroup, params: list[nn.Parameter], frozen: bool = False, root: bool = False) -> Unit:
         """`params` (whole, on the device) as a unit sharded over `over`, its shards made; the full
-        parameters stay until `settle`."""
-        unit = self._make_unit(over, params)
+        parameters stay until `settle`. `frozen`: parameters that get no gradient (stage 3 only);
+        `root`: parameters no block holds (added last)."""
+        unit = self._make_unit(over, params, frozen)
+        unit.root = root
         self.units.append(unit)
         self._unit_of.update({id(p): unit for p in params})
         self._shard_of.update({id(p): (shard, rows) for p, shard, rows in zip(params, unit.shards, unit.rows,
@@ -219,19 +225,19 @@ class Sharding:
             self.free(unit)
             return_free_memory()
 
-    def _make_unit(self, over: ShardGroup, params: list[nn.Parameter]) -> Unit:
+    def _make_unit(self, over: ShardGroup, params: list[nn.Parameter], frozen: bool) -> Unit:
         rows = [math.ceil(p.shape[0] / over.world) for p in params]
         lengths = [r * row_numel(p) for r, p in zip(rows, params, strict=True)]
         offsets = [sum(lengths[:i]) for i in range(len(lengths))]
         master, working = self.master_dtype, self.working_dtype
-        unit = Unit(over, params, rows, offsets, sum(lengths), working, shards=[], shard_buffer=None)
+        unit = Unit(over, params, rows, offsets, sum(lengths), working, shards=[], shard_buffer=None, frozen=frozen)
         if self.stage == 3 or working != master or self.offload:
             unit.shard_buffer = torch.zeros(unit.shard_numel, dtype=master, device=self.master_device)
             for param, r, offset, length in zip(params, rows, offsets, lengths, strict=True):
                 view = unit.shard_buffer[offset : offset + length].view(r, *param.shape[1:])
                 chunk = param.detach()[over.rank * r : (over.rank + 1) * r]
                 view[: chunk.shape[0]].copy_(chunk)
-                unit.shards.append(nn.Parameter(view))
+                unit.shards.append(nn.Parameter(view, requires_grad=not frozen))
         if self.stage < 3:
             unit.full = flatten(params, rows, working, over.world, self.device)
             if unit.shard_buffer is None:  # the master shards are this rank's rows of the whole parameters
@@ -244,9 +250,8 @@ class Sharding:
         return unit
 
     @property
-    def root(self) -> Unit:
-        """The last unit: what no block holds, gathered for the whole of forward and backward."""
-        return self.units[-1]
+    def roots(self) -> list[Unit]:
+        return [unit for unit in self.units if unit.root]
 
     def shard_of(self, param: nn.Parameter) -> nn.Parameter:
         """This rank's master shard of `param`."""
@@ -264,7 +269,8 @@ class Sharding:
         return id(param) in self._shard_of
 
     def shards(self) -> list[nn.Parameter]:
-        """This rank's master shards, every unit's: what its optimizer steps on."""
+        """This rank's master shards, every unit's: what its optimizer steps on (those that require
+        gradients: a frozen unit's are held, not trained)."""
         return [shard for unit in self.units for shard in unit.shards]
 
     # --- gather / free --------------------------------------------------------------------
@@ -374,7 +380,7 @@ class Sharding:
         get no gradient there, and their reduce-scatters must come in the same order on every rank."""
         unit = self._unit_of[id(param)]
         unit.ready.add(id(param))
-        if len(unit.ready) < len(unit.params) or unit is self.root:
+        if len(unit.ready) < len(unit.params) or unit.root:
             return
         if sync and self.stage >= 2 and not unit.over.experts:
             self.reduce_scatter(unit)
@@ -440,7 +446,9 @@ class Sharding:
         settled; stage 3 frees what is still gathered."""
         if sync:
             for unit in self.units:
-                if unit is self.root or len(unit.ready) < len(unit.params) or self.stage == 1 or unit.over.experts:
+                if unit.frozen:
+                    continue
+                if unit.root or len(unit.ready) < len(unit.params) or self.stage == 1 or unit.over.experts:
                     self.reduce_scatter(unit)
             self.settle_reductions()
         self.free_all()
@@ -480,7 +488,8 @@ class GatherHooks:
             block.register_forward_hook(lambda m, args, out, i=index: self._after_unit_forward(units, i, out))
 
     def _before_root_forward(self, blocks: list[list[Unit]]) -> None:
-        self.sharding.finish_gather(self.sharding.root)
+        for unit in self.sharding.roots:
+            self.sharding.finish_gather(unit)
         for unit in blocks[0] if blocks else []:
             self.sharding.start_gather(unit)
 
@@ -503,9 +512,15 @@ class GatherHooks:
 
     def _after_root_forward(self) -> None:
         if not torch.is_grad_enabled():  # no backward will follow (evaluation)
-            self.sharding.free(self.sharding.root)
+            for unit in self.sharding.roots:
+                self.sharding.free(unit)
 
     def _before_unit_backward(self, blocks: list[list[Unit]], index: int) -> None:
+        # The block after this one has finished its backward: its frozen units, which no gradient
+        # frees (grad_ready), are freed here (block 0's at the end of backward).
+        for unit in blocks[index + 1] if index + 1 < len(blocks) else []:
+            if unit.frozen:
+                self.sharding.free(unit)
         for unit in blocks[index]:
             self.sharding.finish_gather(unit)
         for behind in blocks[max(0, index - self.sharding.prefetch) : index][::-1]:

@@ -93,7 +93,7 @@ class ShardedDataParallel(HookedStrategy):
             self.tensor_shards, self.tp_partial = splitter.shards, splitter.finish()
         self.view = ShardedView(self, dict(self.module.named_parameters()), self._full)
         for unit in self.sharding.units:
-            for param in unit.params:
+            for param in unit.params if not unit.frozen else []:
                 param.register_post_accumulate_grad_hook(self._on_grad_ready)
         self._init_backward_state()
         if self.stage == 3:
@@ -191,15 +191,21 @@ class ShardedDataParallel(HookedStrategy):
                 splitter.split(group.block)  # the block's layers now hold this rank's tp shards
                 if self.materialiser is not None:
                     self.materialiser.release(group, self.module)
-                params = [p for p in group.block.parameters() if p.requires_grad]
+                params = list(group.block.parameters())
             else:
-                params = [p for p in grouping.parameters(group) if p.requires_grad]
+                params = grouping.parameters(group)
+            # Frozen parameters (LoRA's model) are sharded by fsdp alone: zero1 and zero2 hold whole
+            # parameters anyway, and have no gradient of theirs to shard.
+            params = [p for p in params if p.requires_grad or self.stage == 3]
             if not params and group.block is not None:
                 continue
-            # Experts split over ep are a unit of their own, sharded over the ranks holding the same experts.
-            by_group = [(dense, [p for p in params if not self._is_expert(p)]),
-                        (experts, [p for p in params if self._is_expert(p)])]
-            made = [self.sharding.add(over, held) for over, held in by_group if held]
+            # Experts split over ep are a unit of their own, sharded over the ranks holding the same
+            # experts; frozen parameters too, gathered and freed with the block, never reduced.
+            by_group = [(over, frozen, [p for p in params
+                                        if self._is_expert(p) == expert and p.requires_grad != frozen])
+                        for over, expert in ((dense, False), (experts, True)) for frozen in (False, True)]
+            made = [self.sharding.add(over, held, frozen, root=group.block is None)
+                    for over, frozen, held in by_group if held]
             if group.block is not None:
                 blocks.append((group.block, made))
             for unit in made:
@@ -276,6 +282,7 @@ class ShardedDataParallel(HookedStrategy):
         shards = self.local_parameters()
         shard_grads = [s.grad for s in shards if s.grad is not None]
         full = [p for unit in units for p in unit.params if p.untyped_storage().size() > 0]
+        full += [p for p in self.module.parameters() if not self.sharding.holds(p)]  # zero1's, zero2's frozen ones
         full_grads = [p.grad for unit in units for p in unit.params if p.grad is not None]
         full_grads += [unit.grads for unit in units if unit.grads is not None]
         breakdown = count_memory(shards, self.optim, activations, self.ctx.device)
