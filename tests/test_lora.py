@@ -3,6 +3,7 @@ every strategy that takes them, and the final weights are the plain model with t
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -121,6 +122,45 @@ def test_fsdp_shards_the_frozen_model_and_resumes_a_lora_run_bit_for_bit(lora_ru
     assert losses(root / "fsdp-resumed") == losses(root / "fsdp")  # the same computation: exactly
     resumed, straight = (load_file(str(root / run / "model.safetensors")) for run in ("fsdp-resumed", "fsdp"))
     assert resumed.keys() == straight.keys() and all(torch.equal(resumed[k], straight[k]) for k in straight)
+
+
+def test_a_lora_checkpoint_holds_what_trains_and_refuses_another_kind_of_run(lora_runs, capsys):
+    root, _ = lora_runs
+    run = root / "fsdp-resumed"
+    manifest = json.loads((run / "checkpoints" / f"step-{SAVED_AT:08d}" / "manifest.json").read_text())
+    adapters = {f"blocks.{b}.{layer}.lora.{m}" for b in (0, 1) for layer in ("attn.qkv", "attn.proj", "mlp.up",
+                                                                              "mlp.down") for m in "AB"}
+    assert set(manifest["shapes"]) == adapters and manifest["lora"] == {"rank": 4, "alpha": 8.0, "targets": None}
+    for sets, expected in ((("run.resume=true",), "holds LoRA adapters (rank 4); this run trains every parameter"),
+                           (("run.resume=true", "lora.rank=8"), "holds adapters of rank 4 on the family's default "
+                                                                "targets; this run asks for rank 8")):
+        args = [arg for each in sets for arg in ("--set", each)]
+        assert main(["train", str(CONFIGS / "gpt-tiny.toml"), "--out", str(run), *args]) == 2
+        assert expected in capsys.readouterr().err
+
+
+def test_adapters_on_pretrained_weights_start_from_them_and_resume_onto_them(lora_runs, tmp_path):
+    root, _ = lora_runs
+    pretrained = root / "single" / "model.safetensors"  # a model to fine-tune: the first run's, merged
+    straight, resumed = in_process(_pretrained_runs, tmp_path, pretrained)
+    assert straight["blocks.1.mlp.down.weight"].equal(load_file(str(pretrained))["blocks.1.mlp.down.weight"])
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")
+    assert resumed.keys() == straight.keys() and all(torch.equal(resumed[k], straight[k]) for k in straight)
+
+
+def _pretrained_runs(ctx: DistContext, root: Path, weights: Path) -> tuple[dict, dict]:
+    """4 steps of adapters on `weights` straight, and killed after a checkpoint at 2 and resumed;
+    each run's frozen model at the end."""
+    def cfg(out: Path, *overrides: str):
+        return cfg_for(out, "single", 1, f"model.weights={weights}", "train.steps=4", *overrides)
+
+    straight = Trainer(cfg(root / "straight"), ctx)
+    straight.fit()
+    with pytest.raises(Crash):
+        crash_at(Trainer(cfg(root / "resumed", "train.checkpoint_every=2"), ctx), 3).fit()
+    resumed = Trainer(cfg(root / "resumed", "train.checkpoint_every=2", "run.resume=true"), ctx)
+    resumed.fit()
+    return [{n: p.detach().clone() for n, p in run.strategy.module.named_parameters()} for run in (straight, resumed)]
 
 
 def test_the_model_stays_frozen_and_the_final_weights_merge_the_updates(lora_runs):

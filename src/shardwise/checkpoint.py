@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.utils import _create_file_view
 from torch.futures import Future
 
 if TYPE_CHECKING:
-    from shardwise.config.schema import Config
+    from shardwise.config.schema import Config, LoraConfig
     from shardwise.dist import DistContext
     from shardwise.precision import LossScaler
     from shardwise.strategies.base import Strategy
@@ -113,8 +113,14 @@ def _from_rank0(value: Any) -> Any:
 
 
 def training_state(trainer: TrainingRun, world_size: int, with_rng: bool = True) -> dict[str, Any]:
-    """What a checkpoint holds, as live tensors a load overwrites in place."""
-    state: dict[str, Any] = trainer.strategy.view.state_dict()
+    """What a checkpoint holds, as live tensors a load overwrites in place. Under LoRA the model's
+    frozen weights are left out: they are the pretrained weights (`model.weights`) or the seed's,
+    made again on resume, so a checkpoint holds what trains (adapters, buffers, optimizer state)."""
+    view = trainer.strategy.view
+    state: dict[str, Any] = view.state_dict()
+    if trainer.strategy.lora is not None:
+        frozen = {name for name, param in view.named_parameters() if not param.requires_grad}
+        state["model"] = {name: t for name, t in state["model"].items() if name not in frozen}
     state["trainer"] = {"step": torch.zeros((), dtype=torch.int64)}
     if trainer.scaler:
         state["trainer"]["loss_scale"] = torch.tensor(trainer.scaler.scale, dtype=torch.float64)
@@ -160,6 +166,7 @@ def save_checkpoint(trainer: TrainingRun, step: int, keep: int) -> Path:
                 "precision": trainer.cfg.parallel.precision,
                 "shapes": _model_shapes(state),
                 "rank_state": sorted(trainer.strategy.view.rank_state()),
+                "lora": lora_manifest(trainer.strategy.lora),
             }
             problem = _agreed_from_rank0(trainer.ctx.is_main, lambda: _seal(tmp, final, manifest, keep))
     if problem is not None:
@@ -331,6 +338,27 @@ class _AllowListUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"checkpoint metadata refers to {module}.{name}, which is not allowed")
 
 
+def lora_manifest(lora: LoraConfig | None) -> dict[str, Any] | None:
+    """What a manifest records of a run's adapters (None: every parameter trains)."""
+    return None if lora is None else {"rank": lora.rank, "alpha": lora.alpha, "targets": lora.targets}
+
+
+def check_lora(path: Path, lora: LoraConfig | None) -> None:
+    """Raise where the checkpoint at `path` and the run disagree on adapters: a LoRA checkpoint holds
+    adapters and no frozen weights, a full fine-tune's no adapters."""
+    saved = json.loads((path / MANIFEST).read_text()).get("lora")
+    ours = lora_manifest(lora)
+    if (saved is None) != (ours is None):
+        kind = f"LoRA adapters (rank {saved['rank']})" if saved else "every parameter of a full fine-tune"
+        run = f"trains adapters (lora.rank = {ours['rank']})" if ours else "trains every parameter (lora.rank = 0)"
+        raise CheckpointError(f"checkpoint {path} holds {kind}; this run {run}: resume it as it was saved")
+    if saved is not None and (saved["rank"], saved["targets"]) != (ours["rank"], ours["targets"]):
+        default = "the family's default targets"
+        raise CheckpointError(f"checkpoint {path} holds adapters of rank {saved['rank']} on "
+                              f"{saved['targets'] or default}; this run asks for rank {ours['rank']} on "
+                              f"{ours['targets'] or default}")
+
+
 def check_fits(path: Path, state: dict[str, Any]) -> None:
     """Raise naming every parameter whose name or shape differs between checkpoint and model."""
     saved = json.loads((path / MANIFEST).read_text())["shapes"]
@@ -366,6 +394,7 @@ def load_checkpoint(trainer: TrainingRun) -> int:
         return 0
     path = Path(path)
     manifest = json.loads((path / MANIFEST).read_text())
+    check_lora(path, trainer.strategy.lora)
     _ensure_optimizer_state(trainer.optimizer)
     same_world = manifest["world_size"] == trainer.ctx.world_size
     state = training_state(trainer, trainer.ctx.world_size, with_rng=same_world)
@@ -433,6 +462,9 @@ def consolidate(run_dir: Path, out: Path, progress: bool = False) -> Path:
     path = newest_good_checkpoint(run_dir)
     if path is None:
         raise CheckpointError(f"{checkpoint_dir(run_dir)}: no checkpoint to consolidate")
+    if json.loads((path / MANIFEST).read_text()).get("lora"):
+        raise CheckpointError(f"{path} holds LoRA adapters, not the model: the run's model.safetensors has them merged "
+                              "into its weights")
     with init_context():
         model = build_model(cfg.model)
     check_fits(path, {"model": dict(model.named_parameters()) | dict(state_buffers(model))})

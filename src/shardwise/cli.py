@@ -124,8 +124,9 @@ def train(args: argparse.Namespace) -> int:
 def _check_before_launch(cfg: Config) -> None:
     """What would otherwise fail inside every worker, after a cluster's start-up: pretrained weights
     that do not fit the model (read from the files' headers against the model built on the meta
-    device), LoRA targets that name no layer of it or a rank too large for one, a tokenizer larger than
-    the vocabulary, a corpus too short for one sequence. Each raises ConfigError, one line."""
+    device), LoRA targets that name no layer of it or a rank too large for one, a checkpoint to resume
+    whose adapters differ from the run's, a tokenizer larger than the vocabulary, a corpus too short
+    for one sequence. Each raises ConfigError, one line."""
     if cfg.model.weights is not None or cfg.lora.rank > 0:
         from shardwise.lora import LoraError, apply_lora
         from shardwise.materialise import init_context
@@ -140,6 +141,14 @@ def _check_before_launch(cfg: Config) -> None:
             if cfg.lora.rank > 0:  # its targets and rank against the model's layers
                 apply_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.targets, cfg.train.seed)
         except (WeightsError, LoraError) as error:
+            raise ConfigError(str(error)) from None
+    latest = Path(cfg.run.out) / "checkpoints" / "latest"
+    if cfg.run.resume and latest.is_file() and (latest.parent / latest.read_text().strip() / "manifest.json").is_file():
+        from shardwise.checkpoint import CheckpointError, check_lora
+
+        try:  # a LoRA checkpoint resumed as a full fine-tune, or the reverse
+            check_lora(latest.parent / latest.read_text().strip(), cfg.lora if cfg.lora.rank > 0 else None)
+        except CheckpointError as error:
             raise ConfigError(str(error)) from None
     if _prepare_own_data(cfg) is not None:
         from shardwise.data import make_datasets

@@ -211,7 +211,8 @@ class Trainer:
         t = self.cfg.train
         with self.peaks("load"):
             first = load_checkpoint(self) if self.cfg.run.resume else 0
-            if first == 0 and self.cfg.model.weights:
+            # A LoRA checkpoint holds no frozen weights: they are the pretrained ones again.
+            if self.cfg.model.weights and (first == 0 or self.strategy.lora is not None):
                 load_weights(self.strategy, self.cfg.model.weights, self.names)
         if first >= t.steps:
             raise CheckpointError(f"{self.out}: its checkpoint is at step {first} of train.steps = {t.steps}; "
