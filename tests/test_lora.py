@@ -81,11 +81,13 @@ def _wrap_single(ctx: DistContext, model: torch.nn.Module) -> torch.nn.Module:
 
 @pytest.fixture(scope="module")
 def lora_runs(tmp_path_factory) -> Path:
-    """single on one rank; ddp, zero2, fsdp and a 2-stage pipeline on two, all with adapters."""
+    """single on one rank; ddp, zero2, fsdp, a 2-stage pipeline, tensor tp2 and fsdp over tp2 on two,
+    all with adapters."""
     root = tmp_path_factory.mktemp("lora")
     base = in_process(_train_single, root)
     run_ranks(train_runs, 2, root, {"ddp": ("ddp",), "zero2": ("zero2",), "fsdp": ("fsdp",),
-                                    "pipeline": ("pipeline", "parallel.pipeline.micro_batches=2")}, cfg_for)
+                                    "pipeline": ("pipeline", "parallel.pipeline.micro_batches=2"),
+                                    "tensor": ("tensor",), "fsdp-tp2": ("fsdp", "parallel.tp=2")}, cfg_for)
     run_ranks(_crash_then_resume, 2, root / "fsdp-resumed")
     return root, base
 
@@ -106,7 +108,7 @@ def _train_single(ctx: DistContext, root: Path) -> tuple[dict, dict]:
     return frozen, after
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero2", "fsdp", "pipeline"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "fsdp", "pipeline", "tensor", "fsdp-tp2"])
 def test_lora_trains_as_one_device_does_under_every_strategy(lora_runs, strategy):
     root, _ = lora_runs
     assert_same_training(root / strategy, root / "single", STEPS)
@@ -179,8 +181,12 @@ def test_the_model_stays_frozen_and_the_final_weights_merge_the_updates(lora_run
     (("lora.rank=65",), "lora.rank = 65: must be at least 1 and at most blocks.0.attn.qkv's smaller dimension"),
     (("lora.rank=-1",), "lora.rank = -1: must be >= 0"),
     (("lora.dropout=1.0",), "lora.dropout = 1.0: must be in [0, 1)"),
-    (("parallel.strategy=tensor", "launch.nproc=2"), "not under parallel.strategy = 'tensor' with parallel.tp = 2"),
-], ids=["target", "rank", "negative", "dropout", "tensor"])
+    (("parallel.strategy=fsdp", "parallel.pp=2", "launch.nproc=2"),
+     "over pipeline stages under pipeline alone, so far; not under parallel.strategy = 'fsdp' with parallel.pp = 2"),
+    (("parallel.strategy=tensor", "parallel.sequence_parallel=true", "launch.nproc=2"),
+     "with parallel.sequence_parallel: adapters do not split the sequence yet"),
+    (("parallel.strategy=param-server", "launch.nproc=3"), "not under parallel.strategy = 'param-server'"),
+], ids=["target", "rank", "negative", "dropout", "sharded-pipeline", "sequence-parallel", "param-server"])
 def test_bad_lora_settings_stop_the_cli_before_any_worker_starts(tmp_path, capsys, overrides, expected):
     sets = [arg for override in ("lora.rank=4", *overrides) for arg in ("--set", override)]
     assert main(["train", str(CONFIGS / "gpt-tiny.toml"), "--out", str(tmp_path / "run"), *sets]) == 2

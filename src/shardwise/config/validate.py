@@ -210,7 +210,7 @@ def _validate_weights(weights: str, strategy: str) -> None:
 
 
 # The strategies LoRA is tested under (tests/test_lora.py); the others refuse it until they are.
-LORA_STRATEGIES = ("single", "ddp", "zero1", "zero2", "fsdp", "pipeline")
+LORA_STRATEGIES = ("single", "ddp", "zero1", "zero2", "fsdp", "pipeline", "tensor")
 
 
 def _validate_lora(cfg: Config, world: int) -> None:
@@ -224,10 +224,14 @@ def _validate_lora(cfg: Config, world: int) -> None:
     if cfg.model.name not in LANGUAGE_MODELS and lora.targets is None:
         raise ConfigError(f"lora.targets: model.name = {cfg.model.name!r} has no family default; name the layers")
     dp, pp, tp = p.mesh_shape(world)
-    if p.strategy not in LORA_STRATEGIES or tp > 1 or (pp > 1 and p.strategy != "pipeline"):
-        mesh = f" with parallel.tp = {tp}" if tp > 1 else f" with parallel.pp = {pp}" if pp > 1 else ""
-        raise ConfigError(f"lora.rank = {lora.rank}: adapters train under {', '.join(LORA_STRATEGIES)} (tp 1, pp only "
-                          f"under pipeline) so far; not under parallel.strategy = {p.strategy!r}{mesh}")
+    if p.strategy not in LORA_STRATEGIES or (pp > 1 and (p.strategy != "pipeline" or tp > 1)):
+        mesh = f" with parallel.pp = {pp}" + (f" and parallel.tp = {tp}" if tp > 1 else "") if pp > 1 else ""
+        raise ConfigError(f"lora.rank = {lora.rank}: adapters train under {', '.join(LORA_STRATEGIES)}, over "
+                          f"pipeline stages under pipeline alone, so far; not under parallel.strategy = "
+                          f"{p.strategy!r}{mesh}")
+    if p.sequence_parallel:
+        raise ConfigError(f"lora.rank = {lora.rank} with parallel.sequence_parallel: adapters do not split the "
+                          "sequence yet; leave sequence_parallel off (tensor parallel splits them as their layers)")
 
 
 def validate_parallel(p: ParallelConfig) -> None:

@@ -349,13 +349,16 @@ class ColumnParallelLinear(nn.Module):
         self.region, self.in_out = region, in_out
         rank, size = region.tp.rank, region.tp.size
         self.shards = {"weight": TensorShard(1 if in_out else 0, parts), "bias": TensorShard(0, parts)}
-        self.weight = nn.Parameter(self.shards["weight"].take(layer.weight.detach(), rank, size))
+        self.weight = _split(layer.weight, self.shards["weight"], rank, size)
         bias = layer.bias
-        self.bias = None if bias is None else nn.Parameter(self.shards["bias"].take(bias.detach(), rank, size))
+        self.bias = None if bias is None else _split(bias, self.shards["bias"], rank, size)
+        # LoRA's adapter (lora.py): B's rows split as the weight's, A whole (its gradient partial over tp)
+        self.lora = _split_adapter(layer, "B", self.shards, TensorShard(0, parts), rank, size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.region.sequence_parallel:
-            return linear(x, self.weight, self.bias, self.in_out)
+            y = linear(x, self.weight, self.bias, self.in_out)
+            return y if self.lora is None else y + self.lora(x)
         if x is not self.region.full:
             raise RuntimeError("sequence parallel: a column-parallel layer was called on something other than its "
                                "region's input; the plan's region must be the module whose input all its column "
@@ -378,13 +381,36 @@ class RowParallelLinear(nn.Module):
         self.tp, self.sequence_parallel, self.in_out = tp, sequence_parallel, in_out
         rank, size = tp.rank, tp.size
         self.shards = {"weight": TensorShard(0 if in_out else 1)}  # the bias is added after the sum: replicated
-        self.weight = nn.Parameter(self.shards["weight"].take(layer.weight.detach(), rank, size))
-        self.bias = None if layer.bias is None else nn.Parameter(layer.bias.detach().clone())
+        self.weight = _split(layer.weight, self.shards["weight"], rank, size)
+        bias = layer.bias
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad)
+        # LoRA's adapter: A's columns split as the weight's, B whole (its gradient partial over tp); its
+        # update joins the partial output before the sum, which is then B's update of the whole input
+        self.lora = _split_adapter(layer, "A", self.shards, TensorShard(1), rank, size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         partial = linear(x, self.weight, None, self.in_out)
+        if self.lora is not None:
+            partial = partial + self.lora(x)
         y = LeaveRegion.apply(partial, self.tp) if self.sequence_parallel else reduce_from_tp(partial, self.tp)
         return y if self.bias is None else y + self.bias
+
+
+def _split(param: nn.Parameter, split: TensorShard, rank: int, size: int) -> nn.Parameter:
+    """This rank's shard of `param`, a parameter that trains if `param` does (LoRA freezes the weights)."""
+    return nn.Parameter(split.take(param.detach(), rank, size), requires_grad=param.requires_grad)
+
+
+def _split_adapter(layer: nn.Module, matrix: str, shards: dict[str, TensorShard], split: TensorShard, rank: int,
+                   size: int) -> nn.Module | None:
+    """`layer`'s LoRA adapter (its `lora` child, where it has one) with `matrix` ("A" or "B") split
+    as `split` says, noted in `shards` as the layer's own parameters are; None without one."""
+    adapter = getattr(layer, "lora", None)
+    if adapter is None:
+        return None
+    setattr(adapter, matrix, _split(getattr(adapter, matrix), split, rank, size))
+    shards[f"lora.{matrix}"] = split
+    return adapter
 
 
 def _attribute(obj: object, path: str) -> object:
@@ -434,7 +460,7 @@ def split_region(module: nn.Module, region: Region, plan: ParallelPlan, tp: Tens
         target = _attribute(module, owner) if owner else module
         setattr(target, leaf, getattr(target, leaf) // size)
     return {id(param): split.shards[key] for split in splits.values()
-            for key, param in split.named_parameters(recurse=False) if key in split.shards}
+            for key, param in split.named_parameters() if key in split.shards}
 
 
 def split_sequence_around(blocks: list[nn.Module], tp: TensorParallelGroup) -> None:
@@ -473,13 +499,14 @@ class BlockSplitter:
         and gather it after the last. Returns the blocks' parameters every rank holds whole whose
         gradients are partial, each rank's share of the sum: under sequence parallel all of them
         (this rank's positions only); otherwise those inside a region other than its row layer's
-        (Qwen3's per-head q and k norms: this rank's heads only)."""
+        (Qwen3's per-head q and k norms: this rank's heads only; LoRA's A beside a column layer and B
+        beside a row layer: this rank's share of the update)."""
         if self.sequence_parallel:
             split_sequence_around(self.blocks, self.tp)
             return [p for block in self.blocks for p in block.parameters() if id(p) not in self.shards]
         return [p for block in self.blocks for region in self.plan.regions
                 for name, p in block.get_submodule(region.module).named_parameters()
-                if id(p) not in self.shards and not name.startswith(f"{region.row}.")]
+                if id(p) not in self.shards and (not name.startswith(f"{region.row}.") or name.endswith(".lora.B"))]
 
 
 def parallelize_blocks(blocks: list[nn.Module], plan: ParallelPlan, tp: TensorParallelGroup,
