@@ -19,7 +19,7 @@ from shardwise.strategies.registry import NAMES as STRATEGIES
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = sorted([REPO / "README.md", *(REPO / "docs").rglob("*.md")])
-COMMANDS = ("train", "plan", "sample", "bench", "consolidate", "report", "prepare-data")
+COMMANDS = ("train", "plan", "sample", "bench", "consolidate", "export", "report", "prepare-data")
 # Flags of other programs that the docs show beside ours.
 FOREIGN_FLAGS = {
     "--nproc-per-node": "torchrun",

@@ -132,7 +132,8 @@ def test_a_lora_checkpoint_holds_what_trains_and_refuses_another_kind_of_run(lor
     manifest = json.loads((run / "checkpoints" / f"step-{SAVED_AT:08d}" / "manifest.json").read_text())
     adapters = {f"blocks.{b}.{layer}.lora.{m}" for b in (0, 1) for layer in ("attn.qkv", "attn.proj", "mlp.up",
                                                                               "mlp.down") for m in "AB"}
-    assert set(manifest["shapes"]) == adapters and manifest["lora"] == {"rank": 4, "alpha": 8.0, "targets": None}
+    assert set(manifest["shapes"]) == adapters
+    assert manifest["lora"] == {"rank": 4, "alpha": 8.0, "dropout": 0.0, "targets": None}
     for sets, expected in ((("run.resume=true",), "holds LoRA adapters (rank 4); this run trains every parameter"),
                            (("run.resume=true", "lora.rank=8"), "holds adapters of rank 4 on the family's default "
                                                                 "targets; this run asks for rank 8")):
@@ -197,3 +198,69 @@ def test_bad_lora_settings_stop_the_cli_before_any_worker_starts(tmp_path, capsy
 def test_a_target_that_is_not_a_linear_layer_is_named():
     with pytest.raises(LoraError, match="ln_1 is a LayerNorm; adapters go beside nn.Linear layers"):
         apply_lora(tiny_gpt(), 4, 8.0, 0.0, ["ln_1"], seed=0)
+
+
+def tiny_llama():
+    """A transformers Llama with grouped-query attention (2 query heads, 1 key/value head), byte-sized."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(1)
+    return AutoModelForCausalLM.from_config(LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=64, bos_token_id=None, eos_token_id=None,
+        tie_word_embeddings=False))
+
+
+def test_our_adapters_compute_and_differentiate_as_peft_does_on_a_transformers_llama():
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    ours = tiny_llama()
+    theirs = copy.deepcopy(ours)
+    adapted = apply_lora(ours, 4, 8.0, 0.0, None, seed=0)
+    assert len(adapted) == 14  # q, k, v, o, gate, up, down in each of the 2 layers
+    theirs = get_peft_model(theirs, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=adapted))
+    generator = torch.Generator().manual_seed(2)
+    for name in adapted:  # the same adapters in both, B not zero so that the update counts
+        adapter, layer = ours.get_submodule(f"{name}.lora"), theirs.base_model.model.get_submodule(name)
+        with torch.no_grad():
+            adapter.B.copy_(torch.randn(adapter.B.shape, generator=generator) * 0.1)
+            layer.lora_A["default"].weight.copy_(adapter.A)
+            layer.lora_B["default"].weight.copy_(adapter.B)
+    tokens = torch.randint(0, 256, (2, 32), generator=generator)
+    logits = [model(tokens).logits for model in (ours, theirs)]
+    torch.testing.assert_close(logits[0], logits[1], rtol=0, atol=1e-6)
+    for each in logits:
+        each.float().logsumexp(-1).mean().backward()
+    for name in adapted:
+        adapter, layer = ours.get_submodule(f"{name}.lora"), theirs.base_model.model.get_submodule(name)
+        torch.testing.assert_close(adapter.A.grad, layer.lora_A["default"].weight.grad, rtol=0, atol=1e-6)
+        torch.testing.assert_close(adapter.B.grad, layer.lora_B["default"].weight.grad, rtol=0, atol=1e-6)
+
+
+def test_the_peft_export_and_the_merged_run_directory_give_our_final_models_logits(tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base = tmp_path / "base"
+    tiny_llama().save_pretrained(base)
+    logits, tokens = in_process(_llama_lora_run, tmp_path / "run", base)
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "peft")]) == 0
+    with torch.no_grad():
+        peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), tmp_path / "peft")(tokens).logits
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "run")(tokens).logits
+    torch.testing.assert_close(peft, logits, rtol=0, atol=1e-5)
+    torch.testing.assert_close(merged, logits, rtol=0, atol=1e-5)
+    assert main(["export", str(tmp_path / "base"), str(tmp_path / "none")]) == 1  # no checkpoint to export
+
+
+def _llama_lora_run(ctx: DistContext, out: Path, base: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """Adapters on the pretrained Llama at `base` for 4 steps, a checkpoint at the end; the final
+    model's logits on some tokens."""
+    trainer = Trainer(cfg_for(out, "single", 1, "model.name=hf-llama", f"model.hf_config={base / 'config.json'}",
+                              f"model.weights={base}", "train.steps=4", "train.checkpoint_every=4"), ctx)
+    trainer.fit()
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        return trainer.model(tokens), tokens

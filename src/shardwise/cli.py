@@ -283,6 +283,19 @@ def consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
+def export(args: argparse.Namespace) -> int:
+    from shardwise.checkpoint import CheckpointError
+    from shardwise.export import export_peft
+
+    try:
+        used = export_peft(Path(args.run_dir), Path(args.out))
+    except CheckpointError as error:
+        print(f"shardwise export: {error}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.out} (peft's adapter_config.json and adapter_model.safetensors) from {used}")
+    return 0
+
+
 def report(args: argparse.Namespace) -> int:
     from shardwise.report import ReportError, write_report
 
@@ -484,6 +497,14 @@ def parser() -> argparse.ArgumentParser:
                             "tokenizer's files).")
     p.add_argument("run_dir", help="a run directory with checkpoints/")
     p.add_argument("out", help="the .safetensors file to write, or (hf-* runs) the directory")
+    p = commands.add_parser("export", help="a LoRA run's adapters in peft's format",
+                            description="Reads the adapters of RUN_DIR's newest good checkpoint (a LoRA run's: "
+                            "docs/finetuning.md), whatever strategy and world size saved them, and writes OUT, a "
+                            "directory peft.PeftModel.from_pretrained loads onto the base model: "
+                            "adapter_config.json and adapter_model.safetensors. The merged model is the run's own "
+                            "model.safetensors (for hf-* runs a directory transformers loads).")
+    p.add_argument("run_dir", help="a LoRA run directory with checkpoints/")
+    p.add_argument("out", help="the directory to write")
     p = commands.add_parser("report", help="one HTML page of plots and a table comparing runs",
                             description="Reads each RUN_DIR's metrics.jsonl and writes one self-contained HTML "
                             "page (plots embedded as PNG, no network, no JavaScript): loss and validation loss "
@@ -499,7 +520,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     handlers = {"train": train, "sample": sample, "bench": bench, "consolidate": consolidate, "plan": plan,
-                "report": report, "prepare-data": prepare_data}
+                "report": report, "prepare-data": prepare_data, "export": export}
     try:
         return handlers[args.command](args)
     except ConfigError as error:
