@@ -378,10 +378,6 @@ def plan(args: argparse.Namespace) -> int:
         if args.config is None and args.hf_config is None:
             raise ConfigError("give a CONFIG file, --hf-config CONFIG.JSON, or both")
         cfg = load_config(args.config, [*hf_config_overrides(args.hf_config), *args.set])
-        if cfg.lora.rank > 0:
-            raise ConfigError(f"lora.rank = {cfg.lora.rank}: the planner does not model LoRA's memory yet (a frozen "
-                              "model, the adapters' gradients and optimizer state); plan without [lora]: a full "
-                              "fine-tune's figures bound it from above")
         if args.nodes is not None:
             nodes, world = args.nodes, args.nodes * args.gpus_per_node
         else:

@@ -108,12 +108,14 @@ def optimizer_bytes(numel: int, tensors: int, stored: int, cfg: Config) -> int:
 
 def trace_key(shape: ModelShape, candidate: Candidate, tp: int = 1, sequence_parallel: bool = False) -> TraceKey:
     """What the forward looks like under `candidate`: parameters as they are while computing
-    (the sharded strategies keep or gather mixed precision's in the compute dtype), autocast
-    when mixed, the tensor split (sequence parallel only where there is one), and a rank's share
-    of the sequence under context parallel."""
+    (the sharded strategies keep or gather mixed precision's in the compute dtype, but zero1's and
+    zero2's LoRA-frozen ones), autocast when mixed, the tensor split (sequence parallel only where
+    there is one), and a rank's share of the sequence under context parallel."""
     precision = make_precision(candidate.precision)
+    # zero1 and zero2 keep LoRA's frozen parameters out of their units: whole, in the stored dtype
+    frozen = precision.param_dtype if shape.lora_rank and candidate.spec.zero_stage in (1, 2) else None
     return TraceKey(shape, computing_params_dtype(candidate), precision.compute_dtype if precision.mixed else None,
-                    tp, sequence_parallel and tp > 1, candidate.cp)
+                    tp, sequence_parallel and tp > 1, candidate.cp, frozen)
 
 
 def computing_params_dtype(c: Candidate) -> torch.dtype:
@@ -131,7 +133,7 @@ def predict_memory(candidate: Candidate, cfg: Config, margin: float = DEFAULT_MA
     for data-parallel and tensor-parallel ranks (all alike), one per stage for a pipeline.
     Without `activations`, a lower bound that traces nothing: every category but the
     activations, which count 0."""
-    shape = model_shape(cfg.model)
+    shape = model_shape(cfg.model, cfg.lora)
     if candidate.spec.mesh_dim == "pp" or candidate.pp > 1:
         ranks = _pipeline(candidate, cfg, shape, activations)
     elif candidate.spec.mesh_dim == "tp":
@@ -144,16 +146,19 @@ def predict_memory(candidate: Candidate, cfg: Config, margin: float = DEFAULT_MA
 def _data_parallel(c: Candidate, cfg: Config, shape: ModelShape, activations: bool) -> RankMemory:
     """A data-parallel rank: the model, or over tensor parallel its tp part (its blocks' matrices
     split, the rest whole), replicated or sharded over the data-parallel (and cp) ranks."""
-    facts = rank_facts(shape, c.tp, c.ep)
+    facts = rank_facts(shape, c.tp, c.ep, "trainable")  # under LoRA its adapters; else all of it
+    frozen = rank_facts(shape, c.tp, c.ep, "frozen")
     world = c.shard or c.dp * c.cp  # the ranks each parameter is split over: hsdp's is one node
     precision = make_precision(c.precision, cfg.parallel.sharding.reduce_dtype)
     stored = dtype_bytes(precision.param_dtype)
     shard = facts.shard_numel(world)
-    state = model_state(c.spec.zero_stage, precision, facts, world, cfg)  # hsdp holds what fsdp over its node does
+    # hsdp holds what fsdp over its node does
+    state = model_state(c.spec.zero_stage, precision, facts, world, cfg, frozen)
     key = trace_key(shape, c, c.tp, cfg.parallel.sequence_parallel)
     saved = saved_bytes(key).stage(0, shape.n_layer, True, True, c.recompute, c.micro_batch) \
         + all_to_all_outputs(c, shape) if activations else 0
-    buffers = _sharded_buffers(c, cfg, facts, world, stored) + context_buffers(c, shape) + expert_buffers(c, shape)
+    buffers = _sharded_buffers(c, cfg, facts, world, stored, rank_facts(shape, c.tp, c.ep)) \
+        + context_buffers(c, shape) + expert_buffers(c, shape)
     if c.tp > 1:  # an all-reduce's result is a copy of one activation (ReduceFromTensorParallel clones its input)
         buffers += c.micro_batch * shape.seq_len // c.cp * shape.d_model * 4
     if c.spec.across_nodes and c.dp > world:
@@ -169,9 +174,20 @@ class ModelState:
     host: int = 0
 
 
-def model_state(stage: int, precision: Precision, facts: ModelFacts, world: int, cfg: Config) -> ModelState:
+def model_state(stage: int, precision: Precision, facts: ModelFacts, world: int, cfg: Config,
+                frozen: ModelFacts | None = None) -> ModelState:
     """Parameter, gradient and optimizer bytes of a data-parallel rank at ZeRO stage `stage` over
-    `world` ranks, at the end of a step (the module's table)."""
+    `world` ranks, at the end of a step (the module's table), for the parameters that train
+    (`facts`). A model LoRA freezes (`frozen`) adds its parameters alone, in the stored dtype:
+    sharded by fsdp (its own units), whole on every rank otherwise."""
+    state = _trained_state(stage, precision, facts, world, cfg)
+    if frozen is not None and frozen.params_total:
+        stored = dtype_bytes(precision.param_dtype)
+        state.params += (frozen.shard_numel(world) if stage == 3 else frozen.params_total) * stored
+    return state
+
+
+def _trained_state(stage: int, precision: Precision, facts: ModelFacts, world: int, cfg: Config) -> ModelState:
     stored = dtype_bytes(precision.param_dtype)
     full, count = facts.params_total, facts.tensor_count
     if stage == 0:
@@ -246,15 +262,18 @@ def expert_rows(c: Candidate, shape: ModelShape) -> int:
     return c.micro_batch * shape.seq_len // c.cp * shape.top_k
 
 
-def _sharded_buffers(c: Candidate, cfg: Config, facts: ModelFacts, world: int, stored: int) -> int:
-    """Bytes alive only within a step under the sharded strategies (ddp's gradients are its buckets)."""
+def _sharded_buffers(c: Candidate, cfg: Config, facts: ModelFacts, world: int, stored: int,
+                     units: ModelFacts) -> int:
+    """Bytes alive only within a step under the sharded strategies (ddp's gradients are its buckets):
+    for the parameters that train (`facts`), and fsdp's gathers of every unit (`units`: with LoRA's
+    frozen model, which fsdp alone shards)."""
     stage = c.spec.zero_stage
     if stage == 0:
         return 0
     precision = make_precision(c.precision, cfg.parallel.sharding.reduce_dtype)
     reduce = dtype_bytes(precision.reduce_dtype)
     # What one unit's all-gather and reduce-scatter move: every rank's padded shards.
-    padded = facts.unit_padded(world)
+    padded = (units if stage == 3 else facts).unit_padded(world)
     largest = sorted(padded, reverse=True)[:UNITS_IN_FLIGHT]
     working = dtype_bytes(working_dtype(precision))
     kept_whole = 0
@@ -267,7 +286,7 @@ def _sharded_buffers(c: Candidate, cfg: Config, facts: ModelFacts, world: int, s
     if stage == 2:  # the unit's gradients and their packed copy; two gathers after the step
         return sum(largest) * max(reduce, working) + kept_whole
     gathered = dtype_bytes(precision.compute_dtype if precision.mixed else precision.param_dtype)
-    elements = fsdp_gathered_numel(facts, world, cfg.parallel.sharding.prefetch,
+    elements = fsdp_gathered_numel(units, world, cfg.parallel.sharding.prefetch,
                                    cfg.parallel.sharding.reshard_after_forward)
     return elements * gathered + sum(largest) * reduce + kept_whole
 
@@ -295,7 +314,7 @@ def predict_setup_bytes(candidate: Candidate, cfg: Config) -> int:
     they keep and one whole block beside its shard, as do the sharded strategies over pipeline
     stages before they shard the stage (within what a step holds). Every other strategy makes the
     whole model."""
-    shape = model_shape(cfg.model)
+    shape = model_shape(cfg.model, cfg.lora)
     facts = model_facts(shape)
     precision = make_precision(candidate.precision, cfg.parallel.sharding.reduce_dtype)
     stored = dtype_bytes(precision.param_dtype)
@@ -344,7 +363,7 @@ def predict_phases(candidate: Candidate, cfg: Config, margin: float = DEFAULT_MA
     Margin: the steps' only (allocator fragmentation and the optimizer step's temporaries)."""
     steps = max(rank.total for rank in predict_memory(candidate, cfg, margin))
     ranks = predict_memory(candidate, cfg, 0.0, activations=False)
-    shape = model_shape(cfg.model)
+    shape = model_shape(cfg.model, cfg.lora)
     precision = make_precision(candidate.precision, cfg.parallel.sharding.reduce_dtype)
     persistent = candidate.spec.zero_stage in (0, 1)  # ddp's buckets, zero1's gradient buffer
     kept = max(r.params + r.optimizer + (r.grads if persistent else 0) for r in ranks)
@@ -371,7 +390,7 @@ def _optimizer_grads(candidate: Candidate, cfg: Config, rank: RankMemory) -> int
     stage = candidate.spec.zero_stage
     if not stage:
         return rank.params
-    facts = rank_facts(model_shape(cfg.model), candidate.tp, candidate.ep)
+    facts = rank_facts(model_shape(cfg.model, cfg.lora), candidate.tp, candidate.ep)
     world = candidate.shard or candidate.dp * candidate.cp
     return facts.shard_numel(world) * dtype_bytes(make_precision(candidate.precision).param_dtype)
 
@@ -398,6 +417,7 @@ def _pipeline(c: Candidate, cfg: Config, shape: ModelShape, activations: bool) -
     rows in flight; under context parallel each stage's share of the sequence, and one layer's
     messages in flight."""
     facts = rank_facts(shape, c.tp, c.ep)
+    trained = rank_facts(shape, c.tp, c.ep, "trainable")  # under LoRA its adapters; else all of it
     runs = c.micro_batches  # 1 where the model is split without pipelining
     per_run = c.micro_batch / runs
     layout = layout_of(c.schedule or "gpipe", c.pp)
@@ -415,7 +435,8 @@ def _pipeline(c: Candidate, cfg: Config, shape: ModelShape, activations: bool) -
     ranks = []
     for rank in range(c.pp):
         stages = layout.stages_of(rank)
-        numel, count = facts.stage(0 in stages, last in stages, sum(bounds[s][1] - bounds[s][0] for s in stages))
+        blocks = sum(bounds[s][1] - bounds[s][0] for s in stages)
+        numel, count = facts.stage(0 in stages, last in stages, blocks)
         # Each neighbour on another rank: its M messages sent are kept until the run ends (outputs
         # forward, input gradients back), and a receive is posted one message ahead.
         crossings = sum(0 <= t <= last and layout.rank_of(t) != rank for s in stages for t in (s - 1, s + 1))
@@ -425,7 +446,8 @@ def _pipeline(c: Candidate, cfg: Config, shape: ModelShape, activations: bool) -
             held = facts.stage_facts(0 in stages, last in stages, sum(bounds[s][1] - bounds[s][0] for s in stages))
             ranks.append(_sharded_stages_rank(c, cfg, held, int(peaks[rank]), buffers))
         else:
-            ranks.append(_mesh_rank(c, cfg, numel, count, int(peaks[rank]), buffers))
+            ranks.append(_mesh_rank(c, cfg, numel, trained.stage(0 in stages, last in stages, blocks), int(peaks[rank]),
+                                    buffers))
     return ranks
 
 
@@ -447,24 +469,26 @@ def _sharded_stages_rank(c: Candidate, cfg: Config, held: ModelFacts, activation
 def _tensor(c: Candidate, cfg: Config, shape: ModelShape, activations: bool) -> RankMemory:
     """A tensor-parallel rank: its blocks' shards and the rest whole (an MoE layer's experts split over
     ep), and the activations of the split forward."""
-    facts = rank_facts(shape, c.tp, c.ep)
+    facts, trained = rank_facts(shape, c.tp, c.ep), rank_facts(shape, c.tp, c.ep, "trainable")
     key = trace_key(shape, c, c.tp, cfg.parallel.sequence_parallel)
     saved = saved_bytes(key).stage(0, shape.n_layer, True, True, c.recompute, c.micro_batch) \
         + all_to_all_outputs(c, shape) if activations else 0
     # An all-reduce's result is a copy of one activation (ReduceFromTensorParallel clones its input).
     activation = c.micro_batch * shape.seq_len // c.cp * shape.d_model * 4
-    return _mesh_rank(c, cfg, facts.params_total, facts.tensor_count, saved,
+    return _mesh_rank(c, cfg, facts.params_total, (trained.params_total, trained.tensor_count), saved,
                       activation + context_buffers(c, shape) + expert_buffers(c, shape))
 
 
-def _mesh_rank(c: Candidate, cfg: Config, numel: int, count: int, activations: int, buffers: int) -> RankMemory:
-    """A rank of the model-splitting strategies: the `numel` elements (`count` tensors) it holds
-    whole and their gradients, in the precision's storage dtype, plus, with data (or context)
-    parallel beside, the packed copy of its gradients the dp (cp) all-reduce sends."""
+def _mesh_rank(c: Candidate, cfg: Config, numel: int, trained: tuple[int, int], activations: int,
+               buffers: int) -> RankMemory:
+    """A rank of the model-splitting strategies: the `numel` elements it holds whole, and the
+    gradients of the `trained` (elements, tensors) of them (all of them but under LoRA), in the
+    precision's storage dtype, plus, with data (or context) parallel beside, the packed copy of
+    those gradients the dp (cp) all-reduce sends."""
     stored = dtype_bytes(make_precision(c.precision, cfg.parallel.sharding.reduce_dtype).param_dtype)
-    held = numel * stored
-    packed = held if c.dp > 1 or c.cp > 1 else 0
-    return RankMemory(held, held, optimizer_bytes(numel, count, stored, cfg), activations, buffers + packed)
+    grads = trained[0] * stored
+    packed = grads if c.dp > 1 or c.cp > 1 else 0
+    return RankMemory(numel * stored, grads, optimizer_bytes(*trained, stored, cfg), activations, buffers + packed)
 
 
 ZERO_STAGES = {name: s.zero_stage for name, s in SPECS.items() if s.planned and s.zero_stage is not None

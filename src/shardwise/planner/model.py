@@ -32,6 +32,7 @@ overhead.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import math
@@ -46,7 +47,8 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shardwise.config.schema import DEFAULT_BLOCK, HF_MODELS, LANGUAGE_MODELS, MOE_MODELS, ModelConfig
+from shardwise.config.schema import DEFAULT_BLOCK, HF_MODELS, LANGUAGE_MODELS, MOE_MODELS, LoraConfig, ModelConfig
+from shardwise.lora import apply_lora
 from shardwise.memory import ActivationCounter
 from shardwise.models import build_model, loss_fn, moe
 from shardwise.models.hf import decoder_layer_class
@@ -106,18 +108,27 @@ class ModelShape:
     router_score: str = "softmax"
     balance: str = "aux-loss"
     shared_expert: bool = False
+    # LoRA's adapters on the frozen model (lora.py): their rank (0: none) and targets (None: the family's)
+    lora_rank: int = 0
+    lora_targets: tuple[str, ...] | None = None
 
     def config(self, n_layer: int | None = None) -> ModelConfig:
-        sizes = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        sizes = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.name.startswith("lora_")}
         return ModelConfig(**{**sizes, "n_layer": n_layer or self.n_layer})
 
     def build(self, n_layer: int | None = None) -> nn.Module:
-        """The model, with `n_layer` blocks if given, on the current default device (or fake mode)."""
-        return build_model(self.config(n_layer))
+        """The model, with `n_layer` blocks if given, on the current default device (or fake mode),
+        with its adapters where it has them (their values do not matter here: alpha and seed 1)."""
+        model = build_model(self.config(n_layer))
+        if self.lora_rank:
+            targets = list(self.lora_targets) if self.lora_targets is not None else None
+            apply_lora(model, self.lora_rank, 1.0, 0.0, targets, seed=1)
+        return model
 
 
-def model_shape(cfg: ModelConfig) -> ModelShape:
-    """The planner's key for the model `cfg` names; PlanError for a model it cannot plan."""
+def model_shape(cfg: ModelConfig, lora: LoraConfig | None = None) -> ModelShape:
+    """The planner's key for the model `cfg` names (with `lora`'s adapters where its rank is above
+    0); PlanError for a model it cannot plan."""
     if cfg.name not in LANGUAGE_MODELS:
         raise PlanError(f"model.name = {cfg.name!r}: the planner plans language models ({', '.join(LANGUAGE_MODELS)})")
     if cfg.name == "hf-deepseek-v3":
@@ -126,8 +137,10 @@ def model_shape(cfg: ModelConfig) -> ModelShape:
                         "sizes")
     experts = {key: getattr(cfg, key) for key in ("n_experts", "top_k", "d_expert", "router_score", "balance",
                                                    "shared_expert")} if cfg.name in MOE_MODELS else {}
+    adapters = {"lora_rank": lora.rank, "lora_targets": None if lora.targets is None else tuple(lora.targets)} \
+        if lora is not None and lora.rank > 0 else {}
     return ModelShape(cfg.name, cfg.n_layer, cfg.n_head, cfg.n_kv_head, cfg.d_model, cfg.d_ff, cfg.seq_len,
-                      cfg.vocab_size, cfg.bias, cfg.hf_config, cfg.head_dim, **experts)
+                      cfg.vocab_size, cfg.bias, cfg.hf_config, cfg.head_dim, **experts, **adapters)
 
 
 def model_blocks(model: nn.Module) -> list[nn.Module]:
@@ -277,7 +290,11 @@ def meta_model(shape: ModelShape, n_layer: int | None = None) -> nn.Module:
         return shape.build(n_layer)
 
 
-def _split_facts(shape: ModelShape, model: nn.Module) -> ModelFacts:
+def _split_facts(shape: ModelShape, model: nn.Module, part: str = "all") -> ModelFacts:
+    """The facts of `model`'s parameters, or of those that train or are frozen (`part`:
+    "trainable", "frozen"; LoRA's adapters train, the rest of its model is frozen)."""
+    if part != "all":
+        model = _only(model, trains=part == "trainable")
     blocks = model_blocks(model)
     in_blocks = {id(p) for p in blocks[0].parameters()}
     embeddings: list[nn.Parameter] = []
@@ -295,10 +312,22 @@ def _split_facts(shape: ModelShape, model: nn.Module) -> ModelFacts:
                       _tensors(head), tied, _tensors(experts))
 
 
+def _only(model: nn.Module, trains: bool) -> nn.Module:
+    """A shallow view of `model` whose parameters are those that train (or are frozen): each module
+    copied with the others left out, so the facts count only the kept ones."""
+    clone = copy.copy(model)
+    clone._parameters = {k: p for k, p in model._parameters.items() if p is not None and p.requires_grad == trains}
+    clone._modules = {k: _only(m, trains) for k, m in model._modules.items() if m is not None}
+    return clone
+
+
 @functools.cache
-def model_facts(shape: ModelShape) -> ModelFacts:
-    """Parameter shapes per unit, read from a one-block meta copy of the model."""
-    return _split_facts(shape, meta_model(shape, 1))
+def model_facts(shape: ModelShape, part: str = "all") -> ModelFacts:
+    """Parameter shapes per unit, read from a one-block meta copy of the model; `part`: of the
+    parameters that train, or are frozen (LoRA), or all."""
+    if part == "trainable" and not shape.lora_rank:  # every parameter trains: the same facts, cached once
+        return model_facts(shape)
+    return _split_facts(shape, meta_model(shape, 1), part)
 
 
 def parallelize_for_planning(model: nn.Module, tp: int, sequence_parallel: bool = False) -> None:
@@ -310,20 +339,22 @@ def parallelize_for_planning(model: nn.Module, tp: int, sequence_parallel: bool 
 
 
 @functools.cache
-def rank_facts(shape: ModelShape, tp: int, ep: int = 1) -> ModelFacts:
+def rank_facts(shape: ModelShape, tp: int, ep: int = 1, part: str = "all") -> ModelFacts:
     """The parameters one tensor-parallel rank holds: blocks split `tp` ways, the rest whole; with
     expert parallel, each layer's experts split `ep` ways (the MoE layers are whole on every tp
-    rank: models/plans.py)."""
+    rank: models/plans.py). `part`: of the parameters that train, or are frozen (LoRA), or all."""
+    if part == "trainable" and not shape.lora_rank:
+        return rank_facts(shape, tp, ep)
     if ep > 1:
-        whole = rank_facts(shape, tp)
+        whole = rank_facts(shape, tp, part=part)
         share = Tensors(tuple((rows // ep, *rest) for rows, *rest in whole.experts.shapes))
         return dataclasses.replace(whole, block=Tensors(whole.dense.shapes + share.shapes), experts=share, ep=ep)
     if tp == 1:
-        return model_facts(shape)
+        return model_facts(shape, part)
     with torch.device("meta"):
         model = shape.build(1)
         parallelize_for_planning(model, tp)
-    return _split_facts(shape, model)
+    return _split_facts(shape, model, part)
 
 
 @functools.cache
@@ -344,7 +375,8 @@ class TraceKey:
     """What decides the bytes a forward saves: the model, the dtype parameters have while computing,
     autocast's dtype (None: off), the tensor split, whether sequence parallel splits the rest, and
     the context-parallel ranks a sequence is split over (a rank's forward is over seq_len / cp
-    tokens)."""
+    tokens), and the dtype LoRA's frozen parameters have if not `param_dtype` (zero1 and zero2 keep
+    them whole in the stored dtype, where autocast casts them at each use)."""
 
     shape: ModelShape
     param_dtype: torch.dtype
@@ -352,6 +384,7 @@ class TraceKey:
     tp: int = 1
     sequence_parallel: bool = False
     cp: int = 1
+    frozen_dtype: torch.dtype | None = None
 
     @property
     def local_shape(self) -> ModelShape:
@@ -440,7 +473,8 @@ def _trace(key: TraceKey, n_layer: int, policy: str, batches: tuple[int, ...],
     with FakeTensorMode(allow_non_fake_inputs=True), _one_sequence_per_row(shape):
         model = shape.build(n_layer)
         for param in model.parameters():  # as the strategies do (Module.to cannot swap fake tensors)
-            param.data = param.data.to(key.param_dtype)
+            frozen = not param.requires_grad and key.frozen_dtype is not None
+            param.data = param.data.to(key.frozen_dtype if frozen else key.param_dtype)
         if key.tp > 1:
             parallelize_for_planning(model, key.tp, key.sequence_parallel)
         blocks = model_blocks(model)

@@ -92,12 +92,12 @@ class Plan:
 
     @property
     def params_total(self) -> int:
-        return model_facts(model_shape(self.cfg.model)).params_total
+        return model_facts(model_shape(self.cfg.model, self.cfg.lora)).params_total
 
     @property
     def params_active(self) -> int:
         """The parameters a token computes with: all but the experts it is not routed to."""
-        return model_facts(model_shape(self.cfg.model)).active_total
+        return model_facts(model_shape(self.cfg.model, self.cfg.lora)).active_total
 
     @property
     def fitting(self) -> list[Evaluated]:
@@ -141,7 +141,7 @@ def make_plan(cfg: Config, world: int, device: DeviceProfile, *, nodes: int = 1,
         raise PlanError(f"--margin {margin:g}: must be in [0, 1), the fraction added for the allocator")
     if top < 1:
         raise PlanError(f"--top {top}: must be >= 1, the candidates that fit to find and show")
-    model_shape(cfg.model)  # only language models can be planned: say so before anything else
+    model_shape(cfg.model, cfg.lora)  # only language models can be planned: say so before anything else
     device = dataclasses.replace(device, gpus_per_node=world // nodes)
     limit = memory_limit(device, memory_gb)
     candidates, refused = enumerate_candidates(cfg, world, precisions, policies, micro_batches, nodes)

@@ -151,7 +151,7 @@ def predict_step_time(c: Candidate, cfg: Config, device: DeviceProfile, world: i
     """Seconds one optimizer step of `cfg.train.global_batch` samples takes under `c`. Without
     `traced`, a lower bound that traces no activations: `selective`'s re-done elementwise work is
     left out (the operators are still counted, once per model)."""
-    shape = model_shape(cfg.model)
+    shape = model_shape(cfg.model, cfg.lora)
     if c.spec.mesh_dim == "pp" or c.pp > 1:
         return _pipeline(c, cfg, shape, device, traced)
     if c.spec.mesh_dim == "tp":
@@ -234,7 +234,7 @@ def expert_parallel_s(c: Candidate, shape: ModelShape, device: DeviceProfile) ->
 
 def expert_exchange_bytes(c: Candidate, cfg: Config) -> int:
     """Bytes one rank sends in expert parallel's all-to-alls over an optimizer step (routing balanced)."""
-    shape = model_shape(cfg.model)
+    shape = model_shape(cfg.model, cfg.lora)
     micro_steps = cfg.train.global_batch // (c.dp * c.micro_batch)
     rows = expert_rows(c, shape) * shape.d_model * dtype_bytes(computing_params_dtype(c))
     return int(micro_steps * _exchanges(c, shape) * rows * (c.ep - 1) / c.ep)
