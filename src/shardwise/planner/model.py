@@ -31,31 +31,29 @@ overhead.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import functools
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Generic, TypeVar
-from unittest import mock
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from shardwise.config.schema import DEFAULT_BLOCK, HF_MODELS, LANGUAGE_MODELS, MOE_MODELS, LoraConfig, ModelConfig
+from shardwise.config.schema import DEFAULT_BLOCK, LANGUAGE_MODELS, MOE_MODELS, LoraConfig, ModelConfig
 from shardwise.lora import apply_lora
 from shardwise.memory import ActivationCounter
-from shardwise.models import build_model, loss_fn, moe
+from shardwise.models import build_model, loss_fn
 from shardwise.models.hf import decoder_layer_class
 from shardwise.models.moe import moe_layers, their_experts
 from shardwise.models.plans import locate
 from shardwise.parallel.pipeline.stages import balanced_split
 from shardwise.parallel.tensor import ShapesOnly, parallelize_blocks
+from shardwise.planner.fake_forward import balanced_routing, one_sequence_per_row
 from shardwise.recompute import apply_recompute, parse_policy
 
 
@@ -418,51 +416,6 @@ class Marks(Generic[Size]):
     total: Size
 
 
-def _one_sequence_per_row(shape: ModelShape) -> contextlib.AbstractContextManager:
-    """transformers looks at the position ids for several sequences packed into a row, which it
-    cannot do on fake tensors, and builds an explicit attention mask instead. A real run on
-    shardwise's batches (one window per row) finds none and uses SDPA's causal kernel; so does the
-    trace."""
-    if shape.name not in HF_MODELS:
-        return contextlib.nullcontext()
-    from transformers import masking_utils
-
-    return mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
-
-
-def _balanced_counts(chosen: torch.Tensor, n_experts: int) -> torch.Tensor:
-    """`models.moe.expert_counts` for the trace: the pairs of `chosen` [N, k] spread evenly over
-    the experts, as real numbers (fake tensors have none to give)."""
-    pairs = chosen.numel()
-    with unset_fake_temporarily():
-        return torch.tensor([pairs // n_experts + (e < pairs % n_experts) for e in range(n_experts)])
-
-
-def _one_group_mm(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-    """transformers' grouped matmul (its experts' `grouped_mm` implementation) for the trace: the
-    same output and saved input from one matmul, its weight any expert's (the kernel's meta
-    function takes bfloat16 only; the output's rows do not depend on which expert computes them),
-    outside autocast as the kernel is."""
-    with torch.autocast(input.device.type, enabled=False):
-        return input @ weight[0]
-
-
-@contextlib.contextmanager
-def _balanced_routing(model: nn.Module) -> Iterator[None]:
-    """Every MoE layer of `model` computes its (token, expert) pairs without asking the data where
-    they go: ours routes them evenly over its experts (`expert_counts`), transformers' grouped
-    experts (which ask only for offsets) through one matmul per projection. What a forward saves
-    does not depend on the routing (dropless: every pair's rows are computed, by one expert or
-    another), so this is what any routing saves; the balance only makes the trace possible."""
-    with contextlib.ExitStack() as patches:
-        patches.enter_context(mock.patch.object(moe, "expert_counts", _balanced_counts))
-        if their_experts(model):
-            from transformers.integrations import moe as their_moe
-
-            patches.enter_context(mock.patch.object(their_moe, "_grouped_mm", _one_group_mm))
-        yield
-
-
 def _trace(key: TraceKey, n_layer: int, policy: str, batches: tuple[int, ...],
            ops: bool = False) -> list[Marks[int]]:
     """The bytes saved for backward (with `ops`, the operators dispatched) by one forward and loss
@@ -470,7 +423,7 @@ def _trace(key: TraceKey, n_layer: int, policy: str, batches: tuple[int, ...],
     ActivationCounter sees them (MoE layers routing evenly: `_balanced_routing`)."""
     shape = key.local_shape
     # Non-fake inputs allowed: the balanced counts are real numbers.
-    with FakeTensorMode(allow_non_fake_inputs=True), _one_sequence_per_row(shape):
+    with FakeTensorMode(allow_non_fake_inputs=True), one_sequence_per_row(shape.name):
         model = shape.build(n_layer)
         for param in model.parameters():  # as the strategies do (Module.to cannot swap fake tensors)
             frozen = not param.requires_grad and key.frozen_dtype is not None
@@ -479,7 +432,7 @@ def _trace(key: TraceKey, n_layer: int, policy: str, batches: tuple[int, ...],
             parallelize_for_planning(model, key.tp, key.sequence_parallel)
         blocks = model_blocks(model)
         apply_recompute(model, policy, type(blocks[0]).__name__)
-        with _balanced_routing(model):
+        with balanced_routing(model):
             return [_marks(model, blocks, key, batch, ops) for batch in batches]
 
 

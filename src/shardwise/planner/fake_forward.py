@@ -1,0 +1,62 @@
+"""What a forward on fake tensors needs to run the real model code (planner/model.py's trace): the
+decisions a model takes by looking at data, which fake tensors do not have, taken as a real run
+on shardwise's batches takes them."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from unittest import mock
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from shardwise.config.schema import HF_MODELS
+from shardwise.models import moe
+from shardwise.models.moe import their_experts
+
+
+def one_sequence_per_row(model_name: str) -> contextlib.AbstractContextManager:
+    """transformers looks at the position ids for several sequences packed into a row, which it
+    cannot do on fake tensors, and builds an explicit attention mask instead. A real run on
+    shardwise's batches (one window per row) finds none and uses SDPA's causal kernel; so does the
+    trace."""
+    if model_name not in HF_MODELS:
+        return contextlib.nullcontext()
+    from transformers import masking_utils
+
+    return mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda position_ids: None)
+
+
+def _balanced_counts(chosen: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """`models.moe.expert_counts` for the trace: the pairs of `chosen` [N, k] spread evenly over
+    the experts, as real numbers (fake tensors have none to give)."""
+    pairs = chosen.numel()
+    with unset_fake_temporarily():
+        return torch.tensor([pairs // n_experts + (e < pairs % n_experts) for e in range(n_experts)])
+
+
+def _one_group_mm(input: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """transformers' grouped matmul (its experts' `grouped_mm` implementation) for the trace: the
+    same output and saved input from one matmul, its weight any expert's (the kernel's meta
+    function takes bfloat16 only; the output's rows do not depend on which expert computes them),
+    outside autocast as the kernel is."""
+    with torch.autocast(input.device.type, enabled=False):
+        return input @ weight[0]
+
+
+@contextlib.contextmanager
+def balanced_routing(model: nn.Module) -> Iterator[None]:
+    """Every MoE layer of `model` computes its (token, expert) pairs without asking the data where
+    they go: ours routes them evenly over its experts (`expert_counts`), transformers' grouped
+    experts (which ask only for offsets) through one matmul per projection. What a forward saves
+    does not depend on the routing (dropless: every pair's rows are computed, by one expert or
+    another), so this is what any routing saves; the balance only makes the trace possible."""
+    with contextlib.ExitStack() as patches:
+        patches.enter_context(mock.patch.object(moe, "expert_counts", _balanced_counts))
+        if their_experts(model):
+            from transformers.integrations import moe as their_moe
+
+            patches.enter_context(mock.patch.object(their_moe, "_grouped_mm", _one_group_mm))
+        yield
