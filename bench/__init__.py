@@ -26,6 +26,7 @@ BENCHES = {  # name -> (module, ranks)
     "precision": ("bench.precision", 1),
     "pipeline": ("bench.pipeline", 0),  # a driver: one world of 2 ranks, one of 4
     "tensor": ("bench.tensor", 2),
+    "lora": ("bench.lora", 2),  # LoRA under our fsdp against peft's under FSDP2
     "mesh": ("bench.mesh", 4),  # fsdp x tp against FSDP2 x DTensor on a 2 x 2 mesh
     "collectives": ("bench.collectives", 2),
     "checkpoint": ("bench.checkpoint", 2),
