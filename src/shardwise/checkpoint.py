@@ -341,7 +341,7 @@ class _AllowListUnpickler(pickle.Unpickler):
 def lora_manifest(lora: LoraConfig | None) -> dict[str, Any] | None:
     """What a manifest records of a run's adapters (None: every parameter trains)."""
     return None if lora is None else {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout,
-                                      "targets": lora.targets}
+                                      "targets": lora.targets, "train": lora.train}
 
 
 def check_lora(path: Path, lora: LoraConfig | None) -> None:
@@ -353,11 +353,13 @@ def check_lora(path: Path, lora: LoraConfig | None) -> None:
         kind = f"LoRA adapters (rank {saved['rank']})" if saved else "every parameter of a full fine-tune"
         run = f"trains adapters (lora.rank = {ours['rank']})" if ours else "trains every parameter (lora.rank = 0)"
         raise CheckpointError(f"checkpoint {path} holds {kind}; this run {run}: resume it as it was saved")
-    if saved is not None and (saved["rank"], saved["targets"]) != (ours["rank"], ours["targets"]):
+    if saved is not None and (saved["rank"], saved["targets"], saved.get("train")) != \
+            (ours["rank"], ours["targets"], ours["train"]):
         default = "the family's default targets"
         raise CheckpointError(f"checkpoint {path} holds adapters of rank {saved['rank']} on "
-                              f"{saved['targets'] or default}; this run asks for rank {ours['rank']} on "
-                              f"{ours['targets'] or default}")
+                              f"{saved['targets'] or default} (training {saved.get('train') or 'no module'} whole); "
+                              f"this run asks for rank {ours['rank']} on {ours['targets'] or default} (training "
+                              f"{ours['train'] or 'no module'} whole)")
 
 
 def check_fits(path: Path, state: dict[str, Any]) -> None:

@@ -139,7 +139,8 @@ def _check_before_launch(cfg: Config) -> None:
             if cfg.model.weights is not None:
                 check_weights(model, cfg.model.weights)
             if cfg.lora.rank > 0:  # its targets and rank against the model's layers
-                apply_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.targets, cfg.train.seed)
+                apply_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.targets, cfg.train.seed,
+                           cfg.lora.train)
         except (WeightsError, LoraError) as error:
             raise ConfigError(str(error)) from None
     latest = Path(cfg.run.out) / "checkpoints" / "latest"

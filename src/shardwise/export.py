@@ -37,6 +37,9 @@ def export_peft(run_dir: Path, out: Path) -> Path:
     if lora is None:
         raise CheckpointError(f"{path} is a full fine-tune's checkpoint: only a LoRA run's adapters export to peft "
                               "(its model is `shardwise consolidate`'s)")
+    if lora.get("train"):
+        raise CheckpointError(f"{path}: the run trains {', '.join(lora['train'])} whole beside its adapters; the "
+                              "peft export carries adapters alone: use the run's merged model.safetensors")
     adapters = sorted(name for name in manifest["shapes"] if name.endswith((".lora.A", ".lora.B")))
     reader = safe_reader(path)
     tensors, modules = {}, []

@@ -79,9 +79,10 @@ def matches(name: str, pattern: str) -> bool:
 
 
 def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float, targets: list[str] | None,
-               seed: int) -> list[str]:
+               seed: int, train: list[str] | None = None) -> list[str]:
     """Freeze `model` and give each linear layer that `targets` name (default: `default_targets`) an
-    adapter of `rank`; return the adapted layers' names. Adapters of a real model are initialised
+    adapter of `rank`; return the adapted layers' names. The modules `train` names (a new head, peft's
+    `modules_to_save`) train whole beside the adapters. Adapters of a real model are initialised
     here, from `seed` and their names; those of a meta-built one stay on meta for the materialiser."""
     patterns = list(targets) if targets is not None else list(default_targets(model))
     named = [(name, module) for name, module in model.named_modules() if name]
@@ -91,6 +92,10 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float, target
             linear = sorted({name.rpartition(".")[2] for name, m in named if isinstance(m, nn.Linear)})
             raise LoraError(f"lora.targets: {pattern!r} matches no module of {type(model).__name__}; its linear "
                             f"layers are named {', '.join(linear)}")
+    whole = [(name, module) for name, module in named if any(matches(name, p) for p in train or ())]
+    for pattern in train or ():
+        if not any(matches(name, pattern) for name, _ in whole):
+            raise LoraError(f"lora.train: {pattern!r} matches no module of {type(model).__name__}")
     for name, module in chosen:
         if type(module) is not nn.Linear:
             raise LoraError(f"lora.targets: {name} is a {type(module).__name__}; adapters go beside nn.Linear layers")
@@ -99,6 +104,8 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float, target
                             f"({module.in_features} in, {module.out_features} out)")
     for param in model.parameters():
         param.requires_grad_(False)
+    for _, module in whole:
+        module.requires_grad_(True)
     for name, module in chosen:
         weight = module.weight
         module.lora = Adapter(module.in_features, module.out_features, rank, alpha, dropout, weight.device,

@@ -206,6 +206,8 @@ class LoraConfig:
     targets: list[str] | None = option(None, "the linear layers that get adapters, by name or its last components "
                                        "(`attn.qkv`, `q_proj`; `*` matches within a component); unset: the "
                                        "attention and MLP projections of the model family's parallel plan")
+    train: list[str] | None = option(None, "modules that train whole beside the adapters, named as targets are "
+                                     "(a new head: peft's modules_to_save); unset: none")
 
 
 @dataclass

@@ -109,6 +109,7 @@ class ModelShape:
     # LoRA's adapters on the frozen model (lora.py): their rank (0: none) and targets (None: the family's)
     lora_rank: int = 0
     lora_targets: tuple[str, ...] | None = None
+    lora_train: tuple[str, ...] | None = None
 
     def config(self, n_layer: int | None = None) -> ModelConfig:
         sizes = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.name.startswith("lora_")}
@@ -120,7 +121,7 @@ class ModelShape:
         model = build_model(self.config(n_layer))
         if self.lora_rank:
             targets = list(self.lora_targets) if self.lora_targets is not None else None
-            apply_lora(model, self.lora_rank, 1.0, 0.0, targets, seed=1)
+            apply_lora(model, self.lora_rank, 1.0, 0.0, targets, seed=1, train=list(self.lora_train or ()))
         return model
 
 
@@ -135,8 +136,8 @@ def model_shape(cfg: ModelConfig, lora: LoraConfig | None = None) -> ModelShape:
                         "sizes")
     experts = {key: getattr(cfg, key) for key in ("n_experts", "top_k", "d_expert", "router_score", "balance",
                                                    "shared_expert")} if cfg.name in MOE_MODELS else {}
-    adapters = {"lora_rank": lora.rank, "lora_targets": None if lora.targets is None else tuple(lora.targets)} \
-        if lora is not None and lora.rank > 0 else {}
+    adapters = {"lora_rank": lora.rank, "lora_targets": None if lora.targets is None else tuple(lora.targets),
+                "lora_train": tuple(lora.train or ())} if lora is not None and lora.rank > 0 else {}
     return ModelShape(cfg.name, cfg.n_layer, cfg.n_head, cfg.n_kv_head, cfg.d_model, cfg.d_ff, cfg.seq_len,
                       cfg.vocab_size, cfg.bias, cfg.hf_config, cfg.head_dim, **experts, **adapters)
 

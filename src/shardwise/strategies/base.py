@@ -99,7 +99,8 @@ class Strategy:
         (`self.experts.split`)."""
         self.cfg = dataclasses.replace(self.cfg, block=block_class(model, self.cfg.block))
         if self.lora is not None:
-            apply_lora(model, self.lora.rank, self.lora.alpha, self.lora.dropout, self.lora.targets, self.seed)
+            apply_lora(model, self.lora.rank, self.lora.alpha, self.lora.dropout, self.lora.targets, self.seed,
+                       self.lora.train)
         if self.compiler is not None:
             self.compiler.compile_blocks(model, self.cfg.block)
         apply_recompute(model, self.cfg.recompute, self.cfg.block, once=self.recompute_once)
