@@ -247,6 +247,15 @@ def test_predicted_lora_memory_equals_counted():
     assert_predicted_equals_counted([(pipeline, base)])
 
 
+def test_the_shipped_lora_config_plans_llama_3_8b_on_one_24_gb_gpu():
+    cfg = load_config(CONFIGS / "lora-llama-3-8b.toml")
+    plan = make_plan(cfg, 1, load_profile("h100-sxm"), memory_gb=24, precisions=("bf16-true",),
+                     policies=("blocks",))
+    best = plan.recommended
+    assert best is not None and best.candidate.precision == "bf16-true" and best.candidate.micro_batch >= 1
+    assert 15 * 2**30 < best.memory.total <= 24 * 2**30  # the frozen model alone is 15 GiB in bf16
+
+
 # Sizes 4 ranks do not divide: every parameter's shard is padded.
 PADDED_ON_4 = dict(d_model=34, n_head=2, seq_len=30)
 
