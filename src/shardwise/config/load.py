@@ -164,6 +164,8 @@ def hf_config_overrides(path: str | None) -> list[str]:
 
 
 def resolve_presets(cfg: Config) -> None:
+    if cfg.data.format != "text" and cfg.data.documents == "none":
+        cfg.data.documents = "files"  # fine-tuning samples are packed, each its own document
     m = cfg.model
     if m.hf_config is not None:
         _take_hf_sizes(m)

@@ -65,6 +65,7 @@ OPTIMIZERS = ("adamw", "sgd")
 CORPORA = ("shakespeare", "stdlib")  # the built-in text corpora (data/corpus.py)
 TEXT_DATASETS = (*CORPORA, "synthetic-tokens")
 IMAGE_DATASETS = ("digits", "synthetic-images")
+FORMATS = ("text", "chat", "completion")  # what data.path's JSON lines are (data/samples.py)
 DOCUMENTS = ("none", "files", "paragraphs")  # what a corpus's documents are, for document masks (data/documents.py)
 CP_MODES = ("ring", "all-to-all")
 BACKENDS = ("auto", "gloo", "nccl")
@@ -145,6 +146,11 @@ class DataConfig:
                        "CNN / MLP: `digits` (scikit-learn), `synthetic-images`", TEXT_DATASETS + IMAGE_DATASETS)
     val_fraction: float = option(0.05, "the last fraction of the corpus validates; between 0 and 1")
     synthetic_size: int = option(1 << 20, "bytes (or images) of synthetic data")
+    format: str = option("text", "with data.path: `text` (a corpus to continue), or fine-tuning samples from JSON "
+                         "Lines, the loss counting the answers' tokens only (docs/finetuning.md): `chat` (each line's "
+                         "`messages`, rendered by data.tokenizer's chat template; the assistant turns count) or "
+                         "`completion` (each line's `prompt` and `completion`; the completion counts). Samples are "
+                         "packed, each its own document (data.documents = `files`)", FORMATS)
     documents: str = option("none", "`shakespeare`, `stdlib`, `data.path`: pack documents with a document mask (no "
                             "token attends to another document's): `files` (each play or module; each text file, "
                             "JSON line or table row of data.path), `paragraphs` (each block after a blank line; "

@@ -16,6 +16,7 @@ from shardwise.config.schema import (
     CP_MODES,
     DOCUMENTS,
     EP_STRATEGIES,
+    FORMATS,
     GRAD_COMPRESSIONS,
     GROUPED_QUERY_MODELS,
     IMAGE_DATASETS,
@@ -297,9 +298,10 @@ def _validate_gradient_reduction(p: ParallelConfig) -> None:
 def _validate_own_data(cfg: Config) -> None:
     """data.path and what goes with it (the files themselves are read by data/prepare.py)."""
     d = cfg.data
+    _choice("data.format", d.format, FORMATS)
     if d.path is None:
         defaults = DataConfig()
-        for key in ("val_path", "tokenizer", "text_field", "split"):
+        for key in ("val_path", "tokenizer", "text_field", "split", "format"):
             if getattr(d, key) != getattr(defaults, key):
                 raise ConfigError(f"data.{key} = {getattr(d, key)!r}: only with data.path (your own corpus)")
         return
@@ -308,6 +310,12 @@ def _validate_own_data(cfg: Config) -> None:
     if d.documents == "paragraphs":
         raise ConfigError("data.documents = 'paragraphs': only for the built-in corpora; with data.path, `files` "
                           "makes each text file or JSON line a document")
+    if d.format != "text" and d.documents != "files":
+        raise ConfigError(f"data.documents = {d.documents!r}: data.format = {d.format!r} packs its samples, each its "
+                          "own document: leave data.documents unset (files)")
+    if d.format == "chat" and d.tokenizer == "bytes":
+        raise ConfigError("data.format = 'chat': data.tokenizer must be a tokenizer's directory with a chat template "
+                          "(a model's from_pretrained directory), not bytes")
 
 
 def _validate_context(cfg: Config, world: int) -> None:

@@ -13,6 +13,7 @@ from shardwise.data.corpus import TokenWindows, load_corpus, split_tokens, synth
 from shardwise.data.documents import DocumentWindows, document_starts, split_starts
 from shardwise.data.images import load_digits_split, synthetic_images
 from shardwise.data.sampler import GlobalBatchSampler
+from shardwise.data.samples import MaskedWindows
 
 __all__ = ["Dataset", "DocumentWindows", "GlobalBatchSampler", "make_datasets"]
 
@@ -51,13 +52,18 @@ def _own_datasets(cfg: Config) -> tuple[Dataset, Dataset]:
     if d.val_path is not None:
         held_out = prepare.load(d, d.val_path, cfg.model.vocab_size, held_out=True)
         parts = [(corpus.tokens, corpus.starts), (held_out.tokens, held_out.starts)]
+        masks = [corpus.mask, held_out.mask]
     else:
         train, val = split_tokens(corpus.tokens, d.val_fraction)
         parts = list(zip((train, val), split_starts(corpus.starts, len(train)), strict=True))
+        masks = list(split_tokens(corpus.mask, d.val_fraction)) if corpus.mask is not None else [None, None]
     for (tokens, _), what in zip(parts, ("train on", "validate on"), strict=True):
         if len(tokens) < seq_len + 1:
             raise ConfigError(f"data.path = {d.path!r}: {len(tokens)} tokens to {what}, fewer than one sequence of "
                               f"model.seq_len + 1 = {seq_len + 1}")
+    if d.format != "text":  # fine-tuning samples: the loss counts what their masks keep
+        return tuple(MaskedWindows(tokens, seq_len, starts, mask) for (tokens, starts), mask in zip(parts, masks,
+                                                                                                   strict=True))
     if d.documents == "none":
         return tuple(TokenWindows(tokens, seq_len) for tokens, _ in parts)
     return tuple(DocumentWindows(tokens, seq_len, starts) for tokens, starts in parts)

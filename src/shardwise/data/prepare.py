@@ -44,7 +44,8 @@ import numpy as np
 
 from shardwise.config.schema import Config, ConfigError, DataConfig
 from shardwise.data.corpus import cache_dir
-from shardwise.data.sources import Piece, Source, documents, input_sources, pieces
+from shardwise.data.samples import tokenize_samples
+from shardwise.data.sources import Piece, Source, documents, input_sources, pieces, records
 
 BYTES = "bytes"
 BATCH = 1024  # documents a tokenizer encodes at once
@@ -60,6 +61,7 @@ class Prepared:
 
     tokens: TokenFile
     starts: np.ndarray
+    mask: TokenFile | None = None  # fine-tuning samples: one byte a token, 1 where the loss counts it
 
 
 def default_workers() -> int:
@@ -150,7 +152,7 @@ def sources_of(d: DataConfig, path: str, held_out: bool = False) -> list[Source]
 def corpus_dir(d: DataConfig, files: list[Path], tokenizer: Tokenizer) -> Path:
     """Where the corpus of `files` is prepared, in the cache: named by what it is made from."""
     stats = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
-    key = json.dumps([stats, tokenizer.name, tokenizer.fingerprint, d.text_field])
+    key = json.dumps([stats, tokenizer.name, tokenizer.fingerprint, d.text_field, d.format])
     return cache_dir() / "corpora" / hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
@@ -182,7 +184,12 @@ def prepare(d: DataConfig, path: str, progress: bool = False, workers: int | Non
         bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress,
                    desc=f"tokenizing {len(files)} file(s) on {processes} process(es)")
         with bar, open(tmp / "tokens.bin", "wb") as sink:
-            if processes > 1:
+            if d.format != "text":  # fine-tuning samples: rendered and masked here (samples.py)
+                with open(tmp / "mask.bin", "wb") as mask:
+                    lengths = [tokenize_samples((r for piece in part for r in records(piece)), d.format, tokenizer,
+                                                d.tokenizer, sink, mask) for part in parts]
+                hashes = [_sha256(p) for p in files]
+            elif processes > 1:
                 lengths, hashes = _tokenize_in_processes(parts, tokenizer, d.text_field, files, processes, tmp, sink,
                                                          bar)
             else:
@@ -194,7 +201,7 @@ def prepare(d: DataConfig, path: str, progress: bool = False, workers: int | Non
             raise ConfigError(f"data.path = {path!r}: the corpus has no text ({len(files)} file(s), 0 tokens)")
         np.save(tmp / "starts.npy", np.cumsum(lengths) - lengths)
         manifest = {
-            "path": path, "text_field": d.text_field, "tokenizer": tokenizer.name,
+            "path": path, "format": d.format, "text_field": d.text_field, "tokenizer": tokenizer.name,
             "tokenizer_sha256": tokenizer.fingerprint, "vocab_size": tokenizer.vocab_size,
             "dtype": tokenizer.dtype.name, "tokens": count, "documents": len(lengths),
             "inputs": [{"path": str(p), "bytes": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns,
@@ -301,7 +308,8 @@ def load(d: DataConfig, path: str, model_vocab: int, held_out: bool = False) -> 
     out = prepare(d, path, held_out=held_out)
     manifest = json.loads((out / "manifest.json").read_text())
     _check_vocabulary(d, manifest["vocab_size"], model_vocab)
-    return Prepared(TokenFile(out / "tokens.bin", np.dtype(manifest["dtype"])), np.load(out / "starts.npy"))
+    mask = TokenFile(out / "mask.bin", np.dtype(np.uint8)) if (out / "mask.bin").is_file() else None
+    return Prepared(TokenFile(out / "tokens.bin", np.dtype(manifest["dtype"])), np.load(out / "starts.npy"), mask)
 
 
 class TokenFile:

@@ -269,6 +269,15 @@ def documents(piece: Piece, text_field: str) -> Iterator[str]:
 
 def _json_lines(path: Path, start: int, stop: int, text_field: str) -> Iterator[str]:
     """The texts of the lines of a JSON Lines file that begin at bytes [start, stop)."""
+    for raw, position in _raw_lines(path, start, stop):
+        text = _json_line(raw, path, lambda at=position: _line_number(path, at), text_field)
+        if text is not None:
+            yield text
+
+
+def _raw_lines(path: Path, start: int, stop: int) -> Iterator[tuple[bytes, int]]:
+    """The lines of a file that begin at bytes [start, stop), each with where it begins (the first
+    line's byte-order mark dropped)."""
     with open(path, "rb") as f:
         position = start
         if start > 0:  # the line that began before `start` is the previous piece's
@@ -278,23 +287,48 @@ def _json_lines(path: Path, start: int, stop: int, text_field: str) -> Iterator[
             raw = f.readline()
             if not raw:
                 return
-            text = _json_line(raw.removeprefix(BOM) if position == 0 else raw, path,
-                              lambda at=position: _line_number(path, at), text_field)
-            if text is not None:
-                yield text
+            yield raw.removeprefix(BOM) if position == 0 else raw, position
             position += len(raw)
 
 
-def _json_line(raw: bytes, path: Path, line_number: Callable[[], int], text_field: str) -> str | None:
-    """The text of one line of a JSON Lines file (None for a blank one); `line_number` names it
-    in an error."""
+def records(piece: Piece) -> Iterator[tuple[dict, Callable[[], str]]]:
+    """The JSON objects of the lines of a JSON Lines `piece`, each with a function naming where it
+    is (for errors): what a fine-tuning format reads (samples.py)."""
+    source, path = piece.source, piece.source.path
+    if source.kind != JSONL:
+        raise ConfigError(f"data.format: {path} is not JSON Lines; chat and completion samples are read from .jsonl "
+                          "files, one sample a line")
+    if source.compression:
+        with _opened(source) as f:
+            lines = [(raw.removeprefix(BOM) if n == 1 else raw, lambda n=n: n) for n, raw in enumerate(f, start=1)]
+    else:
+        lines = ((raw, lambda at=at: _line_number(path, at)) for raw, at in _raw_lines(path, piece.start, piece.stop))
+    for raw, line_number in lines:
+        record = _json_record(raw, path, line_number)
+        if record is None:
+            continue
+        if not isinstance(record, dict):
+            raise ConfigError(f"data.path: {path}, line {line_number()}: not a JSON object")
+        yield record, lambda line_number=line_number: f"{path}, line {line_number()}"
+
+
+def _json_record(raw: bytes, path: Path, line_number: Callable[[], int]) -> Any:
+    """The JSON value of one line of a JSON Lines file (None for a blank one); `line_number` names
+    it in an error."""
     line = raw.decode("utf-8", errors="replace")
     if not line.strip():
         return None
     try:
-        record = json.loads(line)
+        return json.loads(line)
     except json.JSONDecodeError as error:
         raise ConfigError(f"data.path: {path}, line {line_number()}: not JSON ({error.msg})") from None
+
+
+def _json_line(raw: bytes, path: Path, line_number: Callable[[], int], text_field: str) -> str | None:
+    """The text of one line of a JSON Lines file (None for a blank one)."""
+    record = _json_record(raw, path, line_number)
+    if record is None:
+        return None
     text = record.get(text_field) if isinstance(record, dict) else None
     if not isinstance(text, str):
         raise ConfigError(f"data.text_field = {text_field!r}: {path}, line {line_number()} has no such text field")

@@ -40,6 +40,10 @@ def flops_per_sample(model: nn.Module) -> int | None:
 
 
 def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over every target (tokens or images), computed in fp32: a log-softmax
-    over the vocabulary in 16 bits rounds away the small probabilities the gradient needs."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+    """Mean cross-entropy over the targets (tokens or images) that count, computed in fp32: a
+    log-softmax over the vocabulary in 16 bits rounds away the small probabilities the gradient
+    needs. A target of -100 does not count (a fine-tuning prompt's token: data/samples.py); where
+    none counts the loss is 0, with a gradient of 0, not a mean over nothing (no host sync asks)."""
+    flat = targets.reshape(-1)
+    total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), flat, reduction="sum")
+    return total / (flat != -100).sum().clamp(min=1)
