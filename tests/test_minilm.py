@@ -62,9 +62,7 @@ def test_minilm_learns_with_lora_adapters_on_its_frozen_encoder():
     spec = importlib.util.spec_from_file_location("finetune_minilm", REPO / "examples" / "finetune_minilm.py")
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    full = example.main(["--strategy", "single", *ARGS[:2]])  # two steps: what every parameter would train
     lora = example.main(["--strategy", "single", *ARGS, "--lora-rank", "8", "--lr", "5e-3"])  # 13 -> 25 of 64 right
-    # rank-8 adapters on 6 layers' query and value (384 wide), and the head (384 x 4 + 4)
+    # rank-8 adapters on 6 layers' query and value (384 wide), and the head (384 x 4 + 4): 0.3% of the 22.7M
     assert lora["trained_elements_per_rank"] == 6 * 2 * 8 * (384 + 384) + 384 * 4 + 4
-    assert lora["trained_elements_per_rank"] < full["trained_elements_per_rank"] / 100
     assert lora["accuracy_after"] > max(lora["accuracy_before"] + 0.1, 0.3)  # chance: 0.25

@@ -20,7 +20,7 @@ from shardwise.dist import DistContext
 from shardwise.models import build_model
 from shardwise.planner import PlanError, load_profile, make_plan
 from shardwise.planner import model as planner_model
-from shardwise.planner.candidates import Candidate
+from shardwise.planner.candidates import Candidate, default_precisions
 from shardwise.planner.memory_model import ZERO_STAGES, predict_memory, zero_textbook_bytes
 from shardwise.planner.model import ModelShape, TraceKey, _trace, model_facts, model_shape, saved_bytes
 from shardwise.planner.timing import predict_step_time
@@ -249,7 +249,7 @@ def test_predicted_lora_memory_equals_counted():
 
 def test_the_shipped_lora_config_plans_llama_3_8b_on_one_24_gb_gpu():
     cfg = load_config(CONFIGS / "lora-llama-3-8b.toml")
-    plan = make_plan(cfg, 1, load_profile("h100-sxm"), memory_gb=24, precisions=("bf16-true",),
+    plan = make_plan(cfg, 1, load_profile("h100-sxm"), memory_gb=24, precisions=default_precisions(cfg),
                      policies=("blocks",))
     best = plan.recommended
     assert best is not None and best.candidate.precision == "bf16-true" and best.candidate.micro_batch >= 1

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from shardwise.config.load import hf_config_overrides, load_config
 from shardwise.config.schema import PRECISIONS, Config, ConfigError
-from shardwise.planner.candidates import DEFAULT_PRECISIONS, POLICIES
+from shardwise.planner.candidates import POLICIES, default_precisions
 from shardwise.recompute import parse_policy
 from shardwise.strategies.registry import NAMES, spec
 
@@ -334,7 +334,7 @@ def _add_plan_parser(commands: argparse._SubParsersAction) -> None:
                    "allocator (default 0.1)")
     p.add_argument("--precision", action="append", choices=PRECISIONS,
                    help="consider only these (repeatable; default fp32, bf16-mixed, fp16-mixed: bf16-true trains "
-                   "differently, so only when named)")
+                   "differently, so only when named, or under [lora], whose frozen model it stores in bf16)")
     p.add_argument("--recompute", action="append", metavar="POLICY",
                    help="consider only these policies: none, blocks, every:K, selective (repeatable)")
     p.add_argument("--micro-batch", action="append", type=int, metavar="N",
@@ -387,7 +387,7 @@ def plan(args: argparse.Namespace) -> int:
             parse_policy(policy)
         result = make_plan(
             cfg, world, load_profile(args.device or _default_device()), nodes=nodes, memory_gb=args.memory_gb,
-            margin=args.margin, precisions=tuple(args.precision or DEFAULT_PRECISIONS),
+            margin=args.margin, precisions=tuple(args.precision or default_precisions(cfg)),
             policies=tuple(args.recompute or POLICIES), micro_batches=args.micro_batch, max_batch=args.max_batch,
             top=max(args.top, args.measure or 0), exhaustive=args.all or bool(args.plot))
     except (PlanError, ValueError) as error:

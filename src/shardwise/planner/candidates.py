@@ -15,6 +15,12 @@ from shardwise.strategies.registry import SPECS, StrategySpec, spec
 # bf16-true only when asked for: it trains differently (updates below a weight's bf16 spacing are
 # lost), not just faster, so it is no drop-in choice to recommend.
 DEFAULT_PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
+
+
+def default_precisions(cfg: Config) -> tuple[str, ...]:
+    """The precisions `shardwise plan` weighs unless told: under LoRA also `bf16-true`, a frozen model
+    stored in bf16 (no master weights to keep in fp32 for it), what fine-tuning on few GPUs uses."""
+    return (*DEFAULT_PRECISIONS, "bf16-true") if cfg.lora.rank > 0 else DEFAULT_PRECISIONS
 POLICIES = ("none", "blocks", "every:2", "selective")
 SCHEDULES = ("gpipe", "1f1b")
 
