@@ -81,13 +81,15 @@ def _wrap_single(ctx: DistContext, model: torch.nn.Module) -> torch.nn.Module:
 
 @pytest.fixture(scope="module")
 def lora_runs(tmp_path_factory) -> Path:
-    """single on one rank; ddp, zero2, fsdp, a 2-stage pipeline, tensor tp2 and fsdp over tp2 on two,
-    all with adapters."""
+    """single on one rank; ddp, zero2, fsdp, a 2-stage pipeline, tensor tp2, fsdp over tp2, PyTorch's
+    DDP and FSDP2 and hsdp (one node: sharded over it) on two, all with adapters."""
     root = tmp_path_factory.mktemp("lora")
     base = in_process(_train_single, root)
     run_ranks(train_runs, 2, root, {"ddp": ("ddp",), "zero2": ("zero2",), "fsdp": ("fsdp",),
                                     "pipeline": ("pipeline", "parallel.pipeline.micro_batches=2"),
-                                    "tensor": ("tensor",), "fsdp-tp2": ("fsdp", "parallel.tp=2")}, cfg_for)
+                                    "tensor": ("tensor",), "fsdp-tp2": ("fsdp", "parallel.tp=2"),
+                                    "ddp-native": ("ddp-native",), "fsdp-native": ("fsdp-native",),
+                                    "hsdp": ("hsdp",)}, cfg_for)
     run_ranks(_crash_then_resume, 2, root / "fsdp-resumed")
     return root, base
 
@@ -108,7 +110,8 @@ def _train_single(ctx: DistContext, root: Path) -> tuple[dict, dict]:
     return frozen, after
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero2", "fsdp", "pipeline", "tensor", "fsdp-tp2"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero2", "fsdp", "pipeline", "tensor", "fsdp-tp2", "ddp-native",
+                                      "fsdp-native", "hsdp"])
 def test_lora_trains_as_one_device_does_under_every_strategy(lora_runs, strategy):
     root, _ = lora_runs
     assert_same_training(root / strategy, root / "single", STEPS)

@@ -211,7 +211,7 @@ def _validate_weights(weights: str, strategy: str) -> None:
 
 
 # The strategies LoRA is tested under (tests/test_lora.py); the others refuse it until they are.
-LORA_STRATEGIES = ("single", "ddp", "zero1", "zero2", "fsdp", "pipeline", "tensor")
+LORA_STRATEGIES = ("single", "ddp", "ddp-native", "zero1", "zero2", "fsdp", "fsdp-native", "hsdp", "pipeline", "tensor")
 
 
 def _validate_lora(cfg: Config, world: int) -> None:
