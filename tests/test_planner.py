@@ -247,6 +247,21 @@ def test_predicted_lora_memory_equals_counted():
     assert_predicted_equals_counted([(pipeline, base)])
 
 
+def test_a_lora_step_is_predicted_without_the_frozen_weights_gradients():
+    from shardwise.planner.timing import _stage_work
+
+    full, lora = config(global_batch=16, preset="gpt2-124m"), config(global_batch=16, preset="gpt2-124m")
+    lora.lora.rank = 16
+    shapes = [model_shape(cfg.model, cfg.lora) for cfg in (full, lora)]
+    flops = [_stage_work(shape, 1, "none", shape.n_layer, 0, True, True)[0] for shape in shapes]
+    assert 0.6 < flops[1] / flops[0] < 0.75  # 4 FLOPs a frozen parameter, not 6 (attention as it was)
+    device = load_profile("h100-sxm")
+    for candidate in (Candidate("ddp", 2, 1, 1, "bf16-mixed", "none", 4), Candidate("zero2", 2, 1, 1, "bf16-mixed",
+                                                                                     "none", 4)):
+        trained, adapted = (predict_step_time(candidate, cfg, device, 2) for cfg in (full, lora))
+        assert adapted.communication_s < trained.communication_s / 3  # the adapters' gradients alone (and latency)
+
+
 def test_the_shipped_lora_config_plans_llama_3_8b_on_one_24_gb_gpu():
     cfg = load_config(CONFIGS / "lora-llama-3-8b.toml")
     plan = make_plan(cfg, 1, load_profile("h100-sxm"), memory_gb=24, precisions=default_precisions(cfg),

@@ -7,7 +7,9 @@ each strategy hides behind computation.
   embeddings') plus attention's 12 x width x sequence per block, split between the blocks and the
   rest so tensor and pipeline parallel divide the right part, plus one more forward of every
   recomputed block (`blocks`, `every:K`; `selective` redoes only elementwise work, counted below).
-  A micro-step's backward is two thirds of it.
+  A micro-step's backward is two thirds of it. Under LoRA a frozen parameter costs 4, not 6 (no
+  weight gradient), and only the adapters' gradients are reduced and stepped (fsdp still gathers
+  every unit).
 - Communication, per rank, ring algorithms: all-reduce moves 2(n-1)/n of the buffer, all-gather
   and reduce-scatter (n-1)/n of the whole, point to point the buffer; each hop adds a latency. A
   group whose ranks span nodes runs at the inter-node bandwidth (the mesh is tp innermost, then
@@ -130,9 +132,14 @@ class _Flops:
 
     @classmethod
     def of(cls, shape: ModelShape, tp: int = 1) -> _Flops:
+        """A frozen parameter (LoRA's model) costs 4 FLOPs a token, not 6: no weight gradient."""
         facts = rank_facts(shape, tp)
         attention = 12 * shape.d_model * shape.seq_len / tp
-        return cls(6 * facts.block_active + attention, 6 * facts.head.numel)
+        if not shape.lora_rank:
+            return cls(6 * facts.block_active + attention, 6 * facts.head.numel)
+        trained = rank_facts(shape, tp, part="trainable")  # the adapters, dense: active for every token
+        frozen_block, frozen_head = facts.block_active - trained.block.numel, facts.head.numel - trained.head.numel
+        return cls(6 * trained.block.numel + 4 * frozen_block + attention, 6 * trained.head.numel + 4 * frozen_head)
 
 
 def compute_dtype(precision: str) -> str:
@@ -244,7 +251,8 @@ def _data_parallel(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceP
                    traced: bool) -> StepTime:
     """Replicated or sharded over the data-parallel (and cp) ranks; over tensor parallel, each
     tp rank's part so, and each block's four activation all-reduces over tp on top, exposed."""
-    facts = rank_facts(shape, c.tp, c.ep)
+    facts = rank_facts(shape, c.tp, c.ep, "trainable")  # what gradients reduce: under LoRA its adapters
+    units = rank_facts(shape, c.tp, c.ep)  # what fsdp gathers: every parameter
     precision = make_precision(c.precision, cfg.parallel.sharding.reduce_dtype)
     micro_steps = cfg.train.global_batch // (c.dp * c.micro_batch)
     micro_step = micro_step_s(c, shape, device, 0, shape.n_layer, True, True, c.micro_batch, traced)
@@ -259,7 +267,8 @@ def _data_parallel(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceP
     scatter_bandwidth = device.bandwidth(inter_node, "reduce_scatter")
     reduce_s = _sharded_collective_s(all_gather_s, facts, ranks, dtype_bytes(precision.reduce_dtype),
                                      scatter_bandwidth, latency)
-    gather_s = _sharded_collective_s(all_gather_s, facts, ranks, gathered, gather_bandwidth, latency)
+    gather_s = _sharded_collective_s(all_gather_s, units if c.spec.zero_stage == 3 else facts, ranks, gathered,
+                                     gather_bandwidth, latency)
     # One collective per unit (per bucket for ddp); each pays its hops' latency.
     per_unit = (len(facts.units) - 1) * (ranks - 1) * latency
     stage = c.spec.zero_stage
@@ -281,7 +290,7 @@ def _data_parallel(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceP
     else:  # fsdp: every micro-step gathers for forward and for backward; the last also reduce-scatters
         gather = gather_s + per_unit
         reduce = reduce_s + per_unit
-        first_units = gather / max(1, len(facts.units)) * 2  # the root and the first block, before any compute
+        first_units = gather / max(1, len(units.units)) * 2  # the root and the first block, before any compute
         comm = micro_steps * 2 * gather + reduce
         exposed = micro_steps * (first_units + _hidden(gather - first_units, micro_step / 3, device.overlap)
                                  + _hidden(gather, backward, device.overlap))
@@ -363,12 +372,11 @@ def _mesh_dp_all_reduce(c: Candidate, numel: int, device: DeviceProfile) -> floa
 
 
 def _tensor(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceProfile, traced: bool) -> StepTime:
-    facts = rank_facts(shape, c.tp, c.ep)
     micro_steps = cfg.train.global_batch // (c.dp * c.micro_batch)
     compute = micro_steps * micro_step_s(c, shape, device, 0, shape.n_layer, True, True, c.micro_batch, traced)
     all_to_all = micro_steps * expert_parallel_s(c, shape, device)
     tp_comm = micro_steps * _tensor_parallel_s(c, shape, device) + all_to_all
-    numel = facts.params_total
+    numel = rank_facts(shape, c.tp, c.ep, "trainable").params_total  # what trains: under LoRA its adapters
     dp_comm = _mesh_dp_all_reduce(c, numel, device)
     context, context_exposed = (micro_steps * t for t in context_s(c, shape, device))
     return StepTime(compute, tp_comm + dp_comm + context, tp_comm + dp_comm + context_exposed, 0.0,
@@ -410,7 +418,8 @@ def _pipeline(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceProfil
         tp_bandwidth = device.bandwidth(_spans_nodes(c.tp, 1, device.gpus_per_node))
         per_block = all_reduce_s(per_run * shape.seq_len * shape.d_model * 4, c.tp, tp_bandwidth, device.latency_s)
         tp_comm = pipeline_runs * runs * 4 * max(blocks) * per_block
-    stage_numel = max(blocks) * facts.block.numel + facts.root.numel
+    trained = rank_facts(shape, c.tp, c.ep, "trainable")  # under LoRA its adapters: what a stage reduces and steps
+    stage_numel = max(blocks) * trained.block.numel + trained.root.numel
     tied = 0.0
     if facts.tied and layout.rank_of(0) != layout.rank_of(layout.stages - 1):  # first + last stage
         tied = all_reduce_s(facts.tied * 4, 2, bandwidth, device.latency_s)
