@@ -89,7 +89,8 @@ def lora_runs(tmp_path_factory) -> Path:
                                     "pipeline": ("pipeline", "parallel.pipeline.micro_batches=2"),
                                     "tensor": ("tensor",), "fsdp-tp2": ("fsdp", "parallel.tp=2"),
                                     "ddp-native": ("ddp-native",), "fsdp-native": ("fsdp-native",),
-                                    "hsdp": ("hsdp",)}, cfg_for)
+                                    "hsdp": ("hsdp",), "tensor-sp": ("tensor", "parallel.sequence_parallel=true")},
+              cfg_for)
     run_ranks(_crash_then_resume, 2, root / "fsdp-resumed")
     return root, base
 
@@ -111,7 +112,7 @@ def _train_single(ctx: DistContext, root: Path) -> tuple[dict, dict]:
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "zero2", "fsdp", "pipeline", "tensor", "fsdp-tp2", "ddp-native",
-                                      "fsdp-native", "hsdp"])
+                                      "fsdp-native", "hsdp", "tensor-sp"])
 def test_lora_trains_as_one_device_does_under_every_strategy(lora_runs, strategy):
     root, _ = lora_runs
     assert_same_training(root / strategy, root / "single", STEPS)
@@ -188,10 +189,8 @@ def test_the_model_stays_frozen_and_the_final_weights_merge_the_updates(lora_run
     (("lora.dropout=1.0",), "lora.dropout = 1.0: must be in [0, 1)"),
     (("parallel.strategy=fsdp", "parallel.pp=2", "launch.nproc=2"),
      "over pipeline stages under pipeline alone, so far; not under parallel.strategy = 'fsdp' with parallel.pp = 2"),
-    (("parallel.strategy=tensor", "parallel.sequence_parallel=true", "launch.nproc=2"),
-     "with parallel.sequence_parallel: adapters do not split the sequence yet"),
     (("parallel.strategy=param-server", "launch.nproc=3"), "not under parallel.strategy = 'param-server'"),
-], ids=["target", "rank", "negative", "dropout", "sharded-pipeline", "sequence-parallel", "param-server"])
+], ids=["target", "rank", "negative", "dropout", "sharded-pipeline", "param-server"])
 def test_bad_lora_settings_stop_the_cli_before_any_worker_starts(tmp_path, capsys, overrides, expected):
     sets = [arg for override in ("lora.rank=4", *overrides) for arg in ("--set", override)]
     assert main(["train", str(CONFIGS / "gpt-tiny.toml"), "--out", str(tmp_path / "run"), *sets]) == 2

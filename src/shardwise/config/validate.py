@@ -230,9 +230,6 @@ def _validate_lora(cfg: Config, world: int) -> None:
         raise ConfigError(f"lora.rank = {lora.rank}: adapters train under {', '.join(LORA_STRATEGIES)}, over "
                           f"pipeline stages under pipeline alone, so far; not under parallel.strategy = "
                           f"{p.strategy!r}{mesh}")
-    if p.sequence_parallel:
-        raise ConfigError(f"lora.rank = {lora.rank} with parallel.sequence_parallel: adapters do not split the "
-                          "sequence yet; leave sequence_parallel off (tensor parallel splits them as their layers)")
 
 
 def validate_parallel(p: ParallelConfig) -> None:

@@ -368,7 +368,8 @@ class ColumnParallelLinear(nn.Module):
         if torch.is_autocast_enabled(device):  # cast as autocast's matmul does, its weight copy kept for backward
             dtype = torch.get_autocast_dtype(device)
             weight, bias = weight.to(dtype), None if bias is None else bias.to(dtype)
-        return ColumnOverSequence.apply(x, self.region.local, weight, bias, self)
+        y = ColumnOverSequence.apply(x, self.region.local, weight, bias, self)
+        return y if self.lora is None else y + self.lora(x)  # over the gathered sequence, as the layer
 
 
 class RowParallelLinear(nn.Module):
