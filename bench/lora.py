@@ -26,6 +26,7 @@ from torch.distributed.fsdp import fully_shard
 from bench.common import StepFn, alternate, bench_config, bench_main
 from bench.tensor import initial_model, our_step
 from shardwise.dist import DistContext
+from shardwise.lora import is_adapter
 from shardwise.memory import local_tensor, optimizer_state_tensors, storage_bytes
 from shardwise.models import loss_fn
 from shardwise.trainer import Trainer, optimizer_factory
@@ -41,9 +42,10 @@ def peft_fsdp2_model(trainer: Trainer, ctx: DistContext) -> nn.Module:
 
     cfg = trainer.cfg
     wrapper = initial_model(cfg, ctx.device)  # shardwise's hf-* wrapper: the transformers model is `lm`
-    whole = trainer.strategy.view.full_state_dict()  # on rank 0
-    adapters = ctx.all_gather_object({name.removeprefix("lm."): tensor for name, tensor in whole.items()
-                                      if ".lora." in name})[0]  # rank 0's, on every rank
+    view = trainer.strategy.view
+    names = [name for name in view.names() if is_adapter(name)]  # gathered to rank 0 alone, not the whole model
+    whole = {name.removeprefix("lm."): tensor for name, tensor in zip(names, view.full_tensors(names), strict=True)}
+    adapters = ctx.all_gather_object(whole)[0]  # rank 0's, on every rank
     targets = sorted({name.rpartition(".lora.")[0] for name in adapters})
     model = get_peft_model(wrapper.lm, LoraConfig(r=RANK, lora_alpha=cfg.lora.alpha, lora_dropout=0.0,
                                                   target_modules=targets))

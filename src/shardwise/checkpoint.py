@@ -27,7 +27,7 @@ import os
 import pickle
 import shutil
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -439,6 +439,13 @@ def _ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
         group["lr"] = rate
 
 
+def read_tensor(reader: SafeReader, name: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """Model entry `name` of a checkpoint, whole, read in this one process (whatever ranks saved it)."""
+    tensor = torch.empty(shape, dtype=dtype)
+    dcp.load({"model": {name: tensor}}, storage_reader=reader, no_dist=True)
+    return tensor
+
+
 def consolidate(run_dir: Path, out: Path, progress: bool = False) -> Path:
     """Write the model of the run's newest good checkpoint, read from however many ranks' shards
     in this one process, a tensor at a time, each written and dropped (weights_file.py), so the
@@ -478,8 +485,7 @@ def consolidate(run_dir: Path, out: Path, progress: bool = False) -> Path:
     with WeightsWriter(Path(out) / "model.safetensors" if directory else out, layout) as writer, \
             tqdm(total=total, unit="B", unit_scale=True, disable=not progress, desc="consolidate") as bar:
         for name in layout.names():
-            tensor = torch.empty(state[name].shape, dtype=state[name].dtype)
-            dcp.load({"model": {name: tensor}}, storage_reader=reader, no_dist=True)
+            tensor = read_tensor(reader, name, state[name].shape, state[name].dtype)
             writer.write(name, tensor)
             bar.update(tensor.nbytes)
     if directory:

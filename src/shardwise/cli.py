@@ -143,12 +143,14 @@ def _check_before_launch(cfg: Config) -> None:
                            cfg.lora.train)
         except (WeightsError, LoraError) as error:
             raise ConfigError(str(error)) from None
-    latest = Path(cfg.run.out) / "checkpoints" / "latest"
-    if cfg.run.resume and latest.is_file() and (latest.parent / latest.read_text().strip() / "manifest.json").is_file():
-        from shardwise.checkpoint import CheckpointError, check_lora
+    if cfg.run.resume:
+        from shardwise.checkpoint import LATEST, MANIFEST, CheckpointError, check_lora, checkpoint_dir
 
+        latest = checkpoint_dir(Path(cfg.run.out)) / LATEST
+        saved = latest.parent / latest.read_text().strip() if latest.is_file() else None
         try:  # a LoRA checkpoint resumed as a full fine-tune, or the reverse
-            check_lora(latest.parent / latest.read_text().strip(), cfg.lora if cfg.lora.rank > 0 else None)
+            if saved is not None and (saved / MANIFEST).is_file():
+                check_lora(saved, cfg.lora if cfg.lora.rank > 0 else None)
         except CheckpointError as error:
             raise ConfigError(str(error)) from None
     if _prepare_own_data(cfg) is not None:

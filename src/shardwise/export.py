@@ -20,10 +20,17 @@ import json
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
-from shardwise.checkpoint import MANIFEST, CheckpointError, checkpoint_dir, newest_good_checkpoint, safe_reader
+from shardwise.checkpoint import (
+    MANIFEST,
+    CheckpointError,
+    checkpoint_dir,
+    newest_good_checkpoint,
+    read_tensor,
+    safe_reader,
+)
+from shardwise.lora import is_adapter
 
 
 def export_peft(run_dir: Path, out: Path) -> Path:
@@ -40,12 +47,11 @@ def export_peft(run_dir: Path, out: Path) -> Path:
     if lora.get("train"):
         raise CheckpointError(f"{path}: the run trains {', '.join(lora['train'])} whole beside its adapters; the "
                               "peft export carries adapters alone: use the run's merged model.safetensors")
-    adapters = sorted(name for name in manifest["shapes"] if name.endswith((".lora.A", ".lora.B")))
+    adapters = sorted(name for name in manifest["shapes"] if is_adapter(name))
     reader = safe_reader(path)
     tensors, modules = {}, []
     for name in adapters:
-        tensor = torch.empty(manifest["shapes"][name])
-        dcp.load({"model": {name: tensor}}, storage_reader=reader, no_dist=True)
+        tensor = read_tensor(reader, name, manifest["shapes"][name], torch.float32)
         # the transformers model's name of the module, where shardwise's hf-* wrapper holds one as `lm`
         module = name[: -len(".lora.A")].removeprefix("lm.")
         tensors[f"base_model.model.{module}.lora_{name[-1]}.weight"] = tensor.contiguous()

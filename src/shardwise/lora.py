@@ -17,7 +17,6 @@ makes every tensor), whatever the strategy, and a meta-built model's adapters ar
 
 from __future__ import annotations
 
-import fnmatch
 import math
 from collections.abc import Callable, Iterator
 
@@ -26,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.materialise import seed_for, seeded
-from shardwise.models.plans import PlanError, plan_for
+from shardwise.models.plans import PlanError, matches, plan_for
 
 
 class LoraError(ValueError):
@@ -69,13 +68,6 @@ def default_targets(model: nn.Module) -> tuple[str, ...]:
                         "projections from; name the layers that get adapters") from None
     return tuple(f"{region.module}.{name}" for region in plan.regions
                  for name in (*(column.name for column in region.columns), region.row))
-
-
-def matches(name: str, pattern: str) -> bool:
-    """Whether module `name` is `pattern` or ends with its components (`*` within a component)."""
-    parts, wanted = name.split("."), pattern.split(".")
-    return len(parts) >= len(wanted) and all(fnmatch.fnmatchcase(p, w) for p, w in zip(parts[-len(wanted):], wanted,
-                                                                                           strict=True))
 
 
 def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float, targets: list[str] | None,

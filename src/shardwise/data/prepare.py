@@ -187,7 +187,7 @@ def prepare(d: DataConfig, path: str, progress: bool = False, workers: int | Non
             if d.format != "text":  # fine-tuning samples: rendered and masked here (samples.py)
                 with open(tmp / "mask.bin", "wb") as mask:
                     lengths = [tokenize_samples((r for piece in part for r in records(piece)), d.format, tokenizer,
-                                                d.tokenizer, sink, mask) for part in parts]
+                                                sink, mask) for part in parts]
                 hashes = [_sha256(p) for p in files]
             elif processes > 1:
                 lengths, hashes = _tokenize_in_processes(parts, tokenizer, d.text_field, files, processes, tmp, sink,

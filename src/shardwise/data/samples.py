@@ -53,7 +53,7 @@ class ChatTemplate:
 
     def render(self, messages: list[dict[str, str]], reply: bool = False) -> list[int]:
         ids = self.tokenizer.apply_chat_template(messages, tokenize=True, add_generation_prompt=reply)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return list(ids["input_ids"] if hasattr(ids, "keys") else ids)  # a BatchEncoding in transformers 5
 
     def ids_and_mask(self, messages: Any, where: Callable[[], str]) -> tuple[np.ndarray, np.ndarray]:
         """The conversation's tokens and their mask (1: an assistant turn's)."""
@@ -75,12 +75,12 @@ class ChatTemplate:
         return np.asarray(ids), mask
 
 
-def tokenize_samples(records: Iterator[tuple[dict, Callable[[], str]]], fmt: str, tokenizer: Any, directory: str,
+def tokenize_samples(records: Iterator[tuple[dict, Callable[[], str]]], fmt: str, tokenizer: Any,
                      tokens: IO[bytes], mask: IO[bytes]) -> np.ndarray:
     """Write each record's tokens to `tokens` and their mask to `mask`; return each sample's length.
     `records`: (JSON object, what names where it is, for errors: sources.records); `tokenizer`:
-    prepare.Tokenizer, for `completion`."""
-    template = ChatTemplate(directory) if fmt == "chat" else None
+    prepare.Tokenizer (for `chat`, its directory holds the template)."""
+    template = ChatTemplate(tokenizer.name) if fmt == "chat" else None
     lengths = []
     for record, where in records:
         if template is not None:

@@ -298,18 +298,26 @@ def records(piece: Piece) -> Iterator[tuple[dict, Callable[[], str]]]:
     if source.kind != JSONL:
         raise ConfigError(f"data.format: {path} is not JSON Lines; chat and completion samples are read from .jsonl "
                           "files, one sample a line")
-    if source.compression:
-        with _opened(source) as f:
-            lines = [(raw.removeprefix(BOM) if n == 1 else raw, lambda n=n: n) for n, raw in enumerate(f, start=1)]
-    else:
-        lines = ((raw, lambda at=at: _line_number(path, at)) for raw, at in _raw_lines(path, piece.start, piece.stop))
-    for raw, line_number in lines:
+    for raw, line_number in _numbered_lines(piece):
         record = _json_record(raw, path, line_number)
         if record is None:
             continue
         if not isinstance(record, dict):
             raise ConfigError(f"data.path: {path}, line {line_number()}: not a JSON object")
         yield record, lambda line_number=line_number: f"{path}, line {line_number()}"
+
+
+def _numbered_lines(piece: Piece) -> Iterator[tuple[bytes, Callable[[], int]]]:
+    """The lines of a JSON Lines `piece` as they are read (the first's byte-order mark dropped), each
+    with a function giving its number (counted only when asked, for an uncompressed file)."""
+    source, path = piece.source, piece.source.path
+    if source.compression:
+        with _opened(source) as f:
+            for number, raw in enumerate(f, start=1):
+                yield raw.removeprefix(BOM) if number == 1 else raw, lambda n=number: n
+    else:
+        for raw, at in _raw_lines(path, piece.start, piece.stop):
+            yield raw, lambda at=at: _line_number(path, at)
 
 
 def _json_record(raw: bytes, path: Path, line_number: Callable[[], int]) -> Any:

@@ -33,6 +33,7 @@ family carries its plan as its `parallel_plan` attribute.
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 from dataclasses import dataclass
 
@@ -194,10 +195,11 @@ def _has_region(block: nn.Module, region: Region) -> bool:
     return True
 
 
-def _matches(name: str, pattern: str) -> bool:
-    """Whether dotted `name` ends with the components of `pattern`."""
+def matches(name: str, pattern: str) -> bool:
+    """Whether dotted `name` ends with the components of `pattern` (`*` within a component)."""
     parts, wanted = name.split("."), pattern.split(".")
-    return parts[-len(wanted):] == wanted
+    return len(parts) >= len(wanted) and all(fnmatch.fnmatchcase(p, w) for p, w in zip(parts[-len(wanted):], wanted,
+                                                                                           strict=True))
 
 
 @dataclass
@@ -239,7 +241,7 @@ def locate(model: nn.Module, plan: ParallelPlan | None = None) -> Located:
                if name and name != layers and not name.startswith(f"{layers}.")}
 
     def find(pattern: str) -> str:
-        found = [name for name in outside if _matches(name, pattern)]
+        found = [name for name in outside if matches(name, pattern)]
         if len(found) != 1:
             what = "no module" if not found else f"{len(found)} modules ({', '.join(found)})"
             raise PlanError(f"plan {plan.family}: {pattern!r} matches {what} outside the blocks; expected one")
@@ -267,7 +269,7 @@ def find_positions(model: nn.Module) -> tuple[nn.Module, int | str]:
     if plan.positions is None:
         raise PlanError(f"plan {plan.family}: names no positions (the module that takes the tokens' positions); "
                         "context parallel needs it to give each rank its tokens' global positions")
-    found = [m for name, m in model.named_modules() if name and _matches(name, plan.positions.module)]
+    found = [m for name, m in model.named_modules() if name and matches(name, plan.positions.module)]
     if len(found) != 1:
         raise PlanError(f"plan {plan.family}: positions module {plan.positions.module!r} matches {len(found)} "
                         "modules; expected one")
