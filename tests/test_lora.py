@@ -137,7 +137,8 @@ def test_a_lora_checkpoint_holds_what_trains_and_refuses_another_kind_of_run(lor
     adapters = {f"blocks.{b}.{layer}.lora.{m}" for b in (0, 1) for layer in ("attn.qkv", "attn.proj", "mlp.up",
                                                                               "mlp.down") for m in "AB"}
     assert set(manifest["shapes"]) == adapters
-    assert manifest["lora"] == {"rank": 4, "alpha": 8.0, "dropout": 0.0, "targets": None, "train": None}
+    assert manifest["lora"] == {"rank": 4, "alpha": 8.0, "dropout": 0.0, "targets": None, "train": None,
+                                "quantize": "none"}
     for sets, expected in ((("run.resume=true",), "holds LoRA adapters (rank 4); this run trains every parameter"),
                            (("run.resume=true", "lora.rank=8"), "holds adapters of rank 4 on the family's default "
                                                                 "targets (training no module whole); this run asks "

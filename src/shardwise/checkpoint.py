@@ -341,7 +341,7 @@ class _AllowListUnpickler(pickle.Unpickler):
 def lora_manifest(lora: LoraConfig | None) -> dict[str, Any] | None:
     """What a manifest records of a run's adapters (None: every parameter trains)."""
     return None if lora is None else {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout,
-                                      "targets": lora.targets, "train": lora.train}
+                                      "targets": lora.targets, "train": lora.train, "quantize": lora.quantize}
 
 
 def check_lora(path: Path, lora: LoraConfig | None) -> None:

@@ -124,13 +124,14 @@ def train(args: argparse.Namespace) -> int:
 def _check_before_launch(cfg: Config) -> None:
     """What would otherwise fail inside every worker, after a cluster's start-up: pretrained weights
     that do not fit the model (read from the files' headers against the model built on the meta
-    device), LoRA targets that name no layer of it or a rank too large for one, a checkpoint to resume
-    whose adapters differ from the run's, a tokenizer larger than the vocabulary, a corpus too short
-    for one sequence. Each raises ConfigError, one line."""
+    device), LoRA targets that name no layer of it, a rank too large for one or a layer too narrow for
+    NF4, a checkpoint to resume whose adapters differ from the run's, a tokenizer larger than the
+    vocabulary, a corpus too short for one sequence. Each raises ConfigError, one line."""
     if cfg.model.weights is not None or cfg.lora.rank > 0:
         from shardwise.lora import LoraError, apply_lora
         from shardwise.materialise import init_context
         from shardwise.models import build_model
+        from shardwise.nf4 import QuantizeError, check_shape
         from shardwise.weights import WeightsError, check_weights
 
         with init_context():
@@ -139,9 +140,12 @@ def _check_before_launch(cfg: Config) -> None:
             if cfg.model.weights is not None:
                 check_weights(model, cfg.model.weights)
             if cfg.lora.rank > 0:  # its targets and rank against the model's layers
-                apply_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.targets, cfg.train.seed,
-                           cfg.lora.train)
-        except (WeightsError, LoraError) as error:
+                adapted = apply_lora(model, cfg.lora.rank, cfg.lora.alpha, cfg.lora.dropout, cfg.lora.targets,
+                                     cfg.train.seed, cfg.lora.train)
+                if cfg.lora.quantize == "nf4":
+                    for name in adapted:
+                        check_shape(name, model.get_submodule(name).in_features)
+        except (WeightsError, LoraError, QuantizeError) as error:
             raise ConfigError(str(error)) from None
     if cfg.run.resume:
         from shardwise.checkpoint import LATEST, MANIFEST, CheckpointError, check_lora, checkpoint_dir

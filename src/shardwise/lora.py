@@ -26,6 +26,7 @@ from torch import nn
 
 from shardwise.materialise import seed_for, seeded
 from shardwise.models.plans import PlanError, matches, plan_for
+from shardwise.nf4 import dequantize
 
 
 class LoraError(ValueError):
@@ -118,13 +119,16 @@ def merged(full_tensors: Callable[[list[str]], Iterator[torch.Tensor | None]], n
            held: set[str], scale: float) -> Iterator[torch.Tensor | None]:
     """The tensors `names`, as `full_tensors` brings them whole to rank 0 one at a time (None on the
     other ranks), with each adapted layer's update merged into its weight, W + scale B A (computed
-    in fp32, stored in W's dtype): the final weights of a LoRA run are the plain model's. `held`:
-    every state entry the model has (the adapters' among them)."""
+    in fp32, stored in W's dtype; an NF4 weight dequantized to the adapters'): the final weights of
+    a LoRA run are the plain model's. `held`: every state entry the model has (the adapters' among
+    them)."""
     for name in names:
         layer = name.removesuffix(".weight")
         adapter = (f"{layer}.lora.A", f"{layer}.lora.B")
         if name.endswith(".weight") and adapter[0] in held:
             weight, a, b = full_tensors([name, *adapter])
+            if weight is not None and weight.dtype == torch.uint8:  # an NF4 base (QLoRA)
+                weight = dequantize(weight, a.shape[1], a.dtype)
             yield None if weight is None else (weight.float() + scale * (b.float() @ a.float())).to(weight.dtype)
         else:
             yield from full_tensors([name])

@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
 from shardwise.hub_layout import Piece, model_type, pieces
 from shardwise.lora import is_adapter
+from shardwise.nf4 import quantize, quantized
 
 if TYPE_CHECKING:
     from shardwise.strategies.base import Strategy
@@ -177,6 +178,9 @@ def load_weights(strategy: Strategy, path: str | Path, names: ModelNames) -> Non
     files = weight_files(Path(path))
     stored = stored_shapes(files)
     state = {name: t for name, t in strategy.view.state_dict()["model"].items() if not is_adapter(name)}
+    nf4 = {name: (state[name], _float_stand_in(state[name], layer.in_features))
+           for name, layer in quantized(strategy.module).items()}
+    state.update({name: stand_in for name, (_, stand_in) in nf4.items()})
     parameters = {name for name, _ in strategy.view.named_parameters()}
     matched = match(state, parameters, stored, names)
     # Ranks hold different tensors (a pipeline's stages): they agree on the problems and the use.
@@ -190,8 +194,36 @@ def load_weights(strategy: Strategy, path: str | Path, names: ModelNames) -> Non
     if unused and strategy.ctx.is_main:
         print(f"weights {path}: {len(unused)} of its tensors are not in this model, ignored (e.g. {min(unused)})",
               file=sys.stderr)
-    dcp.load(matched.found, storage_reader=SafetensorsReader(files, matched.pieced))
+    stand_ins = {id(stand_in): packed for packed, stand_in in nf4.values()}
+    dcp.load({key: t for key, t in matched.found.items() if id(t) not in stand_ins},
+             storage_reader=SafetensorsReader(files, matched.pieced))
+    # An NF4 weight (QLoRA), one at a time: this rank's rows of it read in floating point, then
+    # quantized into its rows of the packed weight (a packed row is its float row's alone).
+    for key, stand_in in matched.found.items():
+        if id(stand_in) in stand_ins:
+            dcp.load({key: stand_in}, storage_reader=SafetensorsReader(files))
+            _local(stand_ins[id(stand_in)]).copy_(quantize(_local(stand_in)))
     strategy.view.after_load()
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of `tensor` (a DTensor's local part)."""
+    from torch.distributed.tensor import DTensor  # not at the top: see ShardedView.as_global
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _float_stand_in(packed: torch.Tensor, in_features: int) -> torch.Tensor:
+    """A float32 tensor laid out as the NF4 weight `packed` is (a DTensor's rows over the same
+    ranks), with the float weight's shape: what the file's weight is read into."""
+    local = _local(packed)
+    rows = torch.empty(local.shape[0], in_features, device=local.device)
+    if local is packed:
+        return rows
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(rows, packed.device_mesh, packed.placements, run_check=False,
+                              shape=(packed.shape[0], in_features), stride=(in_features, 1))
 
 
 class _Listing:

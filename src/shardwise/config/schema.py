@@ -214,6 +214,9 @@ class LoraConfig:
                                        "attention and MLP projections of the model family's parallel plan")
     train: list[str] | None = option(None, "modules that train whole beside the adapters, named as targets are "
                                      "(a new head: peft's modules_to_save); unset: none")
+    quantize: str = option("none", "how the target layers' frozen weights are stored: `none` (as the model's "
+                           "parameters) or `nf4`, 4-bit NormalFloat with double-quantized scales (QLoRA, nf4.py); "
+                           "their input features must be a multiple of 64", ("none", "nf4"))
 
 
 @dataclass

@@ -212,19 +212,30 @@ def _validate_weights(weights: str, strategy: str) -> None:
 
 # The strategies LoRA is tested under (tests/test_lora.py); the others refuse it until they are.
 LORA_STRATEGIES = ("single", "ddp", "ddp-native", "zero1", "zero2", "fsdp", "fsdp-native", "hsdp", "pipeline", "tensor")
+# Those that hold a 4-bit base (QLoRA): every parameter whole, or split by rows (ZeRO's units). Not
+# tensor parallel, which would split a row-parallel layer's packed rows, nor PyTorch's own wrappers.
+QLORA_STRATEGIES = ("single", "ddp", "zero1", "zero2", "fsdp", "hsdp")
 
 
 def _validate_lora(cfg: Config, world: int) -> None:
     lora, p = cfg.lora, cfg.parallel
     _positive("lora.rank", lora.rank, zero_ok=True)
     if lora.rank == 0:
+        if lora.quantize != "none":
+            raise ConfigError(f"lora.quantize = {lora.quantize!r}: a quantized base trains through adapters; set "
+                              "lora.rank > 0")
         return
     _positive("lora.alpha", lora.alpha)
     if not 0 <= lora.dropout < 1:
         raise ConfigError(f"lora.dropout = {lora.dropout!r}: must be in [0, 1)")
     if cfg.model.name not in LANGUAGE_MODELS and lora.targets is None:
         raise ConfigError(f"lora.targets: model.name = {cfg.model.name!r} has no family default; name the layers")
+    _choice("lora.quantize", lora.quantize, ("none", "nf4"))
     dp, pp, tp = p.mesh_shape(world)
+    if lora.quantize == "nf4" and (p.strategy not in QLORA_STRATEGIES or pp > 1 or tp > 1):
+        raise ConfigError(f"lora.quantize = 'nf4': the 4-bit base is held under {', '.join(QLORA_STRATEGIES)}, "
+                          f"without pipeline or tensor parallel, so far; not under parallel.strategy = "
+                          f"{p.strategy!r} with pp = {pp}, tp = {tp}")
     if p.strategy not in LORA_STRATEGIES or (pp > 1 and (p.strategy != "pipeline" or tp > 1)):
         mesh = f" with parallel.pp = {pp}" + (f" and parallel.tp = {tp}" if tp > 1 else "") if pp > 1 else ""
         raise ConfigError(f"lora.rank = {lora.rank}: adapters train under {', '.join(LORA_STRATEGIES)}, over "

@@ -216,7 +216,7 @@ class Sharding:
         freeing resizes its storage); the other stages keep them, counted as gathered."""
         if self.stage == 3:
             for param in unit.params:
-                if param.dtype != self.working_dtype:
+                if param.dtype != unit.full_dtype:
                     param.data = param.data.to(self.working_dtype)
                 elif not param.untyped_storage().resizable():
                     param.data = param.data.clone()
@@ -230,6 +230,8 @@ class Sharding:
         lengths = [r * row_numel(p) for r, p in zip(rows, params, strict=True)]
         offsets = [sum(lengths[:i]) for i in range(len(lengths))]
         master, working = self.master_dtype, self.working_dtype
+        if not params[0].is_floating_point():  # stored bytes (NF4's): kept, gathered and computed from as they are
+            master = working = params[0].dtype
         unit = Unit(over, params, rows, offsets, sum(lengths), working, shards=[], shard_buffer=None, frozen=frozen)
         if self.stage == 3 or working != master or self.offload:
             unit.shard_buffer = torch.zeros(unit.shard_numel, dtype=master, device=self.master_device)

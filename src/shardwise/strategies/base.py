@@ -20,6 +20,7 @@ from shardwise.memory import MemoryBreakdown, count_memory
 from shardwise.models import moe
 from shardwise.models.hf import decoder_layer_class
 from shardwise.models.plans import find_positions
+from shardwise.nf4 import quantize_layers
 from shardwise.parallel.context.split import ContextParallel
 from shardwise.parallel.dims import Mesh, node_size
 from shardwise.parallel.experts import ExpertParallel, balance_routers
@@ -53,6 +54,7 @@ class Strategy:
         # Compiles each block's forward under train.compile (make_strategy sets it); None: eager
         self.compiler: BlockCompiler | None = None
         self.lora: LoraConfig | None = None  # adapters on the frozen model (lora.rank > 0; make_strategy sets it)
+        self.nf4_layers: list[str] = []  # the layers whose frozen weights are stored in NF4 (lora.quantize)
         self.materialiser: Materialiser | None = None  # a meta-built model's groups and initial values
         self.setup_peak_bytes: int | None = None  # counted bytes at wrap's peak, where the strategy counts them
         self.context: ContextParallel | None = None  # the sequence split over parallel.cp ranks, made by `prepare`
@@ -99,8 +101,9 @@ class Strategy:
         (`self.experts.split`)."""
         self.cfg = dataclasses.replace(self.cfg, block=block_class(model, self.cfg.block))
         if self.lora is not None:
-            apply_lora(model, self.lora.rank, self.lora.alpha, self.lora.dropout, self.lora.targets, self.seed,
-                       self.lora.train)
+            adapted = apply_lora(model, self.lora.rank, self.lora.alpha, self.lora.dropout, self.lora.targets,
+                                 self.seed, self.lora.train)
+            self.nf4_layers = adapted if self.lora.quantize == "nf4" else []
         if self.compiler is not None:
             self.compiler.compile_blocks(model, self.cfg.block)
         apply_recompute(model, self.cfg.recompute, self.cfg.block, once=self.recompute_once)
@@ -116,6 +119,7 @@ class Strategy:
             if not materialise:
                 return model.to(dtype=self.precision.param_dtype)
             self.materialiser.materialise_all(self.ctx.device, self.precision.param_dtype)
+        quantize_layers(model, self.nf4_layers, self.precision.compute_dtype)
         if self.experts is not None:
             self.experts.split(model)
         return model

@@ -30,6 +30,7 @@ from shardwise.gradients import clip_grad_norm_, local_grads
 from shardwise.materialise import Materialiser
 from shardwise.memory import MemoryBreakdown, count_memory, optimizer_state_tensors, storage_bytes
 from shardwise.models.plans import locate
+from shardwise.nf4 import quantize_layers
 from shardwise.parallel.comm import all_reduce_packed
 from shardwise.parallel.dims import Mesh
 from shardwise.parallel.shard import GatherHooks, ShardGroup, Sharding, Unit
@@ -185,6 +186,7 @@ class ShardedDataParallel(HookedStrategy):
         for group in grouping.groups:
             if self.materialiser is not None and (self.stage == 3 or splitter is not None):
                 self.materialiser.materialise(group, self.ctx.device, self.precision.param_dtype)
+                quantize_layers(self.module, self.nf4_layers, self.precision.compute_dtype)  # this group's
                 if self.experts is not None and group.block is not None:
                     self.experts.split(group.block)
             if splitter is not None and group.block is not None:
@@ -200,10 +202,12 @@ class ShardedDataParallel(HookedStrategy):
             if not params and group.block is not None:
                 continue
             # Experts split over ep are a unit of their own, sharded over the ranks holding the same
-            # experts; frozen parameters too, gathered and freed with the block, never reduced.
-            by_group = [(over, frozen, [p for p in params
-                                        if self._is_expert(p) == expert and p.requires_grad != frozen])
-                        for over, expert in ((dense, False), (experts, True)) for frozen in (False, True)]
+            # experts; frozen parameters too, gathered and freed with the block, never reduced, and
+            # NF4's packed bytes apart from floating ones (a unit's buffer holds one dtype).
+            by_group = [(over, frozen, [p for p in params if self._is_expert(p) == expert
+                                        and p.requires_grad != frozen and p.is_floating_point() == floating])
+                        for over, expert in ((dense, False), (experts, True))
+                        for frozen, floating in ((False, True), (True, True), (True, False))]
             made = [self.sharding.add(over, held, frozen, root=group.block is None)
                     for over, frozen, held in by_group if held]
             if group.block is not None:
