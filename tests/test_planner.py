@@ -247,6 +247,24 @@ def test_predicted_lora_memory_equals_counted():
     assert_predicted_equals_counted([(pipeline, base)])
 
 
+def test_predicted_qlora_memory_equals_counted():
+    """QLoRA: the adapted weights held as NF4 bytes (fsdp: sharded; offloaded: on the host), the rest
+    of the frozen model in the stored dtype, the activations as LoRA's (an NF4 layer keeps only its
+    packed weight for backward)."""
+    base = config(global_batch=8)
+    base.lora.rank, base.lora.quantize = 4, "nf4"
+    offloaded = config(global_batch=8)
+    offloaded.lora.rank, offloaded.lora.quantize, offloaded.parallel.sharding.offload = 4, "nf4", "optimizer"
+    cases = [(Candidate(strategy, 2, 1, 1, precision, "none", 4), base) for strategy in ("ddp", "zero2", "fsdp")
+             for precision in ("fp32", "bf16-mixed")]
+    ratios = assert_predicted_equals_counted([*cases, (Candidate("fsdp", 2, 1, 1, "fp32", "none", 4), offloaded)])
+    assert max(abs(r - 1) for r in ratios) < 1e-3
+    lora = config(global_batch=8)
+    lora.lora.rank = 4
+    for candidate, qlora in cases:
+        assert predict_memory(candidate, qlora)[0].params < predict_memory(candidate, lora)[0].params
+
+
 def test_a_lora_step_is_predicted_without_the_frozen_weights_gradients():
     from shardwise.planner.timing import _stage_work
 
@@ -269,6 +287,18 @@ def test_the_shipped_lora_config_plans_llama_3_8b_on_one_24_gb_gpu():
     best = plan.recommended
     assert best is not None and best.candidate.precision == "bf16-true" and best.candidate.micro_batch >= 1
     assert 15 * 2**30 < best.memory.total <= 24 * 2**30  # the frozen model alone is 15 GiB in bf16
+
+
+def test_the_shipped_qlora_config_plans_llama_3_70b_on_two_24_gb_gpus():
+    cfg = load_config(CONFIGS / "qlora-llama-3-70b.toml")
+    plan = make_plan(cfg, 2, load_profile("h100-sxm"), memory_gb=24, precisions=default_precisions(cfg),
+                     policies=("blocks",))
+    best = plan.recommended
+    assert best is not None and best.candidate.strategy == "fsdp" and best.candidate.dp == 2
+    assert best.candidate.micro_batch >= 1 and best.memory.total <= 24 * 2**30
+    # Half of the 68.4 B parameters in NF4 (0.52 byte each: 16.5 GiB), of the bf16 embeddings and head
+    # (2 GiB) and of the adapters' master weights and state on each rank's host
+    assert 18.5 * 2**30 < best.memory.host < 20 * 2**30
 
 
 # Sizes 4 ranks do not divide: every parameter's shard is padded.

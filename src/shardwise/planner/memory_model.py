@@ -49,13 +49,18 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from shardwise.config.schema import Config
+from shardwise.lora import Adapter
+from shardwise.nf4 import row_bytes
 from shardwise.parallel.pipeline.schedules import Schedule, build, layout_of
 from shardwise.parallel.pipeline.simulate import peak_held
 from shardwise.planner.candidates import Candidate
 from shardwise.planner.model import (
     ModelFacts,
     ModelShape,
+    Tensors,
     TraceKey,
+    meta_model,
+    model_blocks,
     model_facts,
     model_shape,
     rank_facts,
@@ -147,23 +152,62 @@ def _data_parallel(c: Candidate, cfg: Config, shape: ModelShape, activations: bo
     """A data-parallel rank: the model, or over tensor parallel its tp part (its blocks' matrices
     split, the rest whole), replicated or sharded over the data-parallel (and cp) ranks."""
     facts = rank_facts(shape, c.tp, c.ep, "trainable")  # under LoRA its adapters; else all of it
-    frozen = rank_facts(shape, c.tp, c.ep, "frozen")
     world = c.shard or c.dp * c.cp  # the ranks each parameter is split over: hsdp's is one node
     precision = make_precision(c.precision, cfg.parallel.sharding.reduce_dtype)
     stored = dtype_bytes(precision.param_dtype)
+    frozen = as_stored(rank_facts(shape, c.tp, c.ep, "frozen"), stored)
     shard = facts.shard_numel(world)
     # hsdp holds what fsdp over its node does
     state = model_state(c.spec.zero_stage, precision, facts, world, cfg, frozen)
     key = trace_key(shape, c, c.tp, cfg.parallel.sequence_parallel)
     saved = saved_bytes(key).stage(0, shape.n_layer, True, True, c.recompute, c.micro_batch) \
         + all_to_all_outputs(c, shape) if activations else 0
-    buffers = _sharded_buffers(c, cfg, facts, world, stored, rank_facts(shape, c.tp, c.ep)) \
-        + context_buffers(c, shape) + expert_buffers(c, shape)
+    gathered = dtype_bytes(working_dtype(precision))
+    buffers = _sharded_buffers(c, cfg, facts, world, stored, as_stored(rank_facts(shape, c.tp, c.ep), gathered)) \
+        + context_buffers(c, shape) + expert_buffers(c, shape) + dequantized_weight(shape, precision)
     if c.tp > 1:  # an all-reduce's result is a copy of one activation (ReduceFromTensorParallel clones its input)
         buffers += c.micro_batch * shape.seq_len // c.cp * shape.d_model * 4
     if c.spec.across_nodes and c.dp > world:
         buffers += shard * stored  # the packed gradient shards all-reduced across nodes
     return RankMemory(state.params, state.grads, state.optimizer, saved, buffers, host=state.host)
+
+
+@functools.cache
+def nf4_weights(shape: ModelShape) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]:
+    """The weights QLoRA stores in NF4 (lora.quantize): the adapted layers', (out, in) each, one
+    block's and the root's; none without it."""
+    if shape.lora_quantize != "nf4":
+        return (), ()
+    model = meta_model(shape, 1)
+    in_block = {id(m) for m in model_blocks(model)[0].modules()}
+    adapted = [m for m in model.modules() if isinstance(getattr(m, "lora", None), Adapter)]
+    return tuple((m.out_features, m.in_features) for m in adapted if id(m) in in_block), \
+        tuple((m.out_features, m.in_features) for m in adapted if id(m) not in in_block)
+
+
+def as_stored(facts: ModelFacts, element_bytes: int) -> ModelFacts:
+    """`facts` with each NF4 weight counted as the elements of `element_bytes` bytes its packed rows
+    take (rows x row bytes, a row rounded up to whole elements): so that a count of elements times
+    `element_bytes` is the bytes held, gathered or moved, floating and packed alike."""
+    block, root = nf4_weights(facts.shape)
+    if not block and not root:
+        return facts
+
+    def packed(tensors: Tensors, weights: tuple[tuple[int, int], ...]) -> Tensors:
+        shapes = list(tensors.shapes)
+        for out, features in weights:
+            if (out, features) in shapes:  # not in `facts` of the parameters that train
+                shapes.remove((out, features))
+                shapes.append((out, math.ceil(row_bytes(features) / element_bytes)))
+        return Tensors(tuple(shapes))
+
+    return replace(facts, block=packed(facts.block, block), root=packed(facts.root, root))
+
+
+def dequantized_weight(shape: ModelShape, precision: Precision) -> int:
+    """QLoRA: the one NF4 weight dequantized at a time, in the compute dtype, while its layer runs."""
+    block, root = nf4_weights(shape)
+    return max((out * features for out, features in block + root), default=0) * dtype_bytes(precision.compute_dtype)
 
 
 @dataclass
@@ -179,11 +223,17 @@ def model_state(stage: int, precision: Precision, facts: ModelFacts, world: int,
     """Parameter, gradient and optimizer bytes of a data-parallel rank at ZeRO stage `stage` over
     `world` ranks, at the end of a step (the module's table), for the parameters that train
     (`facts`). A model LoRA freezes (`frozen`) adds its parameters alone, in the stored dtype:
-    sharded by fsdp (its own units), whole on every rank otherwise."""
+    sharded by fsdp (its own units; in host memory where fsdp offloads its shards), whole on every
+    rank otherwise."""
     state = _trained_state(stage, precision, facts, world, cfg)
     if frozen is not None and frozen.params_total:
         stored = dtype_bytes(precision.param_dtype)
-        state.params += (frozen.shard_numel(world) if stage == 3 else frozen.params_total) * stored
+        if stage < 3:
+            state.params += frozen.params_total * stored
+        elif cfg.parallel.sharding.offload == "optimizer":
+            state.host += frozen.shard_numel(world) * stored
+        else:
+            state.params += frozen.shard_numel(world) * stored
     return state
 
 
@@ -288,7 +338,9 @@ def _sharded_buffers(c: Candidate, cfg: Config, facts: ModelFacts, world: int, s
     gathered = dtype_bytes(precision.compute_dtype if precision.mixed else precision.param_dtype)
     elements = fsdp_gathered_numel(units, world, cfg.parallel.sharding.prefetch,
                                    cfg.parallel.sharding.reshard_after_forward)
-    return elements * gathered + sum(largest) * reduce + kept_whole
+    # Only what trains is reduce-scattered (LoRA's frozen units are not)
+    reduced = sorted(facts.unit_padded(world), reverse=True)[:UNITS_IN_FLIGHT]
+    return elements * gathered + sum(reduced) * reduce + kept_whole
 
 
 def fsdp_gathered_numel(facts: ModelFacts, world: int, prefetch: int, reshard_after_forward: bool) -> int:

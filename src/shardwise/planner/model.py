@@ -45,12 +45,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from shardwise.config.schema import DEFAULT_BLOCK, LANGUAGE_MODELS, MOE_MODELS, LoraConfig, ModelConfig
-from shardwise.lora import apply_lora
+from shardwise.lora import Adapter, apply_lora
 from shardwise.memory import ActivationCounter
 from shardwise.models import build_model, loss_fn
 from shardwise.models.hf import decoder_layer_class
 from shardwise.models.moe import moe_layers, their_experts
 from shardwise.models.plans import locate
+from shardwise.nf4 import quantize_layers
 from shardwise.parallel.pipeline.stages import balanced_split
 from shardwise.parallel.tensor import ShapesOnly, parallelize_blocks
 from shardwise.planner.fake_forward import balanced_routing, one_sequence_per_row
@@ -110,6 +111,7 @@ class ModelShape:
     lora_rank: int = 0
     lora_targets: tuple[str, ...] | None = None
     lora_train: tuple[str, ...] | None = None
+    lora_quantize: str = "none"  # `nf4`: the adapted layers' weights stored in 4 bits (nf4.py)
 
     def config(self, n_layer: int | None = None) -> ModelConfig:
         sizes = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if not f.name.startswith("lora_")}
@@ -137,7 +139,8 @@ def model_shape(cfg: ModelConfig, lora: LoraConfig | None = None) -> ModelShape:
     experts = {key: getattr(cfg, key) for key in ("n_experts", "top_k", "d_expert", "router_score", "balance",
                                                    "shared_expert")} if cfg.name in MOE_MODELS else {}
     adapters = {"lora_rank": lora.rank, "lora_targets": None if lora.targets is None else tuple(lora.targets),
-                "lora_train": tuple(lora.train or ())} if lora is not None and lora.rank > 0 else {}
+                "lora_train": tuple(lora.train or ()), "lora_quantize": lora.quantize} \
+        if lora is not None and lora.rank > 0 else {}
     return ModelShape(cfg.name, cfg.n_layer, cfg.n_head, cfg.n_kv_head, cfg.d_model, cfg.d_ff, cfg.seq_len,
                       cfg.vocab_size, cfg.bias, cfg.hf_config, cfg.head_dim, **experts, **adapters)
 
@@ -429,6 +432,9 @@ def _trace(key: TraceKey, n_layer: int, policy: str, batches: tuple[int, ...],
         for param in model.parameters():  # as the strategies do (Module.to cannot swap fake tensors)
             frozen = not param.requires_grad and key.frozen_dtype is not None
             param.data = param.data.to(key.frozen_dtype if frozen else key.param_dtype)
+        if shape.lora_quantize == "nf4":  # its NF4 layers keep no weight for backward, cast or not
+            adapted = [name for name, m in model.named_modules() if isinstance(getattr(m, "lora", None), Adapter)]
+            quantize_layers(model, adapted, key.autocast or key.param_dtype)
         if key.tp > 1:
             parallelize_for_planning(model, key.tp, key.sequence_parallel)
         blocks = model_blocks(model)
