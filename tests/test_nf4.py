@@ -1,5 +1,5 @@
 """QLoRA: the target layers' frozen weights stored in NF4 (nf4.py), adapters beside them in the
-compute dtype; trained under ddp, zero2 and fsdp as on one device, fsdp holding half the 4-bit
+compute dtype; trained under ddp, zero1, zero2, fsdp and hsdp as on one device, fsdp holding half the 4-bit
 base on each of two ranks, pretrained weights quantized as they load."""
 
 from __future__ import annotations
@@ -67,15 +67,17 @@ def cfg_for(out: Path, strategy: str, world: int, *overrides: str):
 @pytest.fixture(scope="module")
 def qlora_runs(tmp_path_factory) -> tuple[Path, Path, dict]:
     """A pretrained gpt-tiny; QLoRA on it under single (its packed weights kept), and under ddp,
-    zero2 and fsdp on two ranks; and fsdp from the seed's initial weights."""
+    zero1, zero2, fsdp and hsdp (one node: sharded over it) on two ranks; and fsdp from the seed's
+    initial weights."""
     root = tmp_path_factory.mktemp("qlora")
     torch.manual_seed(7)
     pretrained = root / "pretrained.safetensors"
     save_model(build_model(load_config(CONFIGS / "gpt-tiny.toml").model), str(pretrained))
     weights = f"model.weights={pretrained}"
     packed = in_process(_train_single, root, weights)
-    run_ranks(train_runs, 2, root, {"ddp": ("ddp", weights), "zero2": ("zero2", weights),
-                                    "fsdp": ("fsdp", weights), "fsdp-init": ("fsdp",)}, cfg_for)
+    run_ranks(train_runs, 2, root, {"ddp": ("ddp", weights), "zero1": ("zero1", weights), "zero2": ("zero2", weights),
+                                    "fsdp": ("fsdp", weights), "hsdp": ("hsdp", weights), "fsdp-init": ("fsdp",)},
+              cfg_for)
     return root, pretrained, packed
 
 
@@ -85,7 +87,7 @@ def _train_single(ctx: DistContext, root: Path, weights: str) -> dict:
     return {n: p.detach().clone() for n, p in trainer.strategy.module.named_parameters() if p.dtype == torch.uint8}
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero2", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "fsdp", "hsdp"])
 def test_qlora_trains_as_one_device_does(qlora_runs, strategy):
     root, _, _ = qlora_runs
     assert_same_training(root / strategy, root / "single", STEPS)
