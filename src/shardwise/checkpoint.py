@@ -147,36 +147,54 @@ def save_checkpoint(trainer: TrainingRun, step: int, keep: int) -> Path:
     """Save the state after `step` completed steps; keep the newest `keep` checkpoints. A save
     that fails (a full or read-only disk) raises the same CheckpointError on every rank, leaving
     the previous checkpoints and `latest` as they were."""
-    root = checkpoint_dir(trainer.out)
-    final = root / _name(step)
-    tmp = root / f".tmp-{_name(step)}"
-    problem = _agreed_from_rank0(trainer.ctx.is_main, lambda: _empty_dir(tmp))
-    if problem is None:
-        state = training_state(trainer, trainer.ctx.world_size)
-        state["trainer"]["step"].fill_(step)
-        try:
-            dcp.save(state, checkpoint_id=tmp)  # returns on every rank once every rank's files are written
-        except CheckpointException as error:
-            problem = _first_failure(error)
-        else:
-            manifest = {
-                "step": step,
-                "world_size": trainer.ctx.world_size,
-                "strategy": trainer.cfg.parallel.strategy,
-                "precision": trainer.cfg.parallel.precision,
-                "shapes": _model_shapes(state),
-                "rank_state": sorted(trainer.strategy.view.rank_state()),
-                "lora": lora_manifest(trainer.strategy.lora),
-            }
-            problem = _agreed_from_rank0(trainer.ctx.is_main, lambda: _seal(tmp, final, manifest, keep))
+    final, tmp = checkpoint_paths(trainer, step)
+    state = training_state(trainer, trainer.ctx.world_size)
+    state["trainer"]["step"].fill_(step)
+    try:
+        dcp.save(state, checkpoint_id=tmp)  # returns on every rank once every rank's files are written
+    except CheckpointException as error:
+        problem = first_failure(error)
+    else:
+        manifest = checkpoint_manifest(trainer, state, step)
+        problem = _agreed_from_rank0(trainer.ctx.is_main, lambda: seal(tmp, final, manifest, keep))
     if problem is not None:
-        if trainer.ctx.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)  # a full disk gets its space back
-        latest = root / LATEST
-        kept = f"the newest complete one, {latest.read_text().strip()}, is intact" if latest.is_file() else \
-            "there is no earlier one"
-        raise CheckpointError(f"could not save checkpoint {final.name} in {root}: {problem}; {kept}")
+        raise save_failed(trainer.ctx.is_main, final, tmp, problem)
     return final
+
+
+def checkpoint_paths(trainer: TrainingRun, step: int) -> tuple[Path, Path]:
+    """Where the checkpoint after `step` goes, and the empty temporary directory it is written to
+    first (rank 0 makes it; every rank returns once it is made, or raises CheckpointError)."""
+    root = checkpoint_dir(trainer.out)
+    final, tmp = root / _name(step), root / f".tmp-{_name(step)}"
+    problem = _agreed_from_rank0(trainer.ctx.is_main, lambda: _empty_dir(tmp))
+    if problem is not None:
+        raise save_failed(trainer.ctx.is_main, final, tmp, problem)
+    return final, tmp
+
+
+def checkpoint_manifest(trainer: TrainingRun, state: dict[str, Any], step: int) -> dict[str, Any]:
+    """What the manifest records of a checkpoint of `state` (collective: shapes from every rank)."""
+    return {
+        "step": step,
+        "world_size": trainer.ctx.world_size,
+        "strategy": trainer.cfg.parallel.strategy,
+        "precision": trainer.cfg.parallel.precision,
+        "shapes": _model_shapes(state),
+        "rank_state": sorted(trainer.strategy.view.rank_state()),
+        "lora": lora_manifest(trainer.strategy.lora),
+    }
+
+
+def save_failed(is_main: bool, final: Path, tmp: Path, problem: str) -> CheckpointError:
+    """The error every rank raises for a save of `final` that failed with `problem`; rank 0 removes
+    what was written of it (a full disk gets its space back)."""
+    if is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+    latest = final.parent / LATEST
+    kept = f"the newest complete one, {latest.read_text().strip()}, is intact" if latest.is_file() else \
+        "there is no earlier one"
+    return CheckpointError(f"could not save checkpoint {final.name} in {final.parent}: {problem}; {kept}")
 
 
 def _empty_dir(path: Path) -> None:
@@ -184,7 +202,7 @@ def _empty_dir(path: Path) -> None:
     path.mkdir(parents=True)
 
 
-def _seal(tmp: Path, final: Path, manifest: dict[str, Any], keep: int) -> None:
+def seal(tmp: Path, final: Path, manifest: dict[str, Any], keep: int) -> None:
     """Checksum and flush the files in `tmp`, move it to `final`, point `latest` at it, prune."""
     manifest["files"] = _checksums(tmp)
     for file in tmp.rglob("*"):
@@ -211,7 +229,7 @@ def _agreed_from_rank0(is_main: bool, action: Callable[[], None]) -> str | None:
     return _from_rank0(problem)
 
 
-def _first_failure(error: CheckpointException) -> str:
+def first_failure(error: CheckpointException) -> str:
     """The clearest of the ranks' errors in a failed DCP save: an OSError (the disk's own words)
     if any rank had one."""
     failures = sorted(error.failures.items())

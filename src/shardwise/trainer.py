@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from shardwise.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from shardwise.checkpoint_async import AsyncCheckpointer
 from shardwise.config.schema import HF_MODELS, LANGUAGE_MODELS, Config, TrainConfig
 from shardwise.data import Dataset, DocumentWindows, GlobalBatchSampler, make_datasets
 from shardwise.dist import DistContext, seed_everything
@@ -114,6 +115,9 @@ class Trainer:
         self.accum = cfg.train.global_batch // (self.strategy.data_size * cfg.train.micro_batch)
         self.activation_bytes = 0
         self.peak_flops = device_peak_flops(ctx.device)
+        # Checkpoints written in the background (train.checkpoint_async), where a run saves any
+        self.checkpointer = AsyncCheckpointer(cfg.train.keep_checkpoints, ctx.is_main) \
+            if cfg.train.checkpoint_async and cfg.train.checkpoint_every else None
 
     def micro_batches(self, dataset: Dataset, indices: list[torch.Tensor]) -> Iterable[tuple[torch.Tensor, ...]]:
         """(inputs, targets) of each micro-batch, and each input token's document where the data are
@@ -144,7 +148,10 @@ class Trainer:
 
     def memory(self) -> MemoryBreakdown:
         """This rank's counted bytes now, as metrics.jsonl records them."""
-        return self.strategy.memory(self.activation_bytes)
+        memory = self.strategy.memory(self.activation_bytes)
+        if self.checkpointer is not None and self.checkpointer.in_flight is not None:
+            memory.staging = self.checkpointer.staged_bytes
+        return memory
 
     def forward_backward(self, step: int) -> torch.Tensor:
         """Forward and backward over this rank's micro-batches of step `step`, gradients
@@ -234,27 +241,42 @@ class Trainer:
                 writer.write(record)
                 records.append(record)
                 progress.update(step, loss, record["tokens_per_s"], record["samples_per_s"])
+                if self.checkpointer is not None:
+                    self.checkpointer.poll()  # the save in flight, if rank 0 finished it: its failure raised here
                 if terminate.agreed(self.ctx):
-                    self.save_checkpoint(step + 1)
+                    self.save_checkpoint(step + 1, now=True)
                     raise SystemExit(f"rank {self.ctx.rank}: SIGTERM: saved a checkpoint after step {step + 1}")
                 if t.checkpoint_every and (step + 1) % t.checkpoint_every == 0:
                     self.save_checkpoint(step + 1)
                 if t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 < t.steps:
                     val_loss = self.evaluate()
                     writer.write({"event": "eval", "step": step + 1, "val_loss": val_loss})
+            if self.checkpointer is not None:
+                with self.between_steps("checkpoint"):
+                    self.checkpointer.wait()  # the last save in flight is on disk before the run ends
             val_loss = self.evaluate()
             with self.between_steps("final_weights"):
                 self._save_weights()
             summary = self._summary(records, val_loss)
             writer.write(summary)
         finally:
+            if self.checkpointer is not None:
+                self.checkpointer.close()  # after an error: the save in flight ends, on this rank alone
             terminate.restore()
             progress.close()
             writer.close()
         return summary
 
-    def save_checkpoint(self, step: int) -> None:
+    def save_checkpoint(self, step: int, now: bool = False) -> None:
+        """Save the state after `step` steps: in the background where train.checkpoint_async, unless
+        `now` (a SIGTERM's save: the process is about to end), which waits for the save in flight
+        and writes this one before returning."""
         with self.between_steps("checkpoint"):
+            if self.checkpointer is not None and not now:
+                self.checkpointer.save(self, step)
+                return
+            if self.checkpointer is not None:
+                self.checkpointer.wait()
             save_checkpoint(self, step, self.cfg.train.keep_checkpoints)
 
     @contextmanager

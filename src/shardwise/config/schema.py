@@ -197,6 +197,9 @@ class TrainConfig:
     seed: int = option(0, "model init and data order")
     checkpoint_every: int = option(0, "save a checkpoint every N steps; 0: none (SIGTERM still saves one)")
     keep_checkpoints: int = option(3, "keep the newest K checkpoints")
+    checkpoint_async: bool = option(True, "write checkpoints in a background thread: a save holds the step only "
+                                    "while it copies this rank's state to host memory, and at most one is in "
+                                    "flight (checkpoint_async.py); false: every rank waits for its files")
     compile: bool = option(False, "compile each block's forward with torch.compile (inductor), regionally: identical "
                            "blocks share one graph; compile time and graph count go in the summary (docs/compile.md)")
 

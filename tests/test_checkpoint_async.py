@@ -1,0 +1,85 @@
+"""Asynchronous checkpoints (checkpoint_async.py): training goes on while a save is written,
+`latest` moves only once it is whole, the copy is counted, and a save that fails in the background
+stops every rank at the same step with its cause. (Every resume test of test_checkpoint.py saves
+asynchronously too: train.checkpoint_async is on by default.)"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from unittest.mock import patch
+
+import pytest
+from distributed import run_ranks
+from helpers import gpt_tiny, in_process, read_records
+
+from shardwise import checkpoint_async
+from shardwise.checkpoint import CheckpointError, checkpoint_dir
+from shardwise.dist import DistContext
+from shardwise.trainer import Trainer
+
+
+def cfg_for(out: Path, world: int = 1, *overrides: str):
+    return gpt_tiny(out, "single" if world == 1 else "ddp", world, "train.micro_batch=4", "train.checkpoint_every=2",
+                    "train.keep_checkpoints=1", *overrides, steps=6)
+
+
+def _held_save(ctx: DistContext, out: Path) -> dict:
+    """6 steps saving every 2, the save after step 4 held back until step 6 has run: what `latest`
+    named, what was in flight and what step 5 recorded meanwhile."""
+    release, seen = threading.Event(), {}
+    real_seal = checkpoint_async.seal
+
+    def held_seal(tmp: Path, final: Path, manifest: dict, keep: int) -> None:
+        if final.name == "step-00000004":
+            release.wait(60)
+        real_seal(tmp, final, manifest, keep)
+
+    trainer = Trainer(cfg_for(out), ctx)
+    train_step = trainer.train_step
+
+    def observed(step: int):
+        if step == 5:  # the sixth step: the save after the fourth is still being written
+            seen["latest"] = (checkpoint_dir(out) / "latest").read_text()
+            seen["in_flight"] = trainer.checkpointer.in_flight.step
+            release.set()
+        return train_step(step)
+
+    trainer.train_step = observed
+    with patch.object(checkpoint_async, "seal", held_seal):
+        trainer.fit()
+    seen["params"] = sum(p.nbytes for p in trainer.model.parameters())
+    return seen
+
+
+def test_latest_moves_only_once_a_save_is_whole_while_training_goes_on(tmp_path):
+    seen = in_process(_held_save, tmp_path)
+    assert seen["latest"] == "step-00000002" and seen["in_flight"] == 4
+    root = checkpoint_dir(tmp_path)
+    assert (root / "latest").read_text() == "step-00000006"  # the run's end waited for its last save
+    assert sorted(p.name for p in root.glob("step-*")) == ["step-00000006"]  # keep_checkpoints = 1
+    staging = [r["memory"]["staging"] for r in read_records(tmp_path)]
+    assert staging[0] is None and staging[4] is not None  # step 5 ran with the save of step 4 in flight
+    # its copy: the model, AdamW's two moments, the step and the RNG state
+    assert 3 * seen["params"] < staging[4] < 3 * seen["params"] + 10_000
+
+
+def _failing_save(ctx: DistContext, out: Path) -> tuple[str, int]:
+    """ddp saving every 2 steps, rank 0's disk full as it seals: the error each rank raised, and at
+    which step."""
+    def full(*args: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    trainer = Trainer(cfg_for(out, ctx.world_size), ctx)
+    with patch.object(checkpoint_async, "seal", full), pytest.raises(CheckpointError) as raised:
+        trainer.fit()
+    return str(raised.value), trainer.step
+
+
+def test_a_save_that_fails_in_the_background_stops_every_rank_at_one_step_with_its_cause(tmp_path):
+    (message, step), other = run_ranks(_failing_save, 2, tmp_path)
+    assert other == (message, step) and step in (2, 3)  # at the next step's poll, or the next save's wait
+    assert message.startswith("in the background after step 2: could not save checkpoint step-00000002 in ")
+    assert message.endswith("[Errno 28] No space left on device; there is no earlier one")
+    root = checkpoint_dir(tmp_path)
+    assert not (root / "latest").exists() and not list(root.glob("*step-*"))  # the unfinished save removed
