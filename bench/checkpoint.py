@@ -14,9 +14,10 @@ After a few real steps (so the optimizer state exists), each round measures:
 - `load`: our `load_checkpoint` (checksums verified on rank 0, then `dcp.load`) with its files in
   the page cache, as they are right after a save; then again after `posix_fadvise(DONTNEED)` on
   every file, to approximate a cold read;
-- `async save`: a training step alone, then `dcp.async_save`: how long training is stalled
-  (until it returns), the next training step, taken while it writes, and when its write
-  completed.
+- `async save`: a training step alone, then the trainer's asynchronous save
+  (`train.checkpoint_async`, checkpoint_async.py): how long training is stalled (until it
+  returns, the state copied to host memory), the next training step, taken while it writes, and
+  when it was sealed and every rank knew.
 A first round is not kept (DCP's first calls, thread pools); medians over the rest. The
 checkpoints go to a temporary directory under `runs/`, on the repo's disk, removed after.
 """
@@ -24,6 +25,7 @@ checkpoints go to a temporary directory under `runs/`, on the repo's disk, remov
 from __future__ import annotations
 
 import contextlib
+import copy
 import io
 import os
 import platform
@@ -39,12 +41,11 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.staging import AsyncStager
-from torch.distributed.tensor import DTensor
 
 from bench.common import bench_config, bench_main, timed_steps
 from shardwise import checkpoint
-from shardwise.checkpoint import load_checkpoint, save_checkpoint, training_state
+from shardwise.checkpoint import TrainingRun, load_checkpoint, save_checkpoint, training_state
+from shardwise.checkpoint_async import AsyncCheckpointer
 from shardwise.dist import DistContext
 from shardwise.trainer import Trainer
 
@@ -125,49 +126,21 @@ def drop_from_page_cache(path: Path) -> bool:
     return True
 
 
-class CopyStager(AsyncStager):
-    """Stages a state dict for `dcp.async_save` as a copy of every tensor in memory, each DTensor
-    rewrapped around a copy of its local shard: the work DCP's default stager does.
-
-    The default stager fails on our sharded state ("Attempted to call copy_() on an invalid
-    python storage"): our shards are views into one flat buffer, a DTensor around such a view
-    carries the view's storage offset (pytorch#167597), so its `data_ptr()` is not 0, and the
-    stager, which tells wrappers from plain tensors by `data_ptr() != 0`, copies the wrapper's
-    empty storage."""
-
-    _synchronize_after_execute = False  # the copy is complete when stage() returns
-
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        return _copied(state_dict)
-
-
-@torch.no_grad()
-def _copied(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {key: _copied(v) for key, v in value.items()}
-    if isinstance(value, DTensor):
-        return DTensor.from_local(value.to_local().clone(), value.device_mesh, value.placements, run_check=False,
-                                  shape=value.shape, stride=value.stride())
-    return value.clone() if isinstance(value, torch.Tensor) else value
-
-
-def async_save_timings(ctx: DistContext, trainer: Trainer, path: Path, group: dist.ProcessGroup,
+def async_save_timings(ctx: DistContext, run: TrainingRun, checkpointer: AsyncCheckpointer, saved_step: int,
                        step: Callable[[], object]) -> dict[str, float]:
-    """`dcp.async_save` of the training state to `path`, then `step` while it writes. Returns,
-    each the slowest rank's: the seconds until async_save returned (training stalled while the
-    state is copied), until its write completed (both from the call), and of `step`."""
-    state = training_state(trainer, ctx.world_size)
-    finished: list[float] = []
+    """The trainer's asynchronous save (checkpoint_async.py) of `run`'s state as after
+    `saved_step` steps, then `step` while it writes, then the wait for it. Returns, each the
+    slowest rank's: the seconds until the save returned (training stalled while the state is
+    copied), until it was sealed and every rank knew (both from the call), and of `step`."""
     ctx.barrier()
     started = time.perf_counter()
-    future = dcp.async_save(state, checkpoint_id=path, process_group=group, async_stager=CopyStager())
+    checkpointer.save(run, saved_step)
     stall = time.perf_counter() - started
-    future.add_done_callback(lambda _: finished.append(time.perf_counter()))
     step_started = time.perf_counter()
     step()
     step_s = time.perf_counter() - step_started
-    future.result()
-    done = (finished[0] if finished else time.perf_counter()) - started
+    checkpointer.wait()
+    done = time.perf_counter() - started
     slowest = [max(v) for v in zip(*ctx.all_gather_object((stall, done, step_s)), strict=True)]
     return dict(zip(("stall_s", "done_s", "step_during_write_s"), slowest, strict=True))
 
@@ -227,8 +200,10 @@ class Measurements:
         self.ctx, self.trainer, self.scratch = ctx, trainer, scratch
         self.step = trainer.run_step
         self.saved = Path()  # the newest checkpoint of ours
-        # A group of its own, so the background thread's collectives never interleave with training's.
-        self.async_group = dist.new_group(backend="gloo")
+        # The asynchronous saves go to a run directory of their own: our synchronous saves keep one.
+        self.async_run = copy.copy(trainer)
+        self.async_run.out = scratch / "async"
+        self.checkpointer = AsyncCheckpointer(keep=1, is_main=ctx.is_main)
 
     def rounds(self, count: int) -> tuple[dict[str, list[float]], list[dict[str, float]]]:
         """`count` rounds of every measurement, after one round not kept (DCP's first calls,
@@ -285,16 +260,11 @@ class Measurements:
     def async_save(self, record: dict[str, float], k: int) -> dict[str, float]:
         """Training step k alone, then an async save and step k + 1 while it writes."""
         record["step_alone"] = timed_steps(self.step, k, 1)[0]
-        target = self.scratch / "dcp-async"
-        timings = async_save_timings(self.ctx, self.trainer, target, self.async_group, lambda: self.step(k + 1))
-        self.ctx.barrier()
-        if self.ctx.is_main:
-            shutil.rmtree(target)
-        return timings
+        return async_save_timings(self.ctx, self.async_run, self.checkpointer, k, lambda: self.step(k + 1))
 
     def close(self) -> None:
         self.ctx.barrier()
-        dist.destroy_process_group(self.async_group)
+        dist.destroy_process_group(self.checkpointer.group)
 
 
 def summarize(trainer: Trainer, ctx: DistContext, times: dict[str, list[float]],
@@ -352,9 +322,10 @@ def summarize(trainer: Trainer, ctx: DistContext, times: dict[str, list[float]],
             "training_lost_s": statistics.median(r["stall_s"] + r["step_during_write_s"] - alone
                                                  for r, alone in zip(async_runs, times["step_alone"], strict=True)),
             "runs": async_runs,
-            "note": "stall: until async_save returned (the state copied in memory, by our CopyStager: DCP's "
-                    "default stager fails on our views); done: until its write completed, a training step "
-                    "running meanwhile; blocking: a bare dcp.save of the same state; slowest rank of each; "
+            "note": "the trainer's asynchronous save (train.checkpoint_async); stall: until it returned (the "
+                    "state copied to host memory by HostStager); done: until it was sealed and every rank knew, "
+                    "a training step running meanwhile; blocking: a bare dcp.save of the same state; our save: "
+                    "the synchronous one; slowest rank of each; "
                     "training_lost: the stall plus how much longer that step took than the one before it "
                     "(median over rounds)",
         },
@@ -383,8 +354,9 @@ def format_result(result: dict[str, Any]) -> str:
         f"  ours / plain write {result['ratio_save_vs_plain_write']:.2f}x the time",
         load_row("load, page cache", result["load"]),
         load_row("load, cold", result["load_cold"]),
-        f"  async_save         stall {a['stall_s']:.3f} s vs blocking dcp.save {a['blocking_dcp_save_s']:.3f} s "
-        f"({a['ratio_stall_vs_blocking']:.2f}); written after {a['done_s']:.3f} s",
+        f"  async_save         stall {a['stall_s']:.3f} s: {a['ratio_stall_vs_our_save']:.3f} of our save, "
+        f"{a['ratio_stall_vs_blocking']:.2f} of a blocking dcp.save ({a['blocking_dcp_save_s']:.3f} s); "
+        f"sealed after {a['done_s']:.3f} s",
         f"                     a step meanwhile {a['step_during_write_s']:.3f} s vs {a['step_alone_s']:.3f} s "
         f"alone: training loses {a['training_lost_s']:.3f} s in all",
     ])

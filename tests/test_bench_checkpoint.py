@@ -3,6 +3,7 @@ count are the bytes on disk, and the async save they time writes the state it wa
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -12,8 +13,6 @@ from distributed import run_ranks
 from helpers import CONFIGS
 
 from bench.checkpoint import (
-    CopyStager,
-    _copied,
     async_save_timings,
     files_bytes,
     phases_timed,
@@ -22,7 +21,8 @@ from bench.checkpoint import (
     timed_together,
 )
 from shardwise import checkpoint
-from shardwise.checkpoint import save_checkpoint, training_state
+from shardwise.checkpoint import checkpoint_dir, save_checkpoint, training_state
+from shardwise.checkpoint_async import AsyncCheckpointer, HostStager
 from shardwise.config.load import load_config
 from shardwise.dist import DistContext
 from shardwise.memory import local_tensor
@@ -43,16 +43,18 @@ def measure_tiny(ctx: DistContext, root: Path) -> dict:
     plain_write(plain, 2 * (8 << 20) + 123)  # more than one block, and a partial one
 
     live = training_state(trainer, 2)["model"]
-    staged = CopyStager().stage({"model": live})["model"]
+    staged = HostStager().stage({"model": live})["model"]
     shares_storage = any(local_tensor(staged[k]).untyped_storage().data_ptr()
                          == local_tensor(t).untyped_storage().data_ptr() for k, t in live.items())
-    group = dist.new_group(backend="gloo")
+    checkpointer = AsyncCheckpointer(keep=1, is_main=ctx.is_main)
     before = {key: local_tensor(t).clone() for key, t in live.items()}
-    timings = async_save_timings(ctx, trainer, root / "async", group, lambda: step(1))
+    run = copy.copy(trainer)
+    run.out = root / "async"
+    timings = async_save_timings(ctx, run, checkpointer, 1, lambda: step(1))
     # The step changed the live weights; the checkpoint must hold those from before it.
-    state = _copied(training_state(trainer, 2))
-    dcp.load(state, checkpoint_id=root / "async")
-    dist.destroy_process_group(group)
+    state = HostStager().stage(training_state(trainer, 2))
+    dcp.load(state, checkpoint_id=checkpoint_dir(run.out) / "step-00000001")
+    dist.destroy_process_group(checkpointer.group)
     return {"seconds": seconds, "saved": saved, "share": rank_share(saved, ctx.rank, 2), "phases": phases,
             "shares_storage": shares_storage,
             "patched_away": dcp.save.__name__ == "save" and checkpoint._checksums.__name__ == "_checksums",

@@ -173,14 +173,16 @@ def checkpoint_paths(trainer: TrainingRun, step: int) -> tuple[Path, Path]:
     return final, tmp
 
 
-def checkpoint_manifest(trainer: TrainingRun, state: dict[str, Any], step: int) -> dict[str, Any]:
-    """What the manifest records of a checkpoint of `state` (collective: shapes from every rank)."""
+def checkpoint_manifest(trainer: TrainingRun, state: dict[str, Any], step: int,
+                        shapes: dict[str, list[int]] | None = None) -> dict[str, Any]:
+    """What the manifest records of a checkpoint of `state`: `shapes`, the model's entries' shapes,
+    are gathered from every rank (collective) unless given (an earlier save's: they never change)."""
     return {
         "step": step,
         "world_size": trainer.ctx.world_size,
         "strategy": trainer.cfg.parallel.strategy,
         "precision": trainer.cfg.parallel.precision,
-        "shapes": _model_shapes(state),
+        "shapes": shapes if shapes is not None else _model_shapes(state),
         "rank_state": sorted(trainer.strategy.view.rank_state()),
         "lora": lora_manifest(trainer.strategy.lora),
     }

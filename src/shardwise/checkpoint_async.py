@@ -1,13 +1,14 @@
 """Checkpoints written while training goes on (`train.checkpoint_async`).
 
 A save blocks the step only while the state is copied: `save` stages every tensor a rank holds
-into host memory (DCP's stager: a copy, so the next steps may change the originals) and hands the
-copies to a background thread that writes them (`dcp.async_save`). The thread's collectives run
-over a process group of their own, so they never interleave with training's. On rank 0, once
-every rank's files are written, the same thread seals the checkpoint as a synchronous save does
-(checkpoint.py): checksums, fsync, rename into place, then `latest`, then pruning to
-`keep_checkpoints`. So `latest` never names a checkpoint before it is whole, and pruning, which
-runs after `latest` moved, never deletes the newest complete one.
+into host memory (`HostStager`: a copy, pinned where a GPU trains, so the next steps may change
+the originals; the same buffers every save, held from the first on) and hands the copy to a
+background thread that writes it (`dcp.async_save`). The thread's collectives run over a process
+group of their own, so they never interleave with training's. On rank 0, once every rank's files
+are written, the same thread seals the checkpoint as a synchronous save does (checkpoint.py):
+checksums, fsync, rename into place, then `latest`, then pruning to `keep_checkpoints`. So
+`latest` never names a checkpoint before it is whole, and pruning, which runs after `latest`
+moved, never deletes the newest complete one.
 
 At most one save is in flight. The next waits for it (`save` calls `wait` first), and so do a
 SIGTERM's synchronous save and the end of the run. Each step, `poll` asks rank 0 (one small
@@ -22,11 +23,15 @@ import threading
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
 from shardwise.checkpoint import (
     TrainingRun,
@@ -38,7 +43,49 @@ from shardwise.checkpoint import (
     seal,
     training_state,
 )
-from shardwise.memory import local_tensor
+
+
+class HostStager(AsyncStager):
+    """Stages a state dict as a copy of every tensor in host memory (pinned where a GPU trains),
+    each DTensor rewrapped around a copy of its local part, into the same buffers save after save:
+    memory fresh from the allocator costs a page fault per page as the copy first touches it, about
+    half of a fresh copy's time here (and pinning it, on CUDA, more). The buffers are reused only
+    once the save that wrote from them is done (one save in flight).
+
+    DCP's default stager fails on our sharded state ("Attempted to call copy_() on an invalid
+    python storage"): our shards are views into one flat buffer, a DTensor around such a view
+    carries the view's storage offset (pytorch#167597), so its `data_ptr()` is not 0, and that
+    stager, which tells wrappers from plain tensors by `data_ptr() != 0`, copies the wrapper's
+    empty storage."""
+
+    _synchronize_after_execute = False  # the copy is complete when stage() returns
+
+    def __init__(self) -> None:
+        self.buffers: dict[str, torch.Tensor] = {}  # by the entry's path in the state dict
+
+    @property
+    def nbytes(self) -> int:
+        return sum(buffer.nbytes for buffer in self.buffers.values())
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return self._to_host(state_dict, "")
+
+    @torch.no_grad()
+    def _to_host(self, value: Any, path: str) -> Any:
+        if isinstance(value, dict):
+            return {key: self._to_host(v, f"{path}/{key}") for key, v in value.items()}
+        if isinstance(value, DTensor):
+            return DTensor.from_local(self._to_host(value.to_local(), path), value.device_mesh, value.placements,
+                                      run_check=False, shape=value.shape, stride=value.stride())
+        if isinstance(value, LocalShardsWrapper):  # a tensor-parallel shard's pieces (state_view.py)
+            pieces = [self._to_host(piece, f"{path}#{i}") for i, piece in enumerate(value.local_shards())]
+            return LocalShardsWrapper(pieces, value.local_offsets())
+        if not isinstance(value, torch.Tensor):
+            return value
+        buffer = self.buffers.get(path)
+        if buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype:
+            buffer = self.buffers[path] = torch.empty_like(value, device="cpu", pin_memory=value.is_cuda)
+        return buffer.copy_(value)
 
 
 @dataclass
@@ -49,7 +96,6 @@ class InFlight:
     final: Path
     tmp: Path
     written: Future
-    staged_bytes: int
     done: threading.Event = field(default_factory=threading.Event)
     problem: str | None = None
 
@@ -62,12 +108,14 @@ class AsyncCheckpointer:
         self.keep, self.is_main = keep, is_main
         # Gloo: the background thread's collectives take host tensors, whatever device trains.
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self.stager = HostStager()
+        self.shapes: dict[str, list[int]] | None = None  # the manifest's model shapes: the same every save
         self.in_flight: InFlight | None = None
 
     @property
     def staged_bytes(self) -> int:
-        """Host bytes the save in flight holds: its copy of this rank's state (0 when none)."""
-        return self.in_flight.staged_bytes if self.in_flight is not None else 0
+        """Host bytes of the copy of this rank's state, held from the first save on (0 before)."""
+        return self.stager.nbytes
 
     def save(self, trainer: TrainingRun, step: int) -> Path:
         """Start saving the state after `step` completed steps; return once it is staged. Collective."""
@@ -75,10 +123,10 @@ class AsyncCheckpointer:
         final, tmp = checkpoint_paths(trainer, step)
         state = training_state(trainer, trainer.ctx.world_size)
         state["trainer"]["step"].fill_(step)
-        manifest = checkpoint_manifest(trainer, state, step)
-        staged = sum(local_tensor(t).nbytes for t in _leaves(state))
-        written = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group)
-        flight = InFlight(step, final, tmp, written, staged)
+        manifest = checkpoint_manifest(trainer, state, step, self.shapes)
+        self.shapes = manifest["shapes"]
+        written = dcp.async_save(state, checkpoint_id=tmp, process_group=self.group, async_stager=self.stager)
+        flight = InFlight(step, final, tmp, written)
         if self.is_main:
             written.add_done_callback(lambda future: self._seal(flight, future, manifest))
         self.in_flight = flight
@@ -131,14 +179,3 @@ class AsyncCheckpointer:
         if problem is not None:
             error = save_failed(self.is_main, flight.final, flight.tmp, problem)
             raise type(error)(f"in the background after step {flight.step}: {error}")
-
-
-def _leaves(state: dict) -> list[torch.Tensor]:
-    """The tensors of a state dict (nested dicts: an optimizer's state)."""
-    out = []
-    for value in state.values():
-        if isinstance(value, dict):
-            out += _leaves(value)
-        elif isinstance(value, torch.Tensor):
-            out.append(value)
-    return out

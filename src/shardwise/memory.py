@@ -35,7 +35,7 @@ class MemoryBreakdown:
     # bytes in host memory, apart from the device's categories (parallel.sharding.offload: master shards, their
     # gradients, optimizer state); None: nothing offloaded
     host: int | None = None
-    # host bytes an asynchronous checkpoint in flight holds: its copy of this rank's state; None: none in flight
+    # host bytes of the asynchronous checkpoints' copy of this rank's state, held from the first save on; None: none
     staging: int | None = None
 
     def as_dict(self) -> dict[str, int | None]:

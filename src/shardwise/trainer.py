@@ -149,7 +149,7 @@ class Trainer:
     def memory(self) -> MemoryBreakdown:
         """This rank's counted bytes now, as metrics.jsonl records them."""
         memory = self.strategy.memory(self.activation_bytes)
-        if self.checkpointer is not None and self.checkpointer.in_flight is not None:
+        if self.checkpointer is not None and self.checkpointer.staged_bytes:
             memory.staging = self.checkpointer.staged_bytes
         return memory
 

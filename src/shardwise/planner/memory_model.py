@@ -86,6 +86,7 @@ class RankMemory:
     buffers: int
     margin: int = 0
     host: int = 0  # parallel.sharding.offload: bytes in host memory, not in `total` (the device's)
+    staging: int = 0  # train.checkpoint_async: host bytes of a checkpoint's copy while it is written
 
     @property
     def total(self) -> int:
@@ -169,7 +170,8 @@ def _data_parallel(c: Candidate, cfg: Config, shape: ModelShape, activations: bo
         buffers += c.micro_batch * shape.seq_len // c.cp * shape.d_model * 4
     if c.spec.across_nodes and c.dp > world:
         buffers += shard * stored  # the packed gradient shards all-reduced across nodes
-    return RankMemory(state.params, state.grads, state.optimizer, saved, buffers, host=state.host)
+    return RankMemory(state.params, state.grads, state.optimizer, saved, buffers, host=state.host,
+                      staging=state.staging)
 
 
 @functools.cache
@@ -216,6 +218,16 @@ class ModelState:
     grads: int
     optimizer: int
     host: int = 0
+    staging: int = 0
+
+
+def checkpoint_copy(cfg: Config, numel: int, tensors: int, stored: int) -> int:
+    """Host bytes an asynchronous checkpoint's copy of a rank's state takes (train.checkpoint_async,
+    in a run that saves): the `numel` elements in `tensors` tensors it checkpoints (its trained
+    parameters or their shards) in the stored dtype, and their optimizer state."""
+    if not (cfg.train.checkpoint_async and cfg.train.checkpoint_every):
+        return 0
+    return numel * stored + optimizer_bytes(numel, tensors, stored, cfg)
 
 
 def model_state(stage: int, precision: Precision, facts: ModelFacts, world: int, cfg: Config,
@@ -226,6 +238,8 @@ def model_state(stage: int, precision: Precision, facts: ModelFacts, world: int,
     sharded by fsdp (its own units; in host memory where fsdp offloads its shards), whole on every
     rank otherwise."""
     state = _trained_state(stage, precision, facts, world, cfg)
+    checkpointed = facts.shard_numel(world) if stage else facts.params_total
+    state.staging = checkpoint_copy(cfg, checkpointed, facts.tensor_count, dtype_bytes(precision.param_dtype))
     if frozen is not None and frozen.params_total:
         stored = dtype_bytes(precision.param_dtype)
         if stage < 3:
@@ -515,7 +529,8 @@ def _sharded_stages_rank(c: Candidate, cfg: Config, held: ModelFacts, activation
     within_step = max(world * shard for shard in held.unit_shards(world)) * dtype_bytes(precision.reduce_dtype)
     if c.spec.zero_stage >= 2:
         within_step += held.params_total * working * (2 if c.spec.zero_stage == 3 else 1)
-    return RankMemory(state.params, state.grads, state.optimizer, activations, buffers + within_step)
+    return RankMemory(state.params, state.grads, state.optimizer, activations, buffers + within_step,
+                      staging=state.staging)
 
 
 def _tensor(c: Candidate, cfg: Config, shape: ModelShape, activations: bool) -> RankMemory:
@@ -540,7 +555,8 @@ def _mesh_rank(c: Candidate, cfg: Config, numel: int, trained: tuple[int, int], 
     stored = dtype_bytes(make_precision(c.precision, cfg.parallel.sharding.reduce_dtype).param_dtype)
     grads = trained[0] * stored
     packed = grads if c.dp > 1 or c.cp > 1 else 0
-    return RankMemory(numel * stored, grads, optimizer_bytes(*trained, stored, cfg), activations, buffers + packed)
+    return RankMemory(numel * stored, grads, optimizer_bytes(*trained, stored, cfg), activations, buffers + packed,
+                      staging=checkpoint_copy(cfg, *trained, stored))
 
 
 ZERO_STAGES = {name: s.zero_stage for name, s in SPECS.items() if s.planned and s.zero_stage is not None
