@@ -11,10 +11,11 @@ from unittest.mock import patch
 
 import pytest
 from distributed import run_ranks
-from helpers import gpt_tiny, in_process, read_records
+from helpers import CONFIGS, gpt_tiny, in_process, read_records
 
 from shardwise import checkpoint_async
 from shardwise.checkpoint import CheckpointError, checkpoint_dir
+from shardwise.cli import main
 from shardwise.dist import DistContext
 from shardwise.planner.candidates import Candidate
 from shardwise.planner.memory_model import predict_memory
@@ -89,3 +90,17 @@ def test_a_save_that_fails_in_the_background_stops_every_rank_at_one_step_with_i
     assert message.endswith("[Errno 28] No space left on device; there is no earlier one")
     root = checkpoint_dir(tmp_path)
     assert not (root / "latest").exists() and not list(root.glob("*step-*"))  # the unfinished save removed
+
+
+def test_a_run_or_checkpoint_directory_that_cannot_be_written_is_refused_before_launch(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    assert main(["train", str(CONFIGS / "gpt-tiny.toml"), "--out", str(blocker / "run")]) == 2
+    assert f"run.out '{blocker / 'run'}' cannot be made: {blocker} is a file" in capsys.readouterr().err
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "checkpoints").write_text("")
+    assert main(["train", str(CONFIGS / "gpt-tiny.toml"), "--out", str(tmp_path / "run"),
+                 "--checkpoint-every", "5"]) == 2
+    assert (f"train.checkpoint_every = 5: its directory '{tmp_path / 'run' / 'checkpoints'}' cannot be made: "
+            f"{tmp_path / 'run' / 'checkpoints'} is a file") in capsys.readouterr().err
+    assert [p.name for p in (tmp_path / "run").iterdir()] == ["checkpoints"]  # nothing written

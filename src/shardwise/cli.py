@@ -121,12 +121,31 @@ def train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_writable(what: str, directory: Path) -> None:
+    """`directory`, or the nearest of its parents that exists, is a directory this process may
+    write in; else ConfigError naming `what`. Nothing is made."""
+    existing = directory
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"{what} {str(directory)!r} cannot be made: {existing} is a file")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ConfigError(f"{what} {str(directory)!r} cannot be written: no write permission on {existing}")
+
+
 def _check_before_launch(cfg: Config) -> None:
     """What would otherwise fail inside every worker, after a cluster's start-up: pretrained weights
     that do not fit the model (read from the files' headers against the model built on the meta
     device), LoRA targets that name no layer of it, a rank too large for one or a layer too narrow for
     NF4, a checkpoint to resume whose adapters differ from the run's, a tokenizer larger than the
-    vocabulary, a corpus too short for one sequence. Each raises ConfigError, one line."""
+    vocabulary, a corpus too short for one sequence, a run directory or checkpoint directory that
+    cannot be written. Each raises ConfigError, one line."""
+    _check_writable("run.out", Path(cfg.run.out))
+    if cfg.train.checkpoint_every:
+        from shardwise.checkpoint import checkpoint_dir
+
+        _check_writable(f"train.checkpoint_every = {cfg.train.checkpoint_every}: its directory",
+                        checkpoint_dir(Path(cfg.run.out)))
     if cfg.model.weights is not None or cfg.lora.rank > 0:
         from shardwise.lora import LoraError, apply_lora
         from shardwise.materialise import init_context
