@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import signal
+import sys
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -20,6 +21,7 @@ from shardwise.config.schema import HF_MODELS, LANGUAGE_MODELS, Config, TrainCon
 from shardwise.data import Dataset, DocumentWindows, GlobalBatchSampler, make_datasets
 from shardwise.dist import DistContext, seed_everything
 from shardwise.gradients import local_grads
+from shardwise.health import BadStepError, StepHealth, StepReport
 from shardwise.hf_files import config_json, write_model_files
 from shardwise.materialise import init_context
 from shardwise.memory import (
@@ -34,6 +36,7 @@ from shardwise.metrics import MetricsWriter, Progress, device_peak_flops, mfu
 from shardwise.models import build_model, flops_per_sample, loss_fn
 from shardwise.strategies.base import OptimizerFactory, Strategy
 from shardwise.strategies.classes import make_strategy
+from shardwise.strategies.registry import spec
 from shardwise.weights import ModelNames, load_weights
 from shardwise.weights_file import final_layout, save_weights
 
@@ -115,6 +118,11 @@ class Trainer:
         self.accum = cfg.train.global_batch // (self.strategy.data_size * cfg.train.micro_batch)
         self.activation_bytes = 0
         self.peak_flops = device_peak_flops(ctx.device)
+        # The steps watched for bad ones and stragglers (health.py), where the ranks train together
+        # (not under param-server, whose workers keep no step together).
+        watched = cfg.train.bad_step != "off" and not spec(cfg.parallel.strategy).parameter_servers
+        self.health = StepHealth(ctx, cfg.train.spike_factor, cfg.train.straggler_factor) if watched else None
+        self.health_events: list[dict[str, Any]] = []  # what it found, for metrics.jsonl
         # Checkpoints written in the background (train.checkpoint_async), where a run saves any
         self.checkpointer = AsyncCheckpointer(cfg.train.keep_checkpoints, ctx.is_main) \
             if cfg.train.checkpoint_async and cfg.train.checkpoint_every else None
@@ -130,14 +138,58 @@ class Trainer:
 
     def train_step(self, step: int) -> torch.Tensor:
         """One optimizer step over this rank's share of global batch `step`; returns the mean loss
-        over the whole global batch (every rank gets the same value)."""
+        over the whole global batch (every rank gets the same value). A bad step (health.py) is
+        re-run once from the same state; if it is bad again it stops the run or is skipped."""
         lr = learning_rate(step, self.cfg.train)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        loss_sum = self.forward_backward(step)
-        self.last_step_skipped = not self.optimizer_step()
+        if self.health is None:
+            loss_sum = self.forward_backward(step)
+            self.last_step_skipped = not self.optimizer_step()
+            self.skipped_steps += self.last_step_skipped
+            return self.ctx.all_reduce_mean(loss_sum / self.accum)
+        rng = torch.get_rng_state(), torch.cuda.get_rng_state() if self.ctx.device.type == "cuda" else None
+        loss, report = self._checked_attempt(step)
+        if report.bad:
+            first = report
+            torch.set_rng_state(rng[0])
+            if rng[1] is not None:
+                torch.cuda.set_rng_state(rng[1])
+            self.optimizer.zero_grad(set_to_none=True)
+            loss, report = self._checked_attempt(step)
+            self._bad_step(step, first, again=report.bad)
+        if report.bad:  # train.bad_step = "skip": this step's update is not applied
+            self.optimizer.zero_grad(set_to_none=True)
+            self.last_step_skipped = True
+        else:
+            self.last_step_skipped = not self.optimizer_step()
+            self.health.accept(loss.item())
         self.skipped_steps += self.last_step_skipped
-        return self.ctx.all_reduce_mean(loss_sum / self.accum)
+        self.health_events += self.health.stragglers(report, step + 1)
+        return loss
+
+    def _checked_attempt(self, step: int) -> tuple[torch.Tensor, StepReport]:
+        """Forward and backward of step `step`, and what every rank found in it (collective)."""
+        self.health.start()
+        loss_sum = self.forward_backward(step)
+        loss = self.ctx.all_reduce_mean(loss_sum / self.accum)
+        grads = [] if self.scaler else local_grads(self.strategy.local_parameters())
+        return loss, self.health.check(loss_sum, grads, loss.item())
+
+    def _bad_step(self, step: int, first: StepReport, again: bool) -> None:
+        """Log a bad step and the re-run's verdict; raise BadStepError where it failed again and
+        train.bad_step is "stop"."""
+        verdict = "deterministic" if again else "transient"
+        event = {"event": "bad_step", "step": step + 1, "found": first.describe(), "loss_ranks": first.bad_loss,
+                 "grad_ranks": first.bad_grads, "spike": first.spike, "verdict": verdict,
+                 "action": ("stop" if self.cfg.train.bad_step == "stop" else "skip") if again else "re-run applied"}
+        self.health_events.append(event)
+        if self.ctx.is_main:
+            print(f"step {step + 1}: {event['found']}; re-run from the same state: "
+                  f"{'the same again' if again else 'clean'} ({verdict}); {event['action']}", file=sys.stderr)
+        if again and self.cfg.train.bad_step == "stop":
+            raise BadStepError(f"step {step + 1}: {event['found']}, and again when re-run from the same state "
+                               "(deterministic): stopping (train.bad_step = 'skip' would go on without it)")
 
     def run_step(self, step: int) -> float:
         """Optimizer step `step`, waited for, gradients dropped after: what a bench times and the
@@ -239,6 +291,9 @@ class Trainer:
                     record = self.step_record(step, loss, time.perf_counter() - started)
                     self.optimizer.zero_grad(set_to_none=True)
                 writer.write(record)
+                for event in self.health_events:
+                    writer.write(event)
+                self.health_events.clear()
                 records.append(record)
                 progress.update(step, loss, record["tokens_per_s"], record["samples_per_s"])
                 if self.checkpointer is not None:
@@ -311,6 +366,7 @@ class Trainer:
             "precision": self.cfg.parallel.precision,
             "recompute": self.cfg.parallel.recompute,
             "skipped_steps": self.skipped_steps,
+            "stragglers": sorted(self.health.named) if self.health is not None else None,
             # Each rank's peak resident set over the run, and above the runtime's while the model
             # was made (and the strategy's own count of it, where it counts one).
             "peak_rss_by_rank": self.ctx.all_gather_object(resident_bytes()[1]),

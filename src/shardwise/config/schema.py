@@ -197,6 +197,15 @@ class TrainConfig:
     seed: int = option(0, "model init and data order")
     checkpoint_every: int = option(0, "save a checkpoint every N steps; 0: none (SIGTERM still saves one)")
     keep_checkpoints: int = option(3, "keep the newest K checkpoints")
+    bad_step: str = option("stop", "a step whose loss or gradients are not finite on some rank, or whose loss "
+                           "spikes (`spike_factor`), is re-run once from the same state; if it fails again the run "
+                           "stops (`stop`) or goes on without that step's update (`skip`); each logged with the "
+                           "step, the ranks and the verdict (health.py). `off`: no check, one all-gather fewer a "
+                           "step", ("stop", "skip", "off"))
+    spike_factor: float = option(0.0, "a loss above this many times the median of the last 20 steps' is a bad step; "
+                                 "0: losses are only checked for being finite")
+    straggler_factor: float = option(1.5, "a rank whose step took more than this many times the other ranks' median "
+                                     "CPU seconds, 3 steps in a row, is named in the log and metrics.jsonl; 0: off")
     checkpoint_async: bool = option(True, "write checkpoints in a background thread: a save holds the step only "
                                     "while it copies this rank's state to host memory, and at most one is in "
                                     "flight (checkpoint_async.py); false: every rank waits for its files")

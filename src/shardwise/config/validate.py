@@ -61,6 +61,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     validate_parallel(p)
     _choice("launch.backend", launch.backend, BACKENDS)
     _choice("train.optimizer", t.optimizer, OPTIMIZERS)
+    _choice("train.bad_step", t.bad_step, ("stop", "skip", "off"))
     datasets = TEXT_DATASETS if m.name in LANGUAGE_MODELS else IMAGE_DATASETS
     _validate_own_data(cfg)
     _validate_lora(cfg, world_size or cfg.world_size)
@@ -95,7 +96,8 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     for key in ("steps", "global_batch", "micro_batch", "lr", "eval_batches"):
         _positive(f"train.{key}", getattr(t, key))
     _positive("train.keep_checkpoints", t.keep_checkpoints)
-    for key in ("min_lr", "warmup_steps", "weight_decay", "grad_clip", "eval_every", "seed", "checkpoint_every"):
+    for key in ("min_lr", "warmup_steps", "weight_decay", "grad_clip", "eval_every", "seed", "checkpoint_every",
+                "spike_factor", "straggler_factor"):
         _positive(f"train.{key}", getattr(t, key), zero_ok=True)
     for key in ("beta1", "beta2", "momentum"):
         if not 0 <= getattr(t, key) < 1:

@@ -1,0 +1,126 @@
+"""Naming the sick rank: which rank's step went wrong, whether it would again, and which rank is
+holding the others back.
+
+After each step's forward and backward, every rank reports three numbers in one all-gather:
+- whether its own loss is finite;
+- whether its gradients are (their L1 norms, one fused kernel; fp16's scaler looks after its own);
+- the CPU seconds its process spent on the step (computing, not waiting: a rank blocked in a
+  collective sleeps).
+
+**A bad step** is one where some rank's loss or gradients are not finite, or where the loss
+spikes: more than `train.spike_factor` times the median of the last 20 steps. It is re-run once
+from the same state: gradients dropped, the RNG put back as the step began, the same batch. If
+the re-run is clean, the fault was transient (a flipped bit, a flaky device) and the re-run's
+step is the one applied. If it fails again, the fault is deterministic (the data, the model, a
+broken rank), and the run stops or skips the step (`train.bad_step`). Either way the event is
+logged with the step, the ranks, what was wrong and the verdict.
+
+**A straggler** is a rank whose CPU seconds exceed the other ranks' median by
+`train.straggler_factor` for `STRAGGLER_STEPS` steps in a row. Synchronous training makes every rank's wall time the
+slowest one's, so wall time cannot name it; time spent computing can. (On a GPU a rank's CPU time
+is its launches, not its kernels: there, the kernels would have to be timed with events.)
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from shardwise.dist import DistContext
+
+SPIKE_HISTORY = 20  # steps the loss spike is judged against
+STRAGGLER_STEPS = 3  # steps in a row a rank must be slow for to be named
+
+
+class BadStepError(RuntimeError):
+    """A step that failed again when re-run from the same state, under train.bad_step = "stop"."""
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What each rank said of one attempt at a step: ranks whose loss or gradients were not
+    finite, whether the loss spiked, and each rank's CPU seconds."""
+
+    bad_loss: list[int]
+    bad_grads: list[int]
+    spike: bool
+    cpu_s: list[float]
+
+    @property
+    def bad(self) -> bool:
+        return bool(self.bad_loss or self.bad_grads or self.spike)
+
+    def describe(self) -> str:
+        parts = [f"non-finite loss on rank {', '.join(map(str, self.bad_loss))}" if self.bad_loss else "",
+                 f"non-finite gradients on rank {', '.join(map(str, self.bad_grads))}" if self.bad_grads else "",
+                 "a loss spike" if self.spike else ""]
+        return "; ".join(p for p in parts if p)
+
+
+@dataclass
+class StepHealth:
+    """One run's watch over its steps. `check` is collective: every rank calls it at each attempt."""
+
+    ctx: DistContext
+    spike_factor: float  # 0: no spike check
+    straggler_factor: float  # 0: no straggler check
+    losses: deque = field(default_factory=lambda: deque(maxlen=SPIKE_HISTORY))
+    slow_in_a_row: dict[int, int] = field(default_factory=dict)
+    named: set[int] = field(default_factory=set)  # stragglers named so far (once each)
+    started_cpu: float = 0.0
+
+    def start(self) -> None:
+        """At the start of an attempt at a step."""
+        self.started_cpu = time.process_time()
+
+    def check(self, local_loss: torch.Tensor, grads: list[torch.Tensor], global_loss: float) -> StepReport:
+        """What every rank found in this attempt (collective). `local_loss`: this rank's; `grads`:
+        the gradients it holds, [] where a loss scaler checks them; `global_loss`: the step's mean."""
+        cpu = time.process_time() - self.started_cpu
+        device = self.ctx.device
+        grad_norm = torch.stack(torch._foreach_norm(grads, 1)).sum() if grads else torch.zeros((), device=device)
+        # Built where the step computed, gathered there, and read back once: one wait for the device.
+        mine = torch.stack([~torch.isfinite(local_loss.detach()), ~torch.isfinite(grad_norm)]).to(torch.float64)
+        mine = torch.cat([mine.to(device), torch.tensor([cpu], dtype=torch.float64, device=device)])
+        every = [mine]
+        if self.ctx.distributed and self.ctx.world_size > 1:
+            every = [torch.empty_like(mine) for _ in range(self.ctx.world_size)]
+            dist.all_gather(every, mine)
+        rows = torch.stack(every).cpu().tolist()
+        history = list(self.losses)
+        spike = bool(self.spike_factor and len(history) >= 5 and global_loss > self.spike_factor
+                     * statistics.median(history))
+        return StepReport([r for r, row in enumerate(rows) if row[0]], [r for r, row in enumerate(rows) if row[1]],
+                          spike, [row[2] for row in rows])
+
+    def accept(self, loss: float) -> None:
+        """A step applied: its loss joins the spike history."""
+        if loss == loss and abs(loss) != float("inf"):
+            self.losses.append(loss)
+
+    def stragglers(self, report: StepReport, step: int) -> list[dict[str, Any]]:
+        """The ranks named slow at `step` (1-based) by this report, each once: rank, ratio to the
+        other ranks' median CPU seconds."""
+        if not self.straggler_factor or len(report.cpu_s) < 2:
+            return []
+        events = []
+        for rank, seconds in enumerate(report.cpu_s):
+            # the other ranks' median: with two ranks, the median of all would be halfway to the slow one
+            median = statistics.median(report.cpu_s[:rank] + report.cpu_s[rank + 1:])
+            slow = median > 0 and seconds > self.straggler_factor * median
+            self.slow_in_a_row[rank] = self.slow_in_a_row.get(rank, 0) + 1 if slow else 0
+            if self.slow_in_a_row[rank] >= STRAGGLER_STEPS and rank not in self.named:
+                self.named.add(rank)
+                events.append({"event": "straggler", "step": step, "rank": rank,
+                               "ratio": round(seconds / median, 2), "steps": STRAGGLER_STEPS})
+                if self.ctx.is_main:
+                    print(f"step {step}: rank {rank} is a straggler: {seconds / median:.1f}x the other ranks' "
+                          f"median compute, {STRAGGLER_STEPS} steps in a row", file=sys.stderr)
+        return events
