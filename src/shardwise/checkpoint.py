@@ -418,7 +418,7 @@ def load_checkpoint(trainer: TrainingRun) -> int:
     path = Path(path)
     manifest = json.loads((path / MANIFEST).read_text())
     check_lora(path, trainer.strategy.lora)
-    _ensure_optimizer_state(trainer.optimizer)
+    ensure_optimizer_state(trainer.optimizer)
     same_world = manifest["world_size"] == trainer.ctx.world_size
     state = training_state(trainer, trainer.ctx.world_size, with_rng=same_world)
     check_fits(path, state)
@@ -442,7 +442,7 @@ def load_checkpoint(trainer: TrainingRun) -> int:
     return int(state["trainer"]["step"])
 
 
-def _ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+def ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     """Make the optimizer create its state (it does so lazily, on the first step) so a load has
     tensors to fill: one step on zero gradients at learning rate 0, which changes no parameter."""
     params = [p for group in optimizer.param_groups for p in group["params"]]

@@ -44,6 +44,9 @@ def _add_train_parser(commands: argparse._SubParsersAction) -> None:
                    help="run.resume: continue from the newest good checkpoint in the run directory")
     p.add_argument("--max-restarts", type=int, metavar="K",
                    help="launch.max_restarts: restart the group up to K times after a worker dies; it resumes")
+    p.add_argument("--replica-groups", type=int, metavar="N",
+                   help="launch.replica_groups: N ddp groups of --nproc ranks, averaged and healed by torchft (a "
+                   "group restarted after a failure copies a live one's state; the others go on)")
     p.add_argument("--tensorboard", action="store_true", default=None,
                    help="run.tensorboard: also write the metrics as TensorBoard scalars to OUT/tensorboard "
                    "(needs the tensorboard package: pip install 'shardwise[tensorboard]')")
@@ -80,6 +83,7 @@ def _train_config(args: argparse.Namespace) -> Config:
         "train.keep_checkpoints": args.keep,
         "run.resume": args.resume,
         "launch.max_restarts": args.max_restarts,
+        "launch.replica_groups": args.replica_groups,
         "launch.debug_collectives": args.debug_collectives,
         "run.tensorboard": args.tensorboard,
         "parallel.dp": args.dp,
@@ -104,7 +108,17 @@ def train(args: argparse.Namespace) -> int:
     entry = ["shardwise.worker", str(config_path)]
     try:
         strategy = spec(cfg.parallel.strategy)
-        if strategy.own_launcher:
+        if cfg.launch.replica_groups > 1:
+            from shardwise.replicas import launch_replica_groups
+
+            failed = launch_replica_groups(cfg.launch, entry)
+            if len(failed) == cfg.launch.replica_groups:
+                print("shardwise train: every replica group failed; their errors are above", file=sys.stderr)
+                return 1
+            if failed:
+                print(f"shardwise train: finished without replica group(s) {', '.join(map(str, failed))}",
+                      file=sys.stderr)
+        elif strategy.own_launcher:
             from shardwise.strategies.param_server import expendable_ranks  # the one strategy with its own launcher
 
             lost = launch_local(cfg.launch, entry, expendable_ranks(cfg))

@@ -4,6 +4,7 @@ logging. It knows nothing about any particular strategy; it speaks only to the S
 from __future__ import annotations
 
 import math
+import os
 import signal
 import sys
 import time
@@ -15,7 +16,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from shardwise.checkpoint import (
+    CheckpointError,
+    ensure_optimizer_state,
+    load_checkpoint,
+    save_checkpoint,
+    training_state,
+)
 from shardwise.checkpoint_async import AsyncCheckpointer
 from shardwise.config.schema import HF_MODELS, LANGUAGE_MODELS, Config, TrainConfig
 from shardwise.data import Dataset, DocumentWindows, GlobalBatchSampler, make_datasets
@@ -34,6 +41,7 @@ from shardwise.memory import (
 )
 from shardwise.metrics import MetricsWriter, Progress, device_peak_flops, mfu
 from shardwise.models import build_model, flops_per_sample, loss_fn
+from shardwise.replicas import ReplicaGroups, replica_dir, replica_group
 from shardwise.strategies.base import OptimizerFactory, Strategy
 from shardwise.strategies.classes import make_strategy
 from shardwise.strategies.registry import spec
@@ -105,6 +113,11 @@ class Trainer:
         # An hf-* model's run directory is a transformers model directory: its config.json, as built.
         self.model_config = config_json(model, cfg.model.hf_config) if cfg.model.name in HF_MODELS else None
         self.strategy: Strategy = make_strategy(cfg.parallel, ctx, cfg.train.seed, cfg.train.compile, cfg.lora)
+        group = replica_group()
+        if group is not None:  # one of launch.replica_groups (replicas.py): its own directory, share and Manager
+            self.out = replica_dir(cfg.run.out, group)
+            self.strategy.data_rank += group * self.strategy.data_size
+            self.strategy.data_size *= cfg.launch.replica_groups
         # Each phase's peak resident set (setup, load, steps, eval, checkpoint, final_weights): the summary's.
         self.peaks = PhasePeaks(ctx.device)
         with self.peaks("setup"):
@@ -118,9 +131,14 @@ class Trainer:
         self.accum = cfg.train.global_batch // (self.strategy.data_size * cfg.train.micro_batch)
         self.activation_bytes = 0
         self.peak_flops = device_peak_flops(ctx.device)
+        self.replicas = ReplicaGroups(ctx, group, cfg.launch.timeout_s, self._replica_state, self._load_replica_state) \
+            if group is not None else None
+        self.committed = True  # whether the last step was applied (replica groups may roll one back)
         # The steps watched for bad ones and stragglers (health.py), where the ranks train together
-        # (not under param-server, whose workers keep no step together).
-        watched = cfg.train.bad_step != "off" and not spec(cfg.parallel.strategy).parameter_servers
+        # (not under param-server, whose workers keep no step together, nor across replica groups,
+        # whose steps torchft commits or rolls back).
+        watched = cfg.train.bad_step != "off" and not spec(cfg.parallel.strategy).parameter_servers \
+            and group is None
         self.health = StepHealth(ctx, cfg.train.spike_factor, cfg.train.straggler_factor) if watched else None
         self.health_events: list[dict[str, Any]] = []  # what it found, for metrics.jsonl
         # Checkpoints written in the background (train.checkpoint_async), where a run saves any
@@ -143,6 +161,8 @@ class Trainer:
         lr = learning_rate(step, self.cfg.train)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        if self.replicas is not None:
+            return self._replicated_step(step)
         if self.health is None:
             loss_sum = self.forward_backward(step)
             self.last_step_skipped = not self.optimizer_step()
@@ -167,6 +187,37 @@ class Trainer:
         self.skipped_steps += self.last_step_skipped
         self.health_events += self.health.stragglers(report, step + 1)
         return loss
+
+    def _replicated_step(self, step: int) -> torch.Tensor:
+        """A step of one replica group: its gradients and loss averaged with the other groups', and
+        applied only if every group in the quorum finished it (torchft's commit)."""
+        loss = self.ctx.all_reduce_mean(self.forward_backward(step) / self.accum)
+        self.replicas.average([*local_grads(self.strategy.local_parameters()), loss])
+        self.committed = self.replicas.commit()
+        if self.committed:
+            self.last_step_skipped = not self.optimizer_step()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.last_step_skipped = True
+        return loss
+
+    def _replica_state(self) -> dict[str, Any]:
+        """What a group healing from this one copies: model and optimizer state (live tensors)."""
+        return training_state(self, self.ctx.world_size, with_rng=False)
+
+    def _load_replica_state(self, state: dict[str, Any]) -> None:
+        """Put a peer group's state (`_replica_state`'s) into this group's model and optimizer. A
+        peer that has not stepped yet has no optimizer state (it is made lazily): neither then."""
+        if state["optimizer"]:
+            ensure_optimizer_state(self.optimizer)
+        else:
+            self.optimizer.state.clear()
+        live = self._replica_state()
+        with torch.no_grad():
+            for part in ("model", "optimizer"):
+                for name, tensor in live[part].items():
+                    tensor.copy_(state[part][name])
+        self.strategy.view.after_load()
 
     def _checked_attempt(self, step: int) -> tuple[torch.Tensor, StepReport]:
         """Forward and backward of step `step`, and what every rank found in it (collective)."""
@@ -261,6 +312,8 @@ class Trainer:
             "memory_by_rank": self.ctx.all_gather_object(memory.as_dict()),
             **({"loss_scale": self.scaler.scale, "skipped": self.last_step_skipped} if self.scaler else {}),
             **({"router": self.strategy.router_stats} if self.strategy.router_stats else {}),
+            **({"committed": self.committed, "replica_groups": self.replicas.participants,
+                "healed_at": self.replicas.healed_at} if self.replicas is not None else {}),
         }
 
     def fit(self) -> dict[str, Any]:
@@ -276,14 +329,21 @@ class Trainer:
         if first >= t.steps:
             raise CheckpointError(f"{self.out}: its checkpoint is at step {first} of train.steps = {t.steps}; "
                                   "nothing left to resume (raise train.steps to train further)")
-        writer = MetricsWriter(self.out / "metrics.jsonl", self.ctx.is_main, resumed_at=first,
+        # A replica group restarted after a failure keeps the records of what it did before it.
+        kept = t.steps if self.replicas is not None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) else first
+        writer = MetricsWriter(self.out / "metrics.jsonl", self.ctx.is_main, resumed_at=kept,
                                tensorboard=self.cfg.run.tensorboard)
         progress = Progress(t.steps, self.ctx.is_main, self.cfg.run.log_every, first=first)
         records: list[dict[str, Any]] = []
         val_loss = None
         terminate = TerminationFlag()
         try:
-            for step in range(first, t.steps):
+            step = first
+            while step < t.steps:
+                if self.replicas is not None:  # the steps the quorum committed: a healed group jumps ahead
+                    step = self.replicas.begin()
+                    if step >= t.steps:
+                        break
                 self.step = step
                 started = time.perf_counter()
                 with self.peaks("steps"):
@@ -306,6 +366,7 @@ class Trainer:
                 if t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 < t.steps:
                     val_loss = self.evaluate()
                     writer.write({"event": "eval", "step": step + 1, "val_loss": val_loss})
+                step += 1  # under replica groups, `begin` says which step is next (this one again if rolled back)
             if self.checkpointer is not None:
                 with self.between_steps("checkpoint"):
                     self.checkpointer.wait()  # the last save in flight is on disk before the run ends
@@ -317,6 +378,8 @@ class Trainer:
         finally:
             if self.checkpointer is not None:
                 self.checkpointer.close()  # after an error: the save in flight ends, on this rank alone
+            if self.replicas is not None:
+                self.replicas.close()
             terminate.restore()
             progress.close()
             writer.close()

@@ -17,6 +17,7 @@ from shardwise.config.load import load_config
 from shardwise.config.validate import validate
 from shardwise.dist import init_distributed, leave_process, shutdown_distributed
 from shardwise.metrics import format_summary
+from shardwise.replicas import replica_group
 from shardwise.stalls import explain, is_collective_failure
 from shardwise.strategies import param_server
 from shardwise.strategies.registry import spec
@@ -41,8 +42,9 @@ def main(argv: list[str] | None = None) -> None:
             return
     else:
         ctx = init_distributed(launch.backend, launch.timeout_s, launch.threads_per_rank, launch.debug_collectives)
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0:
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0 and replica_group() is None:
         cfg.run.resume = True  # the group was restarted after a failure: go on from the last checkpoint
+        # (a replica group heals from a live one instead: replicas.py)
     if ctx.is_main:
         cfg.save(Path(cfg.run.out) / "config.toml")
     trainer = None

@@ -137,10 +137,13 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         _validate_weights(m.weights, p.strategy)
     _validate_mesh(cfg, world)
     _validate_experts(cfg, world)
-    dp = p.mesh_shape(world)[0]
+    _validate_replica_groups(cfg)
+    dp = p.mesh_shape(world)[0] * launch.replica_groups
     per_step = dp * t.micro_batch
     if t.global_batch % per_step:
-        if dp == world:
+        if launch.replica_groups > 1:
+            replicas = f"launch.replica_groups {launch.replica_groups} x world size {world}"
+        elif dp == world:
             replicas = f"world size {world}"
         else:
             replicas = f"the {dp} workers" if strategy.parameter_servers else f"parallel.dp {dp}"
@@ -148,6 +151,29 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             f"train.global_batch = {t.global_batch}: must be divisible by {replicas} x "
             f"train.micro_batch {t.micro_batch} = {per_step} (the rest is gradient accumulation)"
         )
+
+
+def _validate_replica_groups(cfg: Config) -> None:
+    """launch.replica_groups: torchft's groups (replicas.py), so far ddp's on one node, healing from
+    a peer rather than a checkpoint."""
+    launch, p = cfg.launch, cfg.parallel
+    _positive("launch.replica_groups", launch.replica_groups)
+    if launch.replica_groups == 1:
+        return
+    n = launch.replica_groups
+    if p.strategy != "ddp" or any((size or 1) > 1 for size in (p.pp, p.tp, p.cp, p.ep)):
+        raise ConfigError(f"launch.replica_groups = {n}: torchft averages and heals whole replicas, so far of ddp "
+                          f"alone (every rank holding the whole model); not parallel.strategy = {p.strategy!r}"
+                          + (" over a mesh" if p.strategy == "ddp" else ""))
+    if launch.nnodes > 1:
+        raise ConfigError(f"launch.replica_groups = {n}: the launcher starts every group on this node; across "
+                          "machines, start one group per machine yourself (docs/multinode.md)")
+    if cfg.train.checkpoint_every or cfg.run.resume:
+        raise ConfigError(f"launch.replica_groups = {n}: a restarted group heals from a live one, not from a "
+                          "checkpoint; set train.checkpoint_every = 0 and run.resume = false")
+    if importlib.util.find_spec("torchft") is None:
+        raise ConfigError(f"launch.replica_groups = {n}: needs torchft; pip install 'shardwise[ft]' "
+                          "(or pip install torchft)")
 
 
 def _validate_experts(cfg: Config, world: int) -> None:

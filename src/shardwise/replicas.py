@@ -1,0 +1,167 @@
+"""Replica groups that heal without restarting the job (`launch.replica_groups`), on torchft.
+
+`shardwise train --replica-groups N` starts torchft's Lighthouse and N torchrun jobs of
+launch.nproc ranks each, on this machine. Each job is one replica group: a whole copy of the
+model, trained by its own strategy over its own ranks (ddp), with a share of each global batch of
+its own. Across the groups, torchft's Manager does the rest, step by step:
+
+- **A quorum** at the start of each step: the groups alive now (the Lighthouse's heartbeat).
+- **Averaging.** After backward, each rank averages its gradients (and its loss) with the same
+  rank of every group in the quorum, in one all-reduce over a Gloo group the Manager remakes
+  whenever the quorum changes.
+- **Commit or roll back.** The optimizer steps only if every group in the quorum finished the
+  step without an error (`should_commit`); otherwise no group applies it, and the step is tried
+  again with the next quorum. A committed step is never applied twice.
+- **Healing.** A group whose process died is restarted by its own torchrun
+  (`launch.max_restarts`); the others do not stop. It joins the next quorum behind the others,
+  and the Manager copies the model, optimizer and step from a live peer (over HTTP), not from a
+  checkpoint; it then steps in lockstep with them.
+
+While a group is missing, a step's global batch is the shares of the groups present, and the
+average is over them: those steps differ from an uninterrupted run's. Every group writes its own
+run directory, `RUN/replica-G/` (metrics.jsonl, final weights); their final weights are equal.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardwise.config.schema import LaunchConfig
+from shardwise.dist import DistContext
+from shardwise.launch import Stopped, torchrun_args
+
+GROUP_ENV = "SHARDWISE_REPLICA_GROUP"  # which replica group a worker belongs to, set by the launcher
+GROUPS_ENV = "SHARDWISE_REPLICA_GROUPS"  # how many there are
+START_ENV = "SHARDWISE_REPLICA_START"  # HOST:PORT of the launcher's store, where the groups meet to start
+
+
+def replica_group() -> int | None:
+    """This worker's replica group, where the launcher started it as one (None otherwise)."""
+    group = os.environ.get(GROUP_ENV)
+    return int(group) if group is not None else None
+
+
+def replica_dir(out: str | Path, group: int) -> Path:
+    return Path(out) / f"replica-{group}"
+
+
+def launch_replica_groups(launch: LaunchConfig, entry: list[str]) -> list[int]:
+    """Start a Lighthouse and launch.replica_groups torchrun jobs of `python -m <entry...>`; wait for
+    them all and return the groups that failed for good (their restarts spent). SIGTERM or SIGINT
+    is passed on to every group and raises Stopped."""
+    from torch.distributed import TCPStore
+    from torchft.coordination import LighthouseServer
+
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000)
+    start = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # where the groups meet to start
+    env = dict(os.environ, TORCHFT_LIGHTHOUSE=lighthouse.address(), OMP_NUM_THREADS=str(launch.threads_per_rank),
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",  # one rendezvous store per restart (launch.py)
+               **{START_ENV: f"127.0.0.1:{start.port}", GROUPS_ENV: str(launch.replica_groups)})
+    groups = {group: subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *torchrun_args(launch, entry)],
+                                      env=dict(env, **{GROUP_ENV: str(group)}))
+              for group in range(launch.replica_groups)}
+    signalled: list[signal.Signals] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: signalled.append(signal.Signals(signum)))
+                for sig in (signal.SIGTERM, signal.SIGINT)}
+    failed: list[int] = []
+    try:
+        while groups and not signalled:  # the store and the Lighthouse live as long as this loop
+            for group, process in list(groups.items()):
+                code = process.poll()
+                if code is not None:
+                    del groups[group]
+                    if code:
+                        print(f"replica group {group} failed for good (exit code {code}); the others go on",
+                              file=sys.stderr, flush=True)
+                        failed.append(group)
+            time.sleep(0.1)
+        if signalled:
+            raise Stopped(f"stopped by signal {signalled[0].name}; every replica group was sent it too")
+    finally:
+        for process in groups.values():
+            process.send_signal(signal.SIGTERM)
+        for process in groups.values():
+            try:
+                process.wait(launch.shutdown_timeout_s)
+            except subprocess.TimeoutExpired:
+                process.kill()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        lighthouse.shutdown()
+    return failed
+
+
+class ReplicaGroups:
+    """This rank's part in the replica groups: the torchft Manager of its group, which averages
+    with the same rank of the other groups, commits or rolls back each step, and heals this group
+    from a peer. `state` and `load`: the training state as a dict of tensors, and how to put one
+    into the live model and optimizer."""
+
+    def __init__(self, ctx: DistContext, group: int, timeout_s: float, state: Callable[[], dict[str, Any]],
+                 load: Callable[[dict[str, Any]], None]) -> None:
+        from torchft import Manager, ProcessGroupGloo
+
+        timeout = timedelta(seconds=timeout_s)
+        self.group = group
+        self.manager = Manager(pg=ProcessGroupGloo(timeout=timeout), min_replica_size=1, load_state_dict=load,
+                               state_dict=state, replica_id=f"group{group}", use_async_quorum=False, timeout=timeout,
+                               quorum_timeout=timeout, connect_timeout=timeout, rank=ctx.rank,
+                               world_size=ctx.world_size)
+        self.healed_at: list[int] = []  # the steps this group joined at by copying a peer's state
+        if not int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)):
+            self._meet(ctx.world_size, timeout)
+
+    @staticmethod
+    def _meet(ranks_per_group: int, timeout: timedelta) -> None:
+        """At the first start, wait until every rank of every group is ready: the first quorum is then
+        all of them, whichever group finished starting first (a restarted group does not wait)."""
+        from torch.distributed import TCPStore
+
+        host, port = os.environ[START_ENV].rsplit(":", 1)
+        store = TCPStore(host, int(port), is_master=False, timeout=timeout)
+        everyone = int(os.environ[GROUPS_ENV]) * ranks_per_group
+        arrived = store.add("ready", 1)
+        deadline = time.monotonic() + timeout.total_seconds()
+        while arrived < everyone and time.monotonic() < deadline:
+            time.sleep(0.01)
+            arrived = store.add("ready", 0)
+
+    def begin(self) -> int:
+        """Start a step: the quorum of groups alive, this group healed from a peer if it is behind.
+        Returns the steps committed so far, the step to take next."""
+        before = self.manager.current_step()
+        self.manager.start_quorum()
+        step = self.manager.current_step()
+        if step != before:
+            self.healed_at.append(step)
+        return step
+
+    @property
+    def participants(self) -> int:
+        return self.manager.num_participants()
+
+    @torch.no_grad()
+    def average(self, tensors: list[torch.Tensor]) -> None:
+        """Average `tensors` with the same rank of every group in the quorum, in place, in one
+        all-reduce (packed). An error here is remembered by the Manager and rolls the step back."""
+        flat = torch.cat([t.reshape(-1).float() for t in tensors])
+        self.manager.allreduce(flat).wait()
+        for tensor, part in zip(tensors, flat.split([t.numel() for t in tensors]), strict=True):
+            tensor.copy_(part.view_as(tensor))
+
+    def commit(self) -> bool:
+        """Whether every group in the quorum finished the step: apply it if so, else drop it."""
+        return self.manager.should_commit()
+
+    def close(self) -> None:
+        self.manager.shutdown(wait=False)

@@ -1,0 +1,107 @@
+"""Replica groups on torchft (replicas.py): a group whose process is killed is restarted by its own
+torchrun and heals from a live group while the others go on committing steps; no committed step
+is applied twice and every group ends with the same weights."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import CONFIGS, REPO
+from safetensors.torch import load_file
+
+pytest.importorskip("torchft")
+
+GROUPS, STEPS = 3, 150
+
+
+def records(run: Path, group: int) -> list[dict]:
+    path = run / f"replica-{group}" / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.is_file() else []
+    return [r for r in map(json.loads, lines) if r["event"] == "step"]
+
+
+def group_worker(group: int) -> int | None:
+    """The pid of replica group `group`'s worker (its environment names the group)."""
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+            environ = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        worker = b"shardwise.worker" in cmdline and b"torch.distributed.run" not in cmdline  # not its torchrun
+        if worker and f"SHARDWISE_REPLICA_GROUP={group}".encode() in environ:
+            return int(entry.name)
+    return None
+
+
+def train(out: Path, *args: str) -> subprocess.Popen:
+    """gpt-tiny under ddp, a global batch of 12 in micro-batches of 4, SGD."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "shardwise.cli", "train", str(CONFIGS / "gpt-tiny.toml"), "--strategy", "ddp",
+         "--set", "train.eval_every=0", "--set", "train.global_batch=12", "--set", "train.micro_batch=4",
+         "--set", "train.optimizer=sgd", "--out", str(out), *args],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "RUST_LOG": "error"})
+
+
+@pytest.mark.slow
+def test_a_killed_group_heals_from_a_live_one_while_the_others_go_on(tmp_path):
+    # One ddp group of 3 ranks, over the warm-up (the learning rate after it depends on train.steps)
+    reference = train(tmp_path / "reference", "--nproc", str(GROUPS), "--steps", "10")
+    job = train(tmp_path, "--nproc", "1", "--replica-groups", str(GROUPS), "--max-restarts", "1", "--steps",
+                str(STEPS))
+    deadline = time.monotonic() + 120
+    while len(records(tmp_path, 1)) < 20 and time.monotonic() < deadline and job.poll() is None:
+        time.sleep(0.05)
+    killed_at = len(records(tmp_path, 1))
+    assert 20 <= killed_at < STEPS, f"group 1 at {killed_at} steps when its worker was to be killed"
+    os.kill(group_worker(1), signal.SIGKILL)
+    _, err = job.communicate(timeout=300)
+    assert job.returncode == 0, err[-3000:]
+
+    # Every group's weights are the same at the end, the healed one's too.
+    weights = [load_file(str(tmp_path / f"replica-{g}" / "model.safetensors")) for g in range(GROUPS)]
+    for other in weights[1:]:
+        assert other.keys() == weights[0].keys() and all(other[k].equal(weights[0][k]) for k in other)
+    # Group 0 never stopped: each step committed once, in order, some with two groups while the third
+    # was away, the rest with all three.
+    steady = records(tmp_path, 0)
+    committed = [r["step"] for r in steady if r["committed"]]
+    assert committed == list(range(1, STEPS + 1))
+    assert min(r["replica_groups"] for r in steady) == GROUPS - 1 and steady[-1]["replica_groups"] == GROUPS
+    # The restarted group joined by copying a live group's state, at a step past the kill.
+    healed = records(tmp_path, 1)
+    assert healed[-1]["healed_at"] and healed[-1]["healed_at"][-1] >= killed_at, healed[-1]
+    # Where a step was committed by every group, they all saw the same averaged loss.
+    losses = [{r["step"]: r["loss"] for r in records(tmp_path, g) if r["committed"]} for g in range(GROUPS)]
+    together = set(losses[0]) & set(losses[1]) & set(losses[2])
+    assert set(range(1, killed_at)) <= together
+    assert all(losses[0][step] == losses[1][step] == losses[2][step] for step in together)
+    # Before the fault, three groups of one rank train as one ddp group of three ranks does.
+    assert reference.wait(timeout=120) == 0, reference.stderr.read()[-3000:]
+    want = [json.loads(line)["loss"] for line in (tmp_path / "reference" / "metrics.jsonl").read_text().splitlines()
+            if json.loads(line)["event"] == "step"]
+    assert max(abs(losses[0][step] - loss) / loss for step, loss in enumerate(want, 1)) < 1e-5
+
+
+@pytest.mark.parametrize(("args", "expected"), [
+    (("--strategy", "fsdp"), "launch.replica_groups = 2: torchft averages and heals whole replicas, so far of ddp "
+                             "alone (every rank holding the whole model); not parallel.strategy = 'fsdp'"),
+    (("--strategy", "ddp", "--checkpoint-every", "5"), "launch.replica_groups = 2: a restarted group heals from a "
+                                                       "live one, not from a checkpoint"),
+    (("--strategy", "ddp", "--set", "train.global_batch=6"), "train.global_batch = 6: must be divisible by "
+                                                             "launch.replica_groups 2 x world size 2"),
+], ids=["fsdp", "checkpoints", "batch"])
+def test_replica_groups_that_cannot_run_are_refused_before_launch(tmp_path, capsys, args, expected):
+    from shardwise.cli import main
+
+    assert main(["train", str(CONFIGS / "gpt-tiny.toml"), "--replica-groups", "2", "--nproc", "2",
+                 "--out", str(tmp_path / "run"), *args]) == 2
+    assert expected in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
