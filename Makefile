@@ -47,6 +47,7 @@ bench: setup
 	$(BIN)/shardwise bench collectives
 	$(BIN)/shardwise bench checkpoint
 	$(BIN)/shardwise bench ps
+	$(BIN)/shardwise bench faults
 	$(BIN)/shardwise bench moe
 	$(BIN)/shardwise bench scale --steps 2
 	$(BIN)/shardwise bench hardware

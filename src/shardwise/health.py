@@ -28,15 +28,31 @@ import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
+from shardwise.checkpoint import TrainingRun
 from shardwise.dist import DistContext
+from shardwise.gradients import local_grads
 
 SPIKE_HISTORY = 20  # steps the loss spike is judged against
 STRAGGLER_STEPS = 3  # steps in a row a rank must be slow for to be named
+
+
+class WatchedRun(TrainingRun, Protocol):
+    """What a watched step needs of the trainer."""
+
+    health: StepHealth
+    accum: int
+    last_step_skipped: bool
+    skipped_steps: int
+    health_events: list[dict[str, Any]]
+
+    def forward_backward(self, step: int) -> torch.Tensor: ...
+
+    def optimizer_step(self) -> bool: ...
 
 
 class BadStepError(RuntimeError):
@@ -124,3 +140,55 @@ class StepHealth:
                     print(f"step {step}: rank {rank} is a straggler: {seconds / median:.1f}x the other ranks' "
                           f"median compute, {STRAGGLER_STEPS} steps in a row", file=sys.stderr)
         return events
+
+
+def watched_step(trainer: WatchedRun, step: int) -> torch.Tensor:
+    """The trainer's step `step` under the watch: a bad one re-run once from the same state, then
+    applied (transient), or stopped or skipped (deterministic); stragglers named. Returns the
+    step's mean loss."""
+    health = trainer.health
+    rng = torch.get_rng_state(), torch.cuda.get_rng_state() if trainer.ctx.device.type == "cuda" else None
+    loss, report = _checked_attempt(trainer, step)
+    if report.bad:
+        first = report
+        torch.set_rng_state(rng[0])
+        if rng[1] is not None:
+            torch.cuda.set_rng_state(rng[1])
+        trainer.optimizer.zero_grad(set_to_none=True)
+        loss, report = _checked_attempt(trainer, step)
+        _bad_step(trainer, step, first, again=report.bad)
+    if report.bad:  # train.bad_step = "skip": this step's update is not applied
+        trainer.optimizer.zero_grad(set_to_none=True)
+        trainer.last_step_skipped = True
+    else:
+        trainer.last_step_skipped = not trainer.optimizer_step()
+        health.accept(loss.item())
+    trainer.skipped_steps += trainer.last_step_skipped
+    trainer.health_events += health.stragglers(report, step + 1)
+    return loss
+
+
+def _checked_attempt(trainer: WatchedRun, step: int) -> tuple[torch.Tensor, StepReport]:
+    """Forward and backward of step `step`, and what every rank found in it (collective)."""
+    trainer.health.start()
+    loss_sum = trainer.forward_backward(step)
+    loss = trainer.ctx.all_reduce_mean(loss_sum / trainer.accum)
+    grads = [] if trainer.scaler else local_grads(trainer.strategy.local_parameters())
+    return loss, trainer.health.check(loss_sum, grads, loss.item())
+
+
+def _bad_step(trainer: WatchedRun, step: int, first: StepReport, again: bool) -> None:
+    """Log a bad step and the re-run's verdict; raise BadStepError where it failed again and
+    train.bad_step is "stop"."""
+    policy = trainer.cfg.train.bad_step
+    verdict = "deterministic" if again else "transient"
+    event = {"event": "bad_step", "step": step + 1, "found": first.describe(), "loss_ranks": first.bad_loss,
+             "grad_ranks": first.bad_grads, "spike": first.spike, "verdict": verdict,
+             "action": ("stop" if policy == "stop" else "skip") if again else "re-run applied"}
+    trainer.health_events.append(event)
+    if trainer.ctx.is_main:
+        print(f"step {step + 1}: {event['found']}; re-run from the same state: "
+              f"{'the same again' if again else 'clean'} ({verdict}); {event['action']}", file=sys.stderr)
+    if again and policy == "stop":
+        raise BadStepError(f"step {step + 1}: {event['found']}, and again when re-run from the same state "
+                           "(deterministic): stopping (train.bad_step = 'skip' would go on without it)")

@@ -32,12 +32,14 @@ import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
+from shardwise.checkpoint import TrainingRun, ensure_optimizer_state, training_state
 from shardwise.config.schema import LaunchConfig
 from shardwise.dist import DistContext
+from shardwise.gradients import local_grads
 from shardwise.launch import Stopped, torchrun_args
 
 GROUP_ENV = "SHARDWISE_REPLICA_GROUP"  # which replica group a worker belongs to, set by the launcher
@@ -165,3 +167,51 @@ class ReplicaGroups:
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
+
+
+class ReplicatedRun(TrainingRun, Protocol):
+    """What a replica group's step needs of the trainer."""
+
+    replicas: ReplicaGroups
+    accum: int
+    committed: bool
+    last_step_skipped: bool
+
+    def forward_backward(self, step: int) -> torch.Tensor: ...
+
+    def optimizer_step(self) -> bool: ...
+
+
+def replicated_step(trainer: ReplicatedRun, step: int) -> torch.Tensor:
+    """The trainer's step `step` in a replica group: its gradients and loss averaged with the other
+    groups', applied only if every group in the quorum finished it (torchft's commit)."""
+    loss = trainer.ctx.all_reduce_mean(trainer.forward_backward(step) / trainer.accum)
+    trainer.replicas.average([*local_grads(trainer.strategy.local_parameters()), loss])
+    trainer.committed = trainer.replicas.commit()
+    if trainer.committed:
+        trainer.last_step_skipped = not trainer.optimizer_step()
+    else:
+        trainer.optimizer.zero_grad(set_to_none=True)
+        trainer.last_step_skipped = True
+    return loss
+
+
+def replica_state(trainer: ReplicatedRun) -> dict[str, Any]:
+    """What a group healing from this one copies: model and optimizer state (live tensors)."""
+    return training_state(trainer, trainer.ctx.world_size, with_rng=False)
+
+
+def load_replica_state(trainer: ReplicatedRun, state: dict[str, Any]) -> None:
+    """Put a peer group's state (`replica_state`'s) into this group's model and optimizer. A peer
+    that has not stepped yet has no optimizer state (it is made lazily): neither then, for AdamW's
+    step count would otherwise differ."""
+    if state["optimizer"]:
+        ensure_optimizer_state(trainer.optimizer)
+    else:
+        trainer.optimizer.state.clear()
+    live = replica_state(trainer)
+    with torch.no_grad():
+        for part in ("model", "optimizer"):
+            for name, tensor in live[part].items():
+                tensor.copy_(state[part][name])
+    trainer.strategy.view.after_load()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 import os
 import signal
-import sys
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -16,19 +15,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from shardwise.checkpoint import (
-    CheckpointError,
-    ensure_optimizer_state,
-    load_checkpoint,
-    save_checkpoint,
-    training_state,
-)
+from shardwise.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from shardwise.checkpoint_async import AsyncCheckpointer
 from shardwise.config.schema import HF_MODELS, LANGUAGE_MODELS, Config, TrainConfig
 from shardwise.data import Dataset, DocumentWindows, GlobalBatchSampler, make_datasets
 from shardwise.dist import DistContext, seed_everything
 from shardwise.gradients import local_grads
-from shardwise.health import BadStepError, StepHealth, StepReport
+from shardwise.health import StepHealth, watched_step
 from shardwise.hf_files import config_json, write_model_files
 from shardwise.materialise import init_context
 from shardwise.memory import (
@@ -41,7 +34,14 @@ from shardwise.memory import (
 )
 from shardwise.metrics import MetricsWriter, Progress, device_peak_flops, mfu
 from shardwise.models import build_model, flops_per_sample, loss_fn
-from shardwise.replicas import ReplicaGroups, replica_dir, replica_group
+from shardwise.replicas import (
+    ReplicaGroups,
+    load_replica_state,
+    replica_dir,
+    replica_group,
+    replica_state,
+    replicated_step,
+)
 from shardwise.strategies.base import OptimizerFactory, Strategy
 from shardwise.strategies.classes import make_strategy
 from shardwise.strategies.registry import spec
@@ -131,8 +131,8 @@ class Trainer:
         self.accum = cfg.train.global_batch // (self.strategy.data_size * cfg.train.micro_batch)
         self.activation_bytes = 0
         self.peak_flops = device_peak_flops(ctx.device)
-        self.replicas = ReplicaGroups(ctx, group, cfg.launch.timeout_s, self._replica_state, self._load_replica_state) \
-            if group is not None else None
+        self.replicas = ReplicaGroups(ctx, group, cfg.launch.timeout_s, lambda: replica_state(self),
+                                      lambda state: load_replica_state(self, state)) if group is not None else None
         self.committed = True  # whether the last step was applied (replica groups may roll one back)
         # The steps watched for bad ones and stragglers (health.py), where the ranks train together
         # (not under param-server, whose workers keep no step together, nor across replica groups,
@@ -162,85 +162,13 @@ class Trainer:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         if self.replicas is not None:
-            return self._replicated_step(step)
+            return replicated_step(self, step)
         if self.health is None:
             loss_sum = self.forward_backward(step)
             self.last_step_skipped = not self.optimizer_step()
             self.skipped_steps += self.last_step_skipped
             return self.ctx.all_reduce_mean(loss_sum / self.accum)
-        rng = torch.get_rng_state(), torch.cuda.get_rng_state() if self.ctx.device.type == "cuda" else None
-        loss, report = self._checked_attempt(step)
-        if report.bad:
-            first = report
-            torch.set_rng_state(rng[0])
-            if rng[1] is not None:
-                torch.cuda.set_rng_state(rng[1])
-            self.optimizer.zero_grad(set_to_none=True)
-            loss, report = self._checked_attempt(step)
-            self._bad_step(step, first, again=report.bad)
-        if report.bad:  # train.bad_step = "skip": this step's update is not applied
-            self.optimizer.zero_grad(set_to_none=True)
-            self.last_step_skipped = True
-        else:
-            self.last_step_skipped = not self.optimizer_step()
-            self.health.accept(loss.item())
-        self.skipped_steps += self.last_step_skipped
-        self.health_events += self.health.stragglers(report, step + 1)
-        return loss
-
-    def _replicated_step(self, step: int) -> torch.Tensor:
-        """A step of one replica group: its gradients and loss averaged with the other groups', and
-        applied only if every group in the quorum finished it (torchft's commit)."""
-        loss = self.ctx.all_reduce_mean(self.forward_backward(step) / self.accum)
-        self.replicas.average([*local_grads(self.strategy.local_parameters()), loss])
-        self.committed = self.replicas.commit()
-        if self.committed:
-            self.last_step_skipped = not self.optimizer_step()
-        else:
-            self.optimizer.zero_grad(set_to_none=True)
-            self.last_step_skipped = True
-        return loss
-
-    def _replica_state(self) -> dict[str, Any]:
-        """What a group healing from this one copies: model and optimizer state (live tensors)."""
-        return training_state(self, self.ctx.world_size, with_rng=False)
-
-    def _load_replica_state(self, state: dict[str, Any]) -> None:
-        """Put a peer group's state (`_replica_state`'s) into this group's model and optimizer. A
-        peer that has not stepped yet has no optimizer state (it is made lazily): neither then."""
-        if state["optimizer"]:
-            ensure_optimizer_state(self.optimizer)
-        else:
-            self.optimizer.state.clear()
-        live = self._replica_state()
-        with torch.no_grad():
-            for part in ("model", "optimizer"):
-                for name, tensor in live[part].items():
-                    tensor.copy_(state[part][name])
-        self.strategy.view.after_load()
-
-    def _checked_attempt(self, step: int) -> tuple[torch.Tensor, StepReport]:
-        """Forward and backward of step `step`, and what every rank found in it (collective)."""
-        self.health.start()
-        loss_sum = self.forward_backward(step)
-        loss = self.ctx.all_reduce_mean(loss_sum / self.accum)
-        grads = [] if self.scaler else local_grads(self.strategy.local_parameters())
-        return loss, self.health.check(loss_sum, grads, loss.item())
-
-    def _bad_step(self, step: int, first: StepReport, again: bool) -> None:
-        """Log a bad step and the re-run's verdict; raise BadStepError where it failed again and
-        train.bad_step is "stop"."""
-        verdict = "deterministic" if again else "transient"
-        event = {"event": "bad_step", "step": step + 1, "found": first.describe(), "loss_ranks": first.bad_loss,
-                 "grad_ranks": first.bad_grads, "spike": first.spike, "verdict": verdict,
-                 "action": ("stop" if self.cfg.train.bad_step == "stop" else "skip") if again else "re-run applied"}
-        self.health_events.append(event)
-        if self.ctx.is_main:
-            print(f"step {step + 1}: {event['found']}; re-run from the same state: "
-                  f"{'the same again' if again else 'clean'} ({verdict}); {event['action']}", file=sys.stderr)
-        if again and self.cfg.train.bad_step == "stop":
-            raise BadStepError(f"step {step + 1}: {event['found']}, and again when re-run from the same state "
-                               "(deterministic): stopping (train.bad_step = 'skip' would go on without it)")
+        return watched_step(self, step)
 
     def run_step(self, step: int) -> float:
         """Optimizer step `step`, waited for, gradients dropped after: what a bench times and the
