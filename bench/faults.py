@@ -13,7 +13,7 @@ the last one before the kill was recorded), the steps done again (a restart's si
 checkpoint; healing's committed steps are never done again), and under healing how long the
 killed group took to rejoin and how many of the steps attempted were committed.
 
-    python -m bench.faults [--steps 300] [--kill-at 100] [--json FILE]
+    python -m bench.faults [--steps 300] [--kill-at 110] [--json FILE]
 """
 
 from __future__ import annotations
@@ -90,8 +90,9 @@ def run_path(name: str, steps: int, kill_at: int, out: Path) -> dict[str, Any]:
     for override in TRAIN:
         command += ["--set", override]
     started = time.monotonic()
-    job = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                           env=bench_env(RUST_LOG="error"))
+    out.mkdir(parents=True)
+    log = open(out.parent / f"{out.name}.log", "w")  # not a pipe: a full one would stall the job
+    job = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=log, env=bench_env(RUST_LOG="error"))
     watched = [Watched(out / file) for file in files]
     killed = None
     while job.poll() is None:
@@ -102,14 +103,15 @@ def run_path(name: str, steps: int, kill_at: int, out: Path) -> dict[str, Any]:
             os.kill(victim(out, name == "healing"), signal.SIGKILL)
             killed = time.monotonic()
         time.sleep(0.02)
-    _, err = job.communicate()
-    if job.returncode:
-        raise SystemExit(f"bench faults: {name} failed:\n{err[-3000:]}")
+    log.close()
+    if job.returncode or killed is None:
+        err = Path(log.name).read_text()
+        raise SystemExit(f"bench faults: {name} failed, or ended before step {kill_at}:\n{err[-3000:]}")
     for each in watched:
         each.poll()
     # What the job recorded once it had recovered: a restarted job's records from its rewrite on
     # (a step the dying job's other ranks finished as the worker was killed does not count).
-    since = watched[0].rewritten if name != "healing" else killed
+    since = watched[0].rewritten if name != "healing" and watched[0].rewritten is not None else killed
     after = [(t, r) for t, r in watched[0].seen if t >= since]
     progress = next(t for t, r in after if r["step"] > before)
     result = {"job_s": time.monotonic() - started, "steps_before_kill": before,
@@ -142,7 +144,7 @@ def format_result(result: dict[str, Any]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.faults", description=__doc__)
     parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--kill-at", type=int, default=100)
+    parser.add_argument("--kill-at", type=int, default=110, help="a step between checkpoints (every 25)")
     parser.add_argument("--json", action="append", default=[])
     args = parser.parse_args()
     paths = {}

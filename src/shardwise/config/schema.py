@@ -204,7 +204,7 @@ class TrainConfig:
                            "step", ("stop", "skip", "off"))
     spike_factor: float = option(0.0, "a loss above this many times the median of the last 20 steps' is a bad step; "
                                  "0: losses are only checked for being finite")
-    straggler_factor: float = option(1.5, "a rank whose step took more than this many times the other ranks' median "
+    straggler_factor: float = option(2.0, "a rank whose step took more than this many times the other ranks' median "
                                      "CPU seconds, 3 steps in a row, is named in the log and metrics.jsonl; 0: off")
     checkpoint_async: bool = option(True, "write checkpoints in a background thread: a save holds the step only "
                                     "while it copies this rank's state to host memory, and at most one is in "
