@@ -153,6 +153,11 @@ def test_adapters_on_pretrained_weights_start_from_them_and_resume_onto_them(lor
     pretrained = root / "single" / "model.safetensors"  # a model to fine-tune: the first run's, merged
     straight, resumed = in_process(_pretrained_runs, tmp_path, pretrained)
     assert straight["blocks.1.mlp.down.weight"].equal(load_file(str(pretrained))["blocks.1.mlp.down.weight"])
+    # The merged model written from the last checkpoint (step 4, the run's end) is the run's own.
+    assert main(["export", str(tmp_path / "resumed"), str(tmp_path / "merged.safetensors"), "--merged"]) == 0
+    merged, final = (load_file(str(p)) for p in (tmp_path / "merged.safetensors", tmp_path / "resumed" /
+                                                                                   "model.safetensors"))
+    assert merged.keys() == final.keys() and all(merged[k].equal(final[k]) for k in final)
     assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")
     assert resumed.keys() == straight.keys() and all(torch.equal(resumed[k], straight[k]) for k in straight)
 
@@ -165,6 +170,7 @@ def _pretrained_runs(ctx: DistContext, root: Path, weights: Path) -> tuple[dict,
 
     straight = Trainer(cfg(root / "straight"), ctx)
     straight.fit()
+    cfg(root / "resumed").save(root / "resumed" / "config.toml")  # as `shardwise train` writes it
     with pytest.raises(Crash):
         crash_at(Trainer(cfg(root / "resumed", "train.checkpoint_every=2"), ctx), 3).fit()
     resumed = Trainer(cfg(root / "resumed", "train.checkpoint_every=2", "run.resume=true"), ctx)
@@ -250,7 +256,7 @@ def test_our_adapters_compute_and_differentiate_as_peft_does_on_a_transformers_l
         torch.testing.assert_close(adapter.B.grad, layer.lora_B["default"].weight.grad, rtol=0, atol=1e-6)
 
 
-def test_the_peft_export_and_the_merged_run_directory_give_our_final_models_logits(tmp_path):
+def test_the_peft_export_and_the_merged_exports_give_our_final_models_logits(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -258,19 +264,24 @@ def test_the_peft_export_and_the_merged_run_directory_give_our_final_models_logi
     tiny_llama().save_pretrained(base)
     logits, tokens = in_process(_llama_lora_run, tmp_path / "run", base)
     assert main(["export", str(tmp_path / "run"), str(tmp_path / "peft")]) == 0
+    assert main(["export", str(tmp_path / "run"), str(tmp_path / "merged"), "--merged"]) == 0  # a directory
     with torch.no_grad():
         peft = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), tmp_path / "peft")(tokens).logits
         merged = AutoModelForCausalLM.from_pretrained(tmp_path / "run")(tokens).logits
+        exported = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")(tokens).logits
     torch.testing.assert_close(peft, logits, rtol=0, atol=1e-5)
     torch.testing.assert_close(merged, logits, rtol=0, atol=1e-5)
+    assert torch.equal(exported, merged)  # from the checkpoint and the pretrained files: the run's own model
     assert main(["export", str(tmp_path / "base"), str(tmp_path / "none")]) == 1  # no checkpoint to export
 
 
 def _llama_lora_run(ctx: DistContext, out: Path, base: Path) -> tuple[torch.Tensor, torch.Tensor]:
     """Adapters on the pretrained Llama at `base` for 4 steps, a checkpoint at the end; the final
     model's logits on some tokens."""
-    trainer = Trainer(cfg_for(out, "single", 1, "model.name=hf-llama", f"model.hf_config={base / 'config.json'}",
-                              f"model.weights={base}", "train.steps=4", "train.checkpoint_every=4"), ctx)
+    cfg = cfg_for(out, "single", 1, "model.name=hf-llama", f"model.hf_config={base / 'config.json'}",
+                  f"model.weights={base}", "train.steps=4", "train.checkpoint_every=4")
+    cfg.save(out / "config.toml")  # as `shardwise train` writes it
+    trainer = Trainer(cfg, ctx)
     trainer.fit()
     tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():

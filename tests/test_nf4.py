@@ -82,7 +82,9 @@ def qlora_runs(tmp_path_factory) -> tuple[Path, Path, dict]:
 
 
 def _train_single(ctx: DistContext, root: Path, weights: str) -> dict:
-    trainer = Trainer(cfg_for(root / "single", "single", 1, weights), ctx)
+    cfg = cfg_for(root / "single", "single", 1, weights, f"train.checkpoint_every={STEPS}")
+    cfg.save(root / "single" / "config.toml")  # as `shardwise train` writes it
+    trainer = Trainer(cfg, ctx)
     trainer.fit()
     return {n: p.detach().clone() for n, p in trainer.strategy.module.named_parameters() if p.dtype == torch.uint8}
 
@@ -105,6 +107,10 @@ def test_pretrained_weights_are_quantized_as_they_load_and_the_final_weights_mer
     update = final["blocks.0.mlp.up.weight"] - base  # the adapters' B A, merged onto the dequantized base
     assert update.abs().max() > 1e-4 and torch.linalg.matrix_rank(update, atol=1e-6) <= 4
     assert torch.equal(final["blocks.0.ln_1.weight"], plain["blocks.0.ln_1.weight"])  # not adapted: as loaded
+    # Merged from the last checkpoint onto the pretrained weights quantized again: the run's own model.
+    assert main(["export", str(root / "single"), str(root / "merged.safetensors"), "--merged"]) == 0
+    merged = load_file(str(root / "merged.safetensors"))
+    assert merged.keys() == final.keys() and all(merged[k].equal(final[k]) for k in final)
 
 
 def test_fsdp_holds_half_the_4_bit_base_on_each_rank(qlora_runs):

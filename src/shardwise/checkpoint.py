@@ -475,39 +475,60 @@ def consolidate(run_dir: Path, out: Path, progress: bool = False) -> Path:
     - for an hf-* run, a directory `from_pretrained` loads: model.safetensors as `save_pretrained`
       writes it, config.json and the tokenizer's files (hf_files.py).
     `progress`: a bar on stderr. Returns the checkpoint used."""
-    from tqdm import tqdm
-
     from shardwise.config.load import load_config
-    from shardwise.config.schema import HF_MODELS
-    from shardwise.hf_files import config_json, write_model_files
     from shardwise.materialise import init_context, state_buffers
     from shardwise.models import build_model
-    from shardwise.weights_file import WeightsLayout, WeightsWriter
 
     cfg = load_config(Path(run_dir) / "config.toml")
-    directory = Path(out).suffix != ".safetensors"
-    if directory and cfg.model.name not in HF_MODELS:
-        raise CheckpointError(f"{out}: a {cfg.model.name} run consolidates to a .safetensors file; a directory is "
-                              f"written for the transformers families ({', '.join(HF_MODELS)})")
-    path = newest_good_checkpoint(run_dir)
-    if path is None:
-        raise CheckpointError(f"{checkpoint_dir(run_dir)}: no checkpoint to consolidate")
+    path = checkpoint_to_write(run_dir, cfg, Path(out), "consolidate")
     if json.loads((path / MANIFEST).read_text()).get("lora"):
-        raise CheckpointError(f"{path} holds LoRA adapters, not the model: the run's model.safetensors has them merged "
-                              "into its weights")
+        raise CheckpointError(f"{path} holds LoRA adapters, not the model: `shardwise export RUN OUT --merged` "
+                              "merges them into the weights the run started from")
     with init_context():
         model = build_model(cfg.model)
     check_fits(path, {"model": dict(model.named_parameters()) | dict(state_buffers(model))})
     state = model.state_dict(keep_vars=True)
-    layout = WeightsLayout.transformers(model) if directory else WeightsLayout.of(model, tied_copies=True)
     reader = safe_reader(path)
-    total = sum(state[name].nbytes for name in layout.names())
-    with WeightsWriter(Path(out) / "model.safetensors" if directory else out, layout) as writer, \
-            tqdm(total=total, unit="B", unit_scale=True, disable=not progress, desc="consolidate") as bar:
-        for name in layout.names():
-            tensor = read_tensor(reader, name, state[name].shape, state[name].dtype)
-            writer.write(name, tensor)
-            bar.update(tensor.nbytes)
-    if directory:
-        write_model_files(Path(out), config_json(model, cfg.model.hf_config), cfg.data.tokenizer)
+    write_model(cfg, model, Path(out), lambda name: read_tensor(reader, name, state[name].shape, state[name].dtype),
+                "consolidate", progress, tied_copies=True)
     return path
+
+
+def checkpoint_to_write(run_dir: Path, cfg: Config, out: Path, verb: str) -> Path:
+    """The newest good checkpoint of `run_dir`, whose model is to be written to `out`; CheckpointError
+    where there is none, or `out` is a directory for a model transformers does not load."""
+    from shardwise.config.schema import HF_MODELS
+
+    if out.suffix != ".safetensors" and cfg.model.name not in HF_MODELS:
+        raise CheckpointError(f"{out}: a {cfg.model.name} run {verb}s to a .safetensors file; a directory is "
+                              f"written for the transformers families ({', '.join(HF_MODELS)})")
+    path = newest_good_checkpoint(run_dir)
+    if path is None:
+        raise CheckpointError(f"{checkpoint_dir(run_dir)}: no checkpoint to {verb}")
+    return path
+
+
+def write_model(cfg: Config, model: torch.nn.Module, out: Path, tensor: Callable[[str], torch.Tensor], what: str,
+                progress: bool = False, tied_copies: bool = False) -> None:
+    """Write the plain `model` (built on the meta device), each tensor as `tensor(name)` gives it,
+    a tensor at a time: to `out`, a .safetensors file as save_model writes it (with `tied_copies`,
+    a tied weight under each of its names: every key of the state dict), or for an hf-* model the
+    directory from_pretrained loads (model.safetensors as save_pretrained writes it, config.json,
+    the tokenizer's files). `what`: the progress bar's label."""
+    from tqdm import tqdm
+
+    from shardwise.hf_files import config_json, write_model_files
+    from shardwise.weights_file import WeightsLayout, WeightsWriter
+
+    directory = out.suffix != ".safetensors"
+    state = model.state_dict(keep_vars=True)
+    layout = WeightsLayout.transformers(model) if directory else WeightsLayout.of(model, tied_copies=tied_copies)
+    total = sum(state[name].nbytes for name in layout.names())
+    with WeightsWriter(out / "model.safetensors" if directory else out, layout) as writer, \
+            tqdm(total=total, unit="B", unit_scale=True, disable=not progress, desc=what) as bar:
+        for name in layout.names():
+            value = tensor(name)
+            writer.write(name, value)
+            bar.update(value.nbytes)
+    if directory:
+        write_model_files(out, config_json(model, cfg.model.hf_config), cfg.data.tokenizer)

@@ -325,14 +325,19 @@ def consolidate(args: argparse.Namespace) -> int:
 
 def export(args: argparse.Namespace) -> int:
     from shardwise.checkpoint import CheckpointError
-    from shardwise.export import export_peft
+    from shardwise.export import export_merged, export_peft
+    from shardwise.weights import WeightsError
 
     try:
-        used = export_peft(Path(args.run_dir), Path(args.out))
-    except CheckpointError as error:
+        if args.merged:
+            used = export_merged(Path(args.run_dir), Path(args.out), progress=sys.stderr.isatty())
+        else:
+            used = export_peft(Path(args.run_dir), Path(args.out))
+    except (CheckpointError, WeightsError) as error:
         print(f"shardwise export: {error}", file=sys.stderr)
         return 1
-    print(f"wrote {args.out} (peft's adapter_config.json and adapter_model.safetensors) from {used}")
+    what = "the merged model" if args.merged else "peft's adapter_config.json and adapter_model.safetensors"
+    print(f"wrote {args.out} ({what}) from {used}")
     return 0
 
 
@@ -533,14 +538,17 @@ def parser() -> argparse.ArgumentParser:
                             "tokenizer's files).")
     p.add_argument("run_dir", help="a run directory with checkpoints/")
     p.add_argument("out", help="the .safetensors file to write, or (hf-* runs) the directory")
-    p = commands.add_parser("export", help="a LoRA run's adapters in peft's format",
+    p = commands.add_parser("export", help="a LoRA run's adapters in peft's format, or its merged model",
                             description="Reads the adapters of RUN_DIR's newest good checkpoint (a LoRA run's: "
                             "docs/finetuning.md), whatever strategy and world size saved them, and writes OUT, a "
                             "directory peft.PeftModel.from_pretrained loads onto the base model: "
-                            "adapter_config.json and adapter_model.safetensors. The merged model is the run's own "
-                            "model.safetensors (for hf-* runs a directory transformers loads).")
+                            "adapter_config.json and adapter_model.safetensors. With --merged it writes the merged "
+                            "model instead, each adapter merged into the pretrained weight the run started from "
+                            "(model.weights), a tensor at a time: OUT.safetensors, or for an hf-* run a directory "
+                            "from_pretrained loads.")
     p.add_argument("run_dir", help="a LoRA run directory with checkpoints/")
-    p.add_argument("out", help="the directory to write")
+    p.add_argument("out", help="the directory to write (--merged: a .safetensors file, or an hf-* run's directory)")
+    p.add_argument("--merged", action="store_true", help="write the merged model, not the adapters")
     p = commands.add_parser("report", help="one HTML page of plots and a table comparing runs",
                             description="Reads each RUN_DIR's metrics.jsonl and writes one self-contained HTML "
                             "page (plots embedded as PNG, no network, no JavaScript): loss and validation loss "
