@@ -167,3 +167,40 @@ def test_an_nf4_layer_keeps_no_dequantized_weight_for_backward_and_passes_the_in
     x2 = x.detach().clone().requires_grad_(True)
     (expected,) = torch.autograd.grad(plain(x2).square().sum(), x2)
     torch.testing.assert_close(grad, expected)
+
+
+def _nf4_held(ctx: DistContext, root: Path) -> tuple[int, int]:
+    """fsdp QLoRA on this world, gpt-tiny 256 wide: the bytes of this rank's NF4 shards, and the
+    weights they quantize (the whole model's)."""
+    trainer = Trainer(cfg_for(root, "fsdp", ctx.world_size, "model.d_model=256", "model.n_head=4", "train.steps=2",
+                              "train.micro_batch=2"), ctx)
+    trainer.fit()
+    held = sum(unit.shard_buffer.nbytes for unit in trainer.strategy.sharding.units if unit.full_dtype == torch.uint8)
+    layers = [m for m in trainer.strategy.module.modules() if isinstance(m, NF4Linear)]
+    quantized = sum(m.in_features * m.out_features for m in layers)
+    return held, quantized
+
+
+def test_fsdp_on_4_ranks_holds_a_quarter_of_at_most_0_6_bytes_per_quantized_weight(tmp_path):
+    ranks = run_ranks(_nf4_held, 4, tmp_path)
+    quantized = ranks[0][1]
+    total = sum(held for held, _ in ranks)
+    assert total <= 0.6 * quantized  # 4 bits, the int8 scales and each row's fp32 factors (256 and 1024 wide)
+    assert all(held <= total / 4 + 4 * 1100 for held, _ in ranks)  # a quarter each, and a padded row per tensor
+
+
+def _qlora_and_lora(ctx: DistContext, root: Path) -> dict[str, float]:
+    """200 steps of configs/gpt-tiny.toml in bf16-mixed with rank-8 adapters, over its weights in
+    fp32 and in NF4: each run's validation loss."""
+    losses = {}
+    for name, stored in (("lora", "none"), ("qlora", "nf4")):
+        cfg = gpt_tiny(root / name, "single", 1, "parallel.precision=bf16-mixed", "lora.rank=8", "lora.alpha=16",
+                       f"lora.quantize={stored}", steps=200)
+        losses[name] = Trainer(cfg, ctx).fit()["val_loss"]
+    return losses
+
+
+@pytest.mark.slow
+def test_qlora_ends_within_3_percent_of_lora_after_200_steps(tmp_path):
+    losses = in_process(_qlora_and_lora, tmp_path)
+    assert abs(losses["qlora"] - losses["lora"]) <= 0.03 * losses["lora"], losses
