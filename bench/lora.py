@@ -9,7 +9,9 @@ over the adapters alone, fp32, the same batches (each rank its share of the glob
 clipping. Reports the median step times and their ratio, the first losses of each (they agree:
 the same model trains), and per rank the bytes of parameters (the frozen model's shards and the
 adapters') and optimizer state after a step (gradients freed on both): ours as `Strategy.memory`
-counts them, FSDP2's from its DTensors' local shards, each storage once.
+counts them, FSDP2's from its DTensors' local shards, each storage once. A third contestant is
+ours with the projections' frozen weights in NF4 (QLoRA, `lora.quantize = "nf4"`): its step time
+against our LoRA's, and its bytes.
 """
 
 from __future__ import annotations
@@ -87,16 +89,19 @@ def run(ctx: DistContext, steps: int, rounds: int, micro_batch: int) -> dict[str
     load_before = os.getloadavg()
     cfg = bench_config("fsdp", ctx.world_size, micro_batch, steps * 2, *LLAMA)
     trainer = Trainer(cfg, ctx)
+    qlora = Trainer(bench_config("fsdp", ctx.world_size, micro_batch, steps * 2, *LLAMA, "lora.quantize=nf4"), ctx)
     native = peft_fsdp2_model(trainer, ctx)
-    losses = {"ours": [], "native": []}
+    losses = {"ours": [], "native": [], "qlora": []}
     native_step, native_optimizer = peft_step(trainer, ctx, native, losses["native"])
-    steps_of = {"ours": our_step(trainer, losses["ours"]), "native": native_step}
+    steps_of = {"ours": our_step(trainer, losses["ours"]), "native": native_step,
+                "qlora": our_step(qlora, losses["qlora"])}
     times = alternate(steps_of, steps, rounds)
     median = {name: statistics.median(t) for name, t in times.items()}
-    ours_state = {k: v for k, v in trainer.strategy.memory(0).as_dict().items() if k in ("params", "grads",
-                                                                                          "optimizer")}
-    theirs_state = fsdp2_state(native, native_optimizer)
-    every = ctx.all_gather_object((ours_state, theirs_state))
+
+    def ours_state(run: Trainer) -> dict[str, int]:
+        return {k: v for k, v in run.strategy.memory(0).as_dict().items() if k in ("params", "grads", "optimizer")}
+
+    every = ctx.all_gather_object((ours_state(trainer), fsdp2_state(native, native_optimizer), ours_state(qlora)))
     if not ctx.is_main:
         return None
     trained = sum(p.numel() for p in trainer.strategy.module.parameters() if p.requires_grad)
@@ -110,10 +115,13 @@ def run(ctx: DistContext, steps: int, rounds: int, micro_batch: int) -> dict[str
         "machine": f"{platform.machine()}, {ctx.backend}, torch {torch.__version__}",
         "load_average_before_after": [load_before[0], os.getloadavg()[0]],
         "ours": {"step_time_s": median["ours"], "step_times_s": times["ours"], "first_losses": losses["ours"][:3],
-                 "state_per_rank": [ours for ours, _ in every]},
+                 "state_per_rank": [ours for ours, _, _ in every]},
         "native": {"step_time_s": median["native"], "step_times_s": times["native"],
-                   "first_losses": losses["native"][:3], "state_per_rank": [theirs for _, theirs in every]},
+                   "first_losses": losses["native"][:3], "state_per_rank": [theirs for _, theirs, _ in every]},
+        "qlora": {"step_time_s": median["qlora"], "step_times_s": times["qlora"], "first_losses": losses["qlora"][:3],
+                  "state_per_rank": [q for _, _, q in every]},
         "ratio": median["ours"] / median["native"],
+        "ratio_qlora_vs_lora": median["qlora"] / median["ours"],
     }
 
 
@@ -129,7 +137,8 @@ def format_result(result: dict[str, Any]) -> str:
         f"lora bench: {result['model']}; {result['world']} ranks, batch {result['batch_per_rank']} per rank; load "
         f"average {result['load_average_before_after'][0]:.1f} -> {result['load_average_before_after'][1]:.1f}",
         row("ours (fsdp + lora)", result["ours"]), row("peft + FSDP2", result["native"]),
-        f"  ratio ours/native {result['ratio']:.3f}"])
+        row("ours (fsdp + qlora)", result["qlora"]),
+        f"  ratio ours/native {result['ratio']:.3f}; qlora/lora {result['ratio_qlora_vs_lora']:.3f}"])
 
 
 if __name__ == "__main__":

@@ -76,7 +76,12 @@ class MetricsWriter:
             path.parent.mkdir(parents=True, exist_ok=True)
             kept = []
             if resumed_at and path.is_file():
-                records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+                records = []
+                for line in filter(str.strip, path.read_text().splitlines()):
+                    try:
+                        records.append(json.loads(line))
+                    except json.JSONDecodeError:  # the last line, torn by a kill as it was written
+                        break
                 kept = [r for r in records if r.get("event") != "summary" and r.get("step", 0) <= resumed_at]
             self._file = open(path, "w")
             for record in kept:
