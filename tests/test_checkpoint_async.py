@@ -104,3 +104,12 @@ def test_a_run_or_checkpoint_directory_that_cannot_be_written_is_refused_before_
     assert (f"train.checkpoint_every = 5: its directory '{tmp_path / 'run' / 'checkpoints'}' cannot be made: "
             f"{tmp_path / 'run' / 'checkpoints'} is a file") in capsys.readouterr().err
     assert [p.name for p in (tmp_path / "run").iterdir()] == ["checkpoints"]  # nothing written
+
+
+def test_a_metrics_line_torn_by_a_kill_leaves_the_records_before_it_to_a_resumed_run(tmp_path):
+    from shardwise.metrics import MetricsWriter
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"event": "step", "step": 1}\n{"event": "step", "step": 2}\n{"event": "st')
+    MetricsWriter(path, enabled=True, resumed_at=5).close()
+    assert path.read_text() == '{"event": "step", "step": 1}\n{"event": "step", "step": 2}\n'
