@@ -16,6 +16,8 @@ import pytest
 from helpers import CONFIGS, REPO
 from safetensors.torch import load_file
 
+from bench.faults import victim
+
 pytest.importorskip("torchft")
 
 GROUPS, STEPS = 3, 150
@@ -25,20 +27,6 @@ def records(run: Path, group: int) -> list[dict]:
     path = run / f"replica-{group}" / "metrics.jsonl"
     lines = path.read_text().splitlines() if path.is_file() else []
     return [r for r in map(json.loads, lines) if r["event"] == "step"]
-
-
-def group_worker(group: int) -> int | None:
-    """The pid of replica group `group`'s worker (its environment names the group)."""
-    for entry in Path("/proc").iterdir():
-        try:
-            cmdline = (entry / "cmdline").read_bytes()
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, ValueError):
-            continue
-        worker = b"shardwise.worker" in cmdline and b"torch.distributed.run" not in cmdline  # not its torchrun
-        if worker and f"SHARDWISE_REPLICA_GROUP={group}".encode() in environ:
-            return int(entry.name)
-    return None
 
 
 def train(out: Path, *args: str) -> subprocess.Popen:
@@ -61,7 +49,7 @@ def test_a_killed_group_heals_from_a_live_one_while_the_others_go_on(tmp_path):
         time.sleep(0.05)
     killed_at = len(records(tmp_path, 1))
     assert 20 <= killed_at < STEPS, f"group 1 at {killed_at} steps when its worker was to be killed"
-    os.kill(group_worker(1), signal.SIGKILL)
+    os.kill(victim(tmp_path, True, 1), signal.SIGKILL)
     _, err = job.communicate(timeout=300)
     assert job.returncode == 0, err[-3000:]
 
