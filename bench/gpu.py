@@ -54,7 +54,10 @@ def job_config(job: dict[str, Any], out: str) -> Config:
         f"model.preset={job['preset']}", "data.name=synthetic-tokens", f"parallel.strategy={strategy}", *mesh,
         "parallel.precision=bf16-mixed", "train.optimizer=adamw", f"train.micro_batch={mb}",
         f"train.global_batch={dp * mb}", f"train.compile={str(job.get('compile', False)).lower()}",
-        f"train.steps={job['steps']}", "train.warmup_steps=0", "train.eval_every=0", f"run.out={out}"])
+        f"train.steps={job['steps']}", "train.warmup_steps=0", "train.eval_every=0", f"run.out={out}",
+        # A fake group moves no data: what its collectives leave is whatever the memory held, which
+        # the bad-step check (health.py) would read as another rank's verdict.
+        "train.bad_step=off"])
 
 
 def predicted_peak(cfg: Config, world: int) -> int | None:
