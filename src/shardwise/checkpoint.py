@@ -103,7 +103,7 @@ def _write_atomically(path: Path, text: str) -> None:
     _fsync(path.parent)
 
 
-def _from_rank0(value: Any) -> Any:
+def from_rank0(value: Any) -> Any:
     """Rank 0's `value` on every rank (plain data: names, messages)."""
     if not dist.is_initialized():
         return value
@@ -228,7 +228,7 @@ def _agreed_from_rank0(is_main: bool, action: Callable[[], None]) -> str | None:
             action()
         except OSError as error:
             problem = str(error)
-    return _from_rank0(problem)
+    return from_rank0(problem)
 
 
 def first_failure(error: CheckpointException) -> str:
@@ -408,7 +408,7 @@ def load_checkpoint(trainer: TrainingRun) -> int:
             chosen = (None, str(error))
     else:
         chosen = None
-    path, error = _from_rank0(chosen)
+    path, error = from_rank0(chosen)
     if error:
         raise CheckpointError(error)
     if path is None:

@@ -35,10 +35,10 @@ from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
 
 from shardwise.checkpoint import (
     TrainingRun,
-    _from_rank0,
     checkpoint_manifest,
     checkpoint_paths,
     first_failure,
+    from_rank0,
     save_failed,
     seal,
     training_state,
@@ -148,7 +148,7 @@ class AsyncCheckpointer:
     def poll(self) -> None:
         """Between steps: settle the save in flight if rank 0 has finished it. Collective while one
         is in flight; raises CheckpointError if it failed."""
-        if self.in_flight is not None and _from_rank0(self.in_flight.done.is_set() if self.is_main else None):
+        if self.in_flight is not None and from_rank0(self.in_flight.done.is_set() if self.is_main else None):
             self._settle()
 
     def wait(self) -> None:
@@ -170,7 +170,7 @@ class AsyncCheckpointer:
 
     def _settle(self) -> None:
         flight, self.in_flight = self.in_flight, None
-        problem = _from_rank0(flight.problem if self.is_main else None)
+        problem = from_rank0(flight.problem if self.is_main else None)
         if not self.is_main:  # rank 0 is done, so this rank's part is written: its thread is returning
             try:
                 flight.written.result()

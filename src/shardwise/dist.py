@@ -60,6 +60,11 @@ class DistContext:
         return values
 
 
+def restart_count() -> int:
+    """How often torchrun has restarted this worker's group after a failure (0: its first start)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+
+
 def choose_backend(requested: str) -> str:
     if requested != "auto":
         return requested

@@ -16,9 +16,10 @@ broken rank), and the run stops or skips the step (`train.bad_step`). Either way
 logged with the step, the ranks, what was wrong and the verdict.
 
 **A straggler** is a rank whose CPU seconds exceed the other ranks' median by
-`train.straggler_factor` for `STRAGGLER_STEPS` steps in a row. Synchronous training makes every rank's wall time the
-slowest one's, so wall time cannot name it; time spent computing can. (On a GPU a rank's CPU time
-is its launches, not its kernels: there, the kernels would have to be timed with events.)
+`train.straggler_factor` for `STRAGGLER_STEPS` steps in a row. Synchronous training makes every
+rank's wall time the slowest one's, so wall time cannot name it; time spent computing can. (On a
+GPU a rank's CPU time is its launches, not its kernels: there, the kernels would have to be timed
+with events.)
 """
 
 from __future__ import annotations
@@ -101,10 +102,12 @@ class StepHealth:
         the gradients it holds, [] where a loss scaler checks them; `global_loss`: the step's mean."""
         cpu = time.process_time() - self.started_cpu
         device = self.ctx.device
-        grad_norm = torch.stack(torch._foreach_norm(grads, 1)).sum() if grads else torch.zeros((), device=device)
+        # Offloaded shards' gradients are on the host: their norm is brought to the device the loss is on.
+        grad_norm = torch.stack(torch._foreach_norm(grads, 1)).sum().to(device) if grads else \
+            torch.zeros((), device=device)
         # Built where the step computed, gathered there, and read back once: one wait for the device.
         mine = torch.stack([~torch.isfinite(local_loss.detach()), ~torch.isfinite(grad_norm)]).to(torch.float64)
-        mine = torch.cat([mine.to(device), torch.tensor([cpu], dtype=torch.float64, device=device)])
+        mine = torch.cat([mine, torch.tensor([cpu], dtype=torch.float64, device=device)])
         every = [mine]
         if self.ctx.distributed and self.ctx.world_size > 1:
             every = [torch.empty_like(mine) for _ in range(self.ctx.world_size)]

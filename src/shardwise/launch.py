@@ -17,6 +17,8 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -177,39 +179,47 @@ def launch_local(launch: LaunchConfig, entry: list[str], expendable: frozenset[i
     ranks = {rank: subprocess.Popen([sys.executable, "-m", *entry],
                                     env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)))
              for rank in range(launch.nproc)}
-    signalled: list[signal.Signals] = []
-
-    def note(signum: int, frame: object) -> None:
-        signalled.append(signal.Signals(signum))
-
-    previous = {sig: signal.signal(sig, note) for sig in (signal.SIGTERM, signal.SIGINT)}
     lost: list[int] = []
-    try:
-        while ranks and not signalled:
-            for rank, process in list(ranks.items()):
-                code = process.poll()
-                if code is None:
-                    continue
-                del ranks[rank]
-                store.set(f"exited/{rank}", str(code))
-                if code == 0:
-                    continue
-                if rank not in expendable:
-                    raise WorkerFailed(f"worker rank {rank} failed (exit code {code}); its error is above")
-                print(f"rank {rank} exited with code {code}; the job goes on without it", file=sys.stderr, flush=True)
-                lost.append(rank)
-            time.sleep(0.1)
-        if signalled:
-            raise Stopped(f"stopped by signal {signalled[0].name}; workers were sent SIGTERM")
-    finally:
-        _stop(list(ranks.values()), launch.shutdown_timeout_s)
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        sys.stdout.flush()
+    with signals_noted() as signalled:
+        try:
+            while ranks and not signalled:
+                for rank, process in list(ranks.items()):
+                    code = process.poll()
+                    if code is None:
+                        continue
+                    del ranks[rank]
+                    store.set(f"exited/{rank}", str(code))
+                    if code == 0:
+                        continue
+                    if rank not in expendable:
+                        raise WorkerFailed(f"worker rank {rank} failed (exit code {code}); its error is above")
+                    print(f"rank {rank} exited with code {code}; the job goes on without it", file=sys.stderr,
+                          flush=True)
+                    lost.append(rank)
+                time.sleep(0.1)
+            if signalled:
+                raise Stopped(f"stopped by signal {signalled[0].name}; workers were sent SIGTERM")
+        finally:
+            stop_processes(list(ranks.values()), launch.shutdown_timeout_s)
+            sys.stdout.flush()
     return lost
 
 
-def _stop(processes: list[subprocess.Popen], grace_s: float) -> None:
+@contextmanager
+def signals_noted() -> Iterator[list[signal.Signals]]:
+    """While inside, SIGTERM and SIGINT are noted in the list yielded, not acted on: a launcher
+    passes them on to what it started and stops in order. The handlers before are put back after."""
+    signalled: list[signal.Signals] = []
+    previous = {sig: signal.signal(sig, lambda signum, frame: signalled.append(signal.Signals(signum)))
+                for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield signalled
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def stop_processes(processes: list[subprocess.Popen], grace_s: float) -> None:
     """SIGTERM every process still running; SIGKILL those still there after `grace_s`."""
     for process in processes:
         if process.poll() is None:

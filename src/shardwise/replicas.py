@@ -25,7 +25,6 @@ run directory, `RUN/replica-G/` (metrics.jsonl, final weights); their final weig
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -38,9 +37,9 @@ import torch
 
 from shardwise.checkpoint import TrainingRun, ensure_optimizer_state, training_state
 from shardwise.config.schema import LaunchConfig
-from shardwise.dist import DistContext
+from shardwise.dist import DistContext, restart_count
 from shardwise.gradients import local_grads
-from shardwise.launch import Stopped, torchrun_args
+from shardwise.launch import Stopped, signals_noted, stop_processes, torchrun_args
 
 GROUP_ENV = "SHARDWISE_REPLICA_GROUP"  # which replica group a worker belongs to, set by the launcher
 GROUPS_ENV = "SHARDWISE_REPLICA_GROUPS"  # how many there are
@@ -72,34 +71,24 @@ def launch_replica_groups(launch: LaunchConfig, entry: list[str]) -> list[int]:
     groups = {group: subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *torchrun_args(launch, entry)],
                                       env=dict(env, **{GROUP_ENV: str(group)}))
               for group in range(launch.replica_groups)}
-    signalled: list[signal.Signals] = []
-    previous = {sig: signal.signal(sig, lambda signum, frame: signalled.append(signal.Signals(signum)))
-                for sig in (signal.SIGTERM, signal.SIGINT)}
     failed: list[int] = []
-    try:
-        while groups and not signalled:  # the store and the Lighthouse live as long as this loop
-            for group, process in list(groups.items()):
-                code = process.poll()
-                if code is not None:
-                    del groups[group]
-                    if code:
-                        print(f"replica group {group} failed for good (exit code {code}); the others go on",
-                              file=sys.stderr, flush=True)
-                        failed.append(group)
-            time.sleep(0.1)
-        if signalled:
-            raise Stopped(f"stopped by signal {signalled[0].name}; every replica group was sent it too")
-    finally:
-        for process in groups.values():
-            process.send_signal(signal.SIGTERM)
-        for process in groups.values():
-            try:
-                process.wait(launch.shutdown_timeout_s)
-            except subprocess.TimeoutExpired:
-                process.kill()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        lighthouse.shutdown()
+    with signals_noted() as signalled:
+        try:
+            while groups and not signalled:  # the store and the Lighthouse live as long as this loop
+                for group, process in list(groups.items()):
+                    code = process.poll()
+                    if code is not None:
+                        del groups[group]
+                        if code:
+                            print(f"replica group {group} failed for good (exit code {code}); the others go on",
+                                  file=sys.stderr, flush=True)
+                            failed.append(group)
+                time.sleep(0.1)
+            if signalled:
+                raise Stopped(f"stopped by signal {signalled[0].name}; every replica group was sent it too")
+        finally:
+            stop_processes(list(groups.values()), launch.shutdown_timeout_s)
+            lighthouse.shutdown()
     return failed
 
 
@@ -120,7 +109,8 @@ class ReplicaGroups:
                                quorum_timeout=timeout, connect_timeout=timeout, rank=ctx.rank,
                                world_size=ctx.world_size)
         self.healed_at: list[int] = []  # the steps this group joined at by copying a peer's state
-        if not int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)):
+        self.restarted = restart_count() > 0  # after a failure: it heals rather than starting with the others
+        if not self.restarted:
             self._meet(ctx.world_size, timeout)
 
     @staticmethod

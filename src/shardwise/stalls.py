@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch.distributed as dist
 from torch._C._distributed_c10d import _dump_fr_trace_json
 
-from shardwise.dist import DistContext, job_store
+from shardwise.dist import DistContext, job_store, restart_count
 
 # How long a rank whose collective failed waits for the others to report theirs.
 REPORT_GRACE_S = 3.0
@@ -126,7 +126,7 @@ def _exchange_reports_in_time(ctx: DistContext, mine: dict[str, object] | None) 
 def _exchange_reports(ctx: DistContext, mine: dict[str, object] | None) -> dict[int, dict[str, object] | None]:
     """Post this rank's collective; return every rank's that arrives within the grace period."""
     store = dist.PrefixStore(
-        f"shardwise/timeouts/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}",
+        f"shardwise/timeouts/{restart_count()}",
         job_store(REPORT_GRACE_S + 5),
     )
     store.set(f"rank{ctx.rank}", json.dumps(mine))

@@ -4,7 +4,6 @@ logging. It knows nothing about any particular strategy; it speaks only to the S
 from __future__ import annotations
 
 import math
-import os
 import signal
 import time
 from collections.abc import Iterable, Iterator
@@ -258,7 +257,7 @@ class Trainer:
             raise CheckpointError(f"{self.out}: its checkpoint is at step {first} of train.steps = {t.steps}; "
                                   "nothing left to resume (raise train.steps to train further)")
         # A replica group restarted after a failure keeps the records of what it did before it.
-        kept = t.steps if self.replicas is not None and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) else first
+        kept = t.steps if self.replicas is not None and self.replicas.restarted else first
         writer = MetricsWriter(self.out / "metrics.jsonl", self.ctx.is_main, resumed_at=kept,
                                tensorboard=self.cfg.run.tensorboard)
         progress = Progress(t.steps, self.ctx.is_main, self.cfg.run.log_every, first=first)

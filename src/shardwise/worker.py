@@ -15,7 +15,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from shardwise.config.load import load_config
 from shardwise.config.validate import validate
-from shardwise.dist import init_distributed, leave_process, shutdown_distributed
+from shardwise.dist import init_distributed, leave_process, restart_count, shutdown_distributed
 from shardwise.metrics import format_summary
 from shardwise.replicas import replica_group
 from shardwise.stalls import explain, is_collective_failure
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> None:
             return
     else:
         ctx = init_distributed(launch.backend, launch.timeout_s, launch.threads_per_rank, launch.debug_collectives)
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0 and replica_group() is None:
+    if restart_count() > 0 and replica_group() is None:
         cfg.run.resume = True  # the group was restarted after a failure: go on from the last checkpoint
         # (a replica group heals from a live one instead: replicas.py)
     if ctx.is_main:

@@ -217,7 +217,7 @@ class Sharding:
         if self.stage == 3:
             for param in unit.params:
                 if param.dtype != unit.full_dtype:
-                    param.data = param.data.to(self.working_dtype)
+                    param.data = param.data.to(unit.full_dtype)
                 elif not param.untyped_storage().resizable():
                     param.data = param.data.clone()
         self.count_gathered(unit.full_bytes)
