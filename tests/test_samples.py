@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from distributed import run_ranks
-from helpers import CONFIGS, SGD, assert_same_training, gpt_tiny, in_process, train_runs
+from helpers import CONFIGS, SGD, assert_same_training, gpt_tiny, in_process, read_records, train_runs
 
 from shardwise.config.load import load_config
 from shardwise.config.schema import ConfigError
@@ -129,3 +129,30 @@ def test_samples_that_cannot_be_read_are_refused_naming_the_line(chat, tmp_path,
                                                       f"run.out={tmp_path / 'run'}"])
         make_datasets(cfg)
     assert expected in str(error.value)
+
+
+def test_the_shipped_chat_config_fine_tunes_a_pretrained_gpt(tmp_path, monkeypatch):
+    """configs/lora-chat.toml, as shipped (its paths from the checkout's root), over a stand-in for
+    `make demo`'s model: its counted targets are the assistant's shout, and it trains its adapters."""
+    from safetensors.torch import save_file
+    from transformers import AutoTokenizer
+
+    from shardwise.models import build_model
+
+    monkeypatch.chdir(CONFIGS.parent)
+    pretrained = tmp_path / "demo.safetensors"
+    shape = load_config(CONFIGS / "demo.toml")
+    save_file({k: v.clone() for k, v in build_model(shape.model).state_dict().items()}, str(pretrained))
+    cfg = load_config(CONFIGS / "lora-chat.toml", [f"model.weights={pretrained}", f"run.out={tmp_path / 'run'}",
+                                                   "train.steps=3", "train.eval_every=0", "parallel.strategy=single",
+                                                   "launch.nproc=1"])
+    train, _ = make_datasets(cfg)
+    _, targets = train.batch(torch.tensor([0]))
+    documents = train.documents(torch.tensor([0]))[0]
+    kept = targets[0][(documents == documents[0]) & (targets[0] != IGNORED)]
+    first = json.loads((CONFIGS.parent / cfg.data.path).read_text().splitlines()[0])["messages"][1]["content"]
+    assert AutoTokenizer.from_pretrained(cfg.data.tokenizer).decode(kept.tolist()) == first + "\n\n"
+    in_process(lambda ctx: Trainer(cfg, ctx).fit())
+    assert len(read_records(tmp_path / "run")) == 3
+    memory = read_records(tmp_path / "run", "summary")[0]["memory"]
+    assert 0 < memory["grads"] < 0.1 * memory["params"]  # gradients for the adapters alone
