@@ -21,6 +21,7 @@ from helpers import (
     assert_same_training,
     crash_at,
     gpt_tiny,
+    in_process,
     losses,
     read_records,
     train_in_process,
@@ -33,6 +34,7 @@ from shardwise.trainer import Trainer
 
 STEPS, SAVED_AT = 10, 5
 LLAMA = ("model.name=hf-llama", "model.n_head=4", "model.n_kv_head=2")  # grouped-query attention: 2 heads share k, v
+LORA = ("lora.rank=4", "lora.alpha=8", "train.lr=0.5")  # adapters on the frozen model's seven projections
 
 
 def cfg_for(out: Path, strategy: str, world: int, *overrides: str):
@@ -51,6 +53,9 @@ RUNS = {  # on 4 ranks: 2 data-parallel x 2 tensor-parallel
     "fsdp-pp2-zbv-llama": ("fsdp", "parallel.pp=2", "parallel.pipeline.micro_batches=2",
                            "parallel.pipeline.schedule=zbv",
                            "model.n_layer=4", *LLAMA),
+    # adapters over sharded stages: the frozen units gathered for the schedule, never reduced
+    "fsdp-pp2-lora-llama": ("fsdp", "parallel.pp=2", "parallel.pipeline.micro_batches=2", *LLAMA, *LORA,
+                            f"train.checkpoint_every={SAVED_AT}"),
 }
 EIGHT_RANK_RUNS = {
     # 2 "nodes" of 4 processes: each node's 2 x 2 (dp_shard x tp) holds a replica; a global batch of 8 over 4.
@@ -69,6 +74,7 @@ PLANNED = {
     "zero1-tp2-bf16-recompute": Candidate("zero1", 2, 1, 2, "bf16-mixed", "blocks", 4),
     "zero2-pp2": Candidate("zero2", 2, 2, 1, "fp32", "none", 4, 2, "1f1b"),
     "fsdp-pp2-zbv-llama": Candidate("fsdp", 2, 2, 1, "fp32", "none", 4, 2, "zbv"),
+    "fsdp-pp2-lora-llama": Candidate("fsdp", 2, 2, 1, "fp32", "none", 4, 2, "1f1b"),
     "hsdp-2x2-tp2": Candidate("hsdp", 4, 1, 2, "fp32", "none", 2, shard=2),
     "fsdp-cp2-tp2-recompute": Candidate("fsdp", 2, 1, 2, "fp32", "blocks", 4, cp=2),
     "fsdp-pp2-tp2": Candidate("fsdp", 2, 2, 2, "fp32", "none", 4, 2, "1f1b"),
@@ -79,6 +85,8 @@ PLANNED = {
 def reference(name: str) -> str:
     if "zbv" in name:
         return "single-llama-4-blocks"
+    if "lora" in name:
+        return "single-lora-llama"
     return "single-llama" if "llama" in name else "single-bf16" if "bf16" in name else "single"
 
 
@@ -102,6 +110,7 @@ def runs(tmp_path_factory) -> tuple[Path, dict[str, list[dict]]]:
     train_in_process(cfg_for(root / "single-llama", "single", 1, *LLAMA))
     train_in_process(cfg_for(root / "single-bf16", "single", 1, "parallel.precision=bf16-mixed"))
     train_in_process(cfg_for(root / "single-llama-4-blocks", "single", 1, "model.n_layer=4", *LLAMA))
+    train_in_process(cfg_for(root / "single-lora-llama", "single", 1, *LLAMA, *LORA))
     counted = {}
     for world, runs in ((4, RUNS), (8, EIGHT_RANK_RUNS)):
         ranks = run_ranks(train_runs, world, root, runs, timeout=600)
@@ -155,12 +164,23 @@ def build_gpt():
     return build_model(cfg_for(Path("."), "single", 1).model)
 
 
-def resume_under_single(ctx: DistContext, run: Path, out: Path) -> None:
+def resume_under_single(ctx: DistContext, run: Path, out: Path, *overrides: str) -> None:
     """A mesh's checkpoint at step 5, on one process."""
     saved = f"step-{SAVED_AT:08d}"
     shutil.copytree(run / "checkpoints" / saved, out / "checkpoints" / saved)
     (out / "checkpoints" / "latest").write_text(saved)
-    Trainer(cfg_for(out, "single", 1, "run.resume=true"), ctx).fit()
+    Trainer(cfg_for(out, "single", 1, "run.resume=true", *overrides), ctx).fit()
+
+
+def assert_resumed_as_straight(resumed: Path, straight: Path) -> None:
+    """The resumed run's losses and final weights are the straight run's from step 5 on."""
+    got, want = losses(resumed), losses(straight)
+    assert len(got) == STEPS - SAVED_AT
+    for step, (a, b) in enumerate(zip(got, want[SAVED_AT:], strict=True)):
+        assert abs(a - b) <= 1e-5 * b, step + SAVED_AT + 1
+    weights, expected = (load_file(str(run / "model.safetensors")) for run in (resumed, straight))
+    for key in expected:
+        torch.testing.assert_close(weights[key], expected[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
 @pytest.mark.parametrize("name", ["fsdp-tp2", "fsdp-pp2-tp2"])
@@ -177,13 +197,8 @@ def test_a_checkpoint_of_a_sharded_mesh_resumes_on_one_process_and_consolidates(
         resume_under_single(init_distributed(threads_per_rank=1), root / name, tmp_path / "resumed")
     finally:
         torch.set_num_threads(threads)
-    got, want = losses(tmp_path / "resumed"), losses(root / name)
-    assert len(got) == STEPS - SAVED_AT
-    for step, (a, b) in enumerate(zip(got, want[SAVED_AT:], strict=True)):
-        assert abs(a - b) <= 1e-5 * b, step + SAVED_AT + 1
-    resumed, straight = (load_file(str(run / "model.safetensors")) for run in (tmp_path / "resumed", root / name))
-    for key in straight:
-        torch.testing.assert_close(resumed[key], straight[key], rtol=1e-5, atol=1e-6, msg=key)
+    assert_resumed_as_straight(tmp_path / "resumed", root / name)
+    straight = load_file(str(root / name / "model.safetensors"))
     strategy, *overrides = {**RUNS, **EIGHT_RANK_RUNS}[name]
     cfg_for(root / name, strategy, 4, *overrides).save(root / name / "config.toml")  # as `shardwise train` does
     consolidate(root / name, tmp_path / "consolidated.safetensors")
@@ -194,6 +209,16 @@ def test_a_checkpoint_of_a_sharded_mesh_resumes_on_one_process_and_consolidates(
 
 
 RESHARDED_AT = 7  # steps 6-7 under pipeline x tp, then 8-10 under fsdp x tp again
+
+
+def test_a_lora_checkpoint_of_sharded_stages_resumes_on_one_process(runs, tmp_path):
+    """The adapters and their optimizer state, saved by fsdp over 2 x 2 pipeline ranks at step 5,
+    resume under single on one process, onto the frozen Llama it makes again from the seed."""
+    root, _ = runs
+    in_process(resume_under_single, root / "fsdp-pp2-lora-llama", tmp_path / "resumed", *LLAMA, *LORA)
+    assert_resumed_as_straight(tmp_path / "resumed", root / "fsdp-pp2-lora-llama")
+    saved = root / "fsdp-pp2-lora-llama" / "checkpoints" / f"step-{SAVED_AT:08d}"
+    assert json.loads((saved / "manifest.json").read_text())["lora"]["rank"] == 4
 
 
 def to_pipeline_and_back(ctx: DistContext, run: Path, out: Path) -> None:

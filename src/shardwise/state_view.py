@@ -339,8 +339,9 @@ class ShardedSplitView(SplitView):
         self.sharded.after_load()
 
     def whole_in_stage(self, name: str) -> torch.Tensor | None:
+        """A sharded parameter gathered as the units' view does; a buffer, or a frozen parameter
+        zero1 and zero2 hold unsharded, as a plain pipeline's stage holds it."""
         held = self.local[name]
-        if isinstance(held, nn.Parameter):
+        if self.sharded.owner.sharding.holds(held):
             return self.sharded.whole(held)
-        mesh = self.owner.mesh
-        return held.detach() if mesh.rank("dp") == 0 and mesh.rank("tp") == 0 else None
+        return super().whole_in_stage(name)

@@ -264,11 +264,9 @@ def _validate_lora(cfg: Config, world: int) -> None:
         raise ConfigError(f"lora.quantize = 'nf4': the 4-bit base is held under {', '.join(QLORA_STRATEGIES)}, "
                           f"without pipeline or tensor parallel, so far; not under parallel.strategy = "
                           f"{p.strategy!r} with pp = {pp}, tp = {tp}")
-    if p.strategy not in LORA_STRATEGIES or (pp > 1 and (p.strategy != "pipeline" or tp > 1)):
-        mesh = f" with parallel.pp = {pp}" + (f" and parallel.tp = {tp}" if tp > 1 else "") if pp > 1 else ""
-        raise ConfigError(f"lora.rank = {lora.rank}: adapters train under {', '.join(LORA_STRATEGIES)}, over "
-                          f"pipeline stages under pipeline alone, so far; not under parallel.strategy = "
-                          f"{p.strategy!r}{mesh}")
+    if p.strategy not in LORA_STRATEGIES:
+        raise ConfigError(f"lora.rank = {lora.rank}: adapters train under {', '.join(LORA_STRATEGIES)} (each over "
+                          f"pipeline stages and tensor parallel too); not under parallel.strategy = {p.strategy!r}")
 
 
 def validate_parallel(p: ParallelConfig) -> None:

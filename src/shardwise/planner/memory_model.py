@@ -484,6 +484,7 @@ def _pipeline(c: Candidate, cfg: Config, shape: ModelShape, activations: bool) -
     messages in flight."""
     facts = rank_facts(shape, c.tp, c.ep)
     trained = rank_facts(shape, c.tp, c.ep, "trainable")  # under LoRA its adapters; else all of it
+    frozen = rank_facts(shape, c.tp, c.ep, "frozen")  # under LoRA the rest; else nothing
     runs = c.micro_batches  # 1 where the model is split without pipelining
     per_run = c.micro_batch / runs
     layout = layout_of(c.schedule or "gpipe", c.pp)
@@ -509,26 +510,32 @@ def _pipeline(c: Candidate, cfg: Config, shape: ModelShape, activations: bool) -
         buffers = (runs + 2) * crossings * activation + expert_buffers(per_micro_batch, shape) \
             + context_buffers(per_micro_batch, shape)
         if c.spec.zero_stage:
-            held = facts.stage_facts(0 in stages, last in stages, sum(bounds[s][1] - bounds[s][0] for s in stages))
-            ranks.append(_sharded_stages_rank(c, cfg, held, int(peaks[rank]), buffers))
+            where = (0 in stages, last in stages, blocks)
+            ranks.append(_sharded_stages_rank(c, cfg, trained.stage_facts(*where), frozen.stage_facts(*where),
+                                              int(peaks[rank]), buffers))
         else:
             ranks.append(_mesh_rank(c, cfg, numel, trained.stage(0 in stages, last in stages, blocks), int(peaks[rank]),
                                     buffers))
     return ranks
 
 
-def _sharded_stages_rank(c: Candidate, cfg: Config, held: ModelFacts, activations: int, buffers: int) -> RankMemory:
+def _sharded_stages_rank(c: Candidate, cfg: Config, trained: ModelFacts, frozen: ModelFacts, activations: int,
+                         buffers: int) -> RankMemory:
     """A rank of zero1, zero2, fsdp or hsdp over pipeline stages: its stages' units sharded over the
-    dp ranks (hsdp's of a node; the model state as data parallel's over `held`), and within a step fsdp's stages
-    gathered whole and the whole gradients zero2 and fsdp accumulate over the micro-batches (zero1's
-    are its gradient buffer), with one unit packed for its reduce-scatter."""
+    dp ranks (hsdp's of a node; the model state as data parallel's over the `trained` parameters,
+    beside a LoRA model's `frozen` ones), and within a step fsdp's stages gathered whole and the
+    whole gradients zero2 and fsdp accumulate over the micro-batches (zero1's are its gradient
+    buffer), with one unit packed for its reduce-scatter."""
     precision = make_precision(c.precision, cfg.parallel.sharding.reduce_dtype)
     world = c.shard or c.dp  # hsdp: a node's dp ranks
-    state = model_state(c.spec.zero_stage, precision, held, world, cfg)
+    stored = dtype_bytes(precision.param_dtype)
+    state = model_state(c.spec.zero_stage, precision, trained, world, cfg, as_stored(frozen, stored))
     working = dtype_bytes(working_dtype(precision))
-    within_step = max(world * shard for shard in held.unit_shards(world)) * dtype_bytes(precision.reduce_dtype)
+    within_step = max(world * shard for shard in trained.unit_shards(world)) * dtype_bytes(precision.reduce_dtype)
     if c.spec.zero_stage >= 2:
-        within_step += held.params_total * working * (2 if c.spec.zero_stage == 3 else 1)
+        within_step += trained.params_total * working  # the whole gradients
+    if c.spec.zero_stage == 3:
+        within_step += (trained.params_total + frozen.params_total) * working  # the whole parameters
     return RankMemory(state.params, state.grads, state.optimizer, activations, buffers + within_step,
                       staging=state.staging)
 

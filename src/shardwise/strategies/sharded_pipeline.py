@@ -102,8 +102,9 @@ class ShardedPipeline(Pipeline):
         """A shard counts where its parameter would in a plain pipeline: a tp shard on every tp rank,
         what tp ranks hold whole on tp rank 0, a tied weight on the first stage; then summed over the
         stage's data-parallel ranks, its tp ranks and the stages."""
-        counted = [self.sharded.sharding.shard_of(p).grad for _, p in self.view.held_parameters()
-                   if self.sharded.sharding.shard_of(p).grad is not None and id(p) not in self.duplicates
+        sharding = self.sharded.sharding
+        counted = [sharding.shard_of(p).grad for _, p in self.view.held_parameters()
+                   if sharding.holds(p) and sharding.shard_of(p).grad is not None and id(p) not in self.duplicates
                    and (id(p) in self.tensor_shards or self.tp_rank == 0)]
         grads = local_grads(self.local_parameters())
         return clip_grad_norm_(counted, grads, max_norm, self.ctx.device,
