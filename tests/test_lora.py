@@ -34,6 +34,7 @@ from shardwise.trainer import Trainer
 
 STEPS, SAVED_AT = 10, 5
 LORA = ("lora.rank=4", "lora.alpha=8")
+LLAMA = ("model.name=hf-llama", "model.n_head=4", "model.n_kv_head=2")  # grouped-query attention: 2 heads share k, v
 
 
 def cfg_for(out: Path, strategy: str, world: int, *overrides: str):
@@ -82,14 +83,17 @@ def _wrap_single(ctx: DistContext, model: torch.nn.Module) -> torch.nn.Module:
 @pytest.fixture(scope="module")
 def lora_runs(tmp_path_factory) -> Path:
     """single on one rank; ddp, zero2, fsdp, a 2-stage pipeline, tensor tp2, fsdp over tp2, PyTorch's
-    DDP and FSDP2 and hsdp (one node: sharded over it) on two, all with adapters."""
+    DDP and FSDP2 and hsdp (one node: sharded over it) on two, all with adapters; a transformers
+    Llama's under single, tensor and zero2."""
     root = tmp_path_factory.mktemp("lora")
     base = in_process(_train_single, root)
+    in_process(lambda ctx: Trainer(cfg_for(root / "single-llama", "single", 1, *LLAMA), ctx).fit())
     run_ranks(train_runs, 2, root, {"ddp": ("ddp",), "zero2": ("zero2",), "fsdp": ("fsdp",),
                                     "pipeline": ("pipeline", "parallel.pipeline.micro_batches=2"),
                                     "tensor": ("tensor",), "fsdp-tp2": ("fsdp", "parallel.tp=2"),
                                     "ddp-native": ("ddp-native",), "fsdp-native": ("fsdp-native",),
-                                    "hsdp": ("hsdp",), "tensor-sp": ("tensor", "parallel.sequence_parallel=true")},
+                                    "hsdp": ("hsdp",), "tensor-sp": ("tensor", "parallel.sequence_parallel=true"),
+                                    "tensor-llama": ("tensor", *LLAMA), "zero2-llama": ("zero2", *LLAMA)},
               cfg_for)
     run_ranks(_crash_then_resume, 2, root / "fsdp-resumed")
     return root, base
@@ -116,6 +120,14 @@ def _train_single(ctx: DistContext, root: Path) -> tuple[dict, dict]:
 def test_lora_trains_as_one_device_does_under_every_strategy(lora_runs, strategy):
     root, _ = lora_runs
     assert_same_training(root / strategy, root / "single", STEPS)
+
+
+@pytest.mark.parametrize("strategy", ["tensor", "zero2"])
+def test_lora_on_a_transformers_llama_trains_as_one_device_does(lora_runs, strategy):
+    """Adapters on its seven projections: under tensor tp2 q, k, v, gate and up column-split (k and v
+    over fewer heads), o and down row-split; under zero2 their gradients sharded."""
+    root, _ = lora_runs
+    assert_same_training(root / f"{strategy}-llama", root / "single-llama", STEPS)
 
 
 def test_fsdp_shards_the_frozen_model_and_resumes_a_lora_run_bit_for_bit(lora_runs):
