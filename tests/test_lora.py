@@ -35,6 +35,8 @@ from shardwise.trainer import Trainer
 STEPS, SAVED_AT = 10, 5
 LORA = ("lora.rank=4", "lora.alpha=8")
 LLAMA = ("model.name=hf-llama", "model.n_head=4", "model.n_kv_head=2")  # grouped-query attention: 2 heads share k, v
+LLAMA_RUNS = {"ddp": ("ddp",), "zero2": ("zero2",), "fsdp": ("fsdp",), "fsdp-tp2": ("fsdp", "parallel.tp=2"),
+              "tensor": ("tensor",), "pipeline": ("pipeline", "parallel.pipeline.micro_batches=2")}
 
 
 def cfg_for(out: Path, strategy: str, world: int, *overrides: str):
@@ -84,7 +86,7 @@ def _wrap_single(ctx: DistContext, model: torch.nn.Module) -> torch.nn.Module:
 def lora_runs(tmp_path_factory) -> Path:
     """single on one rank; ddp, zero2, fsdp, a 2-stage pipeline, tensor tp2, fsdp over tp2, PyTorch's
     DDP and FSDP2 and hsdp (one node: sharded over it) on two, all with adapters; a transformers
-    Llama's under single, tensor and zero2."""
+    Llama's under single and each of LLAMA_RUNS."""
     root = tmp_path_factory.mktemp("lora")
     base = in_process(_train_single, root)
     in_process(lambda ctx: Trainer(cfg_for(root / "single-llama", "single", 1, *LLAMA), ctx).fit())
@@ -93,7 +95,7 @@ def lora_runs(tmp_path_factory) -> Path:
                                     "tensor": ("tensor",), "fsdp-tp2": ("fsdp", "parallel.tp=2"),
                                     "ddp-native": ("ddp-native",), "fsdp-native": ("fsdp-native",),
                                     "hsdp": ("hsdp",), "tensor-sp": ("tensor", "parallel.sequence_parallel=true"),
-                                    "tensor-llama": ("tensor", *LLAMA), "zero2-llama": ("zero2", *LLAMA)},
+                                    **{f"{name}-llama": (*run, *LLAMA) for name, run in LLAMA_RUNS.items()}},
               cfg_for)
     run_ranks(_crash_then_resume, 2, root / "fsdp-resumed")
     return root, base
@@ -122,10 +124,10 @@ def test_lora_trains_as_one_device_does_under_every_strategy(lora_runs, strategy
     assert_same_training(root / strategy, root / "single", STEPS)
 
 
-@pytest.mark.parametrize("strategy", ["tensor", "zero2"])
+@pytest.mark.parametrize("strategy", list(LLAMA_RUNS))
 def test_lora_on_a_transformers_llama_trains_as_one_device_does(lora_runs, strategy):
     """Adapters on its seven projections: under tensor tp2 q, k, v, gate and up column-split (k and v
-    over fewer heads), o and down row-split; under zero2 their gradients sharded."""
+    over fewer heads), o and down row-split; over pp2 its layers in two stages; sharded under the rest."""
     root, _ = lora_runs
     assert_same_training(root / f"{strategy}-llama", root / "single-llama", STEPS)
 
