@@ -253,8 +253,8 @@ def test_a_checkpoint_of_fsdp_over_tensor_parallel_reshards_to_a_pipeline_and_ba
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (("parallel.strategy=hsdp", "parallel.pp=2", "launch.nproc=3"), "launch.nproc = 3 must be a multiple of pp x tp"),
-    (("parallel.strategy=fsdp", "parallel.pp=2", "parallel.cp=2"), "a pipeline (parallel.pp = 2) does not split"),
+    (("parallel.strategy=hsdp", "parallel.pp=2", "launch.nproc=3"),
+     "launch.nproc = 3 must be a multiple of pp x tp x cp"),
     (("parallel.strategy=zero2", "parallel.pp=2", "parallel.sharding.offload=optimizer"), "not over pipeline stages"),
     (("parallel.strategy=fsdp", "parallel.pp=2", "parallel.pipeline.micro_batches=3"),
      "must divide train.micro_batch = 4"),

@@ -48,6 +48,8 @@ RUNS = {
     # 2 pipeline stages, each stage's sequences split over cp 2 (the tied embedding summed per cp rank)
     "gpt-ring-cp2-pp2": ("gpt", "pipeline", 2, "ring", False, "none"),
     "llama-a2a-cp2-pp2": ("llama", "pipeline", 2, "all-to-all", False, "none"),
+    # the same stages sharded by fsdp over each stage's 2 cp ranks
+    "llama-a2a-cp2-pp2-fsdp": ("llama", "fsdp", 2, "all-to-all", False, "none"),
 }
 
 
@@ -74,7 +76,7 @@ def train_on_4_ranks(ctx: DistContext, root: Path, names: tuple[str, ...]) -> No
     for name in names:
         model, strategy, cp, mode, documents, recompute = RUNS[name]
         tp = ["parallel.tp=2"] if strategy == "tensor" else []
-        if strategy == "pipeline":
+        if strategy == "pipeline" or "-pp2" in name:
             tp = ["parallel.pp=2", "parallel.pipeline.micro_batches=2"]
         Trainer(config(root / name, model, documents, f"parallel.strategy={strategy}", f"parallel.cp={cp}",
                        f"parallel.cp_mode={mode}", f"parallel.recompute={recompute}", *tp,
@@ -127,7 +129,7 @@ def test_document_masks_change_training(fast_runs, slow_runs):
 
 def unpacked_without_recompute(names: tuple[str, ...]) -> list[str]:
     # (a pipeline's stages save different shares: the planner's per-stage prediction is test_planner's)
-    return [name for name in names if not RUNS[name][4] and RUNS[name][5] == "none" and RUNS[name][1] != "pipeline"]
+    return [name for name in names if not RUNS[name][4] and RUNS[name][5] == "none" and "pp2" not in name]
 
 
 def check_saved_activations(root: Path, names: tuple[str, ...]) -> None:
@@ -163,6 +165,23 @@ def test_saved_activations_per_rank_are_1_over_cp_of_one_ranks_and_as_the_planne
 def test_saved_activations_of_the_llama_runs_are_1_over_cp_and_as_predicted_with_tensor_too(slow_runs):
     assert len(unpacked_without_recompute(SLOW)) == 3  # Llama: ring at cp 4, all-to-all at cp 2, and with tp 2
     check_saved_activations(slow_runs, SLOW)
+
+
+@pytest.mark.slow
+def test_fsdp_over_stages_split_over_cp_holds_what_the_planner_predicts(slow_runs):
+    """pp 2 x cp 2 on 4 ranks (cp outer, pp inner): each stage's parameters sharded over its 2 cp
+    ranks, their optimizer state beside them, as predicted to the byte; the saved activations
+    within 64 bytes (the planner's int64 positions)."""
+    name = "llama-a2a-cp2-pp2-fsdp"
+    cfg = config(slow_runs / name, "llama", False, "parallel.strategy=fsdp", "parallel.cp=2",
+                 "parallel.cp_mode=all-to-all", "parallel.pp=2", "parallel.pipeline.micro_batches=2", "launch.nproc=4")
+    candidate = Candidate("fsdp", 1, 2, 1, "fp32", "none", cfg.train.micro_batch, 2, "1f1b", cp=2,
+                          cp_mode="all-to-all")
+    predicted = predict_memory(candidate, cfg)
+    for rank, held in enumerate(read_records(slow_runs / name)[-1]["memory_by_rank"]):
+        stage = predicted[rank % 2]
+        assert (held["params"], held["optimizer"]) == (stage.params, stage.optimizer), rank
+        assert abs(held["activations"] - stage.activations) <= 64, rank
 
 
 @pytest.mark.parametrize(("overrides", "message"), [

@@ -154,10 +154,6 @@ def test_gpt_moe_counts_its_active_parameters():
     (("parallel.strategy=hsdp", "parallel.ep=2"), "parallel.strategy = 'hsdp' does not split experts yet"),
     (("parallel.strategy=fsdp", "parallel.ep=2", "model.n_experts=2", "launch.nproc=4"),
      "fsdp shards each ep rank's 1 experts over the dp / ep = 2 ranks"),
-    (("parallel.strategy=fsdp", "parallel.ep=2", "parallel.pp=2", "parallel.pipeline.micro_batches=2",
-      "launch.nproc=4"),
-     "parallel.ep = 2 with parallel.pp = 2: over pipeline stages, expert parallel runs under parallel.strategy = "
-     "'pipeline' only yet"),
     (("parallel.strategy=fsdp", "parallel.tp=2", "parallel.sequence_parallel=true"),
      "each tp rank would route only its part of the sequence"),
     (("parallel.cp=2",), "model.balance = 'aux-loss' with parallel.cp = 2"),
@@ -233,6 +229,9 @@ FOUR_RANK_RUNS = {
     "pipeline-pp2-ep2": ("pipeline", "parallel.dp=2", "parallel.pp=2", "parallel.ep=2",
                          "parallel.pipeline.micro_batches=2",
                          "train.micro_batch=4", f"train.checkpoint_every={SAVED_AT}"),
+    # the same stages sharded: fsdp over each stage's 2 dp ranks, the experts of each over ep 2
+    "fsdp-pp2-ep2": ("fsdp", "parallel.dp=2", "parallel.pp=2", "parallel.ep=2", "parallel.pipeline.micro_batches=2",
+                     "train.micro_batch=4"),
     # each sequence split over cp 2, the experts over ep 2: an expert's gradient summed over its dp and cp ranks
     "ddp-ep2-cp2-bias": ("ddp", "parallel.cp=2", "parallel.ep=2", *BIAS),
     "fsdp-ep2-cp2-bias": ("fsdp", "parallel.cp=2", "parallel.ep=2", *BIAS),  # each ep rank's sharded over cp
@@ -249,7 +248,8 @@ FOUR_RANK_RUNS = {
 EXPERTS_HELD = {"ddp-ep2": 2, "zero1-ep2-bias": 2, "mixtral-ddp-ep2": 2, "qwen3-moe-fsdp-ep2": 2, "ddp-ep4": 4,
                 "ddp-ep2-dp4": 2, "fsdp-ep2": 4, "fsdp-ep2-tp2": 2, "deepseek-v3-fsdp-ep2": 4,
                 "mixtral-mha-fsdp-ep2-tp2": 2, "zero2-ep4-bf16-recompute": 4,
-                "pipeline-pp2-ep2": 4, "pipeline-interleaved-ep2-4-blocks": 4,  # half the blocks, 1/ep of theirs
+                # half the blocks, 1/ep of theirs
+                "pipeline-pp2-ep2": 4, "fsdp-pp2-ep2": 4, "pipeline-interleaved-ep2-4-blocks": 4,
                 "tensor-ep2-tp2": 2, "mixtral-mha-tensor-ep2-tp2": 2, "ddp-ep2-cp2-bias": 2, "fsdp-ep2-cp2-bias": 4}
 
 
@@ -343,6 +343,21 @@ def test_each_rank_holds_its_share_of_the_experts(runs, name):
     model = build_model(cfg_for(Path("."), "single", 1, *family).model)
     experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
     assert held[name] == [experts // EXPERTS_HELD[name]] * len(held[name])
+
+
+def test_fsdp_over_stages_with_experts_holds_what_the_planner_predicts(runs):
+    """dp 2 x pp 2 with ep 2 (pp inner): each rank's stage, its experts cut to this ep rank's half
+    and its dense parameters sharded over the stage's 2 dp ranks, with their optimizer state, to
+    the byte."""
+    from shardwise.planner.candidates import Candidate
+    from shardwise.planner.memory_model import predict_memory
+
+    root, _ = runs
+    strategy, *overrides = FOUR_RANK_RUNS["fsdp-pp2-ep2"]
+    predicted = predict_memory(Candidate("fsdp", 2, 2, 1, "fp32", "none", 4, 2, "1f1b", ep=2),
+                               cfg_for(root, strategy, 4, *overrides))
+    for rank, held in enumerate(read_records(root / "fsdp-pp2-ep2")[-1]["memory_by_rank"]):
+        assert (held["params"], held["optimizer"]) == (predicted[rank % 2].params, predicted[rank % 2].optimizer)
 
 
 def test_a_checkpoint_reshards_to_another_ep_size_and_to_one_process(runs, tmp_path):

@@ -103,7 +103,7 @@ def test_a_70b_gpt_on_64_h100s_costs_a_few_percent_of_its_candidates():
     assert plan.params_total == 64_722_845_696
     # with the sharded strategies over tensor parallel and over pipeline stages (hsdp's too, on 8 nodes), and
     # pipeline's stages over context parallel
-    assert plan.candidates == 114_936 and len(plan.ranked) < 0.02 * plan.candidates
+    assert plan.candidates == 259_080 and len(plan.ranked) < 0.02 * plan.candidates
     best = plan.recommended
     assert best.memory.total <= 79 * 2**30 and best.twins == ("fp16-mixed",)
     # what the exhaustive search recommended (54 s before the pruning; measured on the shared machine)

@@ -216,9 +216,6 @@ def _validate_experts(cfg: Config, world: int) -> None:
         raise ConfigError(f"parallel.ep = {p.ep}: must divide model.n_experts = {m.n_experts}; each ep rank holds "
                           "an equal share of every layer's experts")
     dp, pp, tp = p.mesh_shape(world)
-    if pp > 1 and p.strategy != "pipeline":
-        raise ConfigError(f"parallel.ep = {p.ep} with parallel.pp = {pp}: over pipeline stages, expert parallel runs "
-                          f"under parallel.strategy = 'pipeline' only yet (not {p.strategy}'s sharded stages)")
     if dp % p.ep:
         raise ConfigError(f"parallel.ep = {p.ep}: the expert-parallel ranks are data-parallel ranks, so ep must "
                           f"divide dp = {dp} (world size {world}); e.g. --nproc {p.ep}")

@@ -104,17 +104,17 @@ def _meshes(world: int, nodes: int) -> Iterator[tuple[str, int, int, int, int, s
             dp = world // pp // tp
             own = "pp" if pp > 1 else "tp" if tp > 1 else None  # the strategy's own dimension takes what is left
             for s in planned:
-                # Over pipeline stages, the sharded strategies too, without context parallel; hsdp on several
-                # nodes, each holding whole replicas' stages (and their tp ranks).
-                across = nodes > 1 and (world // nodes) % (pp * tp) == 0
-                if own == "pp" and s.shards_split_model and (across or not s.across_nodes):
-                    yield s.name, dp, pp, tp, 1, None
-                if s.mesh_dim == own:
-                    yield s.name, dp, pp, tp, 1, None
-                    if s.context_parallel:
-                        for cp in _divisors(dp)[1:]:
-                            for mode in CP_MODES:
-                                yield s.name, dp // cp, pp, tp, cp, mode
+                # Over pipeline stages, the sharded strategies too; hsdp on several nodes, each holding
+                # whole replicas' stages (and their tp ranks; its config checks refuse a cp that splits them).
+                staged = own == "pp" and s.shards_split_model
+                if s.mesh_dim != own and not staged or staged and s.across_nodes and (
+                        nodes == 1 or (world // nodes) % (pp * tp)):
+                    continue
+                yield s.name, dp, pp, tp, 1, None
+                if s.context_parallel:
+                    for cp in _divisors(dp)[1:]:
+                        for mode in CP_MODES:
+                            yield s.name, dp // cp, pp, tp, cp, mode
 
 
 def micro_batch_options(per_replica: int) -> list[int]:
@@ -157,12 +157,11 @@ def enumerate_candidates(base: Config, world: int, precisions: tuple[str, ...] =
 def _with_experts(meshes: Iterator[tuple[str, int, int, int, int, str | None]],
                   base: Config) -> Iterator[tuple[str, int, int, int, int, str | None, int]]:
     """Each mesh with ep 1 and, for a Mixture-of-Experts model under a strategy that splits
-    experts (over data-parallel ranks, with or without context parallel; over pipeline stages under
-    `pipeline`), with every ep dividing both dp and the experts."""
+    experts (over data-parallel ranks, with or without context parallel and pipeline stages), with
+    every ep dividing both dp and the experts."""
     for strategy, dp, pp, tp, cp, cp_mode in meshes:
         yield strategy, dp, pp, tp, cp, cp_mode, 1
-        staged = pp > 1 and strategy != "pipeline"
-        if base.model.name in MOE_MODELS and strategy in EP_STRATEGIES and not staged:
+        if base.model.name in MOE_MODELS and strategy in EP_STRATEGIES:
             for ep in _divisors(dp)[1:]:
                 if base.model.n_experts % ep == 0:
                     yield strategy, dp, pp, tp, cp, cp_mode, ep

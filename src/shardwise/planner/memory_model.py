@@ -527,7 +527,7 @@ def _sharded_stages_rank(c: Candidate, cfg: Config, trained: ModelFacts, frozen:
     whole gradients zero2 and fsdp accumulate over the micro-batches (zero1's are its gradient
     buffer), with one unit packed for its reduce-scatter."""
     precision = make_precision(c.precision, cfg.parallel.sharding.reduce_dtype)
-    world = c.shard or c.dp  # hsdp: a node's dp ranks
+    world = c.shard or c.dp * c.cp  # the ranks a stage's parameters are split over: hsdp's of a node
     stored = dtype_bytes(precision.param_dtype)
     state = model_state(c.spec.zero_stage, precision, trained, world, cfg, as_stored(frozen, stored))
     working = dtype_bytes(working_dtype(precision))

@@ -1,7 +1,9 @@
 """`zero1`, `zero2`, `fsdp` and `hsdp` over pipeline stages (`parallel.pp > 1`, with or without
-`tp`): the pipeline of pipeline.py, whose stages' parameters are sharded over the data-parallel
-ranks of their stage by fsdp.py's units (a unit per block, one for the rest of the stage); under
-hsdp over those of its node, the shards' gradients then averaged across nodes (hsdp.py).
+`tp`, `cp` and `ep`): the pipeline of pipeline.py, whose stages' parameters are sharded over the
+data-parallel (and context-parallel) ranks of their stage by fsdp.py's units (a unit per block,
+one for the rest of the stage; a block's experts, which the pipeline cut to this rank's share, over
+the stage's ranks holding the same ones); under hsdp over those of its node, the shards' gradients
+then averaged across nodes (hsdp.py).
 
 A pipeline step runs M micro-batches through its schedule, and a stage's parameters are used in
 every one of them, forward and backward (and a split backward's W runs long after its B), so the
@@ -51,13 +53,10 @@ class ShardedPipeline(Pipeline):
     @classmethod
     def check_config(cls, cfg: Config, world: int) -> None:
         p = cfg.parallel
-        if spec(p.strategy).across_nodes and cfg.launch.nproc % (p.pp * (p.tp or 1)):
+        if spec(p.strategy).across_nodes and cfg.launch.nproc % (p.pp * (p.tp or 1) * p.cp):
             raise ConfigError(f"parallel.pp = {p.pp}: {p.strategy} keeps a replica's pipeline stages (and their "
-                              f"tensor-parallel ranks) within a node; launch.nproc = {cfg.launch.nproc} must be a "
-                              "multiple of pp x tp")
-        if p.cp > 1:
-            raise ConfigError(f"parallel.cp = {p.cp}: a pipeline (parallel.pp = {p.pp}) does not split sequences; "
-                              "context parallel composes with fsdp, zero1 and zero2 over tensor parallel alone")
+                              f"tensor- and context-parallel ranks) within a node; launch.nproc = "
+                              f"{cfg.launch.nproc} must be a multiple of pp x tp x cp")
         if p.sharding.offload != "none":
             raise ConfigError(f"parallel.sharding.offload = {p.sharding.offload!r}: not over pipeline stages "
                               f"(parallel.pp = {p.pp})")
@@ -72,6 +71,7 @@ class ShardedPipeline(Pipeline):
     def wrap(self, model: nn.Module) -> nn.Module:
         module = super().wrap(model)
         stages = nn.ModuleList(stage.model for stage in self.stages.values())
+        self.sharded.experts = self.experts  # this rank's share of each stage's experts, cut as it was made
         self.sharded.shard_stages(stages, self.cfg.block, dict(self.view.held_parameters()), self.view.full,
                                    self.tensor_shards, self.tp_partial)
         self.view.sharded = self.sharded.view
