@@ -45,8 +45,8 @@ def _add_train_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--max-restarts", type=int, metavar="K",
                    help="launch.max_restarts: restart the group up to K times after a worker dies; it resumes")
     p.add_argument("--replica-groups", type=int, metavar="N",
-                   help="launch.replica_groups: N ddp groups of --nproc ranks, averaged and healed by torchft (a "
-                   "group restarted after a failure copies a live one's state; the others go on)")
+                   help="launch.replica_groups: N groups of --nproc ranks (ddp, zero1, zero2, fsdp), averaged and "
+                   "healed by torchft (a group restarted after a failure copies a live one's state; the others go on)")
     p.add_argument("--tensorboard", action="store_true", default=None,
                    help="run.tensorboard: also write the metrics as TensorBoard scalars to OUT/tensorboard "
                    "(needs the tensorboard package: pip install 'shardwise[tensorboard]')")

@@ -2,13 +2,14 @@
 
 `shardwise train --replica-groups N` starts torchft's Lighthouse and N torchrun jobs of
 launch.nproc ranks each, on this machine. Each job is one replica group: a whole copy of the
-model, trained by its own strategy over its own ranks (ddp), with a share of each global batch of
-its own. Across the groups, torchft's Manager does the rest, step by step:
+model, trained by its own strategy over its own ranks (ddp; or zero1, zero2, fsdp, which shard it
+over the group's ranks: torchft's HSDP), with a share of each global batch of its own. Across the
+groups, torchft's Manager does the rest, step by step:
 
 - **A quorum** at the start of each step: the groups alive now (the Lighthouse's heartbeat).
-- **Averaging.** After backward, each rank averages its gradients (and its loss) with the same
-  rank of every group in the quorum, in one all-reduce over a Gloo group the Manager remakes
-  whenever the quorum changes.
+- **Averaging.** After backward (and a sharded strategy's reduce-scatter within the group), each
+  rank averages its gradients (its shards') and its loss with the same rank of every group in the
+  quorum, in one all-reduce over a Gloo group the Manager remakes whenever the quorum changes.
 - **Commit or roll back.** The optimizer steps only if every group in the quorum finished the
   step without an error (`should_commit`); otherwise no group applies it, and the step is tried
   again with the next quorum. A committed step is never applied twice.
@@ -40,6 +41,7 @@ from shardwise.config.schema import LaunchConfig
 from shardwise.dist import DistContext, restart_count
 from shardwise.gradients import local_grads
 from shardwise.launch import Stopped, signals_noted, stop_processes, torchrun_args
+from shardwise.memory import local_tensor
 
 GROUP_ENV = "SHARDWISE_REPLICA_GROUP"  # which replica group a worker belongs to, set by the launcher
 GROUPS_ENV = "SHARDWISE_REPLICA_GROUPS"  # how many there are
@@ -187,8 +189,10 @@ def replicated_step(trainer: ReplicatedRun, step: int) -> torch.Tensor:
 
 
 def replica_state(trainer: ReplicatedRun) -> dict[str, Any]:
-    """What a group healing from this one copies: model and optimizer state (live tensors)."""
-    return training_state(trainer, trainer.ctx.world_size, with_rng=False)
+    """What a group healing from this one copies: model and optimizer state, this rank's part of
+    each (live tensors: a sharded strategy's shards, which the same rank of every group holds alike)."""
+    state = training_state(trainer, trainer.ctx.world_size, with_rng=False)
+    return {part: {name: local_tensor(t) for name, t in entries.items()} for part, entries in state.items()}
 
 
 def load_replica_state(trainer: ReplicatedRun, state: dict[str, Any]) -> None:

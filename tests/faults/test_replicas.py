@@ -20,7 +20,7 @@ from bench.faults import victim
 
 pytest.importorskip("torchft")
 
-GROUPS, STEPS = 3, 150
+STEPS = 150
 
 
 def records(run: Path, group: int) -> list[dict]:
@@ -31,20 +31,25 @@ def records(run: Path, group: int) -> list[dict]:
 
 
 def train(out: Path, *args: str) -> subprocess.Popen:
-    """gpt-tiny under ddp, a global batch of 12 in micro-batches of 4, SGD."""
+    """gpt-tiny, a global batch of 12, SGD."""
     return subprocess.Popen(
-        [sys.executable, "-m", "shardwise.cli", "train", str(CONFIGS / "gpt-tiny.toml"), "--strategy", "ddp",
-         "--set", "train.eval_every=0", "--set", "train.global_batch=12", "--set", "train.micro_batch=4",
+        [sys.executable, "-m", "shardwise.cli", "train", str(CONFIGS / "gpt-tiny.toml"),
+         "--set", "train.eval_every=0", "--set", "train.global_batch=12",
          "--set", "train.optimizer=sgd", "--out", str(out), *args],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "RUST_LOG": "error"})
 
 
 @pytest.mark.slow
-def test_a_killed_group_heals_from_a_live_one_while_the_others_go_on(tmp_path):
-    # One ddp group of 3 ranks, over the warm-up (the learning rate after it depends on train.steps)
-    reference = train(tmp_path / "reference", "--nproc", str(GROUPS), "--steps", "10")
-    job = train(tmp_path, "--nproc", "1", "--replica-groups", str(GROUPS), "--max-restarts", "1", "--steps",
-                str(STEPS))
+@pytest.mark.parametrize(("strategy", "nproc", "groups"), [("ddp", 1, 3), ("fsdp", 2, 2)], ids=["ddp", "fsdp"])
+def test_a_killed_group_heals_from_a_live_one_while_the_others_go_on(tmp_path, strategy, nproc, groups):
+    micro_batch = ("--set", f"train.micro_batch={12 // (groups * nproc)}")  # each rank's share in one
+    """ddp: 3 groups of one rank; fsdp: 2 groups of 2 ranks, each group's model sharded over its own
+    ranks (torchft's HSDP), a killed rank's group healed shard by shard from the same ranks of the other."""
+    # One group of all the ranks, over the warm-up (the learning rate after it depends on train.steps)
+    reference = train(tmp_path / "reference", "--strategy", strategy, "--nproc", str(groups * nproc), "--steps", "10",
+                      *micro_batch)
+    job = train(tmp_path, "--strategy", strategy, "--nproc", str(nproc), "--replica-groups", str(groups),
+                "--max-restarts", "1", "--steps", str(STEPS), *micro_batch)
     deadline = time.monotonic() + 120
     while sum(r["committed"] for r in records(tmp_path, 1)) < 20 and time.monotonic() < deadline \
             and job.poll() is None:
@@ -58,24 +63,24 @@ def test_a_killed_group_heals_from_a_live_one_while_the_others_go_on(tmp_path):
     assert job.returncode == 0, err[-3000:]
 
     # Every group's weights are the same at the end, the healed one's too.
-    weights = [load_file(str(tmp_path / f"replica-{g}" / "model.safetensors")) for g in range(GROUPS)]
+    weights = [load_file(str(tmp_path / f"replica-{g}" / "model.safetensors")) for g in range(groups)]
     for other in weights[1:]:
         assert other.keys() == weights[0].keys() and all(other[k].equal(weights[0][k]) for k in other)
-    # Group 0 never stopped: each step committed once, in order, some with two groups while the third
-    # was away, the rest with all three.
+    # Group 0 never stopped: each step committed once, in order, with every group or without the
+    # killed one while it was away (none, when its restart beat the next quorum), the last with all.
     steady = records(tmp_path, 0)
     committed = [r["step"] for r in steady if r["committed"]]
     assert committed == list(range(1, STEPS + 1))
-    assert min(r["replica_groups"] for r in steady) == GROUPS - 1 and steady[-1]["replica_groups"] == GROUPS
+    assert {r["replica_groups"] for r in steady} <= {groups - 1, groups} and steady[-1]["replica_groups"] == groups
     # The restarted group joined by copying a live group's state, at a step past the kill.
     healed = records(tmp_path, 1)
     assert healed[-1]["healed_at"] and healed[-1]["healed_at"][-1] >= killed_at, healed[-1]
     # Where a step was committed by every group, they all saw the same averaged loss.
-    losses = [{r["step"]: r["loss"] for r in records(tmp_path, g) if r["committed"]} for g in range(GROUPS)]
-    together = set(losses[0]) & set(losses[1]) & set(losses[2])
+    losses = [{r["step"]: r["loss"] for r in records(tmp_path, g) if r["committed"]} for g in range(groups)]
+    together = set.intersection(*(set(group) for group in losses))
     assert set(range(1, killed_at)) <= together
-    assert all(losses[0][step] == losses[1][step] == losses[2][step] for step in together)
-    # Before the fault, three groups of one rank train as one ddp group of three ranks does.
+    assert all(len({group[step] for group in losses}) == 1 for step in together)
+    # Before the fault, the groups train as one group of all their ranks does.
     assert reference.wait(timeout=120) == 0, reference.stderr.read()[-3000:]
     want = [json.loads(line)["loss"] for line in (tmp_path / "reference" / "metrics.jsonl").read_text().splitlines()
             if json.loads(line)["event"] == "step"]
@@ -83,13 +88,14 @@ def test_a_killed_group_heals_from_a_live_one_while_the_others_go_on(tmp_path):
 
 
 @pytest.mark.parametrize(("args", "expected"), [
-    (("--strategy", "fsdp"), "launch.replica_groups = 2: torchft averages and heals whole replicas, so far of ddp "
-                             "alone (every rank holding the whole model); not parallel.strategy = 'fsdp'"),
+    (("--strategy", "tensor"), "launch.replica_groups = 2: torchft averages and heals replicas that each hold the "
+                               "model whole or sharded over their ranks (ddp, zero1, zero2, fsdp), so far without a "
+                               "mesh; not parallel.strategy = 'tensor'"),
     (("--strategy", "ddp", "--checkpoint-every", "5"), "launch.replica_groups = 2: a restarted group heals from a "
                                                        "live one, not from a checkpoint"),
     (("--strategy", "ddp", "--set", "train.global_batch=6"), "train.global_batch = 6: must be divisible by "
                                                              "launch.replica_groups 2 x world size 2"),
-], ids=["fsdp", "checkpoints", "batch"])
+], ids=["tensor", "checkpoints", "batch"])
 def test_replica_groups_that_cannot_run_are_refused_before_launch(tmp_path, capsys, args, expected):
     from shardwise.cli import main
 

@@ -387,7 +387,8 @@ class LaunchConfig:
     replica_groups: int = option(1, "N > 1: N replica groups of `nproc` ranks each on this node, each a torchrun "
                                  "job of its own; their gradients averaged every step by torchft, which commits or "
                                  "rolls back each step and heals a group restarted after a failure (`max_restarts`) "
-                                 "from a live one, the others going on (replicas.py; ddp; needs torchft)")
+                                 "from a live one, the others going on (replicas.py; ddp, or zero1, zero2, fsdp "
+                                 "sharding each group's model over its ranks; needs torchft)")
     debug_collectives: bool = option(False, "check before every collective that it is the same call on every rank, "
                                      "failing at the first mismatch (slow; not with ddp-native)")
 

@@ -153,18 +153,24 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         )
 
 
+# What a replica group may run (replicas.py): the whole model on each rank, or sharded over the
+# group's ranks alike in every group (torchft's HSDP), so that the same rank of each group holds the same part.
+REPLICA_GROUP_STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
+
+
 def _validate_replica_groups(cfg: Config) -> None:
-    """launch.replica_groups: torchft's groups (replicas.py), so far ddp's on one node, healing from
-    a peer rather than a checkpoint."""
+    """launch.replica_groups: torchft's groups (replicas.py), on one node, healing from a peer
+    rather than a checkpoint."""
     launch, p = cfg.launch, cfg.parallel
     _positive("launch.replica_groups", launch.replica_groups)
     if launch.replica_groups == 1:
         return
     n = launch.replica_groups
-    if p.strategy != "ddp" or any((size or 1) > 1 for size in (p.pp, p.tp, p.cp, p.ep)):
-        raise ConfigError(f"launch.replica_groups = {n}: torchft averages and heals whole replicas, so far of ddp "
-                          f"alone (every rank holding the whole model); not parallel.strategy = {p.strategy!r}"
-                          + (" over a mesh" if p.strategy == "ddp" else ""))
+    if p.strategy not in REPLICA_GROUP_STRATEGIES or any((size or 1) > 1 for size in (p.pp, p.tp, p.cp, p.ep)):
+        raise ConfigError(f"launch.replica_groups = {n}: torchft averages and heals replicas that each hold the "
+                          f"model whole or sharded over their ranks ({', '.join(REPLICA_GROUP_STRATEGIES)}), so far "
+                          f"without a mesh; not parallel.strategy = {p.strategy!r}"
+                          + (" over a mesh" if p.strategy in REPLICA_GROUP_STRATEGIES else ""))
     if launch.nnodes > 1:
         raise ConfigError(f"launch.replica_groups = {n}: the launcher starts every group on this node; across "
                           "machines, start one group per machine yourself (docs/multinode.md)")
