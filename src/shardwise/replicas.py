@@ -20,7 +20,10 @@ groups, torchft's Manager does the rest, step by step:
 
 While a group is missing, a step's global batch is the shares of the groups present, and the
 average is over them: those steps differ from an uninterrupted run's. Every group writes its own
-run directory, `RUN/replica-G/` (metrics.jsonl, final weights); their final weights are equal.
+run directory, `RUN/replica-G/` (metrics.jsonl, checkpoints, final weights); their final weights
+are equal. Checkpoints (`train.checkpoint_every`) are for the whole job's restart (`run.resume`):
+each group resumes from its own newest, and the first quorum heals a group whose newest is older
+from one whose is newest. A group restarted alone heals from a live one without reading them.
 """
 
 from __future__ import annotations
@@ -129,6 +132,11 @@ class ReplicaGroups:
         while arrived < everyone and time.monotonic() < deadline:
             time.sleep(0.01)
             arrived = store.add("ready", 0)
+
+    def resume_at(self, step: int) -> None:
+        """After this group loaded its checkpoint of `step` steps: the step it offers the next quorum,
+        where a group that resumed from an older checkpoint (or none) heals from the newest."""
+        self.manager.load_state_dict({"step": step, "batches_committed": self.manager.batches_committed()})
 
     def begin(self) -> int:
         """Start a step: the quorum of groups alive, this group healed from a peer if it is behind.

@@ -250,6 +250,8 @@ class Trainer:
         t = self.cfg.train
         with self.peaks("load"):
             first = load_checkpoint(self) if self.cfg.run.resume else 0
+            if self.replicas is not None and first:  # groups that resumed further along heal the others
+                self.replicas.resume_at(first)
             # A LoRA checkpoint holds no frozen weights: they are the pretrained ones again.
             if self.cfg.model.weights and (first == 0 or self.strategy.lora is not None):
                 load_weights(self.strategy, self.cfg.model.weights, self.names)
@@ -285,11 +287,12 @@ class Trainer:
                 progress.update(step, loss, record["tokens_per_s"], record["samples_per_s"])
                 if self.checkpointer is not None:
                     self.checkpointer.poll()  # the save in flight, if rank 0 finished it: its failure raised here
+                done = step + 1 if self.committed else step  # a step replica groups rolled back left no trace
                 if terminate.agreed(self.ctx):
-                    self.save_checkpoint(step + 1, now=True)
-                    raise SystemExit(f"rank {self.ctx.rank}: SIGTERM: saved a checkpoint after step {step + 1}")
-                if t.checkpoint_every and (step + 1) % t.checkpoint_every == 0:
-                    self.save_checkpoint(step + 1)
+                    self.save_checkpoint(done, now=True)
+                    raise SystemExit(f"rank {self.ctx.rank}: SIGTERM: saved a checkpoint after step {done}")
+                if t.checkpoint_every and self.committed and done % t.checkpoint_every == 0:
+                    self.save_checkpoint(done)
                 if t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 < t.steps:
                     val_loss = self.evaluate()
                     writer.write({"event": "eval", "step": step + 1, "val_loss": val_loss})

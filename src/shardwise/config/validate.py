@@ -174,9 +174,6 @@ def _validate_replica_groups(cfg: Config) -> None:
     if launch.nnodes > 1:
         raise ConfigError(f"launch.replica_groups = {n}: the launcher starts every group on this node; across "
                           "machines, start one group per machine yourself (docs/multinode.md)")
-    if cfg.train.checkpoint_every or cfg.run.resume:
-        raise ConfigError(f"launch.replica_groups = {n}: a restarted group heals from a live one, not from a "
-                          "checkpoint; set train.checkpoint_every = 0 and run.resume = false")
     if importlib.util.find_spec("torchft") is None:
         raise ConfigError(f"launch.replica_groups = {n}: needs torchft; pip install 'shardwise[ft]' "
                           "(or pip install torchft)")
