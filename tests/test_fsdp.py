@@ -26,7 +26,7 @@ from shardwise.dist import DistContext
 from shardwise.gradients import local_grads
 from shardwise.memory import optimizer_state_tensors, storage_bytes, storage_key
 from shardwise.models import build_model
-from shardwise.parallel.shard import HOST, copy_in, copy_out
+from shardwise.parallel.shard import HOST, copy_in, copy_out, sharded_shape
 from shardwise.strategies.classes import make_strategy
 from shardwise.trainer import Trainer
 
@@ -330,22 +330,27 @@ def test_a_0_dim_parameter_is_refused_by_name():
         strategy.wrap(Scaled())
 
 
-@pytest.mark.parametrize(("shape", "world"), [((12, 3), 4), ((10, 3), 4), ((5,), 8), ((3, 2, 2), 64), ((64,), 64)])
-def test_shards_pack_and_unpack_as_torch_chunk_cuts_them(shape, world):
+@pytest.mark.parametrize(("shape", "world", "fold"), [((12, 3), 4, False), ((10, 3), 4, False), ((5,), 8, False),
+                                                    ((3, 2, 2), 64, False), ((64,), 64, False), ((2, 8, 3), 4, True),
+                                                    ((3, 2, 2), 64, True)])
+def test_shards_pack_and_unpack_as_torch_chunk_cuts_them(shape, world, fold):
     # each rank's shard is its torch.chunk of dim 0, zero-padded to ceil(rows / world) rows; some ranks
-    # hold padding only (3 rows over 64 ranks), and the copies run per whole ranks, not per rank
+    # hold padding only (3 rows over 64 ranks), and the copies run per whole ranks, not per rank.
+    # Folded (experts fewer than the ranks), dims 0 and 1 are one: 2 experts of 8 rows over 4 ranks, 4 rows each.
+    split = sharded_shape(shape, world, fold)
+    assert split == ((16, 3) if shape == (2, 8, 3) else (6, 2) if fold else shape)
     full = torch.randn(shape)
-    rows = math.ceil(shape[0] / world)
-    numel = rows * math.prod(shape[1:])
+    rows = math.ceil(split[0] / world)
+    numel = rows * math.prod(split[1:])
     packed = torch.full((world, 1 + numel + 2), float("nan"))  # another parameter's shard on each side
-    copy_in(packed, rows, 1, full)
-    chunks = torch.chunk(full, world)
+    copy_in(packed, split, rows, 1, full)
+    chunks = torch.chunk(full.view(split), world)
     for rank in range(world):
-        expected = torch.zeros(rows, *shape[1:])
+        expected = torch.zeros(rows, *split[1:])
         if rank < len(chunks):
             expected[: len(chunks[rank])] = chunks[rank]
         assert torch.equal(packed[rank, 1 : 1 + numel], expected.view(-1)), rank
     assert packed[:, 0].isnan().all() and packed[:, -2:].isnan().all()  # nothing written beside it
     back = torch.full(shape, float("nan"))
-    copy_out(back, rows, 1, packed)
+    copy_out(back, split, rows, 1, packed)
     assert torch.equal(back, full)

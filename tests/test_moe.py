@@ -36,7 +36,7 @@ DEEPSEEK_V3 = ("model.name=hf-deepseek-v3", f"model.hf_config={json.dumps(str(TI
 MIXTRAL_MHA = (*MIXTRAL, "model.n_kv_head=2")  # a key/value head for each of 2 tp ranks
 # The first whose name a run's name holds is the run's reference (single-NAME) and model.
 FAMILIES = {"mixtral-mha": MIXTRAL_MHA, "mixtral": MIXTRAL, "qwen3-moe": QWEN3_MOE, "deepseek-v3": DEEPSEEK_V3,
-            "4-blocks": ("model.n_layer=4",)}
+            "4-blocks": ("model.n_layer=4",), "2-experts": ("model.n_experts=2",)}
 
 
 def cfg_for(out: Path, strategy: str, world: int, *overrides: str):
@@ -152,8 +152,9 @@ def test_gpt_moe_counts_its_active_parameters():
      ),
     (("model.name=gpt", "parallel.ep=2"), "parallel.ep = 2: splits the experts of Mixture-of-Experts layers"),
     (("parallel.strategy=hsdp", "parallel.ep=2"), "parallel.strategy = 'hsdp' does not split experts yet"),
-    (("parallel.strategy=fsdp", "parallel.ep=2", "model.n_experts=2", "launch.nproc=4"),
-     "fsdp shards each ep rank's 1 experts over the dp / ep = 2 ranks"),
+    (("parallel.strategy=fsdp", "parallel.ep=2", "model.n_experts=6", "launch.nproc=4"),
+     "fsdp shards each ep rank's 3 experts over the dp / ep = 2 ranks that hold the same ones; they must divide "
+     "evenly, or be fewer"),
     (("parallel.strategy=fsdp", "parallel.tp=2", "parallel.sequence_parallel=true"),
      "each tp rank would route only its part of the sequence"),
     (("parallel.cp=2",), "model.balance = 'aux-loss' with parallel.cp = 2"),
@@ -218,6 +219,8 @@ FOUR_RANK_RUNS = {
     "ddp-ep2-dp4": ("ddp", "parallel.ep=2"),  # each expert on 2 ranks: its gradient summed over them
     # each ep rank's experts sharded over 2
     "fsdp-ep2": ("fsdp", "parallel.ep=2", f"train.checkpoint_every={SAVED_AT}"),
+    # one expert per ep rank, fewer than the 2 ranks sharing it: split within the expert, half each
+    "fsdp-ep2-2-experts": ("fsdp", "parallel.ep=2", *FAMILIES["2-experts"], f"train.checkpoint_every={SAVED_AT}"),
     # attention split over tp 2 (gpt-moe's plan), each tp rank's MoE layers whole, their experts over ep 2
     "fsdp-ep2-tp2": ("fsdp", "parallel.ep=2", "parallel.tp=2"),
     "deepseek-v3-fsdp-ep2": ("fsdp", "parallel.ep=2", *DEEPSEEK_V3),  # each ep rank's experts sharded over 2
@@ -246,7 +249,7 @@ FOUR_RANK_RUNS = {
 }
 # What share of every expert each rank holds: 1/ep, and under the sharded strategies 1/dp.
 EXPERTS_HELD = {"ddp-ep2": 2, "zero1-ep2-bias": 2, "mixtral-ddp-ep2": 2, "qwen3-moe-fsdp-ep2": 2, "ddp-ep4": 4,
-                "ddp-ep2-dp4": 2, "fsdp-ep2": 4, "fsdp-ep2-tp2": 2, "deepseek-v3-fsdp-ep2": 4,
+                "ddp-ep2-dp4": 2, "fsdp-ep2": 4, "fsdp-ep2-2-experts": 4, "fsdp-ep2-tp2": 2, "deepseek-v3-fsdp-ep2": 4,
                 "mixtral-mha-fsdp-ep2-tp2": 2, "zero2-ep4-bf16-recompute": 4,
                 # half the blocks, 1/ep of theirs
                 "pipeline-pp2-ep2": 4, "fsdp-pp2-ep2": 4, "pipeline-interleaved-ep2-4-blocks": 4,
@@ -286,6 +289,7 @@ def runs(tmp_path_factory) -> tuple[Path, dict[str, list[int]]]:
     train_in_process(cfg_for(root / "single-qwen3-moe", "single", 1, *QWEN3_MOE))
     train_in_process(cfg_for(root / "single-deepseek-v3", "single", 1, *DEEPSEEK_V3))
     train_in_process(cfg_for(root / "single-4-blocks", "single", 1, *FAMILIES["4-blocks"]))
+    train_in_process(cfg_for(root / "single-2-experts", "single", 1, *FAMILIES["2-experts"]))
     held = {}
     for world, runs in ((2, TWO_RANK_RUNS), (4, FOUR_RANK_RUNS)):
         ranks = run_ranks(train_runs, world, root, runs, timeout=300)
@@ -345,25 +349,67 @@ def test_each_rank_holds_its_share_of_the_experts(runs, name):
     assert held[name] == [experts // EXPERTS_HELD[name]] * len(held[name])
 
 
-def test_fsdp_over_stages_with_experts_holds_what_the_planner_predicts(runs):
-    """dp 2 x pp 2 with ep 2 (pp inner): each rank's stage, its experts cut to this ep rank's half
-    and its dense parameters sharded over the stage's 2 dp ranks, with their optimizer state, to
-    the byte."""
+@pytest.mark.parametrize(("name", "candidate"), [
+    # dp 2 x pp 2 with ep 2 (pp inner): each rank's stage, its experts cut to this ep rank's half, its
+    # dense parameters sharded over the stage's 2 dp ranks
+    ("fsdp-pp2-ep2", ("fsdp", 2, 2, 1, "fp32", "none", 4, 2, "1f1b")),
+    # one expert an ep rank, split within it over the 2 ranks holding it
+    ("fsdp-ep2-2-experts", ("fsdp", 4, 1, 1, "fp32", "none", 2)),
+])
+def test_fsdp_with_experts_holds_what_the_planner_predicts(runs, name, candidate):
+    """Each rank's parameter and optimizer bytes, as predicted to the byte."""
     from shardwise.planner.candidates import Candidate
     from shardwise.planner.memory_model import predict_memory
 
     root, _ = runs
-    strategy, *overrides = FOUR_RANK_RUNS["fsdp-pp2-ep2"]
-    predicted = predict_memory(Candidate("fsdp", 2, 2, 1, "fp32", "none", 4, 2, "1f1b", ep=2),
-                               cfg_for(root, strategy, 4, *overrides))
-    for rank, held in enumerate(read_records(root / "fsdp-pp2-ep2")[-1]["memory_by_rank"]):
-        assert (held["params"], held["optimizer"]) == (predicted[rank % 2].params, predicted[rank % 2].optimizer)
+    strategy, *overrides = FOUR_RANK_RUNS[name]
+    planned = Candidate(*candidate, ep=2)
+    predicted = predict_memory(planned, cfg_for(root, strategy, 4, *overrides))
+    for rank, held in enumerate(read_records(root / name)[-1]["memory_by_rank"]):
+        stage = predicted[rank % planned.pp]
+        assert (held["params"], held["optimizer"]) == (stage.params, stage.optimizer), rank
+
+
+FAKE_WORLD = """
+import json, sys
+from bench.fake_world import rank_zero_of
+from shardwise.config.load import load_config
+from shardwise.planner.candidates import Candidate
+from shardwise.planner.memory_model import predict_memory
+from shardwise.trainer import Trainer
+cfg = load_config(sys.argv[1], sys.argv[2:])
+trainer = Trainer(cfg, rank_zero_of(32))  # set up only: a fake all-to-all would route garbage counts
+experts = sum(p.numel() for n, p in trainer.strategy.view.named_parameters() if ".experts." in n)
+predicted = predict_memory(Candidate("fsdp", 32, 1, 1, "fp32", "none", 1, ep=2), cfg)[0].params
+print(json.dumps({"experts": experts, "params": trainer.strategy.memory(0).params, "predicted": predicted}))
+"""
+
+
+def test_8_experts_over_16_ranks_each_are_split_within_the_experts_on_a_fake_world(tmp_path):
+    """fsdp at dp 32 with ep 2: each ep rank's 4 experts shared by 16 ranks. Their leading dims
+    folded (4 experts x their rows) and split over the 16, each rank holds 1/32 of the experts, not
+    a whole expert on 4 of them and padding on 12; and its parameters are what the planner predicts."""
+    import subprocess
+    import sys
+
+    from helpers import REPO
+
+    cfg = cfg_for(tmp_path, "fsdp", 32, "parallel.ep=2", "train.global_batch=32", "train.micro_batch=1")
+    cfg.save(tmp_path / "config.toml")
+    done = subprocess.run([sys.executable, "-c", FAKE_WORLD, str(tmp_path / "config.toml")], capture_output=True,
+                          text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    whole = sum(p.numel() for n, p in build_model(cfg.model).named_parameters() if ".experts." in n)
+    assert got["experts"] == whole // 32
+    assert got["params"] == got["predicted"]
 
 
 def test_a_checkpoint_reshards_to_another_ep_size_and_to_one_process(runs, tmp_path):
     """ddp ep 2's checkpoint at step 5 (2 ranks) resumed on 4 ranks under fsdp with ep 2 x 2 shards;
-    fsdp ep 2's (4 ranks, each expert's rows in pieces) and pipeline pp 2 x ep 2's (each stage's
-    experts in 2) resumed on one process under single: each continues as the straight single run does."""
+    fsdp ep 2's (4 ranks, each expert's rows in pieces), fsdp ep 2's with one expert an ep rank
+    (each half an expert: split within it) and pipeline pp 2 x ep 2's (each stage's experts in 2)
+    resumed on one process under single: each continues as the straight single run does."""
     from shardwise.dist import init_distributed
 
     root, _ = runs
@@ -372,10 +418,13 @@ def test_a_checkpoint_reshards_to_another_ep_size_and_to_one_process(runs, tmp_p
         ctx = init_distributed(threads_per_rank=1)
         resume(ctx, root / "fsdp-ep2", tmp_path / "single", "single")
         resume(ctx, root / "pipeline-pp2-ep2", tmp_path / "single-from-pipeline", "single")
+        resume(ctx, root / "fsdp-ep2-2-experts", tmp_path / "single-2-experts", "single", *FAMILIES["2-experts"])
     finally:
         torch.set_num_threads(threads)
-    for resumed in (root / "ddp-ep2-to-fsdp-ep2", tmp_path / "single", tmp_path / "single-from-pipeline"):
-        got, want = losses(resumed), losses(root / "single")[SAVED_AT:]
+    for resumed, straight in ((root / "ddp-ep2-to-fsdp-ep2", "single"), (tmp_path / "single", "single"),
+                              (tmp_path / "single-from-pipeline", "single"),
+                              (tmp_path / "single-2-experts", "single-2-experts")):
+        got, want = losses(resumed), losses(root / straight)[SAVED_AT:]
         assert len(got) == STEPS - SAVED_AT
         for step, (a, b) in enumerate(zip(got, want, strict=True)):
             assert abs(a - b) <= 1e-5 * b, (resumed.name, step + SAVED_AT + 1)

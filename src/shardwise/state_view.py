@@ -222,6 +222,28 @@ class SplitView(StateView):
         return tensor if shard is None else _join_tp(tensor, shard, mesh)
 
 
+def _expert_pieces(real: torch.Tensor, first: int, shape: torch.Size, expert_offset: int) -> list[
+        tuple[torch.Tensor, tuple[int, ...]]]:
+    """A shard of an expert parameter (`shape`: this ep rank's experts) as pieces of the whole
+    tensor, each with its offset: `real` holds rows `first` onward of the parameter as it was split
+    (`sharded_shape`: experts, or their rows folded in when there are fewer experts than ranks),
+    and this ep rank's experts start at expert `expert_offset` of all of them. Unfolded, the shard
+    is one piece; folded, one per expert it reaches into."""
+    if real.dim() == len(shape):
+        return [(real, (expert_offset + first, *(0,) * (len(shape) - 1)))]
+    per_expert = shape[1]  # folded: rows of [experts x d, ...]
+    if not real.shape[0]:  # padding only: an empty piece where this rank's rows would start
+        return [(real.view(0, *shape[1:]), (expert_offset + shape[0], *(0,) * (len(shape) - 1)))]
+    pieces, row = [], first
+    while row < first + real.shape[0]:
+        expert, inner = divmod(row, per_expert)
+        count = min(per_expert - inner, first + real.shape[0] - row)
+        piece = real[row - first : row - first + count].view(1, count, *shape[2:])
+        pieces.append((piece, (expert_offset + expert, inner, *(0,) * (len(shape) - 2))))
+        row += count
+    return pieces
+
+
 def _join_tp(part: torch.Tensor, split: TensorShard, mesh: Mesh) -> torch.Tensor | None:
     """The whole tensor on the first tp rank from every tp rank's `part`; None on the others."""
     first = mesh.rank("tp") == 0
@@ -261,14 +283,14 @@ class ShardedView(StateView):
         param = self.named[name]
         if not owner.sharding.holds(param):  # frozen and whole on every rank (zero1, zero2)
             return local
-        rows = owner.sharding.rows_of(param)
+        rows, shape = owner.sharding.split_of(param)
         over = owner.sharding.unit_of(param).over
-        real = local[: real_rows(param, rows, over.rank)]
+        real = local[: real_rows(shape, rows, over.rank)]
         experts = owner.experts
         if experts is not None and experts.is_expert(param):  # rows of this ep rank's experts among all
             full = torch.empty(experts.full_shapes[name], device="meta")
-            start = experts.rank * param.shape[0] + over.rank * rows
-            wrapper = LocalShardsWrapper([exact_storage(real)], [(start,) + (0,) * (param.dim() - 1)])
+            pieces = _expert_pieces(real, over.rank * rows, param.shape, experts.rank * param.shape[0])
+            wrapper = LocalShardsWrapper([exact_storage(piece) for piece, _ in pieces], [at for _, at in pieces])
             return DTensor.from_local(wrapper, owner.mesh["ep"], [Shard(0)], run_check=False, shape=full.shape,
                                       stride=full.stride())
         split = owner.tensor_shards.get(id(param))

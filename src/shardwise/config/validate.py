@@ -222,10 +222,13 @@ def _validate_experts(cfg: Config, world: int) -> None:
     if dp % p.ep:
         raise ConfigError(f"parallel.ep = {p.ep}: the expert-parallel ranks are data-parallel ranks, so ep must "
                           f"divide dp = {dp} (world size {world}); e.g. --nproc {p.ep}")
-    if spec(p.strategy).zero_stage and m.n_experts // p.ep % (dp // p.ep):
-        raise ConfigError(f"parallel.ep = {p.ep}: {p.strategy} shards each ep rank's {m.n_experts // p.ep} experts "
-                          f"over the dp / ep = {dp // p.ep} ranks that hold the same ones; they must divide evenly "
-                          "(raise model.n_experts or parallel.ep)")
+    held, over = m.n_experts // p.ep, dp // p.ep
+    # Fewer experts than the ranks sharing them are split within each expert (parallel/shard.py's
+    # sharded_shape); more must divide evenly, or some ranks would hold a whole expert of padding.
+    if spec(p.strategy).zero_stage and held >= over and held % over:
+        raise ConfigError(f"parallel.ep = {p.ep}: {p.strategy} shards each ep rank's {held} experts over the "
+                          f"dp / ep = {over} ranks that hold the same ones; they must divide evenly, or be fewer "
+                          "than those ranks (raise model.n_experts or parallel.ep)")
 
 
 def _validate_weights(weights: str, strategy: str) -> None:

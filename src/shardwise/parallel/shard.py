@@ -37,6 +37,7 @@ Gathering refills the same storage, so those views see the data again.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -56,14 +57,27 @@ if TYPE_CHECKING:
 HOST = torch.device("cpu")
 
 
-def row_numel(param: torch.Tensor) -> int:
-    """Elements in one dim-0 row of `param` (from its shape: its storage may be freed)."""
-    return math.prod(param.shape[1:])
+def sharded_shape(shape: Sequence[int], world: int, fold: bool = False) -> tuple[int, ...]:
+    """The shape a parameter is split along dim 0 in, over `world` ranks: its own; or, with `fold`
+    (experts), its leading dims folded together while it has 3 or more and fewer dim-0 rows than
+    ranks. A layer's few experts over many ranks are thus split within each expert (torchtitan
+    shards them on dim 1) rather than padded to a whole expert a rank: 1 expert of [d, f] over 8
+    ranks is d / 8 rows each, not 1 row on one rank and padding on 7."""
+    dims = tuple(shape)
+    while fold and len(dims) >= 3 and dims[0] < world:
+        dims = (dims[0] * dims[1], *dims[2:])
+    return dims
 
 
-def real_rows(param: torch.Tensor, rows: int, rank: int) -> int:
-    """Rows of `rank`'s shard of `rows` rows that hold `param`'s data; the rest are padding."""
-    return max(0, min(rows, param.shape[0] - rank * rows))
+def row_numel(shape: Sequence[int]) -> int:
+    """Elements in one dim-0 row of a tensor of `shape` (a parameter's sharded shape)."""
+    return math.prod(shape[1:])
+
+
+def real_rows(shape: Sequence[int], rows: int, rank: int) -> int:
+    """Rows of `rank`'s shard of `rows` rows that hold data of a tensor of (sharded) `shape`; the
+    rest are padding."""
+    return max(0, min(rows, shape[0] - rank * rows))
 
 
 @dataclass(frozen=True)
@@ -88,6 +102,7 @@ class Unit:
 
     over: ShardGroup
     params: list[nn.Parameter]
+    shapes: list[tuple[int, ...]]  # each parameter's shape as it is split along dim 0 (`sharded_shape`)
     rows: list[int]  # rows of each parameter's shard (its padded dim 0 / world size)
     offsets: list[int]  # where each parameter's shard starts among this rank's packed shards
     shard_numel: int  # elements of this rank's packed shards (and of each rank's part of a gather)
@@ -114,36 +129,37 @@ class Unit:
     @property
     def lengths(self) -> list[int]:
         """Elements of each parameter's shard, as packed."""
-        return [rows * row_numel(param) for param, rows in zip(self.params, self.rows, strict=True)]
+        return [rows * row_numel(shape) for shape, rows in zip(self.shapes, self.rows, strict=True)]
 
     @property
     def padded(self) -> bool:
         """Whether some parameter's rows do not divide evenly among the ranks (its last shards hold
         padding): its whole value is then not its shards laid end to end."""
-        return any(param.shape[0] != rows * self.over.world for param, rows in zip(self.params, self.rows, strict=True))
+        return any(shape[0] != rows * self.over.world for shape, rows in zip(self.shapes, self.rows, strict=True))
 
     def regions(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """Each parameter's place in `buffer` (laid out as `full`) as [world, shard elements]: row r
         is rank r's shard of it."""
         regions, start, world = [], 0, self.over.world
-        for param, rows in zip(self.params, self.rows, strict=True):
-            length = rows * row_numel(param)
+        for shape, rows in zip(self.shapes, self.rows, strict=True):
+            length = rows * row_numel(shape)
             regions.append(buffer[start : start + world * length].view(world, length))
             start += world * length
         return regions
 
 
-def whole_ranks(param: torch.Tensor, rows: int) -> tuple[int, int]:
-    """How many ranks' shards of `param` are whole rows of data (the first ones), and the rows of
-    data in the next rank's (0 when none is partial); the ranks after hold padding only."""
-    return divmod(param.shape[0], rows)
+def whole_ranks(shape: Sequence[int], rows: int) -> tuple[int, int]:
+    """How many ranks' shards of a tensor of (sharded) `shape` are whole rows of data (the first
+    ones), and the rows of data in the next rank's (0 when none is partial); the ranks after hold
+    padding only."""
+    return divmod(shape[0], rows)
 
 
-def flatten(params: list[nn.Parameter], rows: list[int], dtype: torch.dtype, world: int,
-            device: torch.device) -> torch.Tensor:
+def flatten(params: list[nn.Parameter], shapes: list[tuple[int, ...]], rows: list[int], dtype: torch.dtype,
+            world: int, device: torch.device) -> torch.Tensor:
     """One buffer holding `params` in `dtype`, each padded to `world` x its shard's rows, and each
     parameter made a view into it."""
-    padded = [world * r * row_numel(p) for r, p in zip(rows, params, strict=True)]
+    padded = [world * r * row_numel(shape) for r, shape in zip(rows, shapes, strict=True)]
     full = torch.zeros(sum(padded), dtype=dtype, device=device)
     for param, view in zip(params, views(full, [p.shape for p in params], padded), strict=True):
         view.copy_(param.detach())
@@ -151,21 +167,22 @@ def flatten(params: list[nn.Parameter], rows: list[int], dtype: torch.dtype, wor
     return full
 
 
-def copy_out(full: torch.Tensor, rows: int, offset: int, per_rank: torch.Tensor) -> None:
-    """Fill `full` (a parameter's whole value) from every rank's packed shards (`per_rank`, one row
-    each, a parameter's shard at `offset`): one strided copy for the ranks whose shards are whole,
-    one for a partial one; a copy per rank would cost a launch per rank, 64 per parameter at 64."""
-    numel, (whole, partial) = row_numel(full), whole_ranks(full, rows)
+def copy_out(full: torch.Tensor, shape: tuple[int, ...], rows: int, offset: int, per_rank: torch.Tensor) -> None:
+    """Fill `full` (a parameter's whole value, split as `shape`) from every rank's packed shards
+    (`per_rank`, one row each, a parameter's shard at `offset`): one strided copy for the ranks
+    whose shards are whole, one for a partial one; a copy per rank would cost a launch per rank,
+    64 per parameter at 64."""
+    numel, (whole, partial) = row_numel(shape), whole_ranks(shape, rows)
     flat, n = full.view(-1), rows * numel
     flat[: whole * n].view(whole, n).copy_(per_rank[:whole, offset : offset + n])
     if partial:
         flat[whole * n :].copy_(per_rank[whole, offset : offset + partial * numel])
 
 
-def copy_in(packed: torch.Tensor, rows: int, offset: int, full: torch.Tensor) -> None:
-    """`copy_out` reversed: each rank's shard of `full` (a parameter's whole gradient) into its row
-    of `packed` at `offset`, the padding zeroed."""
-    numel, (whole, partial) = row_numel(full), whole_ranks(full, rows)
+def copy_in(packed: torch.Tensor, shape: tuple[int, ...], rows: int, offset: int, full: torch.Tensor) -> None:
+    """`copy_out` reversed: each rank's shard of `full` (a parameter's whole gradient, split as
+    `shape`) into its row of `packed` at `offset`, the padding zeroed."""
+    numel, (whole, partial) = row_numel(shape), whole_ranks(shape, rows)
     flat, n = full.view(-1), rows * numel
     part = packed[:, offset : offset + n]
     part[:whole].copy_(flat[: whole * n].view(whole, n))
@@ -191,7 +208,7 @@ class Sharding:
         self.prefetch, self.reshard_after_forward = prefetch, reshard_after_forward
         self.units: list[Unit] = []
         self._unit_of: dict[int, Unit] = {}
-        self._shard_of: dict[int, tuple[nn.Parameter, int]] = {}
+        self._shard_of: dict[int, tuple[nn.Parameter, int, tuple[int, ...]]] = {}  # shard, rows, sharded shape
         self._reductions: list[tuple[dist.Work, Unit, torch.Tensor, torch.Tensor]] = []
         self.gathered_bytes = self.peak_gathered_bytes = 0
         self.bytes_moved = self.bytes_gathered = 0
@@ -206,8 +223,8 @@ class Sharding:
         unit.root = root
         self.units.append(unit)
         self._unit_of.update({id(p): unit for p in params})
-        self._shard_of.update({id(p): (shard, rows) for p, shard, rows in zip(params, unit.shards, unit.rows,
-                                                                             strict=True)})
+        self._shard_of.update({id(p): (shard, rows, shape) for p, shard, rows, shape in zip(
+            params, unit.shards, unit.rows, unit.shapes, strict=True)})
         return unit
 
     def settle(self, unit: Unit) -> None:
@@ -226,25 +243,27 @@ class Sharding:
             return_free_memory()
 
     def _make_unit(self, over: ShardGroup, params: list[nn.Parameter], frozen: bool) -> Unit:
-        rows = [math.ceil(p.shape[0] / over.world) for p in params]
-        lengths = [r * row_numel(p) for r, p in zip(rows, params, strict=True)]
+        shapes = [sharded_shape(p.shape, over.world, fold=over.experts) for p in params]
+        rows = [math.ceil(shape[0] / over.world) for shape in shapes]
+        lengths = [r * row_numel(shape) for r, shape in zip(rows, shapes, strict=True)]
         offsets = [sum(lengths[:i]) for i in range(len(lengths))]
         master, working = self.master_dtype, self.working_dtype
         if not params[0].is_floating_point():  # stored bytes (NF4's): kept, gathered and computed from as they are
             master = working = params[0].dtype
-        unit = Unit(over, params, rows, offsets, sum(lengths), working, shards=[], shard_buffer=None, frozen=frozen)
+        unit = Unit(over, params, shapes, rows, offsets, sum(lengths), working, shards=[], shard_buffer=None,
+                    frozen=frozen)
         if self.stage == 3 or working != master or self.offload:
             unit.shard_buffer = torch.zeros(unit.shard_numel, dtype=master, device=self.master_device)
-            for param, r, offset, length in zip(params, rows, offsets, lengths, strict=True):
-                view = unit.shard_buffer[offset : offset + length].view(r, *param.shape[1:])
-                chunk = param.detach()[over.rank * r : (over.rank + 1) * r]
+            for param, shape, r, offset, length in zip(params, shapes, rows, offsets, lengths, strict=True):
+                view = unit.shard_buffer[offset : offset + length].view(r, *shape[1:])
+                chunk = param.detach().reshape(shape)[over.rank * r : (over.rank + 1) * r]
                 view[: chunk.shape[0]].copy_(chunk)
                 unit.shards.append(nn.Parameter(view, requires_grad=not frozen))
         if self.stage < 3:
-            unit.full = flatten(params, rows, working, over.world, self.device)
+            unit.full = flatten(params, shapes, rows, working, over.world, self.device)
             if unit.shard_buffer is None:  # the master shards are this rank's rows of the whole parameters
-                unit.shards = [nn.Parameter(region[over.rank].view(r, *p.shape[1:]))
-                               for region, r, p in zip(unit.regions(unit.full), rows, params, strict=True)]
+                unit.shards = [nn.Parameter(region[over.rank].view(r, *shape[1:]))
+                               for region, r, shape in zip(unit.regions(unit.full), rows, shapes, strict=True)]
         if self.stage == 1:
             # Large enough to hold the shard gradients too, in the master dtype (only one rank needs more).
             as_working = unit.shard_numel * master.itemsize // working.itemsize
@@ -259,9 +278,9 @@ class Sharding:
         """This rank's master shard of `param`."""
         return self._shard_of[id(param)][0]
 
-    def rows_of(self, param: nn.Parameter) -> int:
-        """Rows of each rank's shard of `param`."""
-        return self._shard_of[id(param)][1]
+    def split_of(self, param: nn.Parameter) -> tuple[int, tuple[int, ...]]:
+        """Rows of each rank's shard of `param`, and the shape it is split along dim 0 in (`sharded_shape`)."""
+        return self._shard_of[id(param)][1:]
 
     def unit_of(self, param: nn.Parameter) -> Unit:
         return self._unit_of[id(param)]
@@ -316,8 +335,8 @@ class Sharding:
                 if storage.size() == 0:
                     storage.resize_(param.numel() * param.element_size())
             if unit.padded:
-                for param, rows, offset in zip(unit.params, unit.rows, unit.offsets, strict=True):
-                    copy_out(param.data, rows, offset, per_rank)
+                for param, shape, rows, offset in zip(unit.params, unit.shapes, unit.rows, unit.offsets, strict=True):
+                    copy_out(param.data, shape, rows, offset, per_rank)
             else:  # each parameter is its shards end to end: one copy for the whole unit
                 torch.split_with_sizes_copy(per_rank, unit.lengths, dim=1,
                                             out=[param.data.view(unit.over.world, -1) for param in unit.params])
@@ -404,11 +423,11 @@ class Sharding:
         elif not unit.padded and all(param.grad is not None for param in unit.params):  # one copy for the unit
             torch.cat([param.grad.view(world, -1) for param in unit.params], dim=1, out=packed)
         else:
-            for param, rows, offset in zip(unit.params, unit.rows, unit.offsets, strict=True):
+            for param, shape, rows, offset in zip(unit.params, unit.shapes, unit.rows, unit.offsets, strict=True):
                 if param.grad is None:  # no gradient on this rank: it contributes zeros
-                    packed[:, offset : offset + rows * row_numel(param)].zero_()
+                    packed[:, offset : offset + rows * row_numel(shape)].zero_()
                 else:
-                    copy_in(packed, rows, offset, param.grad)
+                    copy_in(packed, shape, rows, offset, param.grad)
         for param in unit.params:
             param.grad = None
         home = self._shard_grad_buffer(unit)
@@ -462,15 +481,16 @@ class Sharding:
     def gather_to_first(self, param: nn.Parameter) -> torch.Tensor | None:
         """`param`'s whole value (in the master dtype) on rank 0 of its unit's group, from every
         rank's shard of it; None on the others. Collective over that group."""
-        shard, rows = self._shard_of[id(param)]
+        shard = self._shard_of[id(param)][0]
         over = self._unit_of[id(param)].over
+        rows, shape = self.split_of(param)
         send = shard.detach().to(self.device).reshape(-1)
         if over.rank != 0:
             gather_in_place(send, None, over.group)
             return None
         gathered = torch.empty(over.world * send.numel(), dtype=send.dtype, device=send.device)
         gather_in_place(send, list(gathered.view(over.world, -1)), over.group)
-        return gathered.view(over.world * rows, *param.shape[1:])[: param.shape[0]]
+        return gathered.view(over.world * rows, *shape[1:])[: shape[0]].view(param.shape)
 
 
 class GatherHooks:

@@ -53,6 +53,7 @@ from shardwise.models.moe import moe_layers, their_experts
 from shardwise.models.plans import locate
 from shardwise.nf4 import quantize_layers
 from shardwise.parallel.pipeline.stages import balanced_split
+from shardwise.parallel.shard import sharded_shape
 from shardwise.parallel.tensor import ShapesOnly, parallelize_blocks
 from shardwise.planner.fake_forward import balanced_routing, one_sequence_per_row
 from shardwise.recompute import apply_recompute, parse_policy
@@ -165,10 +166,12 @@ class Tensors:
     def count(self) -> int:
         return len(self.shapes)
 
-    def sharded_numel(self, world: int) -> int:
+    def sharded_numel(self, world: int, fold: bool = False) -> int:
         """Elements of one rank's dim-0 shards, each padded to ceil(rows / world) rows as our
-        sharded strategies (and torch.chunk) lay them out."""
-        return sum(math.ceil(s[0] / world) * math.prod(s[1:]) for s in self.shapes)
+        sharded strategies (and torch.chunk) lay them out; with `fold` (experts), of each split as
+        parallel/shard.py's sharded_shape splits it."""
+        shapes = [sharded_shape(s, world, fold) for s in self.shapes]
+        return sum(math.ceil(s[0] / world) * math.prod(s[1:]) for s in shapes)
 
 
 def _tensors(params: list[nn.Parameter]) -> Tensors:
@@ -270,7 +273,7 @@ class ModelFacts:
 def _unit_layout(facts: ModelFacts, world: int) -> tuple[tuple[int, int], ...]:
     """(one rank's padded shards, every rank's) of each unit over `world` ranks."""
     replicas = world // facts.ep  # the ranks holding the same experts
-    block = facts.dense.sharded_numel(world), facts.experts.sharded_numel(replicas)
+    block = facts.dense.sharded_numel(world), facts.experts.sharded_numel(replicas, fold=True)
     blocks = ((sum(block), world * block[0] + replicas * block[1]),) * facts.n_layer
     root = facts.root.sharded_numel(world)
     return (*blocks, (root, world * root))
