@@ -35,6 +35,7 @@ BENCHES = {  # name -> (module, ranks)
     "planner": ("bench.planner", 0),  # the planner's predictions against real runs (namespaces as root)
     "ps": ("bench.ps", 0),  # parameter server (sync, async), dp and ddp as whole jobs
     "faults": ("bench.faults", 0),  # one killed worker: restart from a checkpoint (sync, async) against healing
+    "crash": ("bench.crash", 0),  # the whole job SIGKILLed 20 times in and between async saves: every resume exact
     "scale": ("bench.scale", 0),  # the largest GPT each strategy trains in a memory budget, as whole jobs
     "data": ("bench.data", 0),  # your own corpus: preparation, reads against a step, RSS at 1 MiB and 1 GiB
     "moe": ("bench.moe", 0),  # gpt-moe under ep 1, 2, 4 as whole jobs; one layer against DeepSpeed's
