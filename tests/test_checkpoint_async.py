@@ -113,3 +113,33 @@ def test_a_metrics_line_torn_by_a_kill_leaves_the_records_before_it_to_a_resumed
     path.write_text('{"event": "step", "step": 1}\n{"event": "step", "step": 2}\n{"event": "st')
     MetricsWriter(path, enabled=True, resumed_at=5).close()
     assert path.read_text() == '{"event": "step", "step": 1}\n{"event": "step", "step": 2}\n'
+
+
+def test_sealing_never_removes_a_complete_checkpoint_in_place(tmp_path):
+    """What bench crash found a kill could hit: a complete checkpoint saved again (renamed into place
+    by a run killed before `latest` moved, then re-saved by its resumed run) was deleted before the
+    new copy replaced it, and rotation deleted old ones under their own names. Now the complete one
+    is kept, and whatever is deleted is first renamed out of the step-* names."""
+    from shardwise.checkpoint import LATEST, REMOVING, problem_with, seal
+
+    root = tmp_path / "checkpoints"
+    root.mkdir()
+
+    def save(step: int, payload: str) -> Path:
+        tmp = root / f".tmp-step-{step:08d}"
+        tmp.mkdir()
+        (tmp / "shard.bin").write_text(payload)
+        seal(tmp, root / f"step-{step:08d}", {"step": step}, keep=2)
+        return root / f"step-{step:08d}"
+
+    first = save(5, "first")
+    (root / LATEST).write_text("step-00000000")  # as if killed after the rename, before `latest` moved
+    again = save(5, "again")
+    assert again == first and (first / "shard.bin").read_text() == "first" and problem_with(first) is None
+    assert (root / LATEST).read_text() == first.name
+    (first / "manifest.json").unlink()  # incomplete now: a save of step 5 replaces it
+    assert (save(5, "third") / "shard.bin").read_text() == "third"
+    (root / f"{REMOVING}step-00000001").mkdir()  # a deletion a kill cut short
+    save(10, "ten")
+    save(15, "fifteen")
+    assert sorted(p.name for p in root.iterdir()) == [LATEST, "step-00000010", "step-00000015"]

@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
+REMOVING = ".removing-"  # a checkpoint being deleted is renamed to this prefix first: out of the step-* names
 
 
 class TrainingRun(Protocol):
@@ -205,18 +206,31 @@ def _empty_dir(path: Path) -> None:
 
 
 def seal(tmp: Path, final: Path, manifest: dict[str, Any], keep: int) -> None:
-    """Checksum and flush the files in `tmp`, move it to `final`, point `latest` at it, prune."""
+    """Checksum and flush the files in `tmp`, move it to `final`, point `latest` at it, prune.
+
+    No moment of it leaves a complete checkpoint removed or half-removed under its own name: a
+    complete one already at `final` (renamed into place by a run killed before `latest` moved, and
+    saved again by its resumed run) is kept and `tmp` dropped; an incomplete one, and every one
+    pruned, is renamed out of the `step-*` names first (one atomic rename) and deleted after."""
     manifest["files"] = _checksums(tmp)
     for file in tmp.rglob("*"):
         if file.is_file():
             _fsync(file)
     _write_atomically(tmp / MANIFEST, json.dumps(manifest, indent=1))
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    _fsync(final.parent)
-    _write_atomically(final.parent / LATEST, final.name)
-    for old in sorted(final.parent.glob("step-*"))[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    root = final.parent
+    if final.exists() and problem_with(final) is None:
+        shutil.rmtree(tmp)
+    else:
+        if final.exists():
+            os.replace(final, root / f"{REMOVING}{final.name}")
+        os.replace(tmp, final)
+    _fsync(root)
+    _write_atomically(root / LATEST, final.name)
+    for old in sorted(root.glob("step-*"))[:-keep]:
+        os.replace(old, root / f"{REMOVING}{old.name}")
+    _fsync(root)
+    for removing in root.glob(f"{REMOVING}*"):  # this save's, and any a kill left mid-removal
+        shutil.rmtree(removing, ignore_errors=True)
 
 
 def _agreed_from_rank0(is_main: bool, action: Callable[[], None]) -> str | None:

@@ -294,7 +294,8 @@ def bench(args: argparse.Namespace) -> int:
                               "--help` says how to run its jobs on the CPU to check the harness, with no device "
                               "figures")
     entry = [module, "--json", str(root / "bench" / "results" / f"{args.name}.json")]
-    if args.steps is not None or args.name not in ("scale", "gpu", "gpu-scale", "faults"):  # their own default steps
+    own_steps = ("scale", "gpu", "gpu-scale", "faults", "crash")  # benches with their own default steps
+    if args.steps is not None or args.name not in own_steps:
         entry += ["--steps", str(12 if args.steps is None else args.steps)]
     for flag, value in scale_only.items():
         if value is not None:

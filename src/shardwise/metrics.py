@@ -4,6 +4,7 @@ the same numbers as TensorBoard scalars in OUT/tensorboard), progress on rank 0,
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -83,9 +84,13 @@ class MetricsWriter:
                     except json.JSONDecodeError:  # the last line, torn by a kill as it was written
                         break
                 kept = [r for r in records if r.get("event") != "summary" and r.get("step", 0) <= resumed_at]
-            self._file = open(path, "w")
-            for record in kept:
-                self.write(record)
+            # The kept records go to a file of their own, renamed over the old one, so that a kill
+            # in between leaves the old records or the new ones, never a truncated file.
+            rewritten = path.with_name(f".{path.name}.rewrite")
+            with open(rewritten, "w") as file:
+                file.writelines(json.dumps(record) + "\n" for record in kept)
+            os.replace(rewritten, path)
+            self._file = open(path, "a")
             # Opened after the kept records are rewritten: the event files already hold them.
             if tensorboard:
                 self._tensorboard = TensorBoardWriter(path.parent / "tensorboard", resumed_at)
