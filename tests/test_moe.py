@@ -156,7 +156,7 @@ def test_gpt_moe_counts_its_active_parameters():
      "fsdp shards each ep rank's 3 experts over the dp / ep = 2 ranks that hold the same ones; they must divide "
      "evenly, or be fewer"),
     (("parallel.strategy=fsdp", "parallel.tp=2", "parallel.sequence_parallel=true"),
-     "each tp rank would route only its part of the sequence"),
+     "with model.balance = 'aux-loss': each tp rank routes its part of the sequence"),
     (("parallel.cp=2",), "model.balance = 'aux-loss' with parallel.cp = 2"),
     (("parallel.strategy=dp", "launch.nproc=1"), "dp's replicas would each route their part of a micro-batch"),
 ])
@@ -213,6 +213,9 @@ TWO_RANK_RUNS = {
     # the auxiliary loss injected on each stage, scaled as the pipeline scales a micro-batch's loss; it
     # is over a micro-batch's tokens, so the pipeline's micro-batches are single's (4 / 2 = 2 samples)
     "pipeline-pp2": ("pipeline", "parallel.pipeline.micro_batches=2", "train.micro_batch=4"),
+    # sequence parallel: each tp rank's MoE layers route its half of the sequence, their gradients and
+    # the router's counts summed over tp
+    "tensor-sp-bias": ("tensor", "parallel.sequence_parallel=true", *BIAS),
 }
 FOUR_RANK_RUNS = {
     "ddp-ep4": ("ddp", "parallel.ep=4"),
@@ -223,6 +226,7 @@ FOUR_RANK_RUNS = {
     "fsdp-ep2-2-experts": ("fsdp", "parallel.ep=2", *FAMILIES["2-experts"], f"train.checkpoint_every={SAVED_AT}"),
     # attention split over tp 2 (gpt-moe's plan), each tp rank's MoE layers whole, their experts over ep 2
     "fsdp-ep2-tp2": ("fsdp", "parallel.ep=2", "parallel.tp=2"),
+    "fsdp-ep2-tp2-sp-bias": ("fsdp", "parallel.ep=2", "parallel.tp=2", "parallel.sequence_parallel=true", *BIAS),
     "deepseek-v3-fsdp-ep2": ("fsdp", "parallel.ep=2", *DEEPSEEK_V3),  # each ep rank's experts sharded over 2
     # transformers' Mixtral by its plan: attention split over tp 2, the MoE block whole, experts over ep 2
     "mixtral-mha-fsdp-ep2-tp2": ("fsdp", "parallel.ep=2", "parallel.tp=2", *MIXTRAL_MHA),
@@ -250,6 +254,7 @@ FOUR_RANK_RUNS = {
 # What share of every expert each rank holds: 1/ep, and under the sharded strategies 1/dp.
 EXPERTS_HELD = {"ddp-ep2": 2, "zero1-ep2-bias": 2, "mixtral-ddp-ep2": 2, "qwen3-moe-fsdp-ep2": 2, "ddp-ep4": 4,
                 "ddp-ep2-dp4": 2, "fsdp-ep2": 4, "fsdp-ep2-2-experts": 4, "fsdp-ep2-tp2": 2, "deepseek-v3-fsdp-ep2": 4,
+                "fsdp-ep2-tp2-sp-bias": 2,
                 "mixtral-mha-fsdp-ep2-tp2": 2, "zero2-ep4-bf16-recompute": 4,
                 # half the blocks, 1/ep of theirs
                 "pipeline-pp2-ep2": 4, "fsdp-pp2-ep2": 4, "pipeline-interleaved-ep2-4-blocks": 4,

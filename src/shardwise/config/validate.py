@@ -198,11 +198,11 @@ def _validate_experts(cfg: Config, world: int) -> None:
         _choice("model.balance", m.balance, BALANCES)
         _positive("model.aux_loss_coef", m.aux_loss_coef, zero_ok=True)
         _positive("model.balance_rate", m.balance_rate, zero_ok=True)
-        if p.sequence_parallel:
-            raise ConfigError(f"parallel.sequence_parallel = true with model.name = {m.name!r}: each tp rank would "
-                              "route only its part of the sequence (the router's counts and auxiliary loss over "
-                              "part of the tokens); leave sequence_parallel off, the MoE layers whole on every tp "
-                              "rank")
+        if p.sequence_parallel and m.balance == "aux-loss":
+            raise ConfigError("parallel.sequence_parallel = true with model.balance = 'aux-loss': each tp rank "
+                              "routes its part of the sequence, and the auxiliary loss over part of the tokens is "
+                              "not the whole sequence's; use model.balance = 'bias' (its counts are summed over "
+                              "every rank) or leave sequence_parallel off")
         if m.balance == "aux-loss" and p.cp > 1:
             raise ConfigError(f"model.balance = 'aux-loss' with parallel.cp = {p.cp}: the auxiliary loss is computed "
                               "over a rank's tokens, under context parallel only part of each sequence; use "

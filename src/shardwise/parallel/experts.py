@@ -230,11 +230,12 @@ class ExpertParallel:
         return torch.cat(shares)
 
 
-def balance_routers(model: nn.Module, group: dist.ProcessGroup | None, experts: ExpertParallel | None,
+def balance_routers(model: nn.Module, groups: tuple[dist.ProcessGroup, ...], experts: ExpertParallel | None,
                     device: torch.device,
                     whole_model: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, list] | None:
     """After an optimizer step: each of `model`'s MoE layers' pairs per expert over the step, summed
-    over `group` (the ranks that read different tokens: dp and cp), balance its router (moe.py).
+    over `groups` in turn (the ranks that route different tokens: dp and cp, and under sequence
+    parallel tp), balance its router (moe.py).
     Return the step's routing record: pairs per expert and their imbalance (max / mean) per layer,
     under expert parallel also the pairs each ep rank computed and the seconds this rank spent in
     all-to-alls; None for a model without MoE layers. `whole_model`: the whole model's counts, in
@@ -246,7 +247,7 @@ def balance_routers(model: nn.Module, group: dist.ProcessGroup | None, experts: 
     routed = torch.stack([torch.zeros(layer.cfg.n_experts, dtype=torch.int64, device=device)
                           if layer.routed is None else layer.routed for layer in layers]) if layers else \
         torch.zeros(0, 0, dtype=torch.int64, device=device)
-    if group is not None and layers:
+    for group in groups if layers else ():
         dist.all_reduce(routed, group=group)
     for layer, counts in zip(layers, routed, strict=True):
         layer.update_balance(counts)

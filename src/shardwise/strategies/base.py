@@ -8,6 +8,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from shardwise.compile import BlockCompiler
@@ -168,10 +169,11 @@ class Strategy:
 
     def update_routers(self) -> None:
         """After an optimizer step: each MoE layer's pairs per expert over the step, summed over the
-        ranks that read different tokens (dp and cp), balance its router and become `router_stats`
+        ranks that route different tokens (dp and cp; under sequence parallel tp too, each tp rank's
+        MoE layers routing its part of the sequence), balance its router and become `router_stats`
         (parallel/experts.py). Collective where there is a mesh."""
-        group = self.mesh.group("dp_cp") if self.mesh is not None else None
-        self.router_stats = balance_routers(self.module, group, self.experts, self.ctx.device)
+        self.router_stats = balance_routers(self.module, routing_groups(self.mesh, self.cfg), self.experts,
+                                            self.ctx.device)
 
     def stage_timeline(self) -> list[dict[str, Any]] | None:
         """A pipeline's last step, stage by stage, for metrics (a collective where there is one);
@@ -225,3 +227,13 @@ class HookedStrategy(DeferrableSync):
 
     def _finish_backward(self) -> None:
         raise NotImplementedError
+
+
+def routing_groups(mesh: Mesh | None, cfg: ParallelConfig) -> tuple[dist.ProcessGroup, ...]:
+    """The groups over which MoE routers' counts are summed, whose ranks route different tokens:
+    dp and cp, and under sequence parallel tp (each tp rank's MoE layers route its part of the
+    sequence; without it, every tp rank routes the same tokens)."""
+    if mesh is None:
+        return ()
+    split = (mesh.group("tp"),) if cfg.sequence_parallel and mesh.size("tp") > 1 else ()
+    return (mesh.group("dp_cp"), *split)

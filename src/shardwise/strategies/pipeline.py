@@ -38,7 +38,7 @@ from shardwise.parallel.pipeline.runner import Activations, PipelineModule, Pipe
 from shardwise.parallel.pipeline.schedules import SCHEDULES, ScheduleError, build, check_micro_batches, virtual_stages
 from shardwise.parallel.pipeline.stages import Stage, balanced_split, block_costs, separate, stage_holds
 from shardwise.parallel.tensor import TensorParallelGroup, parallelize_blocks
-from shardwise.strategies.base import LossFn
+from shardwise.strategies.base import LossFn, routing_groups
 from shardwise.strategies.mesh import MeshStrategy
 
 Group = dist.ProcessGroup
@@ -193,8 +193,8 @@ class Pipeline(MeshStrategy):
         counts are gathered over pp (`_every_stage_counts`)."""
         if not self.has_moe:
             return
-        group = self.mesh.group("dp_cp")
-        self.router_stats = balance_routers(self.module, group, self.experts, self.ctx.device, self._every_stage_counts)
+        self.router_stats = balance_routers(self.module, routing_groups(self.mesh, self.cfg), self.experts,
+                                            self.ctx.device, self._every_stage_counts)
 
     def _every_stage_counts(self, routed: torch.Tensor) -> torch.Tensor:
         """Every stage's MoE layers' counts from this rank's (`routed`), gathered over pp in stage
