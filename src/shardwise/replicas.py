@@ -109,12 +109,16 @@ class ReplicaGroups:
 
         timeout = timedelta(seconds=timeout_s)
         self.group = group
-        self.manager = Manager(pg=ProcessGroupGloo(timeout=timeout), min_replica_size=1, load_state_dict=load,
+        self.restarted = restart_count() > 0  # after a failure: it heals rather than starting with the others
+        # A restarted group commits no step without a live one beside it: on a loaded machine the
+        # Lighthouse can make it a quorum of its own (the others slower to ask than its join
+        # timeout), and training on alone from step 0 it would never heal.
+        fewest = 2 if self.restarted and int(os.environ[GROUPS_ENV]) > 1 else 1  # groups a commit needs
+        self.manager = Manager(pg=ProcessGroupGloo(timeout=timeout), min_replica_size=fewest, load_state_dict=load,
                                state_dict=state, replica_id=f"group{group}", use_async_quorum=False, timeout=timeout,
                                quorum_timeout=timeout, connect_timeout=timeout, rank=ctx.rank,
                                world_size=ctx.world_size)
         self.healed_at: list[int] = []  # the steps this group joined at by copying a peer's state
-        self.restarted = restart_count() > 0  # after a failure: it heals rather than starting with the others
         if not self.restarted:
             self._meet(ctx.world_size, timeout)
 
