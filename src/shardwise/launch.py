@@ -18,13 +18,16 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
+from typing import TypeVar
 
 import torch
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from shardwise.config.schema import ConfigError, LaunchConfig
+
+K = TypeVar("K")  # what a caller of `exits` knows its processes by
 
 
 class WorkerFailed(RuntimeError):
@@ -180,29 +183,42 @@ def launch_local(launch: LaunchConfig, entry: list[str], expendable: frozenset[i
                                     env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)))
              for rank in range(launch.nproc)}
     lost: list[int] = []
+    try:
+        with closing(exits(ranks, launch.shutdown_timeout_s, "workers were sent SIGTERM")) as ended:
+            for rank, code in ended:
+                store.set(f"exited/{rank}", str(code))
+                if code == 0:
+                    continue
+                if rank not in expendable:
+                    raise WorkerFailed(f"worker rank {rank} failed (exit code {code}); its error is above")
+                print(f"rank {rank} exited with code {code}; the job goes on without it", file=sys.stderr,
+                      flush=True)
+                lost.append(rank)
+    finally:
+        sys.stdout.flush()
+    return lost
+
+
+def exits(processes: dict[K, subprocess.Popen], grace_s: float, on_signal: str) -> Iterator[tuple[K, int]]:
+    """Each of `processes` (by key) with its exit code as it ends, until all have. SIGTERM or SIGINT
+    meanwhile is noted, not acted on, and raises Stopped (`on_signal` says what became of the
+    processes). Closed early (the caller raised, or the signal), it stops those still running:
+    SIGTERM, then SIGKILL after `grace_s`. Iterate it under contextlib.closing, so that this happens
+    as the caller's loop ends, not when the generator is collected."""
+    running = dict(processes)
     with signals_noted() as signalled:
         try:
-            while ranks and not signalled:
-                for rank, process in list(ranks.items()):
+            while running and not signalled:
+                for key, process in list(running.items()):
                     code = process.poll()
-                    if code is None:
-                        continue
-                    del ranks[rank]
-                    store.set(f"exited/{rank}", str(code))
-                    if code == 0:
-                        continue
-                    if rank not in expendable:
-                        raise WorkerFailed(f"worker rank {rank} failed (exit code {code}); its error is above")
-                    print(f"rank {rank} exited with code {code}; the job goes on without it", file=sys.stderr,
-                          flush=True)
-                    lost.append(rank)
+                    if code is not None:
+                        del running[key]
+                        yield key, code
                 time.sleep(0.1)
             if signalled:
-                raise Stopped(f"stopped by signal {signalled[0].name}; workers were sent SIGTERM")
+                raise Stopped(f"stopped by signal {signalled[0].name}; {on_signal}")
         finally:
-            stop_processes(list(ranks.values()), launch.shutdown_timeout_s)
-            sys.stdout.flush()
-    return lost
+            stop_processes(list(running.values()), grace_s)
 
 
 @contextmanager

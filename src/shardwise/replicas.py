@@ -33,6 +33,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from contextlib import closing
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
@@ -43,7 +44,7 @@ from shardwise.checkpoint import TrainingRun, ensure_optimizer_state, training_s
 from shardwise.config.schema import LaunchConfig
 from shardwise.dist import DistContext, restart_count
 from shardwise.gradients import local_grads
-from shardwise.launch import Stopped, signals_noted, stop_processes, torchrun_args
+from shardwise.launch import exits, torchrun_args
 from shardwise.memory import local_tensor
 
 GROUP_ENV = "SHARDWISE_REPLICA_GROUP"  # which replica group a worker belongs to, set by the launcher
@@ -77,23 +78,15 @@ def launch_replica_groups(launch: LaunchConfig, entry: list[str]) -> list[int]:
                                       env=dict(env, **{GROUP_ENV: str(group)}))
               for group in range(launch.replica_groups)}
     failed: list[int] = []
-    with signals_noted() as signalled:
-        try:
-            while groups and not signalled:  # the store and the Lighthouse live as long as this loop
-                for group, process in list(groups.items()):
-                    code = process.poll()
-                    if code is not None:
-                        del groups[group]
-                        if code:
-                            print(f"replica group {group} failed for good (exit code {code}); the others go on",
-                                  file=sys.stderr, flush=True)
-                            failed.append(group)
-                time.sleep(0.1)
-            if signalled:
-                raise Stopped(f"stopped by signal {signalled[0].name}; every replica group was sent it too")
-        finally:
-            stop_processes(list(groups.values()), launch.shutdown_timeout_s)
-            lighthouse.shutdown()
+    try:  # the store and the Lighthouse live as long as the groups
+        with closing(exits(groups, launch.shutdown_timeout_s, "every replica group was sent it too")) as ended:
+            for group, code in ended:
+                if code:
+                    print(f"replica group {group} failed for good (exit code {code}); the others go on",
+                          file=sys.stderr, flush=True)
+                    failed.append(group)
+    finally:
+        lighthouse.shutdown()
     return failed
 
 
