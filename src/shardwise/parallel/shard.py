@@ -59,13 +59,14 @@ HOST = torch.device("cpu")
 
 def sharded_shape(shape: Sequence[int], world: int, fold: bool = False) -> tuple[int, ...]:
     """The shape a parameter is split along dim 0 in, over `world` ranks: its own; or, with `fold`
-    (experts), its leading dims folded together while it has 3 or more and fewer dim-0 rows than
-    ranks. A layer's few experts over many ranks are thus split within each expert (torchtitan
-    shards them on dim 1) rather than padded to a whole expert a rank: 1 expert of [d, f] over 8
-    ranks is d / 8 rows each, not 1 row on one rank and padding on 7."""
+    (experts [E, d, ...]), where it has 3 or more dims and fewer dim-0 rows than ranks, its first two
+    folded into one, [E x d, ...]. A layer's few experts over many ranks are thus split within each
+    expert (torchtitan shards them on dim 1) rather than padded to a whole expert a rank: 1 expert
+    of [d, f] over 8 ranks is d / 8 rows each, not 1 row on one rank and padding on 7. (One fold
+    only: the checkpoint view names a folded shard by expert and row, state_view's _expert_pieces.)"""
     dims = tuple(shape)
-    while fold and len(dims) >= 3 and dims[0] < world:
-        dims = (dims[0] * dims[1], *dims[2:])
+    if fold and len(dims) >= 3 and dims[0] < world:
+        return (dims[0] * dims[1], *dims[2:])
     return dims
 
 
@@ -481,9 +482,8 @@ class Sharding:
     def gather_to_first(self, param: nn.Parameter) -> torch.Tensor | None:
         """`param`'s whole value (in the master dtype) on rank 0 of its unit's group, from every
         rank's shard of it; None on the others. Collective over that group."""
-        shard = self._shard_of[id(param)][0]
+        shard, rows, shape = self._shard_of[id(param)]
         over = self._unit_of[id(param)].over
-        rows, shape = self.split_of(param)
         send = shard.detach().to(self.device).reshape(-1)
         if over.rank != 0:
             gather_in_place(send, None, over.group)

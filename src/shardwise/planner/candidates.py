@@ -104,11 +104,12 @@ def _meshes(world: int, nodes: int) -> Iterator[tuple[str, int, int, int, int, s
             dp = world // pp // tp
             own = "pp" if pp > 1 else "tp" if tp > 1 else None  # the strategy's own dimension takes what is left
             for s in planned:
-                # Over pipeline stages, the sharded strategies too; hsdp on several nodes, each holding
-                # whole replicas' stages (and their tp ranks; its config checks refuse a cp that splits them).
-                staged = own == "pp" and s.shards_split_model
-                if s.mesh_dim != own and not staged or staged and s.across_nodes and (
-                        nodes == 1 or (world // nodes) % (pp * tp)):
+                staged = own == "pp" and s.shards_split_model  # the sharded strategies over pipeline stages
+                if s.mesh_dim != own and not staged:
+                    continue
+                # hsdp over stages: on several nodes, each holding whole replicas' stages and their tp
+                # ranks (its config checks refuse a cp that splits them)
+                if staged and s.across_nodes and (nodes == 1 or (world // nodes) % (pp * tp)):
                     continue
                 yield s.name, dp, pp, tp, 1, None
                 if s.context_parallel:
