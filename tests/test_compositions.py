@@ -35,6 +35,10 @@ from shardwise.trainer import Trainer
 STEPS, SAVED_AT = 10, 5
 LLAMA = ("model.name=hf-llama", "model.n_head=4", "model.n_kv_head=2")  # grouped-query attention: 2 heads share k, v
 LORA = ("lora.rank=4", "lora.alpha=8", "train.lr=0.5")  # adapters on the frozen model's seven projections
+# gpt-moe (8 experts, top-2), balanced by biases: routing counts summed over every rank, so micro-batches of 1
+# route as single's of 4 do
+MOE = ("model.name=gpt-moe", "model.n_experts=8", "model.top_k=2", "model.d_expert=64", "model.balance=bias",
+       "model.balance_rate=0.01")
 
 
 def cfg_for(out: Path, strategy: str, world: int, *overrides: str):
@@ -65,6 +69,10 @@ EIGHT_RANK_RUNS = {
                      f"train.checkpoint_every={SAVED_AT}"),
     # 2 nodes of (2 x pp 2): each node a replica whose stages are sharded over its 2 dp ranks
     "hsdp-2x2-pp2": ("hsdp", "parallel.pp=2", "parallel.pipeline.micro_batches=2", "train.micro_batch=2"),
+    # 2 nodes of 4: each node's experts split over ep 2, each half sharded over the node's 2 ranks holding
+    # it; across nodes, the ranks holding the same shard average it with the rest
+    "hsdp-2x4-ep2-moe": ("hsdp", "parallel.ep=2", "launch.nproc=4", "train.micro_batch=1", *MOE,
+                         f"train.checkpoint_every={SAVED_AT}"),
 }
 # What the planner is asked about each run (its config is the candidate's).
 PLANNED = {
@@ -79,6 +87,7 @@ PLANNED = {
     "fsdp-cp2-tp2-recompute": Candidate("fsdp", 2, 1, 2, "fp32", "blocks", 4, cp=2),
     "fsdp-pp2-tp2": Candidate("fsdp", 2, 2, 2, "fp32", "none", 4, 2, "1f1b"),
     "hsdp-2x2-pp2": Candidate("hsdp", 4, 2, 1, "fp32", "none", 2, 2, "1f1b", shard=2),
+    "hsdp-2x4-ep2-moe": Candidate("hsdp", 8, 1, 1, "fp32", "none", 1, shard=4, ep=2),
 }
 
 
@@ -87,6 +96,8 @@ def reference(name: str) -> str:
         return "single-llama-4-blocks"
     if "lora" in name:
         return "single-lora-llama"
+    if "moe" in name:
+        return "single-moe"
     return "single-llama" if "llama" in name else "single-bf16" if "bf16" in name else "single"
 
 
@@ -111,6 +122,7 @@ def runs(tmp_path_factory) -> tuple[Path, dict[str, list[dict]]]:
     train_in_process(cfg_for(root / "single-bf16", "single", 1, "parallel.precision=bf16-mixed"))
     train_in_process(cfg_for(root / "single-llama-4-blocks", "single", 1, "model.n_layer=4", *LLAMA))
     train_in_process(cfg_for(root / "single-lora-llama", "single", 1, *LLAMA, *LORA))
+    train_in_process(cfg_for(root / "single-moe", "single", 1, *MOE))
     counted = {}
     for world, runs in ((4, RUNS), (8, EIGHT_RANK_RUNS)):
         ranks = run_ranks(train_runs, world, root, runs, timeout=600)
@@ -206,6 +218,14 @@ def test_a_checkpoint_of_a_sharded_mesh_resumes_on_one_process_and_consolidates(
     assert straight.keys() <= consolidated.keys()  # and the tied head under its own name too
     for key, tensor in consolidated.items():
         assert any(torch.equal(tensor, straight[k]) for k in ([key] if key in straight else straight)), key
+
+
+def test_an_hsdp_checkpoint_of_experts_resumes_on_one_process(runs, tmp_path):
+    """hsdp's experts, split over ep within each node and sharded there, saved at step 5 (each
+    piece once, though both nodes hold it), resume under single on one process."""
+    root, _ = runs
+    in_process(resume_under_single, root / "hsdp-2x4-ep2-moe", tmp_path / "resumed", *MOE)
+    assert_resumed_as_straight(tmp_path / "resumed", root / "hsdp-2x4-ep2-moe")
 
 
 RESHARDED_AT = 7  # steps 6-7 under pipeline x tp, then 8-10 under fsdp x tp again

@@ -151,7 +151,12 @@ def test_gpt_moe_counts_its_active_parameters():
     (("parallel.ep=4",), "parallel.ep = 4: the expert-parallel ranks are data-parallel ranks, so ep must divide dp = 2"
      ),
     (("model.name=gpt", "parallel.ep=2"), "parallel.ep = 2: splits the experts of Mixture-of-Experts layers"),
-    (("parallel.strategy=hsdp", "parallel.ep=2"), "parallel.strategy = 'hsdp' does not split experts yet"),
+    (("parallel.strategy=model-parallel", "parallel.ep=2"),
+     "parallel.strategy = 'model-parallel' does not split experts yet"),
+    # 2 nodes of 3: an expert group of 2 would span both
+    (("parallel.strategy=hsdp", "parallel.ep=2", "launch.nnodes=2", "launch.nproc=3", "train.global_batch=12"),
+     "parallel.ep = 2: hsdp shards within a node, over its 3 data-parallel ranks, and an expert group must lie "
+     "within them too; ep must divide 3"),
     (("parallel.strategy=fsdp", "parallel.ep=2", "model.n_experts=6", "launch.nproc=4"),
      "fsdp shards each ep rank's 3 experts over the dp / ep = 2 ranks that hold the same ones; they must divide "
      "evenly, or be fewer"),

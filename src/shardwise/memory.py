@@ -15,7 +15,8 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -175,12 +176,15 @@ def return_free_memory() -> None:
         trim(0)
 
 
-_active_counters: list[ActivationCounter] = []
+# The counters open in this thread (a context variable, so each of dp's replica threads has its own,
+# set by `listening`), innermost last; and the lists `saved_until_gradient` records into, innermost last.
+_open_counters: ContextVar[tuple[ActivationCounter, ...]] = ContextVar("open_activation_counters", default=())
+_recording: ContextVar[tuple[list, ...]] = ContextVar("recorded_until_gradient", default=())
 
 
 def active_counters() -> list[ActivationCounter]:
-    """The counters open now (in any thread)."""
-    return list(_active_counters)
+    """The counters open now in this thread."""
+    return list(_open_counters.get())
 
 
 def record_saved(tensor: torch.Tensor) -> None:
@@ -188,19 +192,17 @@ def record_saved(tensor: torch.Tensor) -> None:
     autograd's saved-tensor hooks seeing them (selective checkpointing). It counts as held until
     the gradient named by the innermost `saved_until_gradient` around the call is computed, or,
     without one, until the counter closes."""
-    for counter in _active_counters:
+    recording = _recording.get()
+    for counter in _open_counters.get():
         key = counter.hold(tensor)
-        if key is not None and getattr(_recording, "stack", None):
-            _recording.stack[-1].append((counter, key))
-
-
-_recording = threading.local()  # per thread: dp's replicas record at once
+        if key is not None and recording:
+            recording[-1].append((counter, key))
 
 
 def hold_while_alive(owner: object, tensor: torch.Tensor) -> None:
     """Count `tensor` as saved for backward, in every open counter, until `owner` is freed: for
     code that keeps tensors for backward in an object of its own (recompute.RecomputedOnce)."""
-    for counter in _active_counters:
+    for counter in _open_counters.get():
         key = counter.hold(tensor)
         if key is not None:
             weakref.finalize(owner, counter._release, key)
@@ -212,11 +214,11 @@ def saved_until_gradient(tensor: torch.Tensor) -> Iterator[None]:
     block's input, once the block's backward is done with everything it kept (so the next
     micro-batch's forward does not find it still counted)."""
     recorded: list[tuple[ActivationCounter, int]] = []
-    _recording.stack = [*getattr(_recording, "stack", []), recorded]
+    token = _recording.set((*_recording.get(), recorded))
     try:
         yield
     finally:
-        _recording.stack = _recording.stack[:-1]
+        _recording.reset(token)
     if recorded and tensor.requires_grad:
         tensor.register_hook(functools.partial(_release_all, recorded))
 
@@ -256,7 +258,6 @@ class ActivationCounter:
         self._live: dict[int, tuple[int, int]] = {}  # storage key -> (saved tensors viewing it, bytes)
         self.live_bytes = 0
         self.bytes = 0
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._lock = threading.Lock()  # dp's replica threads save tensors concurrently
 
     def _is_parameter(self, key: int) -> bool:
@@ -296,19 +297,25 @@ class ActivationCounter:
             else:
                 self._live[key] = (count - 1, nbytes)
 
-    def listening(self) -> AbstractContextManager:
-        """The counter's saved-tensor hooks, to open in another thread (dp's replicas): autograd's
-        hooks belong to the thread that opens them."""
-        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+    @contextmanager
+    def listening(self) -> Iterator[None]:
+        """The counter, open in this thread: its saved-tensor hooks and `active_counters`. A thread
+        of its own opens it again (dp's replicas): autograd's hooks and the open counters belong
+        to the thread that opens them."""
+        token = _open_counters.set((*_open_counters.get(), self))
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            _open_counters.reset(token)
 
     def __enter__(self) -> ActivationCounter:
-        self._hooks.__enter__()
-        _active_counters.append(self)
+        self._opened = self.listening()
+        self._opened.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        _active_counters.remove(self)
-        self._hooks.__exit__(*exc)
+        self._opened.__exit__(*exc)
 
 
 def count_memory(

@@ -58,7 +58,7 @@ MOE_MODELS = ("gpt-moe", "hf-mixtral", "hf-qwen3-moe", "hf-deepseek-v3")
 ROUTER_SCORES = ("softmax", "sigmoid")
 BALANCES = ("aux-loss", "bias", "none")
 # The strategies that split experts over parallel.ep ranks (parallel/experts.py).
-EP_STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "tensor", "pipeline")
+EP_STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "hsdp", "tensor", "pipeline")
 MODELS = (*LANGUAGE_MODELS, "cnn", "mlp")
 GPT_PRESETS = ("tiny", "small", "gpt2-124m")
 OPTIMIZERS = ("adamw", "sgd")

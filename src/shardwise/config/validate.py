@@ -222,12 +222,20 @@ def _validate_experts(cfg: Config, world: int) -> None:
     if dp % p.ep:
         raise ConfigError(f"parallel.ep = {p.ep}: the expert-parallel ranks are data-parallel ranks, so ep must "
                           f"divide dp = {dp} (world size {world}); e.g. --nproc {p.ep}")
-    held, over = m.n_experts // p.ep, dp // p.ep
+    over, among = dp // p.ep, f"dp / ep = {dp // p.ep}"
+    if spec(p.strategy).across_nodes:  # hsdp: an expert's shards stay within a node, as the rest's do
+        shard = p.mesh(world, cfg.launch.nproc).dp_shard
+        if shard % p.ep:
+            raise ConfigError(f"parallel.ep = {p.ep}: {p.strategy} shards within a node, over its {shard} "
+                              "data-parallel ranks, and an expert group must lie within them too; ep must divide "
+                              f"{shard}")
+        over, among = shard // p.ep, f"a node's {shard} / ep = {shard // p.ep}"
+    held = m.n_experts // p.ep
     # Fewer experts than the ranks sharing them are split within each expert (parallel/shard.py's
     # sharded_shape); more must divide evenly, or some ranks would hold a whole expert of padding.
     if spec(p.strategy).zero_stage and held >= over and held % over:
         raise ConfigError(f"parallel.ep = {p.ep}: {p.strategy} shards each ep rank's {held} experts over the "
-                          f"dp / ep = {over} ranks that hold the same ones; they must divide evenly, or be fewer "
+                          f"{among} ranks that hold the same ones; they must divide evenly, or be fewer "
                           "than those ranks (raise model.n_experts or parallel.ep)")
 
 

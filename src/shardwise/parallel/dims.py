@@ -109,9 +109,11 @@ class Mesh:
             self._split_dp_for_experts(ctx, shape)
 
     def _split_dp_for_experts(self, ctx: DistContext, shape: MeshShape) -> None:
-        """The `ep` and `edp` groups: dp's ranks (same cp, pp and tp coordinates) as dp / ep x ep; and
+        """The `ep` and `edp` groups: dp's ranks (same cp, pp and tp coordinates) as dp / ep x ep;
         `edp_cp`, every rank holding the same experts (same ep, pp and tp coordinates), which read
-        different tokens: edp's ranks and, under context parallel, their cp ranks (`edp` without)."""
+        different tokens: edp's ranks and, under context parallel, their cp ranks (`edp` without);
+        and where dp_replicate splits dp and ep divides dp_shard, `edp_shard`: edp's ranks within
+        one replica."""
         from torch.distributed.device_mesh import DeviceMesh
 
         grid = self.device_mesh.mesh.reshape(shape.dp // shape.ep, shape.ep, shape.cp, shape.pp, shape.tp)
@@ -119,6 +121,11 @@ class Mesh:
                   "ep": grid.movedim(1, -1).reshape(-1, grid.shape[1])}
         if shape.cp > 1:
             groups["edp_cp"] = grid.permute(1, 3, 4, 0, 2).reshape(-1, grid.shape[0] * shape.cp)
+        if shape.dp_replicate > 1 and shape.dp_shard % shape.ep == 0:
+            # hsdp's: each replica's (node's) edp ranks; across replicas, the same experts' shards are
+            # held by the ranks of a dp_replicate group.
+            per_replica = grid.reshape(shape.dp_replicate, shape.dp_shard // shape.ep, *grid.shape[1:])
+            groups["edp_shard"] = per_replica.movedim(1, -1).reshape(-1, per_replica.shape[1])
         for name, ranks in groups.items():
             members = ranks.tolist()
             group, _ = dist.new_subgroups_by_enumeration(members)

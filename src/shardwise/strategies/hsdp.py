@@ -16,11 +16,14 @@ loadable into any strategy and world size like fsdp's.
 
 from __future__ import annotations
 
+import dataclasses
+
 from shardwise.config.schema import ParallelConfig
 from shardwise.dist import DistContext
 from shardwise.gradients import local_grads
 from shardwise.parallel.comm import all_reduce_packed
 from shardwise.parallel.dims import Mesh, node_size
+from shardwise.parallel.shard import ShardGroup
 from shardwise.strategies.fsdp import ShardedDataParallel
 
 
@@ -41,6 +44,18 @@ class HSDP(ShardedDataParallel):
         from torch.distributed.tensor import Replicate, Shard  # not at the top: see fsdp's _init_mesh
 
         self._placements = [Replicate(), Shard(0)]
+
+    def _shard_groups(self) -> tuple[ShardGroup, ShardGroup | None]:
+        """Under expert parallel (its ep ranks within a node), a block's experts are sharded over the
+        node's ranks holding the same ones (`edp_shard`); the ranks holding the same expert shards on
+        the other nodes are this rank's dp_replicate group, so the gradients average across nodes
+        with the dense ones'."""
+        dense, experts = super()._shard_groups()
+        if experts is None or self.replicas == 1:
+            return dense, experts
+        edp = self.mesh["edp_shard"]
+        return dense, dataclasses.replace(experts, group=edp.get_group(), world=edp.size(),
+                                          rank=edp.get_local_rank(), mesh=edp, placements=experts.placements[-1:])
 
     def _finish_backward(self) -> None:
         super()._finish_backward()  # reduce-scattered within the node: each rank's shard, averaged there
