@@ -27,7 +27,7 @@ from shardwise.checkpoint import CheckpointError, checkpoint_dir, safe_reader
 from shardwise.dist import DistContext
 from shardwise.trainer import Trainer
 
-STEPS, SAVED_AT, CRASH_AT = 40, 20, 25
+STEPS, SAVED_AT, CRASH_AT = 20, 10, 13
 
 
 def cfg_for(out: Path, strategy: str, world: int, *overrides: str):
@@ -36,7 +36,7 @@ def cfg_for(out: Path, strategy: str, world: int, *overrides: str):
 
 
 def straight_and_resumed(ctx: DistContext, root: Path, strategy: str, *overrides: str) -> dict:
-    """40 steps in one go, and 20 (saved) + a crash at 25 + resume to 40; this rank's optimizer
+    """20 steps in one go, and 10 (saved) + a crash at 13 + resume to 20; this rank's optimizer
     state at the end of each."""
     straight = Trainer(cfg_for(root / "straight", strategy, ctx.world_size, *overrides), ctx)
     straight.fit()
@@ -59,7 +59,7 @@ def test_single_resumes_bit_identically(tmp_path, precision):
     assert_bit_identical(tmp_path, [in_process(straight_and_resumed, tmp_path, "single", *precision)], STEPS)
 
 
-# compressing from step 5, so the checkpoint at 20 holds its Q factors and error feedback
+# compressing from step 5, so the checkpoint at 10 holds its Q factors and error feedback
 POWERSGD = ("parallel.ddp.grad_compression=powersgd", "parallel.ddp.powersgd_start_step=5",
             "parallel.ddp.bucket_mb=0.2")
 
@@ -71,7 +71,8 @@ POWERSGD = ("parallel.ddp.grad_compression=powersgd", "parallel.ddp.powersgd_sta
 def test_resume_is_bit_identical_on_2_ranks(tmp_path, strategy, precision):
     assert_bit_identical(tmp_path, run_ranks(straight_and_resumed, 2, tmp_path, strategy, *precision), STEPS)
     if precision == POWERSGD:
-        manifest = json.loads((checkpoint_dir(tmp_path / "resumed") / "step-00000040" / "manifest.json").read_text())
+        last = checkpoint_dir(tmp_path / "resumed") / f"step-{STEPS:08d}"
+        manifest = json.loads((last / "manifest.json").read_text())
         assert "bucket0.q" in manifest["rank_state"] and "bucket0.error0" in manifest["rank_state"]
 
 
@@ -88,7 +89,7 @@ STORED_PIECES = {
 @pytest.mark.parametrize("strategy", STORED_PIECES)
 def test_a_split_model_resumes_bit_identically_on_2_ranks(tmp_path, strategy):
     assert_bit_identical(tmp_path, run_ranks(straight_and_resumed, 2, tmp_path, strategy), STEPS)
-    metadata = safe_reader(checkpoint_dir(tmp_path / "resumed") / "step-00000040").read_metadata()
+    metadata = safe_reader(checkpoint_dir(tmp_path / "resumed") / f"step-{STEPS:08d}").read_metadata()
     for name, pieces in STORED_PIECES[strategy].items():
         assert sum(index.fqn == name for index in metadata.storage_data) == pieces, name
 
@@ -157,7 +158,8 @@ def test_a_dp2_tp2_checkpoint_resumes_as_2_stages_of_2_tensor_shards(tmp_path, r
 
 def test_an_fsdp_checkpoint_from_4_ranks_resumes_on_one(tmp_path, reference):
     run_ranks(save_then_crash, 4, tmp_path, "fsdp")
-    assert json.loads((checkpoint_dir(tmp_path) / "step-00000020" / "manifest.json").read_text())["world_size"] == 4
+    saved = checkpoint_dir(tmp_path) / f"step-{SAVED_AT:08d}"
+    assert json.loads((saved / "manifest.json").read_text())["world_size"] == 4
     in_process(resume, tmp_path, "single")
     assert_continues(tmp_path, reference)
 
@@ -248,24 +250,18 @@ def test_resuming_a_finished_run_says_so(tmp_path):
 def state_at_the_checkpoint(ctx: DistContext, out: Path, strategy: str, *overrides: str) -> dict[str, torch.Tensor]:
     trainer = Trainer(cfg_for(out, strategy, ctx.world_size, *RESHARD, *overrides), ctx)
     with pytest.raises(Crash):
-        crash_at(trainer, SAVED_AT).fit()  # fails right after saving at step 20
+        crash_at(trainer, SAVED_AT).fit()  # fails right after saving at step 10
     return trainer.strategy.view.full_state_dict()
 
 
 def consolidated(run: Path) -> dict[str, torch.Tensor]:
     """`shardwise consolidate` of the run's newest checkpoint, loaded strictly into the plain model
     (every key, no shardwise code); the model's state dict."""
-    import subprocess
-    import sys
-
-    from helpers import REPO
-
+    from shardwise.cli import main
     from shardwise.models import build_model
 
     out = run / "plain.safetensors"
-    result = subprocess.run([sys.executable, "-m", "shardwise.cli", "consolidate", str(run), str(out)],
-                            cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
+    assert main(["consolidate", str(run), str(out)]) == 0  # in this process: the command runs in its own
     model = build_model(cfg_for(run, "single", 1).model)
     model.load_state_dict(load_file(str(out)))
     return model.state_dict()

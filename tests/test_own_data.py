@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -288,17 +287,16 @@ def test_bad_data_is_refused_in_one_line_with_nothing_written(tmp_path, cache, s
     assert not cache.exists() or not any((cache / "corpora").iterdir())  # no half-prepared corpus left
 
 
-def test_a_tokenizer_larger_than_the_model_is_refused_before_any_worker_starts(tmp_path, cache):
+def test_a_tokenizer_larger_than_the_model_is_refused_before_any_worker_starts(tmp_path, cache, capsys):
+    """The command's own main, in this process (a refusal starts no worker to refuse)."""
+    from shardwise.cli import main
+
     corpus = tmp_path / "corpus.jsonl"
     write_corpus(corpus, copies=1)
     out = tmp_path / "run"
-    result = subprocess.run([sys.executable, "-m", "shardwise.cli", "train", str(CONFIGS / "gpt-tiny.toml"),
-                             "--nproc", "2", "--strategy", "ddp", "--out", str(out), "--set", f"data.path={corpus}",
-                             "--set", f"data.tokenizer={tokenizer_dir()}"],
-                            cwd=REPO, capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "SHARDWISE_CACHE": str(cache)})
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines()[-1] == (
+    assert main(["train", str(CONFIGS / "gpt-tiny.toml"), "--nproc", "2", "--strategy", "ddp", "--out", str(out),
+                 "--set", f"data.path={corpus}", "--set", f"data.tokenizer={tokenizer_dir()}"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"shardwise train: config error: data.tokenizer = {tokenizer_dir()!r}: its vocabulary of 30522 tokens "
         "exceeds model.vocab_size = 256; set model.vocab_size = 30522 or more")
     assert not out.exists() and not cache.exists()

@@ -107,7 +107,7 @@ def test_killing_an_async_worker_leaves_the_server_and_the_other_worker_training
 def test_a_stalled_sync_worker_fails_the_step_naming_it(tmp_path):
     out = tmp_path / "stall"
     timeout = 5
-    job = train(out, 3, "--set", f"launch.timeout_s={timeout}", "--set", "launch.shutdown_timeout_s=2",
+    job = train(out, 3, "--set", f"launch.timeout_s={timeout}", "--set", "launch.shutdown_timeout_s=1",
                 "--set", "train.global_batch=8", "--set", "train.micro_batch=4", steps=60)
     wait_for_step(job, out, 3)
     rank1 = next(pid for pid in worker_pids(out) if _rank(pid) == 1)

@@ -23,7 +23,7 @@ TIMEOUT_S = 5
 @pytest.mark.slow
 @pytest.mark.parametrize("stalled", [0, 1])
 def test_a_stalled_rank_fails_the_job_naming_the_collective_and_the_rank(tmp_path, stalled):
-    job = start_training(tmp_path, "--set", f"launch.timeout_s={TIMEOUT_S}", "--set", "launch.shutdown_timeout_s=2")
+    job = start_training(tmp_path, "--set", f"launch.timeout_s={TIMEOUT_S}", "--set", "launch.shutdown_timeout_s=1")
     wait_for_step(job, tmp_path, 5)
     victim = worker_pids(tmp_path)[stalled]  # workers start in rank order
     try:
