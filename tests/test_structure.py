@@ -34,3 +34,30 @@ def test_the_strategy_interface_has_at_most_12_methods_besides_its_constructor()
 def test_no_two_modules_of_the_package_share_a_name():
     names = Counter(p.stem for p in PACKAGE.rglob("*.py") if p.stem != "__init__")
     assert {name: n for name, n in names.items() if n > 1} == {}
+
+
+# State a process must keep by name: torch.distributed.rpc calls a server by a function's module path,
+# never an object, so the parameter server's functions find this process's server here.
+NAMED_BY_RPC = {"strategies/param_server.py:_server"}
+MUTABLE_CALLS = {"list", "dict", "set", "defaultdict", "OrderedDict", "Counter", "deque", "local"}
+
+
+def test_no_module_level_mutable_state():
+    """No module keeps state of its own: no lower-case name bound at module level to a list, dict or
+    set (display or call) or a thread-local, and no function rebinding a module's name (`global`);
+    upper-case names are constant tables. A context variable (memory.py's open counters) is state
+    of the thread that sets it, not of the module."""
+    found = set()
+    for path, tree in modules().items():
+        where = str(path.relative_to(PACKAGE))
+        for node in tree.body:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] \
+                if isinstance(node, ast.AnnAssign) and node.value is not None else []
+            value = getattr(node, "value", None)
+            mutable = isinstance(value, (ast.List, ast.Dict, ast.Set, ast.ListComp, ast.DictComp, ast.SetComp)) or (
+                isinstance(value, ast.Call) and getattr(value.func, "attr", getattr(value.func, "id", None))
+                in MUTABLE_CALLS)
+            found |= {f"{where}:{t.id}" for t in targets if isinstance(t, ast.Name) and mutable and not t.id.isupper()
+                      and not t.id.startswith("__")}  # `__all__`: a module's public names
+        found |= {f"{where}:{name}" for node in ast.walk(tree) if isinstance(node, ast.Global) for name in node.names}
+    assert found == NAMED_BY_RPC
