@@ -42,22 +42,30 @@ NAMED_BY_RPC = {"strategies/param_server.py:_server"}
 MUTABLE_CALLS = {"list", "dict", "set", "defaultdict", "OrderedDict", "Counter", "deque", "local"}
 
 
+def _is_mutable(value: ast.expr | None) -> bool:
+    """A list, dict or set (display, comprehension or call) or a thread-local."""
+    if isinstance(value, (ast.List, ast.Dict, ast.Set, ast.ListComp, ast.DictComp, ast.SetComp)):
+        return True
+    return isinstance(value, ast.Call) and getattr(value.func, "attr", getattr(value.func, "id", None)) in MUTABLE_CALLS
+
+
 def test_no_module_level_mutable_state():
     """No module keeps state of its own: no lower-case name bound at module level to a list, dict or
     set (display or call) or a thread-local, and no function rebinding a module's name (`global`);
-    upper-case names are constant tables. A context variable (memory.py's open counters) is state
-    of the thread that sets it, not of the module."""
+    upper-case names are constant tables, and `__all__` a module's public names. A context variable
+    (memory.py's open counters) is state of the thread that sets it, not of the module."""
     found = set()
     for path, tree in modules().items():
         where = str(path.relative_to(PACKAGE))
         for node in tree.body:
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target] \
-                if isinstance(node, ast.AnnAssign) and node.value is not None else []
-            value = getattr(node, "value", None)
-            mutable = isinstance(value, (ast.List, ast.Dict, ast.Set, ast.ListComp, ast.DictComp, ast.SetComp)) or (
-                isinstance(value, ast.Call) and getattr(value.func, "attr", getattr(value.func, "id", None))
-                in MUTABLE_CALLS)
-            found |= {f"{where}:{t.id}" for t in targets if isinstance(t, ast.Name) and mutable and not t.id.isupper()
-                      and not t.id.startswith("__")}  # `__all__`: a module's public names
+            if isinstance(node, ast.Assign):
+                targets = node.targets
+            elif isinstance(node, ast.AnnAssign):
+                targets = [node.target]
+            else:
+                continue
+            if _is_mutable(node.value):
+                found |= {f"{where}:{t.id}" for t in targets
+                          if isinstance(t, ast.Name) and not t.id.isupper() and not t.id.startswith("__")}
         found |= {f"{where}:{name}" for node in ast.walk(tree) if isinstance(node, ast.Global) for name in node.names}
     assert found == NAMED_BY_RPC
