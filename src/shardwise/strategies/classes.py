@@ -15,10 +15,10 @@ from shardwise.strategies.registry import spec
 
 def strategy_class(name: str, pp: int = 1) -> type[Strategy]:
     """The Strategy subclass of the strategy called `name`, imported now. Ours that shard, over
-    pipeline stages (`pp` > 1): the pipeline whose stages they shard."""
+    pipeline stages (`pp` > 1): the pipeline, which composes their sharding after its cut."""
     chosen = spec(name)
     if pp > 1 and chosen.shards_split_model:
-        return importlib.import_module("shardwise.strategies.sharded_pipeline").ShardedPipeline
+        return importlib.import_module("shardwise.strategies.pipeline").Pipeline
     return getattr(importlib.import_module(f"shardwise.strategies.{chosen.module}"), chosen.cls)
 
 

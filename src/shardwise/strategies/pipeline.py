@@ -16,6 +16,31 @@ The loss is broadcast from the last stage's rank to the replica's other ranks, s
 (rank 0 included) reports its replica's loss. A step's gradients are whole when the lists end,
 every W done: then the tied weight's are summed and the replicas' averaged, and clipping and
 fp16's inf check see them all.
+
+**Data parallel over the stages** is the strategy's name's flavour, composed after the cut and
+tp: `pipeline`'s replicas average their gradients after the schedule (mesh.py's one packed
+all-reduce); under `zero1`, `zero2`, `fsdp` and `hsdp` with `parallel.pp > 1`, each rank's stages
+are sharded over their stage's data-parallel (and context-parallel) ranks by fsdp.py's units (a
+unit per block, one for the rest of the stage; a block's experts, already cut to this rank's share,
+over the stage's ranks holding the same ones; hsdp within a node, averaged across nodes). A
+stage's parameters are used by every micro-batch, forward and backward (a split backward's W long
+after its B), so the sharding acts around the whole schedule, not around each use, as
+torchtitan's FSDP x PP does:
+
+- before the schedule, fsdp gathers every unit of the rank's stages (the next unit's all-gather in
+  flight while one is copied out) and keeps them for the step: gathering them per micro-batch
+  would move the stage M times over;
+- the micro-batches' gradients accumulate in the full gradients (zero1: its gradient buffers);
+- after the schedule (and the tied head's sum) every unit's gradients are reduce-scattered into
+  this rank's shards, averaged over the stage's data-parallel ranks; fsdp then frees the full
+  parameters and gradients;
+- the optimizer steps on the shards; zero1 and zero2 all-gather the updated shards after it, fsdp
+  before the next step.
+
+So between steps fsdp holds its shards, and during one the whole stage (its tp part) and its
+gradients; zero2 holds what zero1 does here (no gradient can be freed before the last
+micro-batch). Evaluation gathers before the pipeline's forward and frees after it. Checkpoints
+name each shard as fsdp over tensor parallel does, so they load into any strategy and mesh.
 """
 
 from __future__ import annotations
@@ -32,20 +57,39 @@ from torch import nn
 
 from shardwise.config.schema import Config, ConfigError, ParallelConfig, PipelineConfig
 from shardwise.dist import DistContext
+from shardwise.gradients import clip_grad_norm_, local_grads
+from shardwise.memory import MemoryBreakdown
 from shardwise.models import moe
 from shardwise.parallel.experts import balance_routers
 from shardwise.parallel.pipeline.runner import Activations, PipelineModule, PipelineRun
 from shardwise.parallel.pipeline.schedules import SCHEDULES, ScheduleError, build, check_micro_batches, virtual_stages
 from shardwise.parallel.pipeline.stages import Stage, balanced_split, block_costs, separate, stage_holds
 from shardwise.parallel.tensor import TensorParallelGroup, parallelize_blocks
-from shardwise.strategies.base import LossFn, routing_groups
+from shardwise.state_view import ShardedSplitView
+from shardwise.strategies.base import LossFn, OptimizerFactory, routing_groups
+from shardwise.strategies.fsdp import ShardedDataParallel
+from shardwise.strategies.hsdp import HSDP
 from shardwise.strategies.mesh import MeshStrategy
+from shardwise.strategies.registry import spec
 
 Group = dist.ProcessGroup
 
 
 class Pipeline(MeshStrategy):
     runs_schedule = True  # micro-batches through parallel.pipeline.schedule (model-parallel: one, on GPipe's lists)
+
+    @classmethod
+    def check_config(cls, cfg: Config, world: int) -> None:
+        """First, what the sharded flavour asks of the stages (the mesh's and model's checks after)."""
+        p = cfg.parallel
+        if spec(p.strategy).across_nodes and cfg.launch.nproc % (p.pp * (p.tp or 1) * p.cp):
+            raise ConfigError(f"parallel.pp = {p.pp}: {p.strategy} keeps a replica's pipeline stages (and their "
+                              f"tensor- and context-parallel ranks) within a node; launch.nproc = "
+                              f"{cfg.launch.nproc} must be a multiple of pp x tp x cp")
+        if p.sharding.offload != "none":
+            raise ConfigError(f"parallel.sharding.offload = {p.sharding.offload!r}: not over pipeline stages "
+                              f"(parallel.pp = {p.pp})")
+        super().check_config(cfg, world)
 
     @classmethod
     def check_split(cls, cfg: Config, dp: int, pp: int, tp: int) -> None:
@@ -91,6 +135,12 @@ class Pipeline(MeshStrategy):
         self.timeline: list[tuple[str, int, int, float, float]] = []  # the last step's, all its runs
         self.window = (0.0, 0.0)  # the last step's forward_backward: perf_counter start and end
         self._tied: tuple[list[nn.Parameter], Group] | None = None  # see _tie_first_and_last
+        # The sharded flavour of data parallel over the stages (see the module's docstring), on the same
+        # mesh: fsdp.py's units (hsdp.py's: sharded within a node, replicated across); None: replicated.
+        self.sharded: ShardedDataParallel | None = None
+        if spec(cfg.strategy).shards_split_model:
+            self.sharded = (HSDP if spec(cfg.strategy).across_nodes else ShardedDataParallel)(ctx, cfg, self.mesh)
+            self.view = ShardedSplitView(self)
 
     @property
     def recompute_once(self) -> bool:
@@ -136,7 +186,22 @@ class Pipeline(MeshStrategy):
         self._tie_first_and_last(tied)
         self.module = PipelineModule(self.stages, self.schedule, self.pp_rank, self.pp_group, self.activations,
                                      vocab_size)
+        if self.sharded is not None:
+            self._shard_stages(part)
         return self.module
+
+    def _shard_stages(self, part: nn.ModuleList) -> None:
+        """This rank's stages (real, split over tp already) sharded into fsdp.py's units, gathered
+        before the pipeline's forward (evaluation's too) and freed after it; a stage sends its
+        activations in the working dtype the units gather in (mixed precision's compute dtype)."""
+        self.sharded.experts = self.experts  # this rank's share of each stage's experts, cut as it was made
+        self.sharded.shard_stages(part, self.cfg.block, dict(self.view.held_parameters()), self.view.full,
+                                  self.tensor_shards, self.tp_partial)
+        self.view.sharded = self.sharded.view
+        working = self.sharded.sharding.working_dtype
+        self.activations = self.module.activations = Activations(self.activations.width, working, self.ctx.device)
+        self.module.register_forward_pre_hook(lambda m, args: self.sharded.gather_units())
+        self.module.register_forward_hook(lambda m, args, out: self.sharded.free_units())
 
     def _tie_first_and_last(self, shared: list[nn.Parameter]) -> None:
         """For parameters the first and the last stage both hold (an embedding tied to the head):
@@ -157,7 +222,11 @@ class Pipeline(MeshStrategy):
             self.duplicates = {id(p) for p in shared}
 
     def local_parameters(self) -> list[nn.Parameter]:
-        return list(self.module.parameters())
+        return self.sharded.local_parameters() if self.sharded is not None else list(self.module.parameters())
+
+    def optimizer(self, make: OptimizerFactory) -> torch.optim.Optimizer:
+        self.optim = self.sharded.optimizer(make) if self.sharded is not None else super().optimizer(make)
+        return self.optim
 
     def forward_backward(self, model: nn.Module, micro_batches: Iterable[tuple[torch.Tensor, torch.Tensor]],
                          loss_fn: LossFn, accum: int) -> torch.Tensor:
@@ -167,6 +236,8 @@ class Pipeline(MeshStrategy):
         loss_sum = torch.zeros((), device=self.ctx.device)
         self.timeline = []
         started = time.perf_counter()
+        if self.sharded is not None:  # fsdp's full parameters for all the micro-batches; zero1's gradient buffers
+            self.sharded.begin_step()
         for batch in micro_batches:
             # Under context parallel each of a stage's cp ranks runs the schedule on its tokens, its
             # attention over the group (the context stays open through the backward's recomputation).
@@ -187,6 +258,29 @@ class Pipeline(MeshStrategy):
         self.synchronize_gradients()
         self.window = (started, time.perf_counter())
         return loss_sum
+
+    def synchronize_gradients(self) -> None:
+        """Replicated: mesh.py's average; sharded: every unit's gradients reduce-scattered."""
+        if self.sharded is None:
+            super().synchronize_gradients()
+        else:
+            self.sharded.end_step()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Sharded, a shard counts where its parameter would in a replicated pipeline (a tp shard on
+        every tp rank, what tp ranks hold whole on tp rank 0, a tied weight on the first stage), then
+        summed over the stage's data-parallel ranks, its tp ranks and the stages."""
+        if self.sharded is None:
+            return super().clip_grad_norm_(max_norm)
+        sharding = self.sharded.sharding
+        counted = [sharding.shard_of(p).grad for _, p in self.view.held_parameters()
+                   if sharding.holds(p) and sharding.shard_of(p).grad is not None and id(p) not in self.duplicates
+                   and (id(p) in self.tensor_shards or self.tp_rank == 0)]
+        return clip_grad_norm_(counted, local_grads(self.local_parameters()), max_norm, self.ctx.device,
+                               (self.sharded.group, self.tp_group, self.pp_group))
+
+    def memory(self, activations: int) -> MemoryBreakdown:
+        return self.sharded.memory(activations) if self.sharded is not None else super().memory(activations)
 
     def update_routers(self) -> None:
         """The router record is of the whole model, not of this rank's stages only: its stages'
