@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -40,15 +41,19 @@ def test_sigterm_saves_a_checkpoint_and_resume_finishes_the_run(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory) -> Path:
-    """The run every interrupted one must end identical to."""
+def uninterrupted(tmp_path_factory) -> Iterator[tuple[Path, subprocess.Popen]]:
+    """The run every interrupted one must end identical to: started here and waited for only when a
+    test compares with it, so it runs beside the first interrupted one (mostly starting up)."""
     out = tmp_path_factory.mktemp("uninterrupted")
     job = start_training(out)
+    yield out, job
+    if job.poll() is None:
+        job.kill()
+
+
+def assert_identical(run: Path, uninterrupted: tuple[Path, subprocess.Popen]) -> None:
+    reference, job = uninterrupted
     assert job.wait(timeout=300) == 0, job.communicate()[1]
-    return out
-
-
-def assert_identical(run: Path, reference: Path) -> None:
     weights, expected = load_file(str(run / "model.safetensors")), load_file(str(reference / "model.safetensors"))
     for key in expected:
         assert torch.equal(weights[key], expected[key]), (run.name, key)

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_ranks
-from jobs import start_training, wait_for_step, worker_pids
+from jobs import start_training, steps_logged, worker_pids
 
 from shardwise.stalls import explain, is_collective_failure
 
@@ -21,30 +21,42 @@ TIMEOUT_S = 5
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stalled", [0, 1])
-def test_a_stalled_rank_fails_the_job_naming_the_collective_and_the_rank(tmp_path, stalled):
-    job = start_training(tmp_path, "--set", f"launch.timeout_s={TIMEOUT_S}", "--set", "launch.shutdown_timeout_s=1")
-    wait_for_step(job, tmp_path, 5)
-    victim = worker_pids(tmp_path)[stalled]  # workers start in rank order
+def test_a_stalled_rank_fails_the_job_naming_the_collective_and_the_rank(tmp_path):
+    """Rank 0 stalled in one job, rank 1 in another: the two run at once, since most of each is
+    starting up or waiting out the timeout. Each rank is stopped (SIGSTOP, as a hung rank stops
+    participating) once its job has logged step 5."""
+    outs = [tmp_path / f"rank-{stalled}-stalled" for stalled in (0, 1)]
+    jobs = [start_training(out, "--set", f"launch.timeout_s={TIMEOUT_S}", "--set", "launch.shutdown_timeout_s=1")
+            for out in outs]
+    stalled_at: dict[int, float] = {}
     try:
-        os.kill(victim, signal.SIGSTOP)  # a rank that stops participating, as a hung one does
-        stalled_at = time.monotonic()
-        _, err = job.communicate(timeout=120)
-        elapsed = time.monotonic() - stalled_at
+        deadline = time.monotonic() + 120
+        while len(stalled_at) < 2:
+            for stalled, (job, out) in enumerate(zip(jobs, outs, strict=True)):
+                if stalled not in stalled_at and steps_logged(out) >= 5:
+                    os.kill(worker_pids(out)[stalled], signal.SIGSTOP)  # workers start in rank order
+                    stalled_at[stalled] = time.monotonic()
+                assert job.poll() is None, job.communicate()[1]
+            assert time.monotonic() < deadline, "no step 5 within 120 s"
+            time.sleep(0.05)
+        errors = [job.communicate(timeout=120)[1] for job in jobs]
+        elapsed = [time.monotonic() - stalled_at[stalled] for stalled in (0, 1)]
     finally:
-        if job.poll() is None:
-            job.kill()
-        for pid in worker_pids(tmp_path):
-            os.kill(pid, signal.SIGKILL)
-    assert job.returncode == 1, err
-    assert elapsed < TIMEOUT_S + 30, f"the job took {elapsed:.0f} s to end after the stall"
-    survivor = 1 - stalled
-    message = re.search(rf"CollectiveFailure: rank {survivor}: (\w+) #\d+ on group 'default_pg' .*", err)
-    assert message, err
-    assert message[1] in {"all_reduce", "allreduce", "all_gather", "broadcast"}, message[0]
-    assert f"did not complete within launch.timeout_s = {TIMEOUT_S} s" in message[0]
-    assert f"Rank(s) {stalled} never joined it" in message[0]
-    assert worker_pids(tmp_path) == [], "worker processes outlived the job"
+        for job, out in zip(jobs, outs, strict=True):
+            if job.poll() is None:
+                job.kill()
+            for pid in worker_pids(out):
+                os.kill(pid, signal.SIGKILL)
+    for stalled, (err, job, out) in enumerate(zip(errors, jobs, outs, strict=True)):
+        assert job.returncode == 1, err
+        assert elapsed[stalled] < TIMEOUT_S + 30, f"the job took {elapsed[stalled]:.0f} s to end after the stall"
+        survivor = 1 - stalled
+        message = re.search(rf"CollectiveFailure: rank {survivor}: (\w+) #\d+ on group 'default_pg' .*", err)
+        assert message, err
+        assert message[1] in {"all_reduce", "allreduce", "all_gather", "broadcast"}, message[0]
+        assert f"did not complete within launch.timeout_s = {TIMEOUT_S} s" in message[0]
+        assert f"Rank(s) {stalled} never joined it" in message[0]
+        assert worker_pids(out) == [], "worker processes outlived the job"
 
 
 def _mismatched_collectives(ctx, debug: bool) -> str:
