@@ -4,6 +4,7 @@ ranking of what both keep, the same candidates shown over the limit; and the pru
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -109,3 +110,13 @@ def test_a_70b_gpt_on_64_h100s_costs_a_few_percent_of_its_candidates():
     # what the exhaustive search recommended (54 s before the pruning; measured on the shared machine)
     assert best.candidate.label == "fsdp dp64 bf16-mixed rc=blocks mb=4"
     assert not any(e.fits for e in plan.ranked if e.candidate.strategy == "ddp")
+
+
+def test_planning_leaves_the_base_config_as_the_user_set_it():
+    """Each candidate's config is its own: no candidate's pipeline settings leak into the base (the
+    plan's `cfg`, which `--measure` trains from)."""
+    cfg = tiny()
+    before = copy.deepcopy(cfg)
+    plan = make_plan(cfg, 4, load_profile("cpu"), precisions=("fp32",), policies=("none",), exhaustive=True)
+    assert any(e.candidate.schedule for e in plan.ranked)  # pipeline candidates were weighed
+    assert cfg == before and plan.cfg == before

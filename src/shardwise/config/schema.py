@@ -5,7 +5,6 @@ the families and strategies a key's values name. A value here is checked by vali
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -354,15 +353,21 @@ class ParallelConfig:
     def mesh_shape(self, world_size: int) -> tuple[int, int, int]:
         """(dp, pp, tp): the device mesh's sizes, unset ones filled in as described above (each of
         the dp replicas spans cp x pp x tp ranks). A parameter-server job's replicas are its workers."""
-        if spec(self.strategy).parameter_servers:
+        chosen = spec(self.strategy)
+        if chosen.parameter_servers:
             return world_size - self.param_server.servers, 1, 1
-        own = spec(self.strategy).mesh_dim
-        sizes = {"dp": self.dp, "pp": self.pp, "tp": self.tp}
-        others = self.cp * math.prod(size for dim, size in sizes.items() if dim != own and size is not None)
+        # A list and a loop, not a dict and generators: validating each of a plan's hundreds of
+        # thousands of candidates asks this several times.
+        sizes = [self.dp, self.pp, self.tp]
+        own = ("dp", "pp", "tp").index(chosen.mesh_dim)
         if sizes[own] is None:
-            sizes[own] = max(1, world_size // max(1, others))
-        dp, pp, tp = (1 if size is None else size for size in sizes.values())
-        return dp, pp, tp
+            others = 1
+            for size in sizes:
+                if size is not None:
+                    others *= size
+            sizes[own] = max(1, world_size // max(1, self.cp * others))
+        dp, pp, tp = sizes
+        return 1 if dp is None else dp, 1 if pp is None else pp, 1 if tp is None else tp
 
 
 @dataclass

@@ -56,15 +56,75 @@ def _positive(key: str, value: float, zero_ok: bool = False) -> None:
 
 def validate(cfg: Config, world_size: int | None = None) -> None:
     """Check every value and every relation between values; `world_size` defaults to the launch's."""
+    _validate(cfg, world_size or cfg.world_size, fixed=True, varied=True)
+
+
+def check_fixed(cfg: Config) -> None:
+    """validate's checks of what no planner candidate sets, in its order: the planner makes them
+    once for its base config instead of once for each of (up to) hundreds of thousands of candidates."""
+    _validate(cfg, cfg.world_size, fixed=True, varied=False)
+
+
+def validate_varied(cfg: Config, world: int) -> None:
+    """validate(cfg, world) less `check_fixed`'s checks: the same first ConfigError wherever those
+    pass, as they do for every candidate of a base config that passes them."""
+    _validate(cfg, world, fixed=False, varied=True)
+
+
+def _validate(cfg: Config, world: int, fixed: bool, varied: bool) -> None:
+    """validate's checks, in the order that decides which error a config with several gets.
+    `fixed`: those that read nothing a planner candidate sets (the parallel table's strategy,
+    precision, recompute, mesh sizes, pipeline, cp and ep; train.micro_batch and global_batch;
+    launch.nproc) nor the world size; `varied`: the others."""
     m, d, t, p, launch = cfg.model, cfg.data, cfg.train, cfg.parallel, cfg.launch
-    _choice("model.name", m.name, MODELS)
-    validate_parallel(p)
-    _choice("launch.backend", launch.backend, BACKENDS)
-    _choice("train.optimizer", t.optimizer, OPTIMIZERS)
-    _choice("train.bad_step", t.bad_step, ("stop", "skip", "off"))
+    if fixed:
+        _choice("model.name", m.name, MODELS)
+    if varied:
+        validate_parallel(p)
+    if fixed:
+        _choice("launch.backend", launch.backend, BACKENDS)
+        _choice("train.optimizer", t.optimizer, OPTIMIZERS)
+        _choice("train.bad_step", t.bad_step, ("stop", "skip", "off"))
+        _validate_own_data(cfg)
+    if varied:
+        _validate_lora(cfg, world)
+    if fixed:
+        _validate_model(cfg)
+    if varied and p.recompute != "none" and m.name not in LANGUAGE_MODELS:
+        raise ConfigError(f"parallel.recompute = {p.recompute!r}: model.name = {m.name!r} has no blocks to recompute")
+    if fixed and t.compile and m.name not in LANGUAGE_MODELS:
+        raise ConfigError(f"train.compile: model.name = {m.name!r} has no blocks to compile")
+    if varied and t.compile and p.recompute == "selective":
+        raise ConfigError("train.compile with parallel.recompute = 'selective': its policy cannot see the operations "
+                          "inside a compiled block and would recompute nearly all of it; use 'blocks' or 'every:K'")
+    if fixed:
+        _positive("model.width", m.width)
+        _positive("model.num_classes", m.num_classes)
+        if not 0 < d.val_fraction < 1:
+            raise ConfigError(f"data.val_fraction = {d.val_fraction!r}: must be between 0 and 1 (exclusive)")
+        _positive("data.synthetic_size", d.synthetic_size)
+        _positive("train.steps", t.steps)
+    if varied:
+        _positive("train.global_batch", t.global_batch)
+        _positive("train.micro_batch", t.micro_batch)
+    if fixed:
+        _validate_optimization(cfg)
+    if varied:
+        _positive("launch.nproc", launch.nproc)
+    if fixed:
+        _validate_launch(cfg)
+        _positive("parallel.replicas", p.replicas)
+        _choice("parallel.param_server.mode", p.param_server.mode, PS_MODES)
+        _positive("parallel.param_server.servers", p.param_server.servers)
+        _positive("parallel.param_server.max_staleness", p.param_server.max_staleness, zero_ok=True)
+    if varied:
+        _validate_strategy(cfg, world)
+
+
+def _validate_model(cfg: Config) -> None:
+    """The dataset suits the model, and a language model's sizes fit together."""
+    m, d = cfg.model, cfg.data
     datasets = TEXT_DATASETS if m.name in LANGUAGE_MODELS else IMAGE_DATASETS
-    _validate_own_data(cfg)
-    _validate_lora(cfg, world_size or cfg.world_size)
     if d.name not in datasets:
         raise ConfigError(
             f"data.name = {d.name!r}: not usable with model.name = {m.name!r}; allowed: {', '.join(datasets)}"
@@ -81,19 +141,12 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
             raise ConfigError(f"model.n_kv_head = {m.n_kv_head}: must divide model.n_head = {m.n_head}")
         if m.vocab_size < 256:
             raise ConfigError(f"model.vocab_size = {m.vocab_size}: must be >= 256 for byte-level data")
-    if p.recompute != "none" and m.name not in LANGUAGE_MODELS:
-        raise ConfigError(f"parallel.recompute = {p.recompute!r}: model.name = {m.name!r} has no blocks to recompute")
-    if t.compile and m.name not in LANGUAGE_MODELS:
-        raise ConfigError(f"train.compile: model.name = {m.name!r} has no blocks to compile")
-    if t.compile and p.recompute == "selective":
-        raise ConfigError("train.compile with parallel.recompute = 'selective': its policy cannot see the operations "
-                          "inside a compiled block and would recompute nearly all of it; use 'blocks' or 'every:K'")
-    _positive("model.width", m.width)
-    _positive("model.num_classes", m.num_classes)
-    if not 0 < d.val_fraction < 1:
-        raise ConfigError(f"data.val_fraction = {d.val_fraction!r}: must be between 0 and 1 (exclusive)")
-    _positive("data.synthetic_size", d.synthetic_size)
-    for key in ("steps", "global_batch", "micro_batch", "lr", "eval_batches"):
+
+
+def _validate_optimization(cfg: Config) -> None:
+    """The [train] values after the batch sizes, and the launch's restarts and shutdown."""
+    t, launch = cfg.train, cfg.launch
+    for key in ("lr", "eval_batches"):
         _positive(f"train.{key}", getattr(t, key))
     _positive("train.keep_checkpoints", t.keep_checkpoints)
     for key in ("min_lr", "warmup_steps", "weight_decay", "grad_clip", "eval_every", "seed", "checkpoint_every",
@@ -106,7 +159,12 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         raise ConfigError(f"train.min_lr = {t.min_lr!r}: must be <= train.lr = {t.lr!r}")
     _positive("launch.max_restarts", launch.max_restarts, zero_ok=True)
     _positive("launch.shutdown_timeout_s", launch.shutdown_timeout_s, zero_ok=True)
-    for key in ("nproc", "nnodes", "threads_per_rank", "timeout_s"):
+
+
+def _validate_launch(cfg: Config) -> None:
+    """The launch's nodes, threads and timeout, and the [run] table."""
+    launch = cfg.launch
+    for key in ("nnodes", "threads_per_rank", "timeout_s"):
         _positive(f"launch.{key}", getattr(launch, key))
     if not 0 <= launch.node_rank < launch.nnodes:
         raise ConfigError(f"launch.node_rank = {launch.node_rank}: must be in [0, launch.nnodes = {launch.nnodes})")
@@ -117,14 +175,16 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if cfg.run.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError("run.tensorboard = true: the tensorboard package is not installed; "
                           "pip install 'shardwise[tensorboard]' (or pip install tensorboard), or leave it off")
-    world = world_size or cfg.world_size
-    _positive("parallel.replicas", p.replicas)
-    _choice("parallel.param_server.mode", p.param_server.mode, PS_MODES)
-    _positive("parallel.param_server.servers", p.param_server.servers)
-    _positive("parallel.param_server.max_staleness", p.param_server.max_staleness, zero_ok=True)
+
+
+def _validate_strategy(cfg: Config, world: int) -> None:
+    """The strategy on this world: its own checks, the mesh, the experts, replica groups, and the
+    global batch split over the data-parallel replicas."""
+    t, p, launch = cfg.train, cfg.parallel, cfg.launch
     strategy = spec(p.strategy)
     _validate_context(cfg, world)
-    strategy_class(p.strategy, cfg.parallel.mesh_shape(world)[1]).check_config(cfg, world)
+    dp, pp, _ = p.mesh_shape(world)
+    strategy_class(p.strategy, pp).check_config(cfg, world)
     if strategy.one_process and world != 1:
         raise ConfigError(
             f"parallel.strategy = {p.strategy!r}: runs on one process, but the world size is {world}; "
@@ -133,12 +193,12 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     if not strategy.checkpoints and (launch.max_restarts or t.checkpoint_every or cfg.run.resume):
         raise ConfigError(f"{p.strategy} keeps no checkpoints: set launch.max_restarts = 0, "
                           "train.checkpoint_every = 0 and run.resume = false")
-    if m.weights is not None:
-        _validate_weights(m.weights, p.strategy)
+    if cfg.model.weights is not None:
+        _validate_weights(cfg.model.weights, p.strategy)
     _validate_mesh(cfg, world)
     _validate_experts(cfg, world)
     _validate_replica_groups(cfg)
-    dp = p.mesh_shape(world)[0] * launch.replica_groups
+    dp *= launch.replica_groups
     per_step = dp * t.micro_batch
     if t.global_batch % per_step:
         if launch.replica_groups > 1:
@@ -292,16 +352,17 @@ def validate_parallel(p: ParallelConfig) -> None:
         virtual_stages(p.pipeline.schedule, p.pipeline.virtual_stages)
     except ScheduleError as exc:
         raise ConfigError(f"parallel.pipeline.{exc}") from None
-    sharded = [name for name, each in SPECS.items() if each.zero_stage]
-    if p.sharding.reduce_dtype != "fp32" and p.strategy not in sharded:
+    # The lists of strategies only for the error: this runs for every candidate the planner weighs.
+    if p.sharding.reduce_dtype != "fp32" and not spec(p.strategy).zero_stage:
+        sharded = [name for name, each in SPECS.items() if each.zero_stage]
         raise ConfigError(
             f"parallel.sharding.reduce_dtype = {p.sharding.reduce_dtype!r}: only the sharded strategies "
             f"({', '.join(sharded)}) "
             f"reduce in another dtype; parallel.strategy is {p.strategy!r}"
         )
     _choice("parallel.sharding.offload", p.sharding.offload, OFFLOADS)
-    offloading = [name for name, each in SPECS.items() if each.offloads]
-    if p.sharding.offload != "none" and p.strategy not in offloading:
+    if p.sharding.offload != "none" and not spec(p.strategy).offloads:
+        offloading = [name for name, each in SPECS.items() if each.offloads]
         raise ConfigError(f"parallel.sharding.offload = {p.sharding.offload!r}: only {', '.join(offloading)} offload "
                           "their optimizer "
                           f"state to the host; parallel.strategy is {p.strategy!r}")

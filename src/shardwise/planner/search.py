@@ -33,7 +33,7 @@ from shardwise.planner.candidates import DEFAULT_PRECISIONS, POLICIES, Candidate
 from shardwise.planner.devices import DeviceProfile
 from shardwise.planner.memory_model import DEFAULT_MARGIN, RankMemory, dtype_bytes, predict_memory
 from shardwise.planner.model import PlanError, model_facts, model_shape
-from shardwise.planner.timing import StepTime, compute_dtype, predict_step_time
+from shardwise.planner.timing import StepTime, compute_dtype, predict_step_time, step_time_bounds
 from shardwise.precision import make_precision
 
 GiB = 2**30
@@ -201,21 +201,23 @@ def _pruned_search(candidates: list[Candidate], cfg: Config, device: DeviceProfi
     accepted = set(candidates)
     twins: dict[Candidate, list[str]] = {}
     for c in candidates:
-        representative = dataclasses.replace(c, precision=twin_of[c.precision])
-        if representative not in accepted:
-            representative = c
-        twins.setdefault(representative, [])
-        if representative != c:
-            twins[representative].append(c.precision)
+        representative = c
+        if twin_of[c.precision] != c.precision:  # most candidates are their own
+            twin = c.replace(precision=twin_of[c.precision])
+            representative = twin if twin in accepted else c
+        alike = twins.setdefault(representative, [])
+        if representative is not c:
+            alike.append(c.precision)
     distinct = []
     for c, alike in twins.items():
-        if c.schedule == "gpipe" and dataclasses.replace(c, schedule="1f1b") in accepted:
+        if c.schedule == "gpipe" and c.replace(schedule="1f1b") in accepted:
             pruned["dominated"] += 1 + len(alike)
         else:
             distinct.append(c)
     # Fastest first by a bound that traces and simulates nothing (exact but for selective's re-done
     # elementwise work and a pipeline's idle beyond its closed-form least).
-    queue = [(predict_step_time(c, cfg, device, world, traced=False).total, i, c) for i, c in enumerate(distinct)]
+    bounds = step_time_bounds(distinct, cfg, device, world)
+    queue = [(bound, i, c) for i, (bound, c) in enumerate(zip(bounds, distinct, strict=True))]
     heapq.heapify(queue)
     fastest: list[float] = []  # exact times of the fastest `top` that fit, as a max-heap (negated)
     kept: list[Evaluated] = []

@@ -158,9 +158,28 @@ def predict_step_time(c: Candidate, cfg: Config, device: DeviceProfile, world: i
     """Seconds one optimizer step of `cfg.train.global_batch` samples takes under `c`. Without
     `traced`, a lower bound that traces no activations: `selective`'s re-done elementwise work is
     left out (the operators are still counted, once per model)."""
+    return _step_time(c, cfg, model_shape(cfg.model, cfg.lora), device, world, traced, {})
+
+
+def step_time_bounds(candidates: list[Candidate], cfg: Config, device: DeviceProfile, world: int) -> list[float]:
+    """predict_step_time(c, cfg, device, world, traced=False).total of each candidate, what
+    depends on a pipeline's mesh alone worked out once for all the candidates that share it (the
+    search bounds every candidate, hundreds of thousands)."""
     shape = model_shape(cfg.model, cfg.lora)
+    meshes: dict[tuple, _PipelineMesh] = {}
+    return [_step_time(c, cfg, shape, device, world, False, meshes).total for c in candidates]
+
+
+def _step_time(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceProfile, world: int, traced: bool,
+               meshes: dict[tuple, _PipelineMesh]) -> StepTime:
+    """predict_step_time for `shape` (cfg's model); a pipeline's mesh taken from `meshes`, or
+    worked out and added there (`meshes` holds those of one cfg and device)."""
     if c.spec.mesh_dim == "pp" or c.pp > 1:
-        return _pipeline(c, cfg, shape, device, traced)
+        key = (c.strategy, c.dp, c.pp, c.tp, c.cp, c.ep, c.shard, c.schedule)
+        mesh = meshes.get(key)
+        if mesh is None:
+            mesh = meshes[key] = _PipelineMesh.of(c, shape, device)
+        return _pipeline(c, cfg, shape, device, traced, mesh)
     if c.spec.mesh_dim == "tp":
         return _tensor(c, cfg, shape, device, traced)
     if c.spec.across_nodes:
@@ -189,8 +208,14 @@ def micro_step_s(c: Candidate, shape: ModelShape, device: DeviceProfile, start: 
     """One forward and backward of `batch` samples through blocks [start, stop) (and the parts
     outside the blocks a first or last stage holds) on one rank of tensor-parallel degree c.tp and
     context-parallel degree c.cp."""
-    blocks = stop - start
-    flops, ops = _stage_work(shape, c.tp, c.recompute, blocks, _recomputed(c.recompute, start, stop), first, last)
+    return _blocks_s(c, shape, device, stop - start, _recomputed(c.recompute, start, stop), first, last, batch, traced)
+
+
+def _blocks_s(c: Candidate, shape: ModelShape, device: DeviceProfile, blocks: int, recomputed: int, first: bool,
+              last: bool, batch: float, traced: bool) -> float:
+    """micro_step_s through `blocks` blocks of which `recomputed` run their forward again: all it
+    depends on of which blocks they are."""
+    flops, ops = _stage_work(shape, c.tp, c.recompute, blocks, recomputed, first, last)
     if c.cp > 1 and c.cp_mode == "ring":  # forward and backward attend to 2 cp + 1 chunk pairs per layer
         ops += 2 * blocks * (2 * c.cp + 1) * RING_OPS_PER_BLOCK
     seconds = batch * flops / c.cp / device.flops(compute_dtype(c.precision)) + ops * device.op_overhead_s
@@ -383,7 +408,45 @@ def _tensor(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceProfile,
                     _optimizer_s(numel, 4, cfg, device), all_to_all)
 
 
-def _pipeline(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceProfile, traced: bool) -> StepTime:
+@dataclass(frozen=True)
+class _PipelineMesh:
+    """What a pipeline candidate's step takes from its mesh and schedule alone (strategy, dp, pp,
+    tp, cp, ep, shard, schedule), not from its precision, recomputation or batch."""
+
+    layout: Layout
+    bounds: tuple[tuple[int, int], ...]  # each stage's [start, stop) of blocks
+    bandwidth: float  # of the sends between two ranks' stages
+    boundaries: int  # between two ranks' stages
+    blocks: int  # the busiest rank's
+    tp_bandwidth: float  # of a block's tensor-parallel all-reduces
+    tied: float  # seconds: the tied embeddings' all-reduce between the first and last stage's ranks
+    dp_all_reduce: float  # seconds: a stage's gradients averaged (_mesh_dp_all_reduce)
+    stepped: int  # elements a rank's optimizer steps
+
+    @classmethod
+    def of(cls, c: Candidate, shape: ModelShape, device: DeviceProfile) -> _PipelineMesh:
+        facts = rank_facts(shape, c.tp, c.ep)
+        layout = layout_of(c.schedule or "gpipe", c.pp)
+        bounds = stage_bounds(shape, layout.stages)
+        bandwidth = device.bandwidth(_spans_nodes(c.pp, c.tp, device.gpus_per_node), "p2p")
+        boundaries = sum(layout.rank_of(s) != layout.rank_of(s + 1) for s in range(layout.stages - 1))
+        blocks = max(sum(bounds[s][1] - bounds[s][0] for s in layout.stages_of(r)) for r in range(c.pp))
+        tp_bandwidth = device.bandwidth(_spans_nodes(c.tp, 1, device.gpus_per_node))
+        trained = rank_facts(shape, c.tp, c.ep, "trainable")  # under LoRA its adapters: what a stage reduces and steps
+        stage_numel = blocks * trained.block.numel + trained.root.numel
+        tied = 0.0
+        if facts.tied and layout.rank_of(0) != layout.rank_of(layout.stages - 1):  # first + last stage
+            tied = all_reduce_s(facts.tied * 4, 2, bandwidth, device.latency_s)
+        # The sharded strategies over stages move what the replicas' all-reduce does, a reduce-scatter
+        # after the schedule and an all-gather (before the next one under fsdp), as exposed; their
+        # optimizer steps on a dp shard.
+        stepped = stage_numel // (c.shard or c.dp) if c.spec.zero_stage else stage_numel
+        return cls(layout, bounds, bandwidth, boundaries, blocks, tp_bandwidth, tied,
+                   _mesh_dp_all_reduce(c, stage_numel, device), stepped)
+
+
+def _pipeline(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceProfile, traced: bool,
+              mesh: _PipelineMesh) -> StepTime:
     """The candidate's schedule simulated (parallel.pipeline.simulate.simulate) with each stage's forward,
     input- and weight-gradient times: the busiest rank's compute and the rest of the run, idle (the
     bubble). Without `traced`, a bound that runs no simulation instead (`_fewest_idle`). On the
@@ -391,50 +454,35 @@ def _pipeline(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceProfil
     ranks' stages during the fill, and the last one's gradients during the drain; in between,
     messages travel while the ranks compute. Under expert parallel a stage's experts are split ep
     ways, and each micro-batch's all-to-alls in the busiest rank's MoE layers are exposed."""
-    facts = rank_facts(shape, c.tp, c.ep)
     runs = c.micro_batches  # 1 where the model is split without pipelining
     per_run = c.micro_batch / runs
-    name = c.schedule or "gpipe"
-    layout = layout_of(name, c.pp)
-    bounds = stage_bounds(shape, layout.stages)
-    bandwidth = device.bandwidth(_spans_nodes(c.pp, c.tp, device.gpus_per_node), "p2p")
+    layout = mesh.layout
     activation = per_run * shape.seq_len / c.cp * shape.d_model * 4
     # Candidates differing only in data parallelism, batch or schedule have the same stages.
-    costs = _stage_costs(dataclasses.replace(c, dp=1, micro_batch=1, micro_batches=1, schedule=None), shape, device,
-                         bounds, per_run, traced)
+    costs = _stage_costs(c.replace(dp=1, micro_batch=1, micro_batches=1, schedule=None), shape, device,
+                         mesh.bounds, per_run, traced)
     busy = runs * _busiest(layout, costs)
     if traced:
         run = _simulated(pipeline_schedule(c.schedule, c.pp, runs), costs)
     else:
-        run = _fewest_idle(name, layout, costs, runs)
+        run = _fewest_idle(c.schedule or "gpipe", layout, costs, runs)
     pipeline_runs = cfg.train.global_batch // (c.dp * c.micro_batch)
     compute = pipeline_runs * busy
     bubble = pipeline_runs * (run - busy)
-    boundaries = sum(layout.rank_of(s) != layout.rank_of(s + 1) for s in range(layout.stages - 1))
-    sends = pipeline_runs * 2 * boundaries * (activation / bandwidth + device.latency_s)
-    blocks = [sum(bounds[s][1] - bounds[s][0] for s in layout.stages_of(r)) for r in range(c.pp)]
+    sends = pipeline_runs * 2 * mesh.boundaries * (activation / mesh.bandwidth + device.latency_s)
     tp_comm = 0.0
     if c.tp > 1:
-        tp_bandwidth = device.bandwidth(_spans_nodes(c.tp, 1, device.gpus_per_node))
-        per_block = all_reduce_s(per_run * shape.seq_len * shape.d_model * 4, c.tp, tp_bandwidth, device.latency_s)
-        tp_comm = pipeline_runs * runs * 4 * max(blocks) * per_block
-    trained = rank_facts(shape, c.tp, c.ep, "trainable")  # under LoRA its adapters: what a stage reduces and steps
-    stage_numel = max(blocks) * trained.block.numel + trained.root.numel
-    tied = 0.0
-    if facts.tied and layout.rank_of(0) != layout.rank_of(layout.stages - 1):  # first + last stage
-        tied = all_reduce_s(facts.tied * 4, 2, bandwidth, device.latency_s)
-    # The sharded strategies over stages move what the replicas' all-reduce does, a reduce-scatter
-    # after the schedule and an all-gather (before the next one under fsdp), as exposed; their
-    # optimizer steps on a dp shard.
+        per_block = all_reduce_s(per_run * shape.seq_len * shape.d_model * 4, c.tp, mesh.tp_bandwidth,
+                                 device.latency_s)
+        tp_comm = pipeline_runs * runs * 4 * mesh.blocks * per_block
     # expert_parallel_s and context_s are a micro-step's over every layer: the busiest rank's share of the
     # layers, per micro-batch
-    per_micro_batch = dataclasses.replace(c, micro_batch=c.micro_batch // runs)
-    share = pipeline_runs * runs * max(blocks) / shape.n_layer
+    per_micro_batch = c.replace(micro_batch=c.micro_batch // runs)
+    share = pipeline_runs * runs * mesh.blocks / shape.n_layer
     all_to_all = share * expert_parallel_s(per_micro_batch, shape, device)
     context, context_exposed = (share * t for t in context_s(per_micro_batch, shape, device))
-    comm = sends + tp_comm + tied + _mesh_dp_all_reduce(c, stage_numel, device) + all_to_all
-    stepped = stage_numel // (c.shard or c.dp) if c.spec.zero_stage else stage_numel
-    return StepTime(compute, comm + context, comm + context_exposed, bubble, _optimizer_s(stepped, 4, cfg, device),
+    comm = sends + tp_comm + mesh.tied + mesh.dp_all_reduce + all_to_all
+    return StepTime(compute, comm + context, comm + context_exposed, bubble, _optimizer_s(mesh.stepped, 4, cfg, device),
                     all_to_all)
 
 
@@ -470,10 +518,20 @@ def _stage_costs(c: Candidate, shape: ModelShape, device: DeviceProfile, bounds:
     a third each of its forward and backward, and B also the recomputation."""
     plain = dataclasses.replace(c, recompute="none")
     last = len(bounds) - 1
+    # Stages alike in blocks, recomputed blocks and place (first, last) take alike: most of a
+    # pipeline's, and under recompute = "none" `c`'s and `plain`'s, each worked out once.
+    alike: dict[tuple[str, int, int, bool, bool], float] = {}
+
+    def seconds(candidate: Candidate, start: int, stop: int, s: int) -> float:
+        key = (candidate.recompute, stop - start, _recomputed(candidate.recompute, start, stop), s == 0, s == last)
+        if key not in alike:
+            alike[key] = _blocks_s(candidate, shape, device, *key[1:], per_run, traced)
+        return alike[key]
+
     forward, input_backward, weight_backward = [], [], []
     for s, (start, stop) in enumerate(bounds):
-        total = micro_step_s(c, shape, device, start, stop, s == 0, s == last, per_run, traced)
-        third = micro_step_s(plain, shape, device, start, stop, s == 0, s == last, per_run, traced) / 3
+        total = seconds(c, start, stop, s)
+        third = seconds(plain, start, stop, s) / 3
         forward.append(third)
         input_backward.append(total - 2 * third)
         weight_backward.append(third)
