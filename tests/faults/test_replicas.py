@@ -68,9 +68,16 @@ def test_a_killed_group_heals_from_a_live_one_while_the_others_go_on(tmp_path, s
         assert other.keys() == weights[0].keys() and all(other[k].equal(weights[0][k]) for k in other)
     # Group 0 never stopped: each step committed once, in order, with every group or without the
     # killed one while it was away (none, when its restart beat the next quorum), the last with all.
+    # Under load its all-reduce of the step the killed group left in the middle of may fail where
+    # another group's completed: then group 0 rolls that step back and heals from a group that
+    # committed it, as torchft does, rather than applying it twice or skipping it.
     steady = records(tmp_path, 0)
     committed = [r["step"] for r in steady if r["committed"]]
-    assert committed == list(range(1, STEPS + 1))
+    assert committed == sorted(set(committed)), "a step applied twice"
+    missed = set(range(1, STEPS + 1)) - set(committed)
+    assert len(missed) <= 1 and missed <= set(steady[-1]["healed_at"]), (missed, steady[-1]["healed_at"])
+    assert all(any(r["step"] == step and r["committed"] for g in range(2, groups) for r in records(tmp_path, g))
+               for step in missed)
     assert {r["replica_groups"] for r in steady} <= {groups - 1, groups} and steady[-1]["replica_groups"] == groups
     # The restarted group joined by copying a live group's state, at a step past the kill.
     healed = records(tmp_path, 1)
