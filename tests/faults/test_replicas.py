@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -30,18 +31,31 @@ def records(run: Path, group: int) -> list[dict]:
     return [r for r in map(json.loads, lines) if r["event"] == "step"]
 
 
-def train(out: Path, *args: str) -> subprocess.Popen:
-    """gpt-tiny, a global batch of 12, SGD."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "shardwise.cli", "train", str(CONFIGS / "gpt-tiny.toml"),
-         "--set", "train.eval_every=0", "--set", "train.global_batch=12",
-         "--set", "train.optimizer=sgd", "--out", str(out), *args],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "RUST_LOG": "error"})
+@pytest.fixture
+def train() -> Iterator[Callable[..., subprocess.Popen]]:
+    """Start `shardwise train` of gpt-tiny (a global batch of 12, SGD) into `out`. What a test started
+    and left running (an assertion failed) is killed when it ends, not left to load the tests after."""
+    started: list[tuple[subprocess.Popen, Path]] = []
+
+    def start(out: Path, *args: str) -> subprocess.Popen:
+        job = subprocess.Popen(
+            [sys.executable, "-m", "shardwise.cli", "train", str(CONFIGS / "gpt-tiny.toml"),
+             "--set", "train.eval_every=0", "--set", "train.global_batch=12",
+             "--set", "train.optimizer=sgd", "--out", str(out), *args],
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            env={**os.environ, "RUST_LOG": "error"})
+        started.append((job, out))
+        return job
+
+    yield start
+    for job, out in started:
+        if job.poll() is None:
+            kill_job(job, out)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("strategy", "nproc", "groups"), [("ddp", 1, 3), ("fsdp", 2, 2)], ids=["ddp", "fsdp"])
-def test_a_killed_group_heals_from_a_live_one_while_the_others_go_on(tmp_path, strategy, nproc, groups):
+def test_a_killed_group_heals_from_a_live_one_while_the_others_go_on(tmp_path, train, strategy, nproc, groups):
     micro_batch = ("--set", f"train.micro_batch={12 // (groups * nproc)}")  # each rank's share in one
     """ddp: 3 groups of one rank; fsdp: 2 groups of 2 ranks, each group's model sharded over its own
     ranks (torchft's HSDP), a killed rank's group healed shard by shard from the same ranks of the other."""
@@ -108,7 +122,7 @@ def kill_job(job: subprocess.Popen, out: Path) -> None:
 
 
 @pytest.mark.slow
-def test_replica_groups_killed_together_resume_from_their_checkpoints_bit_for_bit(tmp_path):
+def test_replica_groups_killed_together_resume_from_their_checkpoints_bit_for_bit(tmp_path, train):
     """Two ddp groups of one rank, a checkpoint every 5 steps (written in the background): the whole
     job SIGKILLed after 12 committed steps, then run again with run.resume, ends with the weights of
     the run never killed, bit for bit (a constant learning rate: the schedule is the same either way)."""
