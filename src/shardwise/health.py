@@ -92,6 +92,7 @@ class StepHealth:
     slow_in_a_row: dict[int, int] = field(default_factory=dict)
     named: set[int] = field(default_factory=set)  # stragglers named so far (once each)
     started_cpu: float = 0.0
+    replica_group: int | None = None  # the run's group among launch.replica_groups, if it is one
 
     def start(self) -> None:
         """At the start of an attempt at a step."""
@@ -149,26 +150,43 @@ def watched_step(trainer: WatchedRun, step: int) -> torch.Tensor:
     """The trainer's step `step` under the watch: a bad one re-run once from the same state, then
     applied (transient), or stopped or skipped (deterministic); stragglers named. Returns the
     step's mean loss."""
+    loss, found = checked_step(trainer, step)
+    if found is not None:
+        give_up(trainer, step, found)
+    else:
+        trainer.last_step_skipped = not trainer.optimizer_step()
+        trainer.health.accept(loss.item())
+    trainer.skipped_steps += trainer.last_step_skipped
+    return loss
+
+
+def checked_step(trainer: WatchedRun, step: int) -> tuple[torch.Tensor, str | None]:
+    """Forward and backward of step `step`, re-run once from the same state if it was bad (the
+    event logged, stragglers named). Returns the step's mean loss over these ranks and, where it
+    was bad again (deterministic: its gradients are not to be applied), what was wrong."""
     health = trainer.health
     rng = torch.get_rng_state(), torch.cuda.get_rng_state() if trainer.ctx.device.type == "cuda" else None
     loss, report = _checked_attempt(trainer, step)
+    first = report
     if report.bad:
-        first = report
         torch.set_rng_state(rng[0])
         if rng[1] is not None:
             torch.cuda.set_rng_state(rng[1])
         trainer.optimizer.zero_grad(set_to_none=True)
         loss, report = _checked_attempt(trainer, step)
-        _bad_step(trainer, step, first, again=report.bad)
-    if report.bad:  # train.bad_step = "skip": this step's update is not applied
-        trainer.optimizer.zero_grad(set_to_none=True)
-        trainer.last_step_skipped = True
-    else:
-        trainer.last_step_skipped = not trainer.optimizer_step()
-        health.accept(loss.item())
-    trainer.skipped_steps += trainer.last_step_skipped
+        _log_bad_step(trainer, step, first, again=report.bad)
     trainer.health_events += health.stragglers(report, step + 1)
-    return loss
+    return loss, first.describe() if report.bad else None
+
+
+def give_up(trainer: WatchedRun, step: int, found: str) -> None:
+    """A step bad again when re-run (`found`: what was wrong): raise BadStepError under
+    train.bad_step = "stop", else drop its gradients and count it skipped."""
+    if trainer.cfg.train.bad_step == "stop":
+        raise BadStepError(f"step {step + 1}: {found}, and again when re-run from the same state "
+                           "(deterministic): stopping (train.bad_step = 'skip' would go on without it)")
+    trainer.optimizer.zero_grad(set_to_none=True)
+    trainer.last_step_skipped = True
 
 
 def _checked_attempt(trainer: WatchedRun, step: int) -> tuple[torch.Tensor, StepReport]:
@@ -180,18 +198,16 @@ def _checked_attempt(trainer: WatchedRun, step: int) -> tuple[torch.Tensor, Step
     return loss, trainer.health.check(loss_sum, grads, loss.item())
 
 
-def _bad_step(trainer: WatchedRun, step: int, first: StepReport, again: bool) -> None:
-    """Log a bad step and the re-run's verdict; raise BadStepError where it failed again and
-    train.bad_step is "stop"."""
-    policy = trainer.cfg.train.bad_step
+def _log_bad_step(trainer: WatchedRun, step: int, first: StepReport, again: bool) -> None:
+    """Log a bad step and the re-run's verdict (in a replica group, naming the group)."""
     verdict = "deterministic" if again else "transient"
+    group = trainer.health.replica_group
     event = {"event": "bad_step", "step": step + 1, "found": first.describe(), "loss_ranks": first.bad_loss,
              "grad_ranks": first.bad_grads, "spike": first.spike, "verdict": verdict,
-             "action": ("stop" if policy == "stop" else "skip") if again else "re-run applied"}
+             "action": trainer.cfg.train.bad_step if again else "re-run applied",
+             **({"replica_group": group} if group is not None else {})}
     trainer.health_events.append(event)
     if trainer.ctx.is_main:
-        print(f"step {step + 1}: {event['found']}; re-run from the same state: "
+        where = f"replica group {group}, " if group is not None else ""
+        print(f"{where}step {step + 1}: {event['found']}; re-run from the same state: "
               f"{'the same again' if again else 'clean'} ({verdict}); {event['action']}", file=sys.stderr)
-    if again and policy == "stop":
-        raise BadStepError(f"step {step + 1}: {event['found']}, and again when re-run from the same state "
-                           "(deterministic): stopping (train.bad_step = 'skip' would go on without it)")

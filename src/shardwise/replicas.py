@@ -18,6 +18,12 @@ groups, torchft's Manager does the rest, step by step:
   and the Manager copies the model, optimizer and step from a live peer (over HTTP), not from a
   checkpoint; it then steps in lockstep with them.
 
+**A bad step** (health.py: a non-finite loss or gradient, a loss spike) is re-run within its
+group, before the groups average; a transient one costs the others only the wait. One that is
+bad again is skipped by every group, or stops every group (`train.bad_step`): each group learns
+of it in the same all-reduce, from one flag per group, so they stay equal. Stragglers are named
+within a group.
+
 While a group is missing, a step's global batch is the shares of the groups present, and the
 average is over them: those steps differ from an uninterrupted run's. Every group writes its own
 run directory, `RUN/replica-G/` (metrics.jsonl, checkpoints, final weights); their final weights
@@ -40,10 +46,11 @@ from typing import Any, Protocol
 
 import torch
 
-from shardwise.checkpoint import TrainingRun, ensure_optimizer_state, training_state
+from shardwise.checkpoint import ensure_optimizer_state, training_state
 from shardwise.config.schema import LaunchConfig
 from shardwise.dist import DistContext, restart_count
 from shardwise.gradients import local_grads
+from shardwise.health import WatchedRun, checked_step, give_up
 from shardwise.launch import exits, torchrun_args
 from shardwise.memory import local_tensor
 
@@ -166,30 +173,48 @@ class ReplicaGroups:
         self.manager.shutdown(wait=False)
 
 
-class ReplicatedRun(TrainingRun, Protocol):
-    """What a replica group's step needs of the trainer."""
+class ReplicatedRun(WatchedRun, Protocol):
+    """What a replica group's step needs of the trainer (its watch, `health`, may be None)."""
 
     replicas: ReplicaGroups
-    accum: int
     committed: bool
-    last_step_skipped: bool
-
-    def forward_backward(self, step: int) -> torch.Tensor: ...
-
-    def optimizer_step(self) -> bool: ...
 
 
 def replicated_step(trainer: ReplicatedRun, step: int) -> torch.Tensor:
     """The trainer's step `step` in a replica group: its gradients and loss averaged with the other
-    groups', applied only if every group in the quorum finished it (torchft's commit)."""
-    loss = trainer.ctx.all_reduce_mean(trainer.forward_backward(step) / trainer.accum)
-    trainer.replicas.average([*local_grads(trainer.strategy.local_parameters()), loss])
-    trainer.committed = trainer.replicas.commit()
-    if trainer.committed:
-        trainer.last_step_skipped = not trainer.optimizer_step()
+    groups', applied only if every group in the quorum finished it (torchft's commit). Under the
+    watch (health.py) a bad step is re-run within its group first; one that is bad again in any
+    group is skipped by every group (or stops every group), so that they stay equal."""
+    if trainer.health is None:
+        loss, found = trainer.ctx.all_reduce_mean(trainer.forward_backward(step) / trainer.accum), None
     else:
+        loss, found = checked_step(trainer, step)
+    bad = torch.zeros(trainer.cfg.launch.replica_groups)  # which groups found the step bad again
+    bad[trainer.replicas.group] = found is not None
+    trainer.replicas.average([*local_grads(trainer.strategy.local_parameters()), loss, bad])
+    trainer.committed = trainer.replicas.commit()
+    if not trainer.committed:  # rolled back: tried again with the next quorum
         trainer.optimizer.zero_grad(set_to_none=True)
         trainer.last_step_skipped = True
+        return loss
+    if bad.any():
+        groups = ", ".join(str(g) for g in bad.nonzero().flatten().tolist())
+        if found is None:  # another group's: logged here too, each group's metrics saying what it did
+            found = f"a bad step in replica group {groups}"
+            trainer.health_events.append({"event": "bad_step", "step": step + 1, "found": found,
+                                          "verdict": "deterministic", "action": trainer.cfg.train.bad_step,
+                                          "replica_group": trainer.replicas.group})
+            if trainer.ctx.is_main:
+                print(f"replica group {trainer.replicas.group}, step {step + 1}: {found}; "
+                      f"{trainer.cfg.train.bad_step}", file=sys.stderr)
+        else:
+            found = f"{found} in replica group {trainer.replicas.group}"
+        give_up(trainer, step, found)
+    else:
+        trainer.last_step_skipped = not trainer.optimizer_step()
+        if trainer.health is not None:
+            trainer.health.accept(loss.item())
+    trainer.skipped_steps += trainer.last_step_skipped
     return loss
 
 

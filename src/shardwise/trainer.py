@@ -134,11 +134,11 @@ class Trainer:
                                       lambda state: load_replica_state(self, state)) if group is not None else None
         self.committed = True  # whether the last step was applied (replica groups may roll one back)
         # The steps watched for bad ones and stragglers (health.py), where the ranks train together
-        # (not under param-server, whose workers keep no step together, nor across replica groups,
-        # whose steps torchft commits or rolls back).
-        watched = cfg.train.bad_step != "off" and not spec(cfg.parallel.strategy).parameter_servers \
-            and group is None
-        self.health = StepHealth(ctx, cfg.train.spike_factor, cfg.train.straggler_factor) if watched else None
+        # (not under param-server, whose workers keep no step together); in a replica group, within
+        # the group (replicated_step tells the others of a bad step).
+        watched = cfg.train.bad_step != "off" and not spec(cfg.parallel.strategy).parameter_servers
+        self.health = StepHealth(ctx, cfg.train.spike_factor, cfg.train.straggler_factor, replica_group=group) \
+            if watched else None
         self.health_events: list[dict[str, Any]] = []  # what it found, for metrics.jsonl
         # Checkpoints written in the background (train.checkpoint_async), where a run saves any
         self.checkpointer = AsyncCheckpointer(cfg.train.keep_checkpoints, ctx.is_main) \

@@ -33,17 +33,18 @@ def records(run: Path, group: int) -> list[dict]:
 
 @pytest.fixture
 def train() -> Iterator[Callable[..., subprocess.Popen]]:
-    """Start `shardwise train` of gpt-tiny (a global batch of 12, SGD) into `out`. What a test started
+    """Start `shardwise train` of gpt-tiny (a global batch of 12, SGD) into `out` (`env`: variables
+    added to the job's environment). What a test started
     and left running (an assertion failed) is killed when it ends, not left to load the tests after."""
     started: list[tuple[subprocess.Popen, Path]] = []
 
-    def start(out: Path, *args: str) -> subprocess.Popen:
+    def start(out: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         job = subprocess.Popen(
             [sys.executable, "-m", "shardwise.cli", "train", str(CONFIGS / "gpt-tiny.toml"),
              "--set", "train.eval_every=0", "--set", "train.global_batch=12",
              "--set", "train.optimizer=sgd", "--out", str(out), *args],
             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            env={**os.environ, "RUST_LOG": "error"})
+            env={**os.environ, "RUST_LOG": "error", **(env or {})})
         started.append((job, out))
         return job
 
@@ -106,6 +107,53 @@ def test_a_killed_group_heals_from_a_live_one_while_the_others_go_on(tmp_path, t
     want = [json.loads(line)["loss"] for line in (tmp_path / "reference" / "metrics.jsonl").read_text().splitlines()
             if json.loads(line)["event"] == "step"]
     assert max(abs(losses[0][step] - loss) / loss for step, loss in enumerate(want, 1)) < 1e-5
+
+
+@pytest.mark.slow
+def test_a_bad_step_in_one_group_is_re_run_there_then_skipped_or_stopped_by_every_group(tmp_path, train):
+    """Two ddp groups of one rank. Group 1's loss and gradients are NaN at step 3 once (transient:
+    its re-run within the group is clean, and both groups commit the step) and at step 6 every time
+    (deterministic): with train.bad_step = "skip" both groups skip step 6 and end equal; with
+    "stop" both stop at step 6, naming group 1. Both jobs run at once."""
+    args = ("--strategy", "ddp", "--nproc", "1", "--replica-groups", "2", "--steps", "8",
+            "--set", "train.micro_batch=6")
+    injector = str(Path(__file__).parent / "nan_injector")  # its sitecustomize.py breaks the named worker
+    env = {"PYTHONPATH": os.pathsep.join([injector, os.environ.get("PYTHONPATH", "")]),
+           "SHARDWISE_TEST_NAN": "1:0:3:1,1:0:6:9"}  # group 1, rank 0: step 3 once, step 6 always
+    skip = train(tmp_path / "skip", *args, "--set", "train.bad_step=skip", env=env)
+    stop = train(tmp_path / "stop", *args, env=env)
+    _, err = skip.communicate(timeout=300)
+    assert skip.returncode == 0, err[-3000:]
+
+    def events(run: Path, group: int, event: str) -> list[dict]:
+        lines = (run / f"replica-{group}" / "metrics.jsonl").read_text().splitlines()
+        return [r for r in map(json.loads, lines) if r["event"] == event]
+
+    found = "non-finite loss on rank 0; non-finite gradients on rank 0"
+    assert events(tmp_path / "skip", 1, "bad_step") == [
+        {"event": "bad_step", "step": 3, "found": found, "loss_ranks": [0], "grad_ranks": [0], "spike": False,
+         "verdict": "transient", "action": "re-run applied", "replica_group": 1},
+        {"event": "bad_step", "step": 6, "found": found, "loss_ranks": [0], "grad_ranks": [0], "spike": False,
+         "verdict": "deterministic", "action": "skip", "replica_group": 1}]
+    assert events(tmp_path / "skip", 0, "bad_step") == [  # group 0 never saw step 3's fault
+        {"event": "bad_step", "step": 6, "found": "a bad step in replica group 1", "verdict": "deterministic",
+         "action": "skip", "replica_group": 0}]
+    steps = [{r["step"]: r for r in records(tmp_path / "skip", g)} for g in range(2)]
+    for group in steps:
+        assert sorted(group) == list(range(1, 9)) and all(r["committed"] for r in group.values())
+        # step 3's loss is its clean re-run's; step 6's, skipped, the NaN averaged in
+        assert [s for s, r in group.items() if r["loss"] != r["loss"]] == [6]
+    assert [steps[0][s]["loss"] for s in range(1, 9) if s != 6] == [steps[1][s]["loss"] for s in range(1, 9) if s != 6]
+    assert [events(tmp_path / "skip", g, "summary")[-1]["skipped_steps"] for g in range(2)] == [1, 1]
+    weights = [load_file(str(tmp_path / "skip" / f"replica-{g}" / "model.safetensors")) for g in range(2)]
+    assert all(weights[0][k].equal(weights[1][k]) and weights[0][k].isfinite().all() for k in weights[0])
+
+    _, err = stop.communicate(timeout=300)
+    assert stop.returncode == 1, err[-3000:]
+    assert (f"step 6: {found} in replica group 1, and again when re-run from the same state (deterministic): "
+            "stopping") in err
+    assert "step 6: a bad step in replica group 1, and again when re-run from the same state" in err
+    assert [max(r["step"] for r in records(tmp_path / "stop", g)) for g in range(2)] == [5, 5]
 
 
 def kill_job(job: subprocess.Popen, out: Path) -> None:
