@@ -46,6 +46,7 @@ bench: setup
 	$(BIN)/shardwise bench tensor
 	$(BIN)/shardwise bench collectives
 	$(BIN)/shardwise bench checkpoint
+	$(BIN)/shardwise bench checkpoint-scale
 	$(BIN)/shardwise bench ps
 	$(BIN)/shardwise bench faults
 	$(BIN)/shardwise bench moe

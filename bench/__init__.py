@@ -30,6 +30,7 @@ BENCHES = {  # name -> (module, ranks)
     "mesh": ("bench.mesh", 4),  # fsdp x tp against FSDP2 x DTensor on a 2 x 2 mesh
     "collectives": ("bench.collectives", 2),
     "checkpoint": ("bench.checkpoint", 2),
+    "checkpoint-scale": ("bench.checkpoint_scale", 4),  # the async save's stall on the 1.2B GPT under fsdp
     "context": ("bench.context", 4),  # context parallel: cp 1, 2, 4 in both modes against sequence length
     "hardware": ("bench.hardware", 2),  # a device profile for `shardwise plan --device FILE`
     "planner": ("bench.planner", 0),  # the planner's predictions against real runs (namespaces as root)
