@@ -159,21 +159,26 @@ def filesystem_of(path: Path) -> str:
     return f"{kind} on {device} (mounted at {mount})"
 
 
-def shared_scratch(ctx: DistContext) -> Path:
+@contextlib.contextmanager
+def shared_scratch(ctx: DistContext) -> Iterator[Path]:
     """A new directory under `runs/` (the repo's disk; /tmp may be another, or memory), made by
-    rank 0 and named to every rank."""
+    rank 0 and named to every rank; rank 0 removes it after, whatever happened inside."""
     made = None
     if ctx.is_main:
         Path("runs").mkdir(exist_ok=True)
         made = tempfile.mkdtemp(prefix="bench-checkpoint-", dir=Path("runs").resolve())
-    return Path(ctx.all_gather_object(made)[0])
+    scratch = Path(ctx.all_gather_object(made)[0])
+    try:
+        yield scratch
+    finally:
+        if ctx.is_main:
+            shutil.rmtree(scratch, ignore_errors=True)
 
 
 def run(ctx: DistContext, steps: int, rounds: int, micro_batch: int) -> dict[str, Any] | None:
     """`steps` rounds of every measurement (`rounds` is unused: each measurement is a block)."""
-    scratch = shared_scratch(ctx)
     load_before = os.getloadavg()  # the machine is shared: say how busy it was
-    try:
+    with shared_scratch(ctx) as scratch:
         trainer = Trainer(bench_config("fsdp", ctx.world_size, micro_batch, WARMUP_STEPS + 2 * (steps + 1),
                                        f"run.out={scratch / 'run'}"), ctx)
         timed_steps(trainer.run_step, 0, WARMUP_STEPS)  # the optimizer makes its state in its first step
@@ -183,9 +188,6 @@ def run(ctx: DistContext, steps: int, rounds: int, micro_batch: int) -> dict[str
         shares = [int(s) for s in ctx.all_gather_object(rank_share(bench.saved, ctx.rank, ctx.world_size))]
         files = sum(1 for f in bench.saved.rglob("*") if f.is_file())
         bench.close()
-    finally:
-        if ctx.is_main:
-            shutil.rmtree(scratch, ignore_errors=True)
     if not ctx.is_main:
         return None
     result = summarize(trainer, ctx, times, async_runs, nbytes, shares, files, scratch)

@@ -20,22 +20,19 @@ synchronous save both grow with the bytes saved, so their ratio is what carries 
 from __future__ import annotations
 
 import dataclasses
-import shutil
 import statistics
 import time
 from typing import Any
 
 from bench.checkpoint import Measurements, shared_scratch
 from bench.common import bench_main
-from bench.scale import END_SEQ_LEN, END_WIDTH, scale_config
+from bench.scale import END_SEQ_LEN, END_WIDTH, RANKS, scale_config
 from shardwise.dist import DistContext
 from shardwise.memory import resident_bytes
 from shardwise.planner.candidates import Candidate
 from shardwise.planner.memory_model import predict_memory
 from shardwise.trainer import Trainer
 
-WIDTH = END_WIDTH  # the scale run's 1.2B (1,233,874,432 parameters)
-RANKS = 4
 PRECISION = "bf16-true"  # what fits beside the staged copy (the module's docstring)
 GIB = 2**30
 
@@ -43,10 +40,9 @@ GIB = 2**30
 def run(ctx: DistContext, steps: int, rounds: int, micro_batch: int) -> dict[str, Any] | None:
     """`rounds` rounds (`steps` and `micro_batch` are unused: one sequence per rank, two steps a round).
     The first asynchronous save allocates the host buffers that later ones reuse: each round is kept."""
-    scratch = shared_scratch(ctx)
-    cfg = scale_config("fsdp", "sgd", WIDTH, ctx.world_size, 2 * rounds + 2, f"model.seq_len={END_SEQ_LEN}",
-                       f"parallel.precision={PRECISION}", f"run.out={scratch / 'run'}")
-    try:
+    with shared_scratch(ctx) as scratch:
+        cfg = scale_config("fsdp", "sgd", END_WIDTH, ctx.world_size, 2 * rounds + 2, f"model.seq_len={END_SEQ_LEN}",
+                           f"parallel.precision={PRECISION}", f"run.out={scratch / 'run'}")
         trainer = Trainer(cfg, ctx)
         started = time.perf_counter()
         trainer.run_step(0)
@@ -63,9 +59,6 @@ def run(ctx: DistContext, steps: int, rounds: int, micro_batch: int) -> dict[str
                          "staged_bytes": ctx.all_gather_object(bench.checkpointer.staged_bytes),
                          "resident_growth_bytes": ctx.all_gather_object(grown)})
         bench.close()
-    finally:
-        if ctx.is_main:
-            shutil.rmtree(scratch, ignore_errors=True)
     if not ctx.is_main:
         return None
     saving = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, checkpoint_every=1, checkpoint_async=True))
@@ -80,7 +73,7 @@ def summarize(trainer: Trainer, rows: list[dict[str, Any]], predicted: int, firs
     staged = rows[0]["staged_bytes"]
     return {
         "bench": "checkpoint-scale",
-        "model": f"gpt, width {WIDTH}, {trainer.cfg.model.n_layer} layers, seq {trainer.cfg.model.seq_len}, "
+        "model": f"gpt, width {END_WIDTH}, {trainer.cfg.model.n_layer} layers, seq {trainer.cfg.model.seq_len}, "
                  f"{n_params:,} parameters, {PRECISION}, SGD with momentum",
         "strategy": "fsdp",
         "world_size": len(staged),

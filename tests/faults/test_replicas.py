@@ -34,8 +34,8 @@ def records(run: Path, group: int) -> list[dict]:
 @pytest.fixture
 def train() -> Iterator[Callable[..., subprocess.Popen]]:
     """Start `shardwise train` of gpt-tiny (a global batch of 12, SGD) into `out` (`env`: variables
-    added to the job's environment). What a test started
-    and left running (an assertion failed) is killed when it ends, not left to load the tests after."""
+    added to the job's environment). What a test started and left running (an assertion failed) is
+    killed when it ends, not left to load the tests after."""
     started: list[tuple[subprocess.Popen, Path]] = []
 
     def start(out: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:

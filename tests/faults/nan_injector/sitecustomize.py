@@ -60,5 +60,6 @@ class BreakTrainerOnImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-if faults():
-    sys.meta_path.insert(0, BreakTrainerOnImport(faults()))
+_FAULTS = faults()
+if _FAULTS:
+    sys.meta_path.insert(0, BreakTrainerOnImport(_FAULTS))
