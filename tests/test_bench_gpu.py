@@ -90,3 +90,25 @@ def test_the_cli_refuses_the_gpu_benches_without_cuda(capsys):
     for name in ("gpu", "gpu-scale"):
         assert main(["bench", name]) == 2
         assert f"bench {name} measures a GPU and no CUDA device is here" in capsys.readouterr().err
+
+
+def test_the_cuda_tests_name_strategies_that_exist():
+    # tests/gpu runs only on a lent GPU: a strategy renamed here would otherwise be found there
+    from gpu.test_cuda import WORLD_ONE
+
+    from shardwise.config.validate import STRATEGIES
+
+    assert set(WORLD_ONE) <= set(STRATEGIES)
+
+
+def test_the_profile_of_a_gpu_job_finds_fsdps_gathers(tmp_path):
+    out = tmp_path / "profile.json"
+    done = subprocess.run([sys.executable, "-m", "bench.gpu_profile", "--strategy", "fsdp", "--preset", "tiny",
+                           "--micro-batch", "2", "--steps", "2", "--json", str(out)],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    profile = json.loads(out.read_text())
+    assert profile["step_s"] > 0
+    # a unit's parameters gathered before its forward, and again before its backward, each step
+    gathers = [row for row in profile["collectives"] if "allgather" in row["name"]]
+    assert gathers and gathers[0]["calls"] >= 2 * 2
