@@ -5,6 +5,10 @@ torch.nn.utils.clip_grad_norm_ uses. Where gradients are split over ranks (shard
 slices), each rank sums the squares of the elements it alone accounts for and the sums are added
 over the groups that split them, so no element is counted twice or missed. Squares are summed in
 fp32 whatever the gradients' dtype: in bf16 the small ones would round away.
+
+Norms and scaling go through the foreach kernels, a few launches for all of a device's gradients of
+one dtype: one kernel or more per gradient made the host, launching them, the bound of a GPU's step
+(bench/gpu_profile.py counted 2 of every 5 launches of gpt-2-124m's step here).
 """
 
 from __future__ import annotations
@@ -24,10 +28,22 @@ def local_grads(params: Iterable[nn.Parameter]) -> list[torch.Tensor]:
     return [local_tensor(p.grad) for p in params if p.grad is not None]
 
 
+def by_device_and_dtype(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """`tensors` in lists of one device and dtype each, what a foreach kernel takes at once."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
+    return list(groups.values())
+
+
 def squared_norm(grads: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The sum of the squares of every element of `grads`, in fp32, as a 0-d tensor on `device`."""
-    squares = [grad.float().pow(2).sum() for grad in grads]
-    return torch.stack(squares).sum() if squares else torch.zeros((), device=device)
+    """The sum of the squares of every element of `grads`, in fp32, as a 0-d tensor where the
+    gradients are (`device` if there are none)."""
+    groups = by_device_and_dtype(grads)
+    if not groups:
+        return torch.zeros((), device=device)
+    squares = [torch.stack(torch._foreach_norm(group, 2, dtype=torch.float32)).square().sum() for group in groups]
+    return torch.stack([square.to(squares[0].device) for square in squares]).sum()
 
 
 def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
@@ -45,6 +61,6 @@ def clip_grad_norm_(counted: Sequence[torch.Tensor], scaled: Sequence[torch.Tens
         dist.all_reduce(squares, group=group)
     norm = squares.sqrt()
     coefficient = clip_coefficient(norm, max_norm)
-    for grad in scaled:
-        grad.mul_(coefficient.to(grad.device))
+    for group in by_device_and_dtype(scaled):
+        torch._foreach_mul_(group, coefficient.to(group[0].device))
     return norm
