@@ -16,8 +16,9 @@ After a few real steps (so the optimizer state exists), each round measures:
   every file, to approximate a cold read;
 - `async save`: a training step alone, then the trainer's asynchronous save
   (`train.checkpoint_async`, checkpoint_async.py): how long training is stalled (until it
-  returns, the state copied to host memory), the next training step, taken while it writes, and
-  when it was sealed and every rank knew.
+  returns, the buffers and the run's small state copied to host memory, then, in the next
+  training step, the wait before its optimizer step for the rest of the copy, made meanwhile), that
+  step, taken while it writes, and when it was sealed and every rank knew.
 A first round is not kept (DCP's first calls, thread pools); medians over the rest. The
 checkpoints go to a temporary directory under `runs/`, on the repo's disk, removed after.
 """
@@ -130,19 +131,24 @@ def async_save_timings(ctx: DistContext, run: TrainingRun, checkpointer: AsyncCh
                        step: Callable[[], object]) -> dict[str, float]:
     """The trainer's asynchronous save (checkpoint_async.py) of `run`'s state as after
     `saved_step` steps, then `step` while it writes, then the wait for it. Returns, each the
-    slowest rank's: the seconds until the save returned (training stalled while the state is
-    copied), until it was sealed and every rank knew (both from the call), and of `step`."""
+    slowest rank's: the seconds until the save returned (the state the next forward may change
+    copied), those `step` waited before its optimizer step for the rest of the copy, the stall
+    (both), until it was sealed and every rank knew (from the call), and of `step` (its wait in it)."""
     ctx.barrier()
     started = time.perf_counter()
     checkpointer.save(run, saved_step)
-    stall = time.perf_counter() - started
+    returned = time.perf_counter() - started
+    waited_before = checkpointer.staging_wait_s
     step_started = time.perf_counter()
     step()
     step_s = time.perf_counter() - step_started
+    waited = checkpointer.staging_wait_s - waited_before
     checkpointer.wait()
     done = time.perf_counter() - started
-    slowest = [max(v) for v in zip(*ctx.all_gather_object((stall, done, step_s)), strict=True)]
-    return dict(zip(("stall_s", "done_s", "step_during_write_s"), slowest, strict=True))
+    names = ("returned_s", "staging_wait_s", "stall_s", "done_s", "step_during_write_s")
+    slowest = [max(v) for v in zip(*ctx.all_gather_object((returned, waited, returned + waited, done, step_s)),
+                                   strict=True)]
+    return dict(zip(names, slowest, strict=True))
 
 
 def filesystem_of(path: Path) -> str:
@@ -206,6 +212,7 @@ class Measurements:
         self.async_run = copy.copy(trainer)
         self.async_run.out = scratch / "async"
         self.checkpointer = AsyncCheckpointer(keep=1, is_main=ctx.is_main)
+        trainer.checkpointer = self.checkpointer  # its optimizer steps wait for these saves' copies
 
     def rounds(self, count: int) -> tuple[dict[str, list[float]], list[dict[str, float]]]:
         """`count` rounds of every measurement, after one round not kept (DCP's first calls,
@@ -321,14 +328,18 @@ def summarize(trainer: Trainer, ctx: DistContext, times: dict[str, list[float]],
             "ratio_stall_vs_our_save": async_med["stall_s"] / med["save"],
             "step_during_write_s": async_med["step_during_write_s"],
             "step_alone_s": med["step_alone"],
-            "training_lost_s": statistics.median(r["stall_s"] + r["step_during_write_s"] - alone
+            "returned_s": async_med["returned_s"],
+            "staging_wait_s": async_med["staging_wait_s"],
+            "training_lost_s": statistics.median(r["returned_s"] + r["step_during_write_s"] - alone
                                                  for r, alone in zip(async_runs, times["step_alone"], strict=True)),
             "runs": async_runs,
-            "note": "the trainer's asynchronous save (train.checkpoint_async); stall: until it returned (the "
-                    "state copied to host memory by HostStager); done: until it was sealed and every rank knew, "
+            "note": "the trainer's asynchronous save (train.checkpoint_async); returned: until it returned (the "
+                    "buffers and small state copied to host memory by HostStager); staging_wait: how long the "
+                    "next step waited before its optimizer step for the parameters' and optimizer state's copy, "
+                    "made during its forward and backward; stall: both; done: until it was sealed and every rank knew, "
                     "a training step running meanwhile; blocking: a bare dcp.save of the same state; our save: "
                     "the synchronous one; slowest rank of each; "
-                    "training_lost: the stall plus how much longer that step took than the one before it "
+                    "training_lost: until it returned plus how much longer that step took than the one before it "
                     "(median over rounds)",
         },
     }
@@ -358,6 +369,7 @@ def format_result(result: dict[str, Any]) -> str:
         load_row("load, cold", result["load_cold"]),
         f"  async_save         stall {a['stall_s']:.3f} s: {a['ratio_stall_vs_our_save']:.3f} of our save, "
         f"{a['ratio_stall_vs_blocking']:.2f} of a blocking dcp.save ({a['blocking_dcp_save_s']:.3f} s); "
+        f"returned after {a['returned_s']:.3f} s, the next step waited {a['staging_wait_s']:.3f} s for the copy; "
         f"sealed after {a['done_s']:.3f} s",
         f"                     a step meanwhile {a['step_during_write_s']:.3f} s vs {a['step_alone_s']:.3f} s "
         f"alone: training loses {a['training_lost_s']:.3f} s in all",

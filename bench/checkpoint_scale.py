@@ -5,7 +5,9 @@ the scale run's 1.2B GPT (bench/scale.py: width 1792, one 64-token sequence per 
 Each round, as bench/checkpoint.py measures them on gpt small: our synchronous save
 (`save_checkpoint`: DCP write, checksums, fsync, rename, `latest`), then a training step alone, then
 the trainer's asynchronous save (`train.checkpoint_async`) with the next step taken while it
-writes. The stall is until the asynchronous save returned (the state copied to host memory);
+writes. The stall is until the asynchronous save returned (buffers and the run's small state
+copied to host memory) plus the next step's wait before its optimizer step for the copy of the
+parameters and optimizer state, made during that step's forward and backward;
 sealed, until its manifest was renamed into place and every rank knew. Beside them, the host
 memory the staging took on each rank (its buffers, and the resident set's growth over the first
 asynchronous save, which allocates them) against the planner's `staging`.
@@ -67,8 +69,9 @@ def run(ctx: DistContext, steps: int, rounds: int, micro_batch: int) -> dict[str
 
 
 def summarize(trainer: Trainer, rows: list[dict[str, Any]], predicted: int, first_step_s: float) -> dict[str, Any]:
-    med = {key: statistics.median(r[key] for r in rows) for key in ("save_s", "stall_s", "done_s",
-                                                                    "step_alone_s", "step_during_write_s")}
+    med = {key: statistics.median(r[key] for r in rows) for key in ("save_s", "stall_s", "returned_s",
+                                                                    "staging_wait_s", "done_s", "step_alone_s",
+                                                                    "step_during_write_s")}
     n_params = sum(p.numel() for p in trainer.strategy.module.parameters())
     staged = rows[0]["staged_bytes"]
     return {
@@ -102,7 +105,8 @@ def format_result(result: dict[str, Any]) -> str:
         f"{result['rounds']} round(s), medians",
         f"  synchronous save   {result['save_s_median']:7.2f} s",
         f"  async save stall   {result['stall_s_median']:7.2f} s: {result['ratio_stall_vs_sync_save']:.3f} of the "
-        f"synchronous save (target: at most 0.10); sealed after {result['done_s_median']:.2f} s",
+        f"synchronous save (target: at most 0.10): returned after {result['returned_s_median']:.2f} s, "
+        f"the next step waited {result['staging_wait_s_median']:.2f} s; sealed after {result['done_s_median']:.2f} s",
         f"  a step meanwhile   {result['step_during_write_s_median']:7.2f} s vs {result['step_alone_s_median']:.2f} s "
         "alone",
         f"  staging per rank   {', '.join(f'{g:.3f}' for g in staging['staged_gib_per_rank'])} GiB staged, "

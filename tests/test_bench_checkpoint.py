@@ -43,16 +43,19 @@ def measure_tiny(ctx: DistContext, root: Path) -> dict:
     plain_write(plain, 2 * (8 << 20) + 123)  # more than one block, and a partial one
 
     live = training_state(trainer, 2)["model"]
-    staged = HostStager().stage({"model": live})["model"]
+    stager = HostStager()
+    staged = stager.stage({"model": live}).result()["model"]
     shares_storage = any(local_tensor(staged[k]).untyped_storage().data_ptr()
                          == local_tensor(t).untyped_storage().data_ptr() for k, t in live.items())
     checkpointer = AsyncCheckpointer(keep=1, is_main=ctx.is_main)
+    trainer.checkpointer = checkpointer  # as the bench does: the step's optimizer waits for the copy
     before = {key: local_tensor(t).clone() for key, t in live.items()}
     run = copy.copy(trainer)
     run.out = root / "async"
     timings = async_save_timings(ctx, run, checkpointer, 1, lambda: step(1))
     # The step changed the live weights; the checkpoint must hold those from before it.
-    state = HostStager().stage(training_state(trainer, 2))
+    state = stager.stage(training_state(trainer, 2)).result()
+    stager.thread.shutdown()
     dcp.load(state, checkpoint_id=checkpoint_dir(run.out) / "step-00000001")
     dist.destroy_process_group(checkpointer.group)
     return {"seconds": seconds, "saved": saved, "share": rank_share(saved, ctx.rank, 2), "phases": phases,

@@ -71,6 +71,62 @@ def test_latest_moves_only_once_a_save_is_whole_while_training_goes_on(tmp_path)
     assert predicted < staging[2] <= predicted + 5_056 + 8
 
 
+def _held_copy(ctx: DistContext, out: Path) -> tuple[list, dict, dict]:
+    """6 steps saving every 2, the staging thread's copy for the save after step 2 held until the
+    third step's forward and backward have run: the order of what happened, the parameters when
+    the save was asked for, and the checkpoint's."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from shardwise import trainer as trainer_module
+
+    events, release, at_save = [], threading.Event(), {}
+    real_copy, real_step = checkpoint_async.HostStager._copy, trainer_module.optimizer_step
+
+    def held_copy(*args: object) -> dict:
+        if not at_save.get("copied"):
+            release.wait(60)
+            at_save["copied"] = True
+        staged = real_copy(*args)
+        events.append("copied")
+        return staged
+
+    def logged_step(*args: object) -> bool:
+        events.append(("optimizer step", trainer.step))
+        return real_step(*args)
+
+    trainer = Trainer(cfg_for(out, 1, "train.keep_checkpoints=3"), ctx)
+    forward_backward, save = trainer.forward_backward, trainer.save_checkpoint
+
+    def logged_forward_backward(step: int):
+        loss = forward_backward(step)
+        events.append(("forward and backward", step))
+        if step == 2:
+            release.set()
+        return loss
+
+    def saved(step: int, now: bool = False) -> None:
+        if step == 2:
+            at_save.update({name: p.detach().clone() for name, p in trainer.strategy.view.named_parameters()})
+        save(step, now)
+
+    trainer.forward_backward, trainer.save_checkpoint = logged_forward_backward, saved
+    with patch.object(checkpoint_async.HostStager, "_copy", staticmethod(held_copy)), \
+            patch.object(trainer_module, "optimizer_step", logged_step):
+        trainer.fit()
+    dcp_to_torch_save(checkpoint_dir(out) / "step-00000002", out / "step-2.pt")
+    return events, at_save, torch.load(out / "step-2.pt")["model"]
+
+
+def test_the_copy_runs_beside_the_next_forward_and_backward_and_the_optimizer_step_waits_for_it(tmp_path):
+    events, at_save, saved = in_process(_held_copy, tmp_path)
+    # the save after step 2 returned, the third step's forward and backward ran, then the copy ended,
+    # and only then did that step's optimizer change what was being copied
+    assert events[4:8] == [("forward and backward", 2), "copied", ("optimizer step", 2), ("forward and backward", 3)]
+    names = [name for name in at_save if name != "copied"]
+    assert names and all(saved[name].equal(at_save[name]) for name in names)  # the state at the save, exactly
+
+
 def _failing_save(ctx: DistContext, out: Path) -> tuple[str, int]:
     """ddp saving every 2 steps, rank 0's disk full as it seals: the error each rank raised, and at
     which step."""

@@ -179,6 +179,8 @@ class ReplicatedRun(WatchedRun, Protocol):
     replicas: ReplicaGroups
     committed: bool
 
+    def staged(self) -> None: ...
+
 
 def replicated_step(trainer: ReplicatedRun, step: int) -> torch.Tensor:
     """The trainer's step `step` in a replica group: its gradients and loss averaged with the other
@@ -228,7 +230,8 @@ def replica_state(trainer: ReplicatedRun) -> dict[str, Any]:
 def load_replica_state(trainer: ReplicatedRun, state: dict[str, Any]) -> None:
     """Put a peer group's state (`replica_state`'s) into this group's model and optimizer. A peer
     that has not stepped yet has no optimizer state (it is made lazily): neither then, for AdamW's
-    step count would otherwise differ."""
+    step count would otherwise differ. A save in flight has copied what this overwrites first."""
+    trainer.staged()
     if state["optimizer"]:
         ensure_optimizer_state(trainer.optimizer)
     else:

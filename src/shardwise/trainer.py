@@ -198,7 +198,13 @@ class Trainer:
         return loss_sum
 
     def optimizer_step(self) -> bool:
+        self.staged()
         return optimizer_step(self.strategy, self.optimizer, self.cfg.train.grad_clip)
+
+    def staged(self) -> None:
+        """Before the parameters or the optimizer state change: the save in flight has copied them."""
+        if self.checkpointer is not None:
+            self.checkpointer.staged()
 
     def evaluate(self) -> float:
         """Mean loss over the same fixed validation batches every time, whatever the world size."""
