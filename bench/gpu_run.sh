@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Issue 44's device run: everything a lent GPU is asked for, in one call of about 8 minutes with a
 # hard limit, the answers that matter most first, so that a run cut short has still answered them:
-#   1. the CUDA tests (tests/gpu): every strategy at world 1 against single, compiled against eager;
-#   2. gpt-2-124m, bf16: every strategy at world 1, 20 steps against single, and MFU eager and compiled;
+#   1. gpt-2-124m, bf16: every strategy at world 1, 20 steps against single, and MFU eager and compiled;
+#   2. the same at 4 times the micro-batch: the host launches the same kernels for 4 times the work
+#      (the second run's profile found every step bound by the host at micro-batch 8);
 #   3. the sharded strategies as rank 0 of a fake world of 8, against single's step;
 #   4. Llama-3-8B's shapes under fsdp and FSDP2 at a fake world of 64: peak memory against the planner;
-#   5. what time is left: the fake world of 64, gpu-scale's other jobs and its longest sequence.
+#   5. the CUDA tests (tests/gpu): every strategy at world 1 through `shardwise train` against single,
+#      compiled against eager, fsdp at a fake 8 against the planner;
+#   6. what time is left: the fake world of 64, gpu-scale's other jobs and its longest sequence.
 # Each stage writes its JSON to OUT as it ends and appends its output to OUT/log.txt; a stage gets
 # what is left of the limit at most, and is skipped when under a minute is left.
 #
@@ -41,13 +44,15 @@ stage() {  # stage NAME SECONDS COMMAND...: run COMMAND under the smaller of SEC
 
 { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv 2>&1
   python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.is_available())'; } >>"$OUT/log.txt" 2>&1
-stage tests 150 python3 -m pytest -q -p no:cacheprovider tests/gpu
 stage world-1 150 python3 -m bench.gpu --worlds 1 --steps "$STEPS" --preset "$GPT" --micro-batch "$MB" \
     --json "$OUT/gpu-world-1.json"
+stage world-1-batch 120 python3 -m bench.gpu --worlds 1 --steps "$STEPS" --preset "$GPT" --micro-batch $((4 * MB)) \
+    --json "$OUT/gpu-world-1-batch.json"
 stage fake-8 90 python3 -m bench.gpu --worlds 8 --steps 10 --preset "$GPT" --micro-batch "$MB" \
     --json "$OUT/gpu-fake-8.json"
 stage llama-64 120 python3 -m bench.gpu_scale --config "$LLAMA" --steps 3 --no-longest \
     --job "fsdp:64:blocks:$SEQ" --job "fsdp-native:64:blocks:$SEQ" --json "$OUT/gpu-scale-64.json"
+stage tests 180 python3 -m pytest -q -p no:cacheprovider --tb=short -rf tests/gpu
 stage fake-64 90 python3 -m bench.gpu --worlds 64 --steps 10 --preset "$GPT" --micro-batch "$MB" \
     --json "$OUT/gpu-fake-64.json"
 stage gpu-scale 600 python3 -m bench.gpu_scale --config "$LLAMA" --steps 3 --json "$OUT/gpu-scale.json"
