@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from shardwise.config.load import load_config
 from shardwise.dist import DistContext, init_distributed
-from shardwise.gradients import local_grads
+from shardwise.gradients import local_grads, squares_one_by_one, squares_together
 from shardwise.memory import optimizer_state_tensors
 from shardwise.precision import LossScaler
 from shardwise.trainer import Trainer
@@ -63,6 +63,18 @@ def steps_with_an_inf_on_rank_1(ctx: DistContext, out: Path, strategy: str, *ove
                     "finite": all(bool(p.isfinite().all()) for p in after)})
         trainer.optimizer.zero_grad(set_to_none=True)
     return log
+
+
+def test_the_gpus_one_foreach_sum_of_squares_is_the_cpus_gradient_by_gradient_one():
+    # clipping's two ways (gradients.py): the foreach kernels, a GPU's, run here too; bf16 squares summed in fp32
+    generator = torch.Generator().manual_seed(0)
+    grads = [torch.randn(shape, generator=generator) * scale for shape, scale in
+             (((300, 70), 1.0), ((70,), 1e-3), ((5, 7, 11), 30.0))]
+    for dtype in (torch.float32, torch.bfloat16):
+        cast = [grad.to(dtype) for grad in grads]
+        together, one_by_one = squares_together(cast), squares_one_by_one(cast)
+        assert together.dtype == one_by_one.dtype == torch.float32
+        assert torch.allclose(together, one_by_one, rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("strategy", [

@@ -88,16 +88,20 @@ class HostStager(AsyncStager):
             else:
                 staged[part] = self._to_host(entries, f"/{part}", later if part == "optimizer" else None)
         # The copy on a GPU starts after what the device was asked to do before the save (the step).
-        ready = torch.cuda.Event() if any(source.is_cuda for _, source in later) else None
-        if ready is not None:
-            ready.record()
-        return self.thread.submit(self._copy, later, ready, staged)
+        device = next((source.device for _, source in later if source.is_cuda), None)
+        ready = None
+        if device is not None:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(device))
+        return self.thread.submit(self._copy, later, device, ready, staged)
 
     @staticmethod
     @torch.no_grad()
-    def _copy(later: list[tuple[torch.Tensor, torch.Tensor]], ready: torch.cuda.Event | None,
-              staged: dict[str, Any]) -> dict[str, Any]:
-        stream = torch.cuda.Stream() if ready is not None else None
+    def _copy(later: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device | None,
+              ready: torch.cuda.Event | None, staged: dict[str, Any]) -> dict[str, Any]:
+        """In the staging thread: `later`'s copies, on a stream of their own where a GPU trains
+        (this thread's current device is not the rank's: the stream is made on the tensors' own)."""
+        stream = torch.cuda.Stream(device) if device is not None else None
         with torch.cuda.stream(stream):  # no stream: the CPU's copies, in this thread
             if stream is not None:
                 stream.wait_event(ready)

@@ -6,9 +6,11 @@ slices), each rank sums the squares of the elements it alone accounts for and th
 over the groups that split them, so no element is counted twice or missed. Squares are summed in
 fp32 whatever the gradients' dtype: in bf16 the small ones would round away.
 
-Norms and scaling go through the foreach kernels, a few launches for all of a device's gradients of
-one dtype: one kernel or more per gradient made the host, launching them, the bound of a GPU's step
-(bench/gpu_profile.py counted 2 of every 5 launches of gpt-2-124m's step here).
+On a GPU the norms and the scaling go through the foreach kernels, a few launches for all of a
+device's gradients of one dtype: a kernel or more per gradient made the host, launching them, the
+bound of the step (bench/gpu_profile.py counted 2 of every 5 launches of gpt-2-124m's step there).
+Elsewhere, as torch's clip_grad_norm_ does, each gradient's squares are summed by itself: the CPU
+has no foreach kernels to save launches with, and its sums are the ones the parity tests hold to.
 """
 
 from __future__ import annotations
@@ -42,8 +44,18 @@ def squared_norm(grads: Iterable[torch.Tensor], device: torch.device) -> torch.T
     groups = by_device_and_dtype(grads)
     if not groups:
         return torch.zeros((), device=device)
-    squares = [torch.stack(torch._foreach_norm(group, 2, dtype=torch.float32)).square().sum() for group in groups]
+    squares = [squares_together(group) if group[0].is_cuda else squares_one_by_one(group) for group in groups]
     return torch.stack([square.to(squares[0].device) for square in squares]).sum()
+
+
+def squares_together(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The fp32 sum of the squares of `grads` (one device and dtype) through one foreach norm."""
+    return torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).square().sum()
+
+
+def squares_one_by_one(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The fp32 sum of the squares of `grads`, each gradient's summed by itself."""
+    return torch.stack([grad.float().pow(2).sum() for grad in grads]).sum()
 
 
 def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
