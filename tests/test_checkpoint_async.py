@@ -11,7 +11,8 @@ from unittest.mock import patch
 
 import pytest
 from distributed import run_ranks
-from helpers import CONFIGS, gpt_tiny, in_process, read_records
+from helpers import CONFIGS, gpt_tiny, in_process, losses, read_records
+from safetensors.torch import load_file
 
 from shardwise import checkpoint_async
 from shardwise.checkpoint import CheckpointError, checkpoint_dir
@@ -125,6 +126,11 @@ def test_the_copy_runs_beside_the_next_forward_and_backward_and_the_optimizer_st
     assert events[4:8] == [("forward and backward", 2), "copied", ("optimizer step", 2), ("forward and backward", 3)]
     names = [name for name in at_save if name != "copied"]
     assert names and all(saved[name].equal(at_save[name]) for name in names)  # the state at the save, exactly
+    # and saving changed nothing of the training: the losses and final weights of a run without checkpoints
+    in_process(lambda ctx: Trainer(cfg_for(tmp_path / "unsaved", 1, "train.checkpoint_every=0"), ctx).fit())
+    assert losses(tmp_path) == losses(tmp_path / "unsaved")
+    weights, unsaved = (load_file(str(run / "model.safetensors")) for run in (tmp_path, tmp_path / "unsaved"))
+    assert weights.keys() == unsaved.keys() and all(weights[k].equal(unsaved[k]) for k in weights)
 
 
 def _failing_save(ctx: DistContext, out: Path) -> tuple[str, int]:
