@@ -4,7 +4,14 @@ their own host time and by device time, and the host's waits on the device (sync
 device-to-host copies), which keep the host from running ahead of the device, and the
 collectives called; writes the tables as JSON.
 
+With `--memory`, what the step's memory peak is made of instead: one step under the profiler's
+memory timeline, the bytes live at its peak by what they are (parameters, optimizer state,
+activations, gradients, autograd's own, ...) beside the planner's categories. `--scale-job` takes
+a `bench gpu-scale` job (Llama-3-8B's shapes as one rank of a fake world) in place of a GPT preset.
+
     python -m bench.gpu_profile --strategy fsdp --world 1 [--json OUT.json]
+    python -m bench.gpu_profile --memory --strategy single [--json OUT.json]
+    python -m bench.gpu_profile --memory --scale-job fsdp:64:blocks:4096 [--scale-config FILE]
 """
 
 from __future__ import annotations
@@ -13,13 +20,14 @@ import argparse
 import json
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.fake_world import rank_zero_of
-from bench.gpu import job_config
+from bench import gpu, gpu_scale
+from bench.fake_world import planned_candidate, rank_zero_of
 
 COLLECTIVES = ("c10d::", "nccl:")
 WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy", "Memcpy DtoH")
@@ -36,7 +44,7 @@ def profile_job(strategy: str, world: int, preset: str, micro_batch: int, steps:
 
     job = {"strategy": strategy, "world": world, "preset": preset, "micro_batch": micro_batch, "steps": 3 + steps}
     with tempfile.TemporaryDirectory() as out:
-        cfg = job_config(job, out)
+        cfg = gpu.job_config(job, out)
         ctx = rank_zero_of(world, node=cfg.launch.nproc)
         cuda = ctx.device.type == "cuda"
         trainer = Trainer(cfg, ctx)
@@ -61,6 +69,49 @@ def profile_job(strategy: str, world: int, preset: str, micro_batch: int, steps:
             "collectives": [r for r in rows(events, "count", 10_000) if r["name"].startswith(COLLECTIVES)]}
 
 
+def memory_at_peak(job: dict[str, Any], scale: bool) -> dict[str, Any]:
+    """One step of `job` (a `bench gpu` job, or with `scale` a `bench gpu-scale` one) after two,
+    under the profiler's memory timeline: the bytes live at the step's peak by category, beside
+    the planner's prediction (no margin) and, on a GPU, the allocator's peak."""
+    from torch.profiler._memory_profiler import _CATEGORY_TO_INDEX
+
+    from shardwise.planner.memory_model import predict_memory
+    from shardwise.trainer import Trainer
+
+    names = ["unknown" if c is None else c.name.lower() for c in _CATEGORY_TO_INDEX]
+    with tempfile.TemporaryDirectory() as out:
+        cfg = (gpu_scale if scale else gpu).job_config({**job, "steps": 3}, out)
+        ctx = rank_zero_of(job["world"], node=cfg.launch.nproc)
+        cuda = ctx.device.type == "cuda"
+        trainer = Trainer(cfg, ctx)
+        for step in range(2):
+            trainer.run_step(step)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(ctx.device)
+        with profile(activities=activities, profile_memory=True, record_shapes=True, with_stack=True) as prof:
+            trainer.run_step(2)
+        timeline = Path(out) / "timeline.json"
+        prof.export_memory_timeline(str(timeline), device=f"{ctx.device.type}:0" if cuda else "cpu")
+        _, sizes = json.loads(timeline.read_text())
+    at_peak = max(sizes, key=sum)[1:]  # the first column is always 0
+    candidate = planned_candidate(cfg, job["world"])
+    planned = predict_memory(candidate, cfg, margin=0.0)[0].as_dict() if candidate is not None else None
+    return {**job, "peak": sum(at_peak), "at_peak": dict(zip(names, at_peak, strict=True)), "predicted": planned,
+            "max_allocated": torch.cuda.max_memory_allocated(ctx.device) if cuda else None,
+            "counted_activations": trainer.activation_bytes}
+
+
+def print_memory(result: dict[str, Any]) -> None:
+    gib = 2**30
+    label = result.get("preset") or result.get("config")
+    print(f"{result['strategy']} world {result['world']} ({label}): the step's peak {result['peak'] / gib:.3f} GiB"
+          + (f", the allocator's {result['max_allocated'] / gib:.3f}" if result["max_allocated"] else ""))
+    print("  live at the peak: " + ", ".join(f"{k} {v / gib:.3f}" for k, v in result["at_peak"].items() if v))
+    if result["predicted"]:
+        print("  the planner:      " + ", ".join(f"{k} {v / gib:.3f}" for k, v in result["predicted"].items() if v))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--strategy", default="fsdp")
@@ -68,8 +119,24 @@ def main() -> None:
     parser.add_argument("--preset", default="gpt2-124m")
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--memory", action="store_true", help="what the step's memory peak is made of")
+    parser.add_argument("--scale-job", help="a gpu-scale job, STRATEGY:WORLD:RECOMPUTE:SEQ (with --memory)")
+    parser.add_argument("--scale-config", default="configs/llama-3-8b.toml", help="the gpu-scale job's model")
     parser.add_argument("--json")
     args = parser.parse_args()
+    if args.memory:
+        if args.scale_job:
+            strategy, world, recompute, seq_len = args.scale_job.split(":")
+            job = {"strategy": strategy, "world": int(world), "recompute": recompute, "seq_len": int(seq_len),
+                   "config": args.scale_config}
+        else:
+            job = {"strategy": args.strategy, "world": args.world, "preset": args.preset,
+                   "micro_batch": args.micro_batch}
+        result = memory_at_peak(job, scale=bool(args.scale_job))
+        print_memory(result)
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1))
+        return
     result = profile_job(args.strategy, args.world, args.preset, args.micro_batch, args.steps)
     print(f"{args.strategy} world {args.world}: {result['step_s'] * 1e3:.1f} ms a step (under the profiler)")
     for title, key in (("by own host time", "by_host"), ("by device time", "by_device"),

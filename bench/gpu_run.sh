@@ -6,17 +6,19 @@
 #      (the second run's profile found every step bound by the host at micro-batch 8);
 #   3. the sharded strategies as rank 0 of a fake world of 8, against single's step;
 #   4. Llama-3-8B's shapes under fsdp and FSDP2 at a fake world of 64: peak memory against the planner;
-#   5. the CUDA tests (tests/gpu): every strategy at world 1 through `shardwise train` against single,
-#      compiled against eager, fsdp at a fake 8 against the planner;
-#   6. what time is left: the fake world of 64, gpu-scale's other jobs and its longest sequence.
+#   5. what the peaks of 4 (ours) and of gpt-2-124m's single step are made of, beside the planner's
+#      categories (bench/gpu_profile.py --memory): the planner missed both, one each way;
+#   6. the CUDA tests (tests/gpu): every strategy at world 1 through `shardwise train` against single,
+#      compiled against eager, a resume from asynchronous checkpoints, fsdp at a fake 8 against the planner;
+#   7. what time is left: the fake world of 64, gpu-scale's other jobs and its longest sequence.
 # Each stage writes its JSON to OUT as it ends and appends its output to OUT/log.txt; a stage gets
 # what is left of the limit at most, and is skipped when under a minute is left.
 #
-#   bash bench/gpu_run.sh OUT [SECONDS=480]
+#   bash bench/gpu_run.sh OUT [SECONDS=540]
 # Without CUDA it runs the same stages on tiny models as a harness check (no device figures).
 set -u
 OUT=${1:?usage: bash bench/gpu_run.sh OUT [SECONDS]}
-LIMIT=${2:-480}
+LIMIT=${2:-540}
 mkdir -p "$OUT"
 START=$(date +%s)
 export PYTHONPATH="$PWD/src:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -52,6 +54,10 @@ stage fake-8 90 python3 -m bench.gpu --worlds 8 --steps 10 --preset "$GPT" --mic
     --json "$OUT/gpu-fake-8.json"
 stage llama-64 120 python3 -m bench.gpu_scale --config "$LLAMA" --steps 3 --no-longest \
     --job "fsdp:64:blocks:$SEQ" --job "fsdp-native:64:blocks:$SEQ" --json "$OUT/gpu-scale-64.json"
+stage memory-llama 90 python3 -m bench.gpu_profile --memory --scale-job "fsdp:64:blocks:$SEQ" --scale-config "$LLAMA" \
+    --json "$OUT/memory-llama-64.json"
+stage memory-gpt 60 python3 -m bench.gpu_profile --memory --strategy single --preset "$GPT" --micro-batch "$MB" \
+    --json "$OUT/memory-single.json"
 stage tests 180 python3 -m pytest -q -p no:cacheprovider --tb=short -rf tests/gpu
 stage fake-64 90 python3 -m bench.gpu --worlds 64 --steps 10 --preset "$GPT" --micro-batch "$MB" \
     --json "$OUT/gpu-fake-64.json"

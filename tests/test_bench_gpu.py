@@ -112,3 +112,16 @@ def test_the_profile_of_a_gpu_job_finds_fsdps_gathers(tmp_path):
     # a unit's parameters gathered before its forward, and again before its backward, each step
     gathers = [row for row in profile["collectives"] if "allgather" in row["name"]]
     assert gathers and gathers[0]["calls"] >= 2 * 2
+
+
+def test_the_memory_profile_of_a_gpu_job_says_what_its_peak_holds(tmp_path):
+    out = tmp_path / "memory.json"
+    done = subprocess.run([sys.executable, "-m", "bench.gpu_profile", "--memory", "--strategy", "single", "--preset",
+                           "tiny", "--micro-batch", "2", "--json", str(out)],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    memory = json.loads(out.read_text())
+    assert memory["peak"] == sum(memory["at_peak"].values())
+    # the optimizer's state lives through the whole step: all of it is there at the peak, as planned
+    assert memory["at_peak"]["optimizer_state"] == memory["predicted"]["optimizer"]
+    assert memory["peak"] >= memory["predicted"]["params"] + memory["predicted"]["optimizer"]
