@@ -17,17 +17,23 @@ a `bench gpu-scale` job (Llama-3-8B's shapes as one rank of a fake world) in pla
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench import gpu, gpu_scale
 from bench.fake_world import planned_candidate, rank_zero_of
+
+if TYPE_CHECKING:
+    from shardwise.config.schema import Config
+    from shardwise.trainer import Trainer
 
 COLLECTIVES = ("c10d::", "nccl:")
 WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy", "Memcpy DtoH")
@@ -39,21 +45,31 @@ def rows(events: Any, key: str, top: int) -> list[dict[str, Any]]:
              "device_ms": getattr(e, "self_device_time_total", 0) / 1e3} for e in ordered]
 
 
-def profile_job(strategy: str, world: int, preset: str, micro_batch: int, steps: int) -> dict[str, Any]:
+@contextlib.contextmanager
+def warmed_up(job: dict[str, Any], scale: bool, warmup: int) -> Iterator[tuple[Config, Trainer, Path]]:
+    """`job` (a `bench gpu` job, or with `scale` a `bench gpu-scale` one) as rank 0 of its world,
+    after `warmup` steps: its config, its trainer and its run directory, removed on leaving."""
     from shardwise.trainer import Trainer
 
-    job = {"strategy": strategy, "world": world, "preset": preset, "micro_batch": micro_batch, "steps": 3 + steps}
     with tempfile.TemporaryDirectory() as out:
-        cfg = gpu.job_config(job, out)
-        ctx = rank_zero_of(world, node=cfg.launch.nproc)
-        cuda = ctx.device.type == "cuda"
-        trainer = Trainer(cfg, ctx)
-        for step in range(3):
+        cfg = (gpu_scale if scale else gpu).job_config(job, out)
+        trainer = Trainer(cfg, rank_zero_of(job["world"], node=cfg.launch.nproc))
+        for step in range(warmup):
             trainer.run_step(step)
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        yield cfg, trainer, Path(out)
+
+
+def activities(trainer: Trainer) -> list[ProfilerActivity]:
+    return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if trainer.ctx.device.type == "cuda" else [])
+
+
+def profile_job(strategy: str, world: int, preset: str, micro_batch: int, steps: int) -> dict[str, Any]:
+    job = {"strategy": strategy, "world": world, "preset": preset, "micro_batch": micro_batch, "steps": 3 + steps}
+    with warmed_up(job, scale=False, warmup=3) as (_, trainer, _):
+        cuda = trainer.ctx.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize()
-        with profile(activities=activities) as prof:
+        with profile(activities=activities(trainer)) as prof:
             started = time.perf_counter()
             for step in range(3, 3 + steps):
                 trainer.run_step(step)
@@ -61,12 +77,13 @@ def profile_job(strategy: str, world: int, preset: str, micro_batch: int, steps:
                 torch.cuda.synchronize()
             step_s = (time.perf_counter() - started) / steps
     events = prof.key_averages()
+    every = rows(events, "count", len(events))
     sort_device = "self_device_time_total" if cuda else "self_cpu_time_total"
     return {"strategy": strategy, "world": world, "preset": preset, "micro_batch": micro_batch, "steps": steps,
             "step_s": step_s, "by_host": rows(events, "self_cpu_time_total", 25),
             "by_device": rows(events, sort_device, 25),
-            "waits": [r for r in rows(events, "count", 10_000) if any(w in r["name"] for w in WAITS)],
-            "collectives": [r for r in rows(events, "count", 10_000) if r["name"].startswith(COLLECTIVES)]}
+            "waits": [r for r in every if any(w in r["name"] for w in WAITS)],
+            "collectives": [r for r in every if r["name"].startswith(COLLECTIVES)]}
 
 
 def memory_at_peak(job: dict[str, Any], scale: bool) -> dict[str, Any]:
@@ -76,29 +93,23 @@ def memory_at_peak(job: dict[str, Any], scale: bool) -> dict[str, Any]:
     from torch.profiler._memory_profiler import _CATEGORY_TO_INDEX
 
     from shardwise.planner.memory_model import predict_memory
-    from shardwise.trainer import Trainer
 
     names = ["unknown" if c is None else c.name.lower() for c in _CATEGORY_TO_INDEX]
-    with tempfile.TemporaryDirectory() as out:
-        cfg = (gpu_scale if scale else gpu).job_config({**job, "steps": 3}, out)
-        ctx = rank_zero_of(job["world"], node=cfg.launch.nproc)
-        cuda = ctx.device.type == "cuda"
-        trainer = Trainer(cfg, ctx)
-        for step in range(2):
-            trainer.run_step(step)
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with warmed_up({**job, "steps": 3}, scale, warmup=2) as (cfg, trainer, out):
+        device = trainer.ctx.device
+        cuda = device.type == "cuda"
         if cuda:
-            torch.cuda.reset_peak_memory_stats(ctx.device)
-        with profile(activities=activities, profile_memory=True, record_shapes=True, with_stack=True) as prof:
+            torch.cuda.reset_peak_memory_stats(device)
+        with profile(activities=activities(trainer), profile_memory=True, record_shapes=True, with_stack=True) as prof:
             trainer.run_step(2)
-        timeline = Path(out) / "timeline.json"
-        prof.export_memory_timeline(str(timeline), device=f"{ctx.device.type}:0" if cuda else "cpu")
+        timeline = out / "timeline.json"
+        prof.export_memory_timeline(str(timeline), device=f"{device.type}:0" if cuda else "cpu")
         _, sizes = json.loads(timeline.read_text())
     at_peak = max(sizes, key=sum)[1:]  # the first column is always 0
     candidate = planned_candidate(cfg, job["world"])
     planned = predict_memory(candidate, cfg, margin=0.0)[0].as_dict() if candidate is not None else None
     return {**job, "peak": sum(at_peak), "at_peak": dict(zip(names, at_peak, strict=True)), "predicted": planned,
-            "max_allocated": torch.cuda.max_memory_allocated(ctx.device) if cuda else None,
+            "max_allocated": torch.cuda.max_memory_allocated(device) if cuda else None,
             "counted_activations": trainer.activation_bytes}
 
 
