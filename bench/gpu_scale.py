@@ -62,8 +62,9 @@ def job_config(job: dict[str, Any], out: str) -> Config:
 def predicted(cfg: Config, world: int) -> dict[str, int] | None:
     """The planner's bytes for this rank: each category at the steps' peak, and setup's; None for
     FSDP2 (it predicts ours)."""
-    from shardwise.planner.memory_model import predict_memory, predict_setup_bytes
+    from shardwise.planner.memory_model import predict_memory
     from shardwise.planner.model import PlanError
+    from shardwise.planner.phases import predict_setup_bytes
 
     candidate = planned_candidate(cfg, world)
     if candidate is None:

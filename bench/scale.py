@@ -37,8 +37,9 @@ from bench.common import write_json
 from shardwise.config.load import load_config
 from shardwise.config.schema import Config
 from shardwise.planner.candidates import Candidate
-from shardwise.planner.memory_model import predict_memory, predict_phases, predict_setup_bytes
+from shardwise.planner.memory_model import predict_memory
 from shardwise.planner.model import model_facts, model_shape
+from shardwise.planner.phases import predict_phases, predict_setup_bytes
 from shardwise.strategies.registry import spec
 
 STRATEGIES = ("single", "ddp", "zero2", "fsdp", "fsdp-native")

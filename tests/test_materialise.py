@@ -23,7 +23,7 @@ from shardwise.materialise import Materialiser, build_on_meta, init_context
 from shardwise.memory import reset_peak_resident, resident_bytes, return_free_memory
 from shardwise.models import build_model
 from shardwise.planner.candidates import Candidate
-from shardwise.planner.memory_model import predict_setup_bytes
+from shardwise.planner.phases import predict_setup_bytes
 from shardwise.strategies.classes import make_strategy
 from shardwise.strategies.param_server import server_parameters
 from shardwise.strategies.registry import SPECS

@@ -57,11 +57,15 @@ def test_a_run_resumed_from_async_checkpoints_trains_as_the_one_that_went_on_on_
     assert len(resumed) == STEPS and relative_gap(resumed, single) < 1e-5
 
 
-def test_fsdp_on_a_fake_world_of_eight_holds_less_than_single_on_cuda():
-    job = {"preset": "small", "micro_batch": 4, "steps": 3}
+def test_fsdp_on_a_fake_world_of_eight_holds_less_than_single_and_each_the_planners_peak_on_cuda():
+    # gpt-2-124m, as bench gpu runs it: large enough that cuBLAS's workspaces (tens of MB, outside the
+    # planner) are noise beside the step's peak; "small" peaks at 0.1 GB
+    job = {"preset": "gpt2-124m", "micro_batch": 8, "steps": 3}
     alone = fake_world.run_job("bench.gpu", {**job, "strategy": "single", "world": 1})
     sharded = fake_world.run_job("bench.gpu", {**job, "strategy": "fsdp", "world": 8})
     assert "step_s" in alone and "step_s" in sharded, (alone, sharded)
     # an eighth of the parameters, gradients and AdamW's state; the same activations
     assert sharded["max_allocated"] < alone["max_allocated"]
-    assert sharded["max_allocated"] <= 1.1 * sharded["predicted_peak"]
+    # the planner's step peak (the start of backward: every activation and the loss's gradients)
+    for run in (alone, sharded):
+        assert 0.9 * run["predicted_peak"] <= run["max_allocated"] <= 1.1 * run["predicted_peak"], run

@@ -36,8 +36,14 @@ sharded strategies shard over all dp x cp ranks.
 Beyond the counted categories the prediction adds `buffers` (communication buffers and
 gradients that live only within a step: all-gather and reduce-scatter buffers in flight, fsdp's
 gathered units, pipeline sends, gradients kept whole during accumulation, context parallel's keys
-and values in flight) and `margin`, a stated fraction of the rest for allocator fragmentation and
-the optimizer step's temporaries.
+and values in flight) and `loss`, the two float32 gradients the loss's backward makes over the logits.
+
+Each category is at its own largest at a different time, so the step's `peak` is not their sum
+but the larger of two moments: where backward starts, every activation saved, the loss's gradients
+made and only the gradients and buffers already there (`at_loss`); and later, the head's saved
+tensors freed (`head`: the log-softmax's output above all) and gradients and buffers at their
+largest. Held to torch.profiler's memory timeline (tests/test_bench_gpu.py). `margin` is a stated
+fraction of the peak for allocator fragmentation and the optimizer step's temporaries.
 """
 
 from __future__ import annotations
@@ -57,6 +63,7 @@ from shardwise.planner.candidates import Candidate
 from shardwise.planner.model import (
     ModelFacts,
     ModelShape,
+    SavedBytes,
     Tensors,
     TraceKey,
     meta_model,
@@ -77,7 +84,8 @@ UNITS_IN_FLIGHT = 2  # unit-sized collective buffers at once: a unit's gradients
 
 @dataclass
 class RankMemory:
-    """Bytes one rank holds at its peak, by category; `total` includes the margin."""
+    """Bytes one rank holds, each category at its own largest; `peak`, the step's largest moment,
+    and `total`, the peak and the margin (module docstring)."""
 
     params: int
     grads: int
@@ -87,17 +95,29 @@ class RankMemory:
     margin: int = 0
     host: int = 0  # parallel.sharding.offload: bytes in host memory, not in `total` (the device's)
     staging: int = 0  # train.checkpoint_async: host bytes of a checkpoint's copy while it is written
+    loss: int = 0  # the loss's two float32 gradients over the logits, made as backward starts
+    head: int = 0  # of `activations`, what the head and the loss saved: freed by the loss's backward
+    at_loss: int = 0  # the gradients and buffers already live as backward starts
+
+    @property
+    def peak(self) -> int:
+        """The larger of the step's two busiest moments: backward's start, every activation still
+        saved, and the rest of the step, with the head's freed and gradients and buffers at their
+        largest."""
+        backward_starts = self.activations + self.at_loss + self.loss
+        later = self.activations - self.head + self.grads + self.buffers
+        return self.params + self.optimizer + max(backward_starts, later)
 
     @property
     def total(self) -> int:
-        return self.params + self.grads + self.optimizer + self.activations + self.buffers + self.margin
+        return self.peak + self.margin
 
     def with_margin(self, fraction: float) -> RankMemory:
-        self.margin = int(fraction * (self.total - self.margin))
+        self.margin = int(fraction * self.peak)
         return self
 
     def as_dict(self) -> dict[str, int]:
-        return {**asdict(self), "total": self.total}
+        return {**asdict(self), "peak": self.peak, "total": self.total}
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:
@@ -161,17 +181,21 @@ def _data_parallel(c: Candidate, cfg: Config, shape: ModelShape, activations: bo
     # hsdp holds what fsdp over its node does
     state = model_state(c.spec.zero_stage, precision, facts, world, cfg, frozen)
     key = trace_key(shape, c, c.tp, cfg.parallel.sequence_parallel)
-    saved = saved_bytes(key).stage(0, shape.n_layer, True, True, c.recompute, c.micro_batch) \
-        + all_to_all_outputs(c, shape) if activations else 0
-    gathered = dtype_bytes(working_dtype(precision))
-    buffers = _sharded_buffers(c, cfg, facts, world, stored, as_stored(rank_facts(shape, c.tp, c.ep), gathered)) \
+    saved, head = 0, 0
+    if activations:
+        saved = saved_bytes(key).stage(0, shape.n_layer, True, True, c.recompute, c.micro_batch) \
+            + all_to_all_outputs(c, shape)
+        head = head_saved(saved_bytes(key), c, shape)
+    units = as_stored(rank_facts(shape, c.tp, c.ep), dtype_bytes(working_dtype(precision)))
+    buffers = _sharded_buffers(c, cfg, facts, world, stored, units) \
         + context_buffers(c, shape) + expert_buffers(c, shape) + dequantized_weight(shape, precision)
     if c.tp > 1:  # an all-reduce's result is a copy of one activation (ReduceFromTensorParallel clones its input)
         buffers += c.micro_batch * shape.seq_len // c.cp * shape.d_model * 4
     if c.spec.across_nodes and c.dp > world:
         buffers += shard * stored  # the packed gradient shards all-reduced across nodes
     return RankMemory(state.params, state.grads, state.optimizer, saved, buffers, host=state.host,
-                      staging=state.staging)
+                      staging=state.staging, loss=loss_gradients(c, shape), head=head,
+                      at_loss=_data_parallel_at_loss(c, cfg, state, facts, units, world, stored))
 
 
 @functools.cache
@@ -340,9 +364,7 @@ def _sharded_buffers(c: Candidate, cfg: Config, facts: ModelFacts, world: int, s
     padded = (units if stage == 3 else facts).unit_padded(world)
     largest = sorted(padded, reverse=True)[:UNITS_IN_FLIGHT]
     working = dtype_bytes(working_dtype(precision))
-    kept_whole = 0
-    if stage >= 2 and cfg.train.global_batch > c.dp * c.micro_batch:
-        kept_whole = facts.params_total * (working if stage == 2 else stored)  # between micro-steps
+    kept_whole = _kept_whole(c, cfg, facts, stored)
     # A unit's gradients are packed for its reduce-scatter once the previous unit's is done: one
     # packed unit in flight (zero1: at the end of backward, from its gradient buffer).
     if stage == 1:  # one unit's reduce-scatter at the end of backward; two gathers after the step
@@ -357,6 +379,46 @@ def _sharded_buffers(c: Candidate, cfg: Config, facts: ModelFacts, world: int, s
     return elements * gathered + sum(reduced) * reduce + kept_whole
 
 
+def _kept_whole(c: Candidate, cfg: Config, facts: ModelFacts, stored: int) -> int:
+    """zero2's and fsdp's whole gradients, kept between the micro-steps of an accumulating step."""
+    if (c.spec.zero_stage or 0) < 2 or cfg.train.global_batch <= c.dp * c.micro_batch:
+        return 0
+    working = dtype_bytes(working_dtype(make_precision(c.precision)))
+    return facts.params_total * (working if c.spec.zero_stage == 2 else stored)
+
+
+def _data_parallel_at_loss(c: Candidate, cfg: Config, state: ModelState, facts: ModelFacts, units: ModelFacts,
+                           world: int, stored: int) -> int:
+    """Gradients and buffers a data-parallel rank holds as backward starts: those that outlive a step
+    (ddp's buckets, zero1's gradient buffer) or an accumulating one's micro-steps, and fsdp's
+    gathered root (with every block too where none reshards after its forward)."""
+    stage = c.spec.zero_stage
+    accumulating = cfg.train.global_batch > c.dp * c.micro_batch
+    if stage == 0:
+        return state.grads if c.strategy != "single" or accumulating else 0
+    if stage == 1:
+        return state.grads
+    held = _kept_whole(c, cfg, facts, stored)
+    if stage == 3:
+        gathered = fsdp_gathered_numel(units, world, 0, cfg.parallel.sharding.reshard_after_forward)
+        held += gathered * dtype_bytes(working_dtype(make_precision(c.precision)))
+    return held
+
+
+def loss_gradients(c: Candidate, shape: ModelShape) -> int:
+    """What the loss's backward makes at once over a micro-batch's logits (this rank's tokens by
+    the whole vocabulary): the gradient of the log-softmax's output and of its input, both in
+    float32 (models.loss_fn computes the loss in float32)."""
+    return 2 * c.micro_batch * shape.seq_len // c.cp * shape.vocab_size * 4
+
+
+def head_saved(saved: SavedBytes, c: Candidate, shape: ModelShape) -> int:
+    """What the final norm, the head and the loss save for one micro-batch: the log-softmax's
+    output above all, freed once the loss's backward is done."""
+    whole = saved.stage(0, shape.n_layer, True, True, c.recompute, c.micro_batch)
+    return whole - saved.stage(0, shape.n_layer, True, False, c.recompute, c.micro_batch)
+
+
 def fsdp_gathered_numel(facts: ModelFacts, world: int, prefetch: int, reshard_after_forward: bool) -> int:
     """fsdp's most gathered elements at once (what it reports as `gathered_peak`): the root, whole
     for the step, the unit computing, and the all-gather buffers of the `prefetch` units issued
@@ -367,106 +429,6 @@ def fsdp_gathered_numel(facts: ModelFacts, world: int, prefetch: int, reshard_af
         return facts.root.numel
     computing = blocks * facts.block.numel if not reshard_after_forward else facts.block.numel
     return facts.root.numel + computing + min(prefetch, blocks - 1) * facts.unit_padded(world)[0]
-
-
-def predict_setup_bytes(candidate: Candidate, cfg: Config) -> int:
-    """The most bytes a rank holds while its strategy materialises the meta-built model, before
-    the first step (what ShardedDataParallel counts as `setup_peak_bytes`). fsdp and hsdp make one
-    unit whole at a time, in order, keep its shards and free it: at the peak, the shards made so
-    far and one whole unit. zero1 and zero2 make the whole model, then lay each unit out as they
-    keep it (whole parameters in the working dtype, master shards, zero1's gradient buffer): the
-    larger of the two, and one unit's layout beside. pipeline, model-parallel and tensor make
-    their stage's blocks one at a time, each whole until its tp split: at the peak, the stage
-    they keep and one whole block beside its shard, as do the sharded strategies over pipeline
-    stages before they shard the stage (within what a step holds). Every other strategy makes the
-    whole model."""
-    shape = model_shape(cfg.model, cfg.lora)
-    facts = model_facts(shape)
-    precision = make_precision(candidate.precision, cfg.parallel.sharding.reduce_dtype)
-    stored = dtype_bytes(precision.param_dtype)
-    if candidate.spec.splits_model or candidate.pp > 1:
-        held = rank_facts(shape, candidate.tp)
-        passing = facts.block.numel - held.block.numel  # the whole block being split, beyond its shard
-        stages = stage_bounds(shape, candidate.pp)
-        return max(held.stage(s == 0, s == len(stages) - 1, stop - start)[0] + passing
-                   for s, (start, stop) in enumerate(stages)) * stored
-    world = candidate.shard or candidate.dp
-    stage = candidate.spec.zero_stage
-    if not stage:
-        return facts.params_total * stored
-    held = rank_facts(shape, candidate.tp, candidate.ep)  # a block's experts split over ep as it is made
-    if candidate.tp > 1:  # every unit made whole, each block split over tp, its tp part sharded
-        shards = held.unit_shards(world)
-        made = [facts.block] * shape.n_layer + [facts.root]
-        return max(sum(shards[: i + 1]) + whole.numel + part.numel
-                   for i, (whole, part) in enumerate(zip(made, held.units, strict=True))) * stored
-    if stage == 3:
-        shards = held.unit_shards(world)
-        return max(sum(shards[: i + 1]) + unit.numel for i, unit in enumerate(facts.units)) * stored
-    state = model_state(stage, precision, held, world, cfg)
-    largest = max(held.unit_padded(world)) * dtype_bytes(working_dtype(precision))
-    return max(facts.params_total * stored, state.params + state.grads) + largest
-
-
-PHASES = ("setup", "load", "steps", "eval", "checkpoint", "final_weights")
-
-
-def predict_phases(candidate: Candidate, cfg: Config, margin: float = DEFAULT_MARGIN) -> dict[str, int]:
-    """The busiest rank's bytes at the peak of each phase of a run, as the trainer's summary
-    measures them (`phases_by_rank`, above the runtime's resident set):
-
-    - setup: `predict_setup_bytes`; steps: `predict_memory`'s total, margin included.
-    - Between steps a rank keeps its parameters, its optimizer state and the gradient buffers that
-      outlive a step (ddp's buckets, zero1's buffer): `kept`. Checkpoints are written from the live
-      tensors, one at a time, so a save holds what is kept.
-    - load: `kept` and a gradient per optimizer parameter: a load makes the optimizer's state
-      (absent until the first step) by one step on zero gradients, dropped after.
-    - eval: `kept`, fsdp's gathered parameters as in a step, and one forward's largest temporaries,
-      which nothing saves: the MLP's hidden activations, or the logits and their softmax.
-    - final_weights: `kept`, and on rank 0 the largest tensor, whole: received in place from its
-      shards (or from the stage that holds it), and twice under tensor parallel, which joins the
-      shards it receives; once more, in float32, where the storage dtype is narrower than the file's.
-    Margin: the steps' only (allocator fragmentation and the optimizer step's temporaries)."""
-    steps = max(rank.total for rank in predict_memory(candidate, cfg, margin))
-    ranks = predict_memory(candidate, cfg, 0.0, activations=False)
-    shape = model_shape(cfg.model, cfg.lora)
-    precision = make_precision(candidate.precision, cfg.parallel.sharding.reduce_dtype)
-    persistent = candidate.spec.zero_stage in (0, 1)  # ddp's buckets, zero1's gradient buffer
-    kept = max(r.params + r.optimizer + (r.grads if persistent else 0) for r in ranks)
-    master = max(_optimizer_grads(candidate, cfg, r) for r in ranks)
-    stored = dtype_bytes(precision.param_dtype)
-    largest = max(math.prod(s) for s in (*model_facts(shape).block.shapes, *model_facts(shape).root.shapes))
-    gathers = 2 if candidate.tp > 1 else 1
-    if candidate.spec.mesh_dim == "dp" and not candidate.spec.zero_stage and candidate.ep == 1:
-        gathers = 0  # every rank holds it whole
-    final = gathers * largest * stored + (largest * 4 if stored < 4 else 0)
-    gathered = 0
-    if candidate.spec.zero_stage == 3:
-        gathered = fsdp_gathered_numel(rank_facts(shape, candidate.tp, candidate.ep),
-                                       candidate.shard or candidate.dp * candidate.cp, cfg.parallel.sharding.prefetch,
-                                       True) * dtype_bytes(working_dtype(precision))
-    return {"setup": predict_setup_bytes(candidate, cfg), "load": kept + master, "steps": steps,
-            "eval": kept + gathered + _forward_temporaries(candidate, shape), "checkpoint": kept,
-            "final_weights": kept + final}
-
-
-def _optimizer_grads(candidate: Candidate, cfg: Config, rank: RankMemory) -> int:
-    """Bytes of one gradient per parameter the optimizer steps: the master shards' under the
-    sharded strategies, else the rank's parameters'."""
-    stage = candidate.spec.zero_stage
-    if not stage:
-        return rank.params
-    facts = rank_facts(model_shape(cfg.model, cfg.lora), candidate.tp, candidate.ep)
-    world = candidate.shard or candidate.dp * candidate.cp
-    return facts.shard_numel(world) * dtype_bytes(make_precision(candidate.precision).param_dtype)
-
-
-def _forward_temporaries(candidate: Candidate, shape: ModelShape) -> int:
-    """The most a forward without autograd holds beyond its input at once: an MLP's hidden
-    activations before and after the nonlinearity, or the logits and their log-softmax."""
-    tokens = candidate.micro_batch * shape.seq_len // candidate.cp
-    element = dtype_bytes(make_precision(candidate.precision).compute_dtype)
-    return tokens * max(2 * shape.d_ff // candidate.tp * element, 2 * shape.vocab_size * 4)
 
 
 @functools.cache
@@ -509,23 +471,25 @@ def _pipeline(c: Candidate, cfg: Config, shape: ModelShape, activations: bool) -
         crossings = sum(0 <= t <= last and layout.rank_of(t) != rank for s in stages for t in (s - 1, s + 1))
         buffers = (runs + 2) * crossings * activation + expert_buffers(per_micro_batch, shape) \
             + context_buffers(per_micro_batch, shape)
+        loss = loss_gradients(per_micro_batch, shape) if last in stages else 0
         if c.spec.zero_stage:
             where = (0 in stages, last in stages, blocks)
             ranks.append(_sharded_stages_rank(c, cfg, trained.stage_facts(*where), frozen.stage_facts(*where),
-                                              int(peaks[rank]), buffers))
+                                              int(peaks[rank]), buffers, loss))
         else:
             ranks.append(_mesh_rank(c, cfg, numel, trained.stage(0 in stages, last in stages, blocks), int(peaks[rank]),
-                                    buffers))
+                                    buffers, loss))
     return ranks
 
 
 def _sharded_stages_rank(c: Candidate, cfg: Config, trained: ModelFacts, frozen: ModelFacts, activations: int,
-                         buffers: int) -> RankMemory:
+                         buffers: int, loss: int) -> RankMemory:
     """A rank of zero1, zero2, fsdp or hsdp over pipeline stages: its stages' units sharded over the
     dp ranks (hsdp's of a node; the model state as data parallel's over the `trained` parameters,
     beside a LoRA model's `frozen` ones), and within a step fsdp's stages gathered whole and the
     whole gradients zero2 and fsdp accumulate over the micro-batches (zero1's are its gradient
-    buffer), with one unit packed for its reduce-scatter."""
+    buffer), with one unit packed for its reduce-scatter. A later micro-batch's backward starts with
+    all of that live: `at_loss` counts it whole."""
     precision = make_precision(c.precision, cfg.parallel.sharding.reduce_dtype)
     world = c.shard or c.dp * c.cp  # the ranks a stage's parameters are split over: hsdp's of a node
     stored = dtype_bytes(precision.param_dtype)
@@ -537,7 +501,7 @@ def _sharded_stages_rank(c: Candidate, cfg: Config, trained: ModelFacts, frozen:
     if c.spec.zero_stage == 3:
         within_step += (trained.params_total + frozen.params_total) * working  # the whole parameters
     return RankMemory(state.params, state.grads, state.optimizer, activations, buffers + within_step,
-                      staging=state.staging)
+                      staging=state.staging, loss=loss, at_loss=state.grads + buffers + within_step)
 
 
 def _tensor(c: Candidate, cfg: Config, shape: ModelShape, activations: bool) -> RankMemory:
@@ -550,20 +514,21 @@ def _tensor(c: Candidate, cfg: Config, shape: ModelShape, activations: bool) -> 
     # An all-reduce's result is a copy of one activation (ReduceFromTensorParallel clones its input).
     activation = c.micro_batch * shape.seq_len // c.cp * shape.d_model * 4
     return _mesh_rank(c, cfg, facts.params_total, (trained.params_total, trained.tensor_count), saved,
-                      activation + context_buffers(c, shape) + expert_buffers(c, shape))
+                      activation + context_buffers(c, shape) + expert_buffers(c, shape), loss_gradients(c, shape))
 
 
 def _mesh_rank(c: Candidate, cfg: Config, numel: int, trained: tuple[int, int], activations: int,
-               buffers: int) -> RankMemory:
+               buffers: int, loss: int) -> RankMemory:
     """A rank of the model-splitting strategies: the `numel` elements it holds whole, and the
     gradients of the `trained` (elements, tensors) of them (all of them but under LoRA), in the
     precision's storage dtype, plus, with data (or context) parallel beside, the packed copy of
-    those gradients the dp (cp) all-reduce sends."""
+    those gradients the dp (cp) all-reduce sends. A backward may start (a later micro-batch's)
+    with every gradient and buffer live: `at_loss` counts them whole."""
     stored = dtype_bytes(make_precision(c.precision, cfg.parallel.sharding.reduce_dtype).param_dtype)
     grads = trained[0] * stored
     packed = grads if c.dp > 1 or c.cp > 1 else 0
     return RankMemory(numel * stored, grads, optimizer_bytes(*trained, stored, cfg), activations, buffers + packed,
-                      staging=checkpoint_copy(cfg, *trained, stored))
+                      staging=checkpoint_copy(cfg, *trained, stored), loss=loss, at_loss=grads + buffers + packed)
 
 
 ZERO_STAGES = {name: s.zero_stage for name, s in SPECS.items() if s.planned and s.zero_stage is not None
