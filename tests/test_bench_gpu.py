@@ -129,19 +129,37 @@ name = "synthetic-tokens"
 """
 
 
-@pytest.mark.parametrize("job", ["single:1:none", "ddp:1:none", "fsdp:8:blocks"])
-def test_the_planners_step_peak_is_what_the_profilers_memory_timeline_finds(job, tmp_path):
+PEAK_JOBS = ("single:1:none", "ddp:1:none", "fsdp:8:blocks")
+
+
+@pytest.fixture(scope="module")
+def step_peaks(tmp_path_factory) -> dict[str, dict]:
+    """bench.gpu_profile's memory profile of each of PEAK_JOBS (gpu-scale jobs of the wide-vocabulary
+    GPT at sequence 256), one after another in one process (each job's group destroyed after it)."""
+    config = tmp_path_factory.mktemp("peaks") / "wide.toml"
+    config.write_text(WIDE_VOCABULARY)
+    jobs = [dict(zip(("strategy", "world", "recompute"), job.split(":"), strict=True)) for job in PEAK_JOBS]
+    jobs = [{**job, "world": int(job["world"]), "seq_len": 256, "config": str(config)} for job in jobs]
+    script = "import json, sys\nimport torch.distributed as dist\nfrom bench import gpu_profile\n" \
+             "for job in json.loads(sys.argv[1]):\n" \
+             "    result = gpu_profile.memory_at_peak(job, scale=True)\n" \
+             "    gpu_profile.print_memory(result)\n" \
+             "    print('PEAK ' + json.dumps(result))\n" \
+             "    dist.destroy_process_group()"
+    done = subprocess.run([sys.executable, "-c", script, json.dumps(jobs)], capture_output=True, text=True,
+                          timeout=180, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = [json.loads(line[len("PEAK "):]) for line in done.stdout.splitlines() if line.startswith("PEAK ")]
+    return dict(zip(PEAK_JOBS, results, strict=True))
+
+
+@pytest.mark.parametrize("job", PEAK_JOBS)
+def test_the_planners_step_peak_is_what_the_profilers_memory_timeline_finds(step_peaks, job):
     """One step's peak in torch.profiler's memory timeline (bench.gpu_profile --memory): every
     tensor live at once, the bytes by what they are, beside the planner's `peak` (no margin). The
     peak is where backward starts: every activation, the loss's two float32 gradients over the
     logits, ddp's buckets, fsdp's gathered root."""
-    config, out = tmp_path / "wide.toml", tmp_path / "memory.json"
-    config.write_text(WIDE_VOCABULARY)
-    done = subprocess.run([sys.executable, "-m", "bench.gpu_profile", "--memory", "--scale-job", f"{job}:256",
-                           "--scale-config", str(config), "--json", str(out)],
-                          capture_output=True, text=True, timeout=120, cwd=REPO)
-    assert done.returncode == 0, done.stderr[-2000:]
-    memory = json.loads(out.read_text())
+    memory = step_peaks[job]
     predicted, at_peak = memory["predicted"], memory["at_peak"]
     assert memory["peak"] == sum(at_peak.values())
     # measured on this CPU within 0.2% of the planner; autograd's own bytes at the peak are the loss's
