@@ -157,13 +157,14 @@ def step_peaks(tmp_path_factory) -> dict[str, dict]:
 def test_the_planners_step_peak_is_what_the_profilers_memory_timeline_finds(step_peaks, job):
     """One step's peak in torch.profiler's memory timeline (bench.gpu_profile --memory): every
     tensor live at once, the bytes by what they are, beside the planner's `peak` (no margin). The
-    peak is where backward starts: every activation, the loss's two float32 gradients over the
-    logits, ddp's buckets, fsdp's gathered root."""
+    peak is where backward starts: every activation, the logits' gradient and the loss's float32
+    chunk, ddp's buckets, fsdp's gathered root."""
     memory = step_peaks[job]
     predicted, at_peak = memory["predicted"], memory["at_peak"]
     assert memory["peak"] == sum(at_peak.values())
-    # measured on this CPU within 0.2% of the planner; autograd's own bytes at the peak are the loss's
+    # measured on this CPU within 0.3% of the planner; the loss's backward made the logits' gradient
+    # (autograd's own) and its float32 chunk (a temporary)
     assert memory["peak"] == pytest.approx(predicted["peak"], rel=0.02), (memory["peak"], predicted)
-    assert at_peak["autograd_detail"] == pytest.approx(predicted["loss"], rel=0.02)
+    assert at_peak["autograd_detail"] + at_peak["temporary"] == pytest.approx(predicted["loss"], rel=0.02)
     assert at_peak["optimizer_state"] == predicted["optimizer"]
     assert predicted["loss"] > memory["peak"] / 3  # the case this holds is one where the loss matters

@@ -63,7 +63,9 @@ def test_sharded_matches_single_device_over_20_steps_on_2_ranks(two_rank_runs, s
 def test_clipping_was_active(two_rank_runs):
     plain = [r["loss"] for r in read_records(two_rank_runs / "single-plain")]
     clipped = [r["loss"] for r in read_records(two_rank_runs / "single-accum2-clip")]
-    assert plain[:1] == clipped[:1] and plain[5] != clipped[5]
+    # the same first step (one micro-batch of 8 or two of 4: the loss summed in another order), then
+    # clipping's smaller steps: 4.59 against 5.21 at step 6
+    assert plain[0] == pytest.approx(clipped[0], rel=1e-6) and clipped[5] - plain[5] > 0.1
 
 
 def test_sharded_matches_single_on_4_ranks_with_padded_shards(tmp_path):

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from shardwise.config.schema import ModelConfig
 from shardwise.models.cnn import CNN
+from shardwise.models.cross_entropy import IGNORE, cross_entropy_sum
 from shardwise.models.gpt import GPT, GPTConfig
 from shardwise.models.hf import HF_MODELS, build_causal_lm
 from shardwise.models.mlp import MLP
@@ -45,5 +45,5 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     needs. A target of -100 does not count (a fine-tuning prompt's token: data/samples.py); where
     none counts the loss is 0, with a gradient of 0, not a mean over nothing (no host sync asks)."""
     flat = targets.reshape(-1)
-    total = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), flat, reduction="sum")
-    return total / (flat != -100).sum().clamp(min=1)
+    total = cross_entropy_sum(logits.reshape(-1, logits.shape[-1]), flat)  # float32 a chunk at a time
+    return total / (flat != IGNORE).sum().clamp(min=1)

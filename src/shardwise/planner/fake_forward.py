@@ -13,7 +13,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from shardwise.config.schema import HF_MODELS
-from shardwise.models import moe
+from shardwise.models import cross_entropy, moe
 from shardwise.models.moe import their_experts
 
 
@@ -60,3 +60,10 @@ def balanced_routing(model: nn.Module) -> Iterator[None]:
 
             patches.enter_context(mock.patch.object(their_moe, "_grouped_mm", _one_group_mm))
         yield
+
+
+def one_loss_chunk() -> contextlib.AbstractContextManager:
+    """The loss over a micro-batch's rows in one chunk: what it saves (the logits and each row's
+    log-sum-exp) does not depend on the chunks, and a long sequence's trace would otherwise run
+    the chunk loop dozens of times on fake tensors (93 chunks at Qwen3's 40,960 tokens)."""
+    return mock.patch.object(cross_entropy, "CHUNK_ELEMENTS", 1 << 62)

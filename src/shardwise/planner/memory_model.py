@@ -36,12 +36,12 @@ sharded strategies shard over all dp x cp ranks.
 Beyond the counted categories the prediction adds `buffers` (communication buffers and
 gradients that live only within a step: all-gather and reduce-scatter buffers in flight, fsdp's
 gathered units, pipeline sends, gradients kept whole during accumulation, context parallel's keys
-and values in flight) and `loss`, the two float32 gradients the loss's backward makes over the logits.
+and values in flight) and `loss`, what the loss's backward makes over the logits: their gradient and one float32 chunk.
 
 Each category is at its own largest at a different time, so the step's `peak` is not their sum
 but the larger of two moments: where backward starts, every activation saved, the loss's gradients
 made and only the gradients and buffers already there (`at_loss`); and later, the head's saved
-tensors freed (`head`: the log-softmax's output above all) and gradients and buffers at their
+tensors freed (`head`: the logits above all) and gradients and buffers at their
 largest. Held to torch.profiler's memory timeline (tests/test_bench_gpu.py). `margin` is a stated
 fraction of the peak for allocator fragmentation and the optimizer step's temporaries.
 """
@@ -56,6 +56,7 @@ import torch
 
 from shardwise.config.schema import Config
 from shardwise.lora import Adapter
+from shardwise.models.cross_entropy import chunk_rows
 from shardwise.nf4 import row_bytes
 from shardwise.parallel.pipeline.schedules import Schedule, build, layout_of
 from shardwise.parallel.pipeline.simulate import peak_held
@@ -95,8 +96,8 @@ class RankMemory:
     margin: int = 0
     host: int = 0  # parallel.sharding.offload: bytes in host memory, not in `total` (the device's)
     staging: int = 0  # train.checkpoint_async: host bytes of a checkpoint's copy while it is written
-    loss: int = 0  # the loss's two float32 gradients over the logits, made as backward starts
-    head: int = 0  # of `activations`, what the head and the loss saved: freed by the loss's backward
+    loss: int = 0  # the logits' gradient and one float32 chunk, made as backward starts (models/cross_entropy.py)
+    head: int = 0  # of `activations`, what the head and the loss saved (the logits): freed by their backward
     at_loss: int = 0  # the gradients and buffers already live as backward starts
 
     @property
@@ -407,14 +408,16 @@ def _data_parallel_at_loss(c: Candidate, cfg: Config, state: ModelState, facts: 
 
 def loss_gradients(c: Candidate, shape: ModelShape) -> int:
     """What the loss's backward makes at once over a micro-batch's logits (this rank's tokens by
-    the whole vocabulary): the gradient of the log-softmax's output and of its input, both in
-    float32 (models.loss_fn computes the loss in float32)."""
-    return 2 * c.micro_batch * shape.seq_len // c.cp * shape.vocab_size * 4
+    the whole vocabulary): their gradient, in the dtype they are computed in, and one chunk of
+    rows in float32 (models/cross_entropy.py)."""
+    tokens = c.micro_batch * shape.seq_len // c.cp
+    logits = dtype_bytes(working_dtype(make_precision(c.precision)))
+    return tokens * shape.vocab_size * logits + min(tokens, chunk_rows(shape.vocab_size)) * shape.vocab_size * 4
 
 
 def head_saved(saved: SavedBytes, c: Candidate, shape: ModelShape) -> int:
-    """What the final norm, the head and the loss save for one micro-batch: the log-softmax's
-    output above all, freed once the loss's backward is done."""
+    """What the final norm, the head and the loss save for one micro-batch, the logits above all:
+    freed once their backward is done."""
     whole = saved.stage(0, shape.n_layer, True, True, c.recompute, c.micro_batch)
     return whole - saved.stage(0, shape.n_layer, True, False, c.recompute, c.micro_batch)
 

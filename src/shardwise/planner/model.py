@@ -55,7 +55,7 @@ from shardwise.nf4 import quantize_layers
 from shardwise.parallel.pipeline.stages import balanced_split
 from shardwise.parallel.shard import sharded_shape
 from shardwise.parallel.tensor import ShapesOnly, parallelize_blocks
-from shardwise.planner.fake_forward import balanced_routing, one_sequence_per_row
+from shardwise.planner.fake_forward import balanced_routing, one_loss_chunk, one_sequence_per_row
 from shardwise.recompute import apply_recompute, parse_policy
 
 
@@ -430,7 +430,7 @@ def _trace(key: TraceKey, n_layer: int, policy: str, batches: tuple[int, ...],
     ActivationCounter sees them (MoE layers routing evenly: `_balanced_routing`)."""
     shape = key.local_shape
     # Non-fake inputs allowed: the balanced counts are real numbers.
-    with FakeTensorMode(allow_non_fake_inputs=True), one_sequence_per_row(shape.name):
+    with FakeTensorMode(allow_non_fake_inputs=True), one_sequence_per_row(shape.name), one_loss_chunk():
         model = shape.build(n_layer)
         for param in model.parameters():  # as the strategies do (Module.to cannot swap fake tensors)
             frozen = not param.requires_grad and key.frozen_dtype is not None

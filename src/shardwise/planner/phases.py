@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 from shardwise.config.schema import Config
+from shardwise.models.cross_entropy import chunk_rows
 from shardwise.planner.candidates import Candidate
 from shardwise.planner.memory_model import (
     DEFAULT_MARGIN,
@@ -114,7 +115,9 @@ def _optimizer_grads(candidate: Candidate, cfg: Config, rank: RankMemory) -> int
 
 def _forward_temporaries(candidate: Candidate, shape: ModelShape) -> int:
     """The most a forward without autograd holds beyond its input at once: an MLP's hidden
-    activations before and after the nonlinearity, or the logits and their log-softmax."""
+    activations before and after the nonlinearity, or the logits and one float32 chunk of rows
+    of them (the loss's, models/cross_entropy.py)."""
     tokens = candidate.micro_batch * shape.seq_len // candidate.cp
     element = dtype_bytes(make_precision(candidate.precision).compute_dtype)
-    return tokens * max(2 * shape.d_ff // candidate.tp * element, 2 * shape.vocab_size * 4)
+    loss = tokens * shape.vocab_size * element + min(tokens, chunk_rows(shape.vocab_size)) * shape.vocab_size * 4
+    return max(tokens * 2 * shape.d_ff // candidate.tp * element, loss)
