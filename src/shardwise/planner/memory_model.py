@@ -36,14 +36,15 @@ sharded strategies shard over all dp x cp ranks.
 Beyond the counted categories the prediction adds `buffers` (communication buffers and
 gradients that live only within a step: all-gather and reduce-scatter buffers in flight, fsdp's
 gathered units, pipeline sends, gradients kept whole during accumulation, context parallel's keys
-and values in flight) and `loss`, what the loss's backward makes over the logits: their gradient and one float32 chunk.
+and values in flight) and `loss`, what the loss's backward makes over the logits: their
+gradient and one float32 chunk (models/cross_entropy.py).
 
 Each category is at its own largest at a different time, so the step's `peak` is not their sum
-but the larger of two moments: where backward starts, every activation saved, the loss's gradients
-made and only the gradients and buffers already there (`at_loss`); and later, the head's saved
-tensors freed (`head`: the logits above all) and gradients and buffers at their
-largest. Held to torch.profiler's memory timeline (tests/test_bench_gpu.py). `margin` is a stated
-fraction of the peak for allocator fragmentation and the optimizer step's temporaries.
+but the larger of two moments: where backward starts, every activation saved, the loss's
+gradient made and only the gradients and buffers already there (`at_loss`); and later, the
+head's saved tensors freed (`head`: the logits above all) and gradients and buffers at their
+largest. Held to torch.profiler's memory timeline (tests/test_bench_gpu.py). `margin` is a
+stated fraction of the peak for allocator fragmentation and the optimizer step's temporaries.
 """
 
 from __future__ import annotations
