@@ -42,6 +42,7 @@ bench: setup
 	$(BIN)/shardwise bench fsdp
 	$(BIN)/shardwise bench recompute
 	$(BIN)/shardwise bench precision
+	$(BIN)/shardwise bench loss
 	$(BIN)/shardwise bench pipeline
 	$(BIN)/shardwise bench tensor
 	$(BIN)/shardwise bench collectives

@@ -24,6 +24,7 @@ BENCHES = {  # name -> (module, ranks)
     "fsdp": ("bench.fsdp", 2),
     "recompute": ("bench.recompute", 1),
     "precision": ("bench.precision", 1),
+    "loss": ("bench.loss", 1),  # the chunked cross-entropy against F.cross_entropy on float32 logits
     "pipeline": ("bench.pipeline", 0),  # a driver: one world of 2 ranks, one of 4
     "tensor": ("bench.tensor", 2),
     "lora": ("bench.lora", 2),  # LoRA under our fsdp against peft's under FSDP2
