@@ -29,7 +29,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench import gpu, gpu_scale
-from bench.fake_world import planned_candidate, rank_zero_of
+from bench.fake_world import planned_candidate, rank_zero_of, report
 
 if TYPE_CHECKING:
     from shardwise.config.schema import Config
@@ -111,6 +111,14 @@ def memory_at_peak(job: dict[str, Any], scale: bool) -> dict[str, Any]:
     return {**job, "peak": sum(at_peak), "at_peak": dict(zip(names, at_peak, strict=True)), "predicted": planned,
             "max_allocated": torch.cuda.max_memory_allocated(device) if cuda else None,
             "counted_activations": trainer.activation_bytes}
+
+
+def worker(job: dict[str, Any]) -> None:
+    """`job`'s memory profile (a gpu-scale job where it names a sequence length, else a gpu one),
+    printed and reported as bench.fake_world's jobs report theirs."""
+    result = memory_at_peak(job, scale="seq_len" in job)
+    print_memory(result)
+    report(result)
 
 
 def print_memory(result: dict[str, Any]) -> None:

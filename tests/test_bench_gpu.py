@@ -140,16 +140,7 @@ def step_peaks(tmp_path_factory) -> dict[str, dict]:
     config.write_text(WIDE_VOCABULARY)
     jobs = [dict(zip(("strategy", "world", "recompute"), job.split(":"), strict=True)) for job in PEAK_JOBS]
     jobs = [{**job, "world": int(job["world"]), "seq_len": 256, "config": str(config)} for job in jobs]
-    script = "import json, sys\nimport torch.distributed as dist\nfrom bench import gpu_profile\n" \
-             "for job in json.loads(sys.argv[1]):\n" \
-             "    result = gpu_profile.memory_at_peak(job, scale=True)\n" \
-             "    gpu_profile.print_memory(result)\n" \
-             "    print('PEAK ' + json.dumps(result))\n" \
-             "    dist.destroy_process_group()"
-    done = subprocess.run([sys.executable, "-c", script, json.dumps(jobs)], capture_output=True, text=True,
-                          timeout=180, cwd=REPO)
-    assert done.returncode == 0, done.stderr[-2000:]
-    results = [json.loads(line[len("PEAK "):]) for line in done.stdout.splitlines() if line.startswith("PEAK ")]
+    results = run_jobs_in_one_process([("bench.gpu_profile", job) for job in jobs])
     return dict(zip(PEAK_JOBS, results, strict=True))
 
 
