@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import platform
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -22,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import shardwise.trainer as trainer_module
-from bench.common import bench_config, bench_main
+from bench.common import StepFn, alternate, bench_config, bench_main
 from shardwise.dist import DistContext
 from shardwise.models import cross_entropy
 from shardwise.models.cross_entropy import IGNORE, cross_entropy_sum
@@ -49,48 +48,43 @@ def held_at_backward(tokens: int, vocab: int, dtype: torch.dtype) -> dict[str, i
     return {"ours": gradient + rows * vocab * 4, "native": 3 * tokens * vocab * 4}
 
 
-def time_loss(fn: Callable, logits: torch.Tensor, targets: torch.Tensor) -> float:
-    given = logits.detach().requires_grad_()
-    started = time.perf_counter()
-    fn(given, targets).backward()
-    return time.perf_counter() - started
+def loss_step(fn: Callable, logits: torch.Tensor, targets: torch.Tensor) -> StepFn:
+    """One forward and backward of `fn` over `logits` (a step of bench.common's kind)."""
+    return lambda _: fn(logits.detach().requires_grad_(), targets).backward()
 
 
-def loss_alone(steps: int) -> list[dict[str, Any]]:
+def loss_alone(steps: int, rounds: int) -> list[dict[str, Any]]:
     rows = []
     for tokens, vocab in SHAPES:
         for dtype in (torch.bfloat16, torch.float32):
             logits = torch.randn(tokens, vocab).to(dtype)
             targets = torch.randint(0, vocab, (tokens,))
-            times: dict[str, list[float]] = {"ours": [], "native": []}
-            for _ in range(steps + 1):  # the first of each warms up
-                for name, fn in (("ours", cross_entropy_sum), ("native", native_sum)):
-                    times[name].append(time_loss(fn, logits, targets))
-            ours, native = (statistics.median(times[name][1:]) for name in ("ours", "native"))
+            times = alternate({"ours": loss_step(cross_entropy_sum, logits, targets),
+                               "native": loss_step(native_sum, logits, targets)}, steps, rounds)
+            ours, native = (statistics.median(times[name]) for name in ("ours", "native"))
             rows.append({"tokens": tokens, "vocab": vocab, "dtype": str(dtype).removeprefix("torch."),
                          "ours_s": ours, "native_s": native, "ours_over_native": ours / native,
                          "held_at_backward": held_at_backward(tokens, vocab, dtype)})
     return rows
 
 
-def whole_steps(ctx: DistContext, steps: int, micro_batch: int) -> dict[str, Any]:
-    cfg = bench_config("single", 1, micro_batch, 2 * steps + 4, "model.preset=small", "model.vocab_size=32000",
+def whole_steps(ctx: DistContext, steps: int, rounds: int, micro_batch: int) -> dict[str, Any]:
+    cfg = bench_config("single", 1, micro_batch, steps + 2, "model.preset=small", "model.vocab_size=32000",
                        "parallel.precision=bf16-mixed", "data.name=synthetic-tokens")
     trainer = Trainer(cfg, ctx)
-    times: dict[str, list[float]] = {"ours": [], "native": []}
     ours = trainer_module.loss_fn
-    step = 0
+
+    def step_with(fn: Callable) -> StepFn:
+        def step(k: int) -> None:
+            trainer_module.loss_fn = fn
+            trainer.run_step(k)
+        return step
+
     try:
-        for _ in range(steps + 1):
-            for name, fn in (("ours", ours), ("native", native_loss_fn)):
-                trainer_module.loss_fn = fn
-                started = time.perf_counter()
-                trainer.run_step(step)
-                times[name].append(time.perf_counter() - started)
-                step += 1
+        times = alternate({"ours": step_with(ours), "native": step_with(native_loss_fn)}, steps, rounds)
     finally:
         trainer_module.loss_fn = ours
-    ours_s, native_s = (statistics.median(times[name][1:]) for name in ("ours", "native"))
+    ours_s, native_s = (statistics.median(times[name]) for name in ("ours", "native"))
     return {"model": "gpt small, vocabulary 32000", "micro_batch": micro_batch,
             "tokens": micro_batch * cfg.model.seq_len, "ours_s": ours_s, "native_s": native_s,
             "ours_over_native": ours_s / native_s}
@@ -98,8 +92,8 @@ def whole_steps(ctx: DistContext, steps: int, micro_batch: int) -> dict[str, Any
 
 def run(ctx: DistContext, steps: int, rounds: int, micro_batch: int) -> dict[str, Any]:
     return {"machine": platform.machine(), "threads": torch.get_num_threads(), "steps": steps,
-            "chunk_elements": cross_entropy.CHUNK_ELEMENTS, "loss_alone": loss_alone(steps),
-            "whole_steps": whole_steps(ctx, steps, micro_batch)}
+            "chunk_elements": cross_entropy.CHUNK_ELEMENTS, "loss_alone": loss_alone(steps, rounds),
+            "whole_steps": whole_steps(ctx, steps, rounds, micro_batch)}
 
 
 def format_result(result: dict[str, Any]) -> str:
