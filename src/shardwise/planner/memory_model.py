@@ -65,7 +65,6 @@ from shardwise.planner.candidates import Candidate
 from shardwise.planner.model import (
     ModelFacts,
     ModelShape,
-    SavedBytes,
     Tensors,
     TraceKey,
     meta_model,
@@ -185,9 +184,11 @@ def _data_parallel(c: Candidate, cfg: Config, shape: ModelShape, activations: bo
     key = trace_key(shape, c, c.tp, cfg.parallel.sequence_parallel)
     saved, head = 0, 0
     if activations:
-        saved = saved_bytes(key).stage(0, shape.n_layer, True, True, c.recompute, c.micro_batch) \
-            + all_to_all_outputs(c, shape)
-        head = head_saved(saved_bytes(key), c, shape)
+        traced = saved_bytes(key)
+        whole = traced.stage(0, shape.n_layer, True, True, c.recompute, c.micro_batch)
+        saved = whole + all_to_all_outputs(c, shape)
+        # what the final norm, the head and the loss save, the logits above all: freed by their backward
+        head = whole - traced.stage(0, shape.n_layer, True, False, c.recompute, c.micro_batch)
     units = as_stored(rank_facts(shape, c.tp, c.ep), dtype_bytes(working_dtype(precision)))
     buffers = _sharded_buffers(c, cfg, facts, world, stored, units) \
         + context_buffers(c, shape) + expert_buffers(c, shape) + dequantized_weight(shape, precision)
@@ -414,13 +415,6 @@ def loss_gradients(c: Candidate, shape: ModelShape) -> int:
     tokens = c.micro_batch * shape.seq_len // c.cp
     logits = dtype_bytes(working_dtype(make_precision(c.precision)))
     return tokens * shape.vocab_size * logits + min(tokens, chunk_rows(shape.vocab_size)) * shape.vocab_size * 4
-
-
-def head_saved(saved: SavedBytes, c: Candidate, shape: ModelShape) -> int:
-    """What the final norm, the head and the loss save for one micro-batch, the logits above all:
-    freed once their backward is done."""
-    whole = saved.stage(0, shape.n_layer, True, True, c.recompute, c.micro_batch)
-    return whole - saved.stage(0, shape.n_layer, True, False, c.recompute, c.micro_batch)
 
 
 def fsdp_gathered_numel(facts: ModelFacts, world: int, prefetch: int, reshard_after_forward: bool) -> int:
