@@ -57,6 +57,7 @@ from shardwise.memory import local_tensor
 GROUP_ENV = "SHARDWISE_REPLICA_GROUP"  # which replica group a worker belongs to, set by the launcher
 GROUPS_ENV = "SHARDWISE_REPLICA_GROUPS"  # how many there are
 START_ENV = "SHARDWISE_REPLICA_START"  # HOST:PORT of the launcher's store, where the groups meet to start
+ENDED_KEY = "ended"  # in that store, ENDED_KEY/G: group G's torchrun has exited (its exit code)
 
 
 def replica_group() -> int | None:
@@ -88,6 +89,7 @@ def launch_replica_groups(launch: LaunchConfig, entry: list[str]) -> list[int]:
     try:  # the store and the Lighthouse live as long as the groups
         with closing(exits(groups, launch.shutdown_timeout_s, "every replica group was sent it too")) as ended:
             for group, code in ended:
+                start.set(f"{ENDED_KEY}/{group}", str(code))  # a restarted group with no one left stops (begin)
                 if code:
                     print(f"replica group {group} failed for good (exit code {code}); the others go on",
                           file=sys.stderr, flush=True)
@@ -95,6 +97,10 @@ def launch_replica_groups(launch: LaunchConfig, entry: list[str]) -> list[int]:
     finally:
         lighthouse.shutdown()
     return failed
+
+
+class NoPeerToHeal(RuntimeError):
+    """A restarted replica group found every other group ended: there is no one to heal from."""
 
 
 class ReplicaGroups:
@@ -105,6 +111,7 @@ class ReplicaGroups:
 
     def __init__(self, ctx: DistContext, group: int, timeout_s: float, state: Callable[[], dict[str, Any]],
                  load: Callable[[dict[str, Any]], None]) -> None:
+        from torch.distributed import TCPStore
         from torchft import Manager, ProcessGroupGloo
 
         timeout = timedelta(seconds=timeout_s)
@@ -119,23 +126,30 @@ class ReplicaGroups:
                                quorum_timeout=timeout, connect_timeout=timeout, rank=ctx.rank,
                                world_size=ctx.world_size)
         self.healed_at: list[int] = []  # the steps this group joined at by copying a peer's state
+        host, port = os.environ[START_ENV].rsplit(":", 1)
+        self._start = TCPStore(host, int(port), is_master=False, timeout=timeout)  # the launcher's
         if not self.restarted:
             self._meet(ctx.world_size, timeout)
 
-    @staticmethod
-    def _meet(ranks_per_group: int, timeout: timedelta) -> None:
+    def _meet(self, ranks_per_group: int, timeout: timedelta) -> None:
         """At the first start, wait until every rank of every group is ready: the first quorum is then
         all of them, whichever group finished starting first (a restarted group does not wait)."""
-        from torch.distributed import TCPStore
-
-        host, port = os.environ[START_ENV].rsplit(":", 1)
-        store = TCPStore(host, int(port), is_master=False, timeout=timeout)
         everyone = int(os.environ[GROUPS_ENV]) * ranks_per_group
-        arrived = store.add("ready", 1)
+        arrived = self._start.add("ready", 1)
         deadline = time.monotonic() + timeout.total_seconds()
         while arrived < everyone and time.monotonic() < deadline:
             time.sleep(0.01)
-            arrived = store.add("ready", 0)
+            arrived = self._start.add("ready", 0)
+
+    def _check_a_peer_is_left(self) -> None:
+        """Before a restarted group has healed: raise NoPeerToHeal if every other group has ended.
+        Its restart may take longer than what the others had left to train (on a loaded machine,
+        near a run's end); it would otherwise wait for a peer for ever, since it commits no step alone."""
+        others = [f"{ENDED_KEY}/{g}" for g in range(int(os.environ[GROUPS_ENV])) if g != self.group]
+        if self._start.check(others):
+            raise NoPeerToHeal(f"replica group {self.group} was restarted, but every other group had ended by "
+                               "the time it was ready to heal from one; it stops without training further "
+                               "(the others' directories hold the job's final weights)")
 
     def resume_at(self, step: int) -> None:
         """After this group loaded its checkpoint of `step` steps: the step it offers the next quorum,
@@ -145,6 +159,8 @@ class ReplicaGroups:
     def begin(self) -> int:
         """Start a step: the quorum of groups alive, this group healed from a peer if it is behind.
         Returns the steps committed so far, the step to take next."""
+        if self.restarted and not self.healed_at:
+            self._check_a_peer_is_left()
         before = self.manager.current_step()
         self.manager.start_quorum()
         step = self.manager.current_step()

@@ -22,6 +22,12 @@ from bench.faults import victim
 pytest.importorskip("torchft")
 
 STEPS = 150
+INJECTOR = Path(__file__).parent / "injector"  # its sitecustomize.py injects faults and timings into the job
+
+
+def injected(**variables: str) -> dict[str, str]:
+    """The job's environment additions that have the injector set `variables` up (its docstring says which)."""
+    return {"PYTHONPATH": os.pathsep.join([str(INJECTOR), os.environ.get("PYTHONPATH", "")]), **variables}
 
 
 def records(run: Path, group: int) -> list[dict]:
@@ -63,8 +69,10 @@ def test_a_killed_group_heals_from_a_live_one_while_the_others_go_on(tmp_path, t
     # One group of all the ranks, over the warm-up (the learning rate after it depends on train.steps)
     reference = train(tmp_path / "reference", "--strategy", strategy, "--nproc", str(groups * nproc), "--steps", "10",
                       *micro_batch)
+    # While the killed group is away, the others step at a real model's pace (0.1 s): the rest of the run
+    # outlasts its restart even on a loaded machine, where gpt-tiny's 130 steps took less than a restart.
     job = train(tmp_path, "--strategy", strategy, "--nproc", str(nproc), "--replica-groups", str(groups),
-                "--max-restarts", "1", "--steps", str(STEPS), *micro_batch)
+                "--max-restarts", "1", "--steps", str(STEPS), *micro_batch, env=injected(SHARDWISE_TEST_PACE="0.1"))
     deadline = time.monotonic() + 120
     while sum(r["committed"] for r in records(tmp_path, 1)) < 20 and time.monotonic() < deadline \
             and job.poll() is None:
@@ -110,6 +118,28 @@ def test_a_killed_group_heals_from_a_live_one_while_the_others_go_on(tmp_path, t
 
 
 @pytest.mark.slow
+def test_a_group_restarted_after_the_others_ended_stops_rather_than_waiting_for_a_peer(tmp_path, train):
+    """Two ddp groups of one rank; group 1's worker killed, and its restart held until group 0 has
+    written its final weights (a restart slower than the rest of the run). With no one left to heal
+    from, and no step it may commit alone, group 1 stops with an error naming why; the job ends, its
+    weights group 0's. (It used to wait for a peer for ever.)"""
+    final = tmp_path / "replica-0" / "model.safetensors"
+    job = train(tmp_path, "--strategy", "ddp", "--nproc", "1", "--replica-groups", "2", "--max-restarts", "1",
+                "--steps", "30", "--set", "train.micro_batch=6", env=injected(SHARDWISE_TEST_HOLD_RESTART=f"1:{final}"))
+    deadline = time.monotonic() + 120
+    while sum(r["committed"] for r in records(tmp_path, 1)) < 5 and time.monotonic() < deadline \
+            and job.poll() is None:
+        time.sleep(0.05)
+    os.kill(victim(tmp_path, True, 1), signal.SIGKILL)
+    _, err = job.communicate(timeout=120)
+    assert job.returncode == 0, err[-3000:]
+    assert "replica group 1 was restarted, but every other group had ended" in err
+    assert "shardwise train: finished without replica group(s) 1" in err
+    assert final.is_file() and not (tmp_path / "replica-1" / "model.safetensors").exists()
+    assert [r["step"] for r in records(tmp_path, 0) if r["committed"]][-1] == 30
+
+
+@pytest.mark.slow
 def test_a_bad_step_in_one_group_is_re_run_there_then_skipped_or_stopped_by_every_group(tmp_path, train):
     """Two ddp groups of one rank. Group 1's loss and gradients are NaN at step 3 once (transient:
     its re-run within the group is clean, and both groups commit the step) and at step 6 every time
@@ -117,9 +147,7 @@ def test_a_bad_step_in_one_group_is_re_run_there_then_skipped_or_stopped_by_ever
     "stop" both stop at step 6, naming group 1. Both jobs run at once."""
     args = ("--strategy", "ddp", "--nproc", "1", "--replica-groups", "2", "--steps", "8",
             "--set", "train.micro_batch=6")
-    injector = str(Path(__file__).parent / "nan_injector")  # its sitecustomize.py breaks the named worker
-    env = {"PYTHONPATH": os.pathsep.join([injector, os.environ.get("PYTHONPATH", "")]),
-           "SHARDWISE_TEST_NAN": "1:0:3:1,1:0:6:9"}  # group 1, rank 0: step 3 once, step 6 always
+    env = injected(SHARDWISE_TEST_NAN="1:0:3:1,1:0:6:9")  # group 1, rank 0: step 3 once, step 6 always
     skip = train(tmp_path / "skip", *args, "--set", "train.bad_step=skip", env=env)
     stop = train(tmp_path / "stop", *args, env=env)
     _, err = skip.communicate(timeout=300)

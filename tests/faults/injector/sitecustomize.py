@@ -1,0 +1,101 @@
+"""Faults and timings for the replica-group tests (test_replicas.py), injected into the job's own
+processes. With this folder on PYTHONPATH, Python imports this module at start in every process of
+the job; only the workers, which import shardwise.trainer, are changed, as that import finishes,
+and only as these variables ask:
+
+- SHARDWISE_TEST_NAN = "GROUP:RANK:STEP:ATTEMPTS,...": a broken device. The worker of rank RANK in
+  replica group GROUP makes its loss and gradients NaN at (1-based) step STEP, for the first
+  ATTEMPTS attempts at it (1: a transient fault the re-run clears; more: a deterministic one).
+- SHARDWISE_TEST_PACE = "SECONDS": steps as long as a real model's. While some group is missing
+  from the quorum, every step of the groups present takes SECONDS more, so that what is left of
+  the run outlasts a killed group's restart, as it would outside a test (gpt-tiny's steps take
+  milliseconds; a restart takes seconds, more on a loaded machine).
+- SHARDWISE_TEST_HOLD_RESTART = "GROUP:PATH": a restart slower than the rest of the run. Group
+  GROUP's restarted worker waits until PATH exists before it trains.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def nan_faults() -> dict[int, int]:
+    """This process's NaN faults: step -> attempts."""
+    group, rank = os.environ.get("SHARDWISE_REPLICA_GROUP"), os.environ.get("RANK")
+    found = {}
+    for item in os.environ.get("SHARDWISE_TEST_NAN", "").split(","):
+        if item:
+            g, r, step, attempts = item.split(":")
+            if (g, r) == (group, rank):
+                found[int(step)] = int(attempts)
+    return found
+
+
+def break_trainer(trainer_class: type, steps: dict[int, int]) -> None:
+    original, tried = trainer_class.forward_backward, {}
+
+    def forward_backward(self, step: int):
+        loss = original(self, step)
+        tried[step] = tried.get(step, 0) + 1
+        if tried[step] <= steps.get(step + 1, 0):
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.fill_(float("nan"))
+            loss = loss * float("nan")
+        return loss
+
+    trainer_class.forward_backward = forward_backward
+
+
+def pace(replicas_class: type, seconds: float) -> None:
+    original = replicas_class.begin
+
+    def begin(self) -> int:
+        step = original(self)
+        if self.participants < int(os.environ["SHARDWISE_REPLICA_GROUPS"]):
+            time.sleep(seconds)
+        return step
+
+    replicas_class.begin = begin
+
+
+def hold_restart() -> None:
+    group, path = os.environ.get("SHARDWISE_TEST_HOLD_RESTART", ":").split(":", 1)
+    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    if group and group == os.environ.get("SHARDWISE_REPLICA_GROUP") and restarted:
+        while not Path(path).exists():
+            time.sleep(0.05)
+
+
+def change(module) -> None:  # noqa: ANN001
+    faults = nan_faults()
+    if faults:
+        break_trainer(module.Trainer, faults)
+    if os.environ.get("SHARDWISE_TEST_PACE"):
+        pace(module.ReplicaGroups, float(os.environ["SHARDWISE_TEST_PACE"]))
+    hold_restart()
+
+
+class ChangeTrainerOnImport(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):  # noqa: ANN001, ANN201 (importlib's signature)
+        if name != "shardwise.trainer":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        run_module = spec.loader.exec_module
+
+        def exec_module(module) -> None:  # noqa: ANN001
+            run_module(module)
+            change(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if any(os.environ.get(v) for v in ("SHARDWISE_TEST_NAN", "SHARDWISE_TEST_PACE", "SHARDWISE_TEST_HOLD_RESTART")):
+    sys.meta_path.insert(0, ChangeTrainerOnImport())
