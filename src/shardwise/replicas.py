@@ -16,7 +16,8 @@ groups, torchft's Manager does the rest, step by step:
 - **Healing.** A group whose process died is restarted by its own torchrun
   (`launch.max_restarts`); the others do not stop. It joins the next quorum behind the others,
   and the Manager copies the model, optimizer and step from a live peer (over HTTP), not from a
-  checkpoint; it then steps in lockstep with them.
+  checkpoint; it then steps in lockstep with them. One whose restart outlasted the rest of the
+  run finds every other group ended, and stops (NoPeerToHeal): there is no one to heal from.
 
 **A bad step** (health.py: a non-finite loss or gradient, a loss spike) is re-run within its
 group, before the groups average; a transient one costs the others only the wait. One that is
