@@ -26,6 +26,7 @@ from shardwise.trainer import Trainer
 pytest.importorskip("torchft")
 
 STEPS = 150
+JOB = ("train.eval_every=0", "train.global_batch=12", "train.optimizer=sgd")  # gpt-tiny as every job here trains it
 INJECTOR = Path(__file__).parent / "injector"  # its sitecustomize.py injects faults and timings into the job
 
 
@@ -51,8 +52,7 @@ def train() -> Iterator[Callable[..., subprocess.Popen]]:
     def start(out: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         job = subprocess.Popen(
             [sys.executable, "-m", "shardwise.cli", "train", str(CONFIGS / "gpt-tiny.toml"),
-             "--set", "train.eval_every=0", "--set", "train.global_batch=12",
-             "--set", "train.optimizer=sgd", "--out", str(out), *args],
+             *(a for setting in JOB for a in ("--set", setting)), "--out", str(out), *args],
             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             env={**os.environ, "RUST_LOG": "error", **(env or {})})
         started.append((job, out))
@@ -122,8 +122,8 @@ def train_as_one_group(ctx: DistContext, out: Path, strategy: str, *overrides: s
     """The job `train` starts, as one group of every rank: 10 steps, the warm-up (the learning rate
     after it depends on train.steps)."""
     Trainer(load_config(CONFIGS / "gpt-tiny.toml", [
-        "train.eval_every=0", "train.global_batch=12", "train.optimizer=sgd", f"run.out={out}", "train.steps=10",
-        f"parallel.strategy={strategy}", f"launch.nproc={ctx.world_size}", *overrides]), ctx).fit()
+        *JOB, f"run.out={out}", "train.steps=10", f"parallel.strategy={strategy}", f"launch.nproc={ctx.world_size}",
+        *overrides]), ctx).fit()
 
 
 @pytest.mark.slow

@@ -23,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+VARIABLES = ("SHARDWISE_TEST_NAN", "SHARDWISE_TEST_PACE", "SHARDWISE_TEST_HOLD_RESTART")  # the docstring's
+
 
 def nan_faults() -> dict[int, int]:
     """This process's NaN faults: step -> attempts."""
@@ -97,5 +99,5 @@ class ChangeTrainerOnImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-if any(os.environ.get(v) for v in ("SHARDWISE_TEST_NAN", "SHARDWISE_TEST_PACE", "SHARDWISE_TEST_HOLD_RESTART")):
+if any(os.environ.get(v) for v in VARIABLES):
     sys.meta_path.insert(0, ChangeTrainerOnImport())
