@@ -20,14 +20,19 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
 
+# Two pytest workers (pytest-xdist), each given whole test modules (their fixtures are module-wide):
+# one worker's ranks run while the other's wait. TEST_WORKERS=1 runs the suite in this process.
+TEST_WORKERS ?= 2
+PYTEST := $(BIN)/pytest $(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope)
+
 test: setup
 	$(BIN)/ruff check src tests bench
-	$(BIN)/pytest
+	$(PYTEST)
 
 # The suite without the tests marked slow or root: a few minutes, for the edit-test loop.
 test-fast: setup
 	$(BIN)/ruff check src tests bench
-	$(BIN)/pytest -m "not slow and not root"
+	$(PYTEST) -m "not slow and not root"
 
 demo: setup
 	$(BIN)/shardwise train configs/demo.toml --out runs/demo

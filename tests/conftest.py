@@ -2,13 +2,27 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import COMPARED_STEPS, CONFIGS, shardwise, train_in_process
 
 from shardwise.config.load import load_config
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Under pytest-xdist (`make test`), each worker takes its share of the cores for the work it does
+    in its own process: OpenMP's threads spin while they wait for work, and two workers of 2 threads
+    each on 2 cores ran a small matmul 9 times slower than one did. Ranks and jobs set their own
+    count (launch.threads_per_rank)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
 
 
 @pytest.fixture

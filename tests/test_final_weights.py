@@ -165,8 +165,9 @@ def test_no_rank_holds_the_whole_model_to_evaluate_save_a_checkpoint_or_write_it
     reset_peak_resident()
     start = resident_bytes()[0]
     consolidate(tmp_path / "fsdp", tmp_path / "consolidated.safetensors")
-    # One 4 MB tensor at a time, and its pages of the checkpoint mapped while it is read.
-    assert resident_bytes()[1] - start < 0.2 * MODEL_BYTES
+    # One 4 MB tensor at a time, and its pages of the checkpoint mapped while it is read: 21 to 23 MB
+    # measured, in pytest's process and in a pytest-xdist worker's; the whole model would be 101 MB.
+    assert resident_bytes()[1] - start < 0.3 * MODEL_BYTES
     got, want = (load_file(str(tmp_path / name)) for name in ("consolidated.safetensors", "fsdp/model.safetensors"))
     for key in want:  # consolidated at step 2, where the run ended
         assert torch.equal(got[key], want[key]), key

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Callable
 
 import pytest
 from helpers import CONFIGS
@@ -43,16 +44,28 @@ def undominated(plan: Plan, rows: list[Evaluated]) -> list[tuple]:
             if e.candidate.schedule != "gpipe" or dataclasses.replace(e.candidate, schedule="1f1b") not in candidates]
 
 
-def both(case: str, top: int = 4) -> tuple[Plan, Plan]:
+def plan_both_ways(case: str) -> tuple[Plan, Plan]:
     make_config, world, nodes, device, limit = CASES[case]
     kwargs = dict(nodes=nodes, memory_gb=limit)
     cfg = make_config()
-    return (make_plan(cfg, world, load_profile(device), top=top, **kwargs),
+    return (make_plan(cfg, world, load_profile(device), top=4, **kwargs),
             make_plan(cfg, world, load_profile(device), exhaustive=True, **kwargs))
 
 
+@pytest.fixture(scope="module")
+def both() -> Callable[[str], tuple[Plan, Plan]]:
+    """A case's pruned and exhaustive plans, made once for the module's tests (they only read them)."""
+    made: dict[str, tuple[Plan, Plan]] = {}
+
+    def plans(case: str) -> tuple[Plan, Plan]:
+        if case not in made:
+            made[case] = plan_both_ways(case)
+        return made[case]
+    return plans
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_the_pruned_search_recommends_and_ranks_as_the_exhaustive_one(case):
+def test_the_pruned_search_recommends_and_ranks_as_the_exhaustive_one(both, case):
     pruned, exhaustive = both(case)
     assert pruned.reason == exhaustive.reason
     if exhaustive.recommended is None:
@@ -69,13 +82,13 @@ def test_the_pruned_search_recommends_and_ranks_as_the_exhaustive_one(case):
     assert sum(pruned.pruned.values()) > 0
 
 
-def test_the_pruned_search_counts_every_candidate_once():
+def test_the_pruned_search_counts_every_candidate_once(both):
     pruned, exhaustive = both("gpt tiny, 8 H100s on 2 nodes")
     costed = sum(1 + len(e.twins) for e in pruned.ranked)
     assert costed + sum(pruned.pruned.values()) == pruned.candidates == sum(1 + len(e.twins) for e in exhaustive.ranked)
 
 
-def test_twin_precisions_are_costed_once_only_where_the_exhaustive_search_predicts_them_alike():
+def test_twin_precisions_are_costed_once_only_where_the_exhaustive_search_predicts_them_alike(both):
     _, gpu = both("gpt tiny, 8 H100s on 2 nodes")
     # costed apart, bf16-mixed and fp16-mixed came out identical on every row: one row names both
     assert all(e.twins == ("fp16-mixed",) for e in gpu.ranked if e.candidate.precision == "bf16-mixed")
@@ -84,7 +97,7 @@ def test_twin_precisions_are_costed_once_only_where_the_exhaustive_search_predic
     assert not any(e.twins for e in cpu.ranked)
 
 
-def test_gpipe_is_never_faster_nor_smaller_than_the_same_pipeline_under_1f1b():
+def test_gpipe_is_never_faster_nor_smaller_than_the_same_pipeline_under_1f1b(both):
     _, exhaustive = both("gpt tiny, 8 H100s on 2 nodes")
     by_candidate = {e.candidate: e for e in exhaustive.ranked}
     gpipes = [e for e in exhaustive.ranked if e.candidate.schedule == "gpipe"]

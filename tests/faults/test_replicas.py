@@ -42,6 +42,12 @@ def records(run: Path, group: int) -> list[dict]:
     return [r for r in map(json.loads, lines) if r["event"] == "step"]
 
 
+def newest_checkpoint(run: Path, group: int) -> int:
+    """The step of the newest complete checkpoint of `group` (0: none yet)."""
+    latest = run / f"replica-{group}" / "checkpoints" / "latest"
+    return int(latest.read_text().removeprefix("step-")) if latest.is_file() else 0
+
+
 @pytest.fixture
 def train() -> Iterator[Callable[..., subprocess.Popen]]:
     """Start `shardwise train` of gpt-tiny (a global batch of 12, SGD) into `out` (`env`: variables
@@ -209,16 +215,20 @@ def kill_job(job: subprocess.Popen, out: Path) -> None:
 @pytest.mark.slow
 def test_replica_groups_killed_together_resume_from_their_checkpoints_bit_for_bit(tmp_path, train):
     """Two ddp groups of one rank, a checkpoint every 5 steps (written in the background): the whole
-    job SIGKILLed after 12 committed steps, then run again with run.resume, ends with the weights of
-    the run never killed, bit for bit (a constant learning rate: the schedule is the same either way)."""
+    job SIGKILLed once 12 steps are committed and the checkpoint of step 10 is complete, then run
+    again with run.resume, ends with the weights of the run never killed, bit for bit (a constant
+    learning rate: the schedule is the same either way)."""
     args = ("--strategy", "ddp", "--nproc", "1", "--replica-groups", "2", "--steps", "20", "--checkpoint-every", "5",
             "--set", "train.micro_batch=6", "--set", "train.lr=0.05", "--set", "train.min_lr=0.05",
             "--set", "train.warmup_steps=0")
     straight = train(tmp_path / "straight", *args)
     job = train(tmp_path / "killed", *args)
     deadline = time.monotonic() + 120
-    while sum(r["committed"] for r in records(tmp_path / "killed", 0)) < 12 and time.monotonic() < deadline \
-            and job.poll() is None:
+    # Killed once 12 steps are committed and both groups' checkpoint of step 10 is complete: written in
+    # the background, it can land a few steps late on a loaded machine.
+    while (sum(r["committed"] for r in records(tmp_path / "killed", 0)) < 12
+           or min(newest_checkpoint(tmp_path / "killed", group) for group in range(2)) < 10) \
+            and time.monotonic() < deadline and job.poll() is None:
         time.sleep(0.05)
     kill_job(job, tmp_path / "killed")
     resumed = train(tmp_path / "killed", *args, "--set", "run.resume=true")
