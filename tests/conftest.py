@@ -14,7 +14,7 @@ from shardwise.config.load import load_config
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Under pytest-xdist (`make test`), each worker takes its share of the cores for the work it does
+    """Under pytest-xdist (`make test TEST_WORKERS=2`), each worker takes its share of the cores for the work it does
     in its own process: OpenMP's threads spin while they wait for work, and two workers of 2 threads
     each on 2 cores ran a small matmul 9 times slower than one did. Ranks and jobs set their own
     count (launch.threads_per_rank)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import pytest
@@ -55,13 +56,7 @@ def plan_both_ways(case: str) -> tuple[Plan, Plan]:
 @pytest.fixture(scope="module")
 def both() -> Callable[[str], tuple[Plan, Plan]]:
     """A case's pruned and exhaustive plans, made once for the module's tests (they only read them)."""
-    made: dict[str, tuple[Plan, Plan]] = {}
-
-    def plans(case: str) -> tuple[Plan, Plan]:
-        if case not in made:
-            made[case] = plan_both_ways(case)
-        return made[case]
-    return plans
+    return functools.cache(plan_both_ways)
 
 
 @pytest.mark.parametrize("case", list(CASES))

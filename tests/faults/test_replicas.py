@@ -19,6 +19,7 @@ from helpers import CONFIGS, REPO
 from safetensors.torch import load_file
 
 from bench.faults import victim
+from shardwise.checkpoint import LATEST, checkpoint_dir
 from shardwise.config.load import load_config
 from shardwise.dist import DistContext
 from shardwise.trainer import Trainer
@@ -44,7 +45,7 @@ def records(run: Path, group: int) -> list[dict]:
 
 def newest_checkpoint(run: Path, group: int) -> int:
     """The step of the newest complete checkpoint of `group` (0: none yet)."""
-    latest = run / f"replica-{group}" / "checkpoints" / "latest"
+    latest = checkpoint_dir(run / f"replica-{group}") / LATEST
     return int(latest.read_text().removeprefix("step-")) if latest.is_file() else 0
 
 
