@@ -20,10 +20,10 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-# TEST_WORKERS=2: two pytest workers (pytest-xdist), each given whole test modules (their fixtures are
-# module-wide), one worker's ranks running while the other's wait: 16% faster, but not yet the default
-# (two jobs with 5 s timeouts failed under the load, see docs/architecture.md#tests).
-TEST_WORKERS ?= 1
+# Two pytest workers (pytest-xdist), each given whole test modules (their fixtures are module-wide), one
+# worker's ranks running while the other's wait; a test marked `alone` (a job's failure timed under a short
+# collective timeout) runs with nothing beside it (docs/architecture.md#tests). TEST_WORKERS=1: one process.
+TEST_WORKERS ?= 2
 PYTEST := $(BIN)/pytest $(if $(filter 1,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadscope)
 
 test: setup

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import subprocess
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -14,7 +18,7 @@ from shardwise.config.load import load_config
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Under pytest-xdist (`make test TEST_WORKERS=2`), each worker takes its share of the cores for the work it does
+    """Under pytest-xdist (`make test`), each worker takes its share of the cores for the work it does
     in its own process: OpenMP's threads spin while they wait for work, and two workers of 2 threads
     each on 2 cores ran a small matmul 9 times slower than one did. Ranks and jobs set their own
     count (launch.threads_per_rank)."""
@@ -23,6 +27,37 @@ def pytest_configure(config: pytest.Config) -> None:
         threads = max(1, (os.cpu_count() or 1) // workers)
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """Under pytest-xdist, a test marked `alone` runs with no other worker's test beside it (its setup
+    and teardown included): it holds its job to a short collective timeout and times the failure,
+    which the other worker's load can stretch."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run is None:
+        yield
+        return
+    with _turn(Path(tempfile.gettempdir()) / f"shardwise-tests-{run}", item.get_closest_marker("alone") is not None):
+        yield
+
+
+@contextmanager
+def _turn(base: Path, alone: bool) -> Iterator[None]:
+    """A readers-writer lock between the workers' processes (flock, released if a worker dies): any
+    number of tests share the room, a test alone holds it by itself. It waits for the tests in the
+    room to end, and holds the turnstile meanwhile, which every test passes through on its way in, so
+    the other workers' next tests cannot overtake it."""
+    with open(base.with_suffix(".turnstile"), "a") as turnstile, open(base.with_suffix(".room"), "a") as room:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        if not alone:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        fcntl.flock(room, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(room, fcntl.LOCK_UN)
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
 
 
 @pytest.fixture

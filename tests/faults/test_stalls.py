@@ -21,6 +21,7 @@ TIMEOUT_S = 5
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_a_stalled_rank_fails_the_job_naming_the_collective_and_the_rank(tmp_path):
     """Rank 0 stalled in one job, rank 1 in another: the two run at once, since most of each is
     starting up or waiting out the timeout. Each rank is stopped (SIGSTOP, as a hung rank stops
@@ -77,6 +78,7 @@ def _mismatched_collectives(ctx, debug: bool) -> str:
     return "no error"
 
 
+@pytest.mark.alone  # rank 1 joins 1 s after rank 0, which times out 1 s later
 def test_ranks_in_different_collectives_are_both_named_after_the_timeout():
     messages = run_ranks(_mismatched_collectives, 2, False, timeout_s=2)
     assert messages[0].startswith("rank 0: all_reduce #2 on group 'default_pg' (Float[8]) did not complete within "

@@ -97,6 +97,7 @@ def slow_link(two_nodes) -> Cluster:
         two_nodes.restore(1)
 
 
+@pytest.mark.alone
 def test_a_cut_link_fails_the_surviving_node_within_the_timeout_naming_the_lost_rank(slow_link, tmp_path):
     processes = start_on_nodes(slow_link, tmp_path, *FLAGS)
     wait_for_step(processes, tmp_path, 6)
@@ -118,6 +119,7 @@ def test_a_cut_link_fails_the_surviving_node_within_the_timeout_naming_the_lost_
     assert processes[1].returncode != 0, lost_err
 
 
+@pytest.mark.alone
 def test_after_the_link_is_restored_the_job_resumes_bit_identical(slow_link, runs, tmp_path):
     processes = start_on_nodes(slow_link, tmp_path, *FLAGS, "--max-restarts", "1")
     wait_for_step(processes, tmp_path, 10)
