@@ -36,6 +36,7 @@ from typing import Any
 
 from bench import ROOT, bench_env
 from bench.common import write_json
+from shardwise.launch import worker_pids
 
 EVERY = 25  # the restarts' checkpoint interval
 TRAIN = ["train.eval_every=0", "train.global_batch=12", "train.micro_batch=4", "train.optimizer=sgd",
@@ -77,9 +78,10 @@ class Watched:
         return self.seen[-1][1]["step"] if self.seen else 0
 
 
-def victim(out: Path, healing: bool, which: int) -> int:
-    """The worker to kill: rank `which` of the job, or the worker of replica group `which`."""
-    wanted = f"SHARDWISE_REPLICA_GROUP={which}" if healing else f"RANK={which}"
+def replica_worker(out: Path, group: int) -> int:
+    """The worker of replica group `group` (each group a torchrun of its own, its worker
+    `python -m shardwise.worker` with the group in its environment)."""
+    wanted = f"SHARDWISE_REPLICA_GROUP={group}"
     for entry in Path("/proc").iterdir():
         try:
             cmdline = (entry / "cmdline").read_bytes()
@@ -127,7 +129,7 @@ def run_path(name: str, steps: int, plan: list[tuple[int, int]], out: Path) -> d
         progress = max(each.steps() for each in watched)
         if recovering is None and pending and progress >= pending[0][0]:
             _, which = pending.pop(0)
-            os.kill(victim(out, healing, which), signal.SIGKILL)
+            os.kill(replica_worker(out, which) if healing else worker_pids(job.pid)[which], signal.SIGKILL)
             recovering = {"at": time.monotonic(), "before": progress, "worker": which}
         if recovering is not None and _recovered(recovering, watched, healing):
             kills.append(recovering)

@@ -13,11 +13,12 @@ import time
 from pathlib import Path
 
 import pytest
-from faults.jobs import wait_for_step, worker_pids
+from faults.jobs import wait_for_step
 from helpers import CONFIGS, REPO, SGD, assert_same_training, losses, train_in_process
 
 from shardwise.config.load import load_config
 from shardwise.config.schema import ConfigError
+from shardwise.launch import worker_pids
 from shardwise.strategies.param_server import assign_servers
 
 FLAGS = ["--set", "train.eval_every=0", "--set", "train.eval_batches=1"]
@@ -90,7 +91,7 @@ def test_killing_an_async_worker_leaves_the_server_and_the_other_worker_training
     job = train(out, 3, "--set", "parallel.param_server.mode=async", "--set", "train.global_batch=8",
                 "--set", "train.micro_batch=4", steps=steps)
     wait_for_step(job, out, 1)
-    rank1 = next(pid for pid in worker_pids(out) if _rank(pid) == 1)  # found while the job surely runs
+    rank1 = worker_pids(job.pid)[1]  # found while the job surely runs
     wait_for_step(job, out, 5)
     os.kill(rank1, signal.SIGKILL)
     code, stderr = finish(job)
@@ -111,8 +112,8 @@ def test_a_stalled_sync_worker_fails_the_step_naming_it(tmp_path):
     job = train(out, 3, "--set", f"launch.timeout_s={timeout}", "--set", "launch.shutdown_timeout_s=1",
                 "--set", "train.global_batch=8", "--set", "train.micro_batch=4", steps=60)
     wait_for_step(job, out, 3)
-    rank1 = next(pid for pid in worker_pids(out) if _rank(pid) == 1)
-    os.kill(rank1, signal.SIGSTOP)
+    workers = worker_pids(job.pid)
+    os.kill(workers[1], signal.SIGSTOP)
     stopped = time.monotonic()
     code, stderr = finish(job, timeout=timeout + 60)
     assert code == 1
@@ -122,12 +123,7 @@ def test_a_stalled_sync_worker_fails_the_step_naming_it(tmp_path):
     assert ("ps0, step" in stderr and "no gradients from worker 1 within 5 s" in stderr) or \
         "Rank(s) 1 never joined it" in stderr, stderr[-3000:]
     assert "worker rank 0 failed" in stderr
-    assert not [pid for pid in worker_pids(out) if Path(f"/proc/{pid}").exists()]
-
-
-def _rank(pid: int) -> int:
-    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    return int(next(v for v in environ if v.startswith(b"RANK=")).split(b"=")[1])
+    assert not [pid for pid in workers.values() if Path(f"/proc/{pid}").exists()]
 
 
 def test_parameters_are_dealt_largest_first_to_the_least_loaded_server():

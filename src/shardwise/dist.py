@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import random
 import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -15,6 +17,7 @@ import torch.distributed as dist
 from shardwise.memory import map_large_blocks
 
 FLIGHT_RECORDER_ENTRIES = 64  # collectives the flight recorder keeps per process
+WORKER_NAME = "shardwise r"  # a worker's process name, its rank after it (name_worker)
 
 
 @dataclass
@@ -140,13 +143,25 @@ def new_group_of_all(device: torch.device) -> dist.ProcessGroup:
     return dist.new_group(timeout=timeout)
 
 
+def name_worker(rank: int) -> None:
+    """Call this process `shardwise rRANK` where ps, top and pgrep look (Linux keeps 15 characters of
+    it): workers forked from one server (launch.py) otherwise all show the server's command line."""
+    try:
+        Path("/proc/self/comm").write_text(f"{WORKER_NAME}{rank}"[:15])
+    except OSError:  # not Linux
+        pass
+
+
 def leave_process() -> None:
     """End a worker process that has written everything and destroyed its group, without the
     interpreter's teardown: there torch 2.13 on Gloo sometimes aborts ("terminate called without an
-    active exception") as it frees its threads, which makes a finished run look failed."""
+    active exception") as it frees its threads, which makes a finished run look failed. A process
+    forked by the launcher (multiprocessing's) ends that way by itself once it has handed the
+    launcher its result, and must return to do so: the launcher waits for that result."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    if multiprocessing.parent_process() is None:
+        os._exit(0)
 
 
 def broadcast_from_rank0(tensors: list[torch.Tensor]) -> None:

@@ -1,5 +1,9 @@
 """Start workers through PyTorch's own launcher (torch.distributed.run), never a transport of our own.
 
+Each rank is forked from a server that imported the entry module (and so torch and shardwise) once:
+torchrun's --run-path with the forkserver start method. A `python -m` per rank spent 1.8 core-s on
+the same imports in every rank, before the first step (launch_workers).
+
 One node: a rendezvous on a free loopback port. Several nodes: c10d rendezvous at
 launch.rdzv_endpoint, with --nnodes and --node-rank passed through; with launch.node_addr, what a
 node's launcher and Gloo need to know about that address is derived from it (node_addr_settings).
@@ -19,6 +23,8 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import closing, contextmanager
+from importlib.util import find_spec
+from multiprocessing import forkserver
 from typing import TypeVar
 
 import torch
@@ -26,6 +32,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from shardwise.config.schema import ConfigError, LaunchConfig
+from shardwise.dist import WORKER_NAME
 
 K = TypeVar("K")  # what a caller of `exits` knows its processes by
 
@@ -38,8 +45,8 @@ class Stopped(RuntimeError):
     """The launcher was told to stop (SIGTERM, SIGINT); it passed the signal on to the workers."""
 
 
-def torchrun_args(launch: LaunchConfig, entry: list[str]) -> list[str]:
-    """torch.distributed.run's arguments for `python -m <entry...>` on every rank."""
+def torchrun_args(launch: LaunchConfig) -> list[str]:
+    """torch.distributed.run's options for launch (the entry point and its arguments follow them)."""
     args = [f"--nproc-per-node={launch.nproc}", f"--max-restarts={launch.max_restarts}", "--rdzv-backend=c10d"]
     # torchrun takes --shutdown-timeout from torch 2.12; under the GPU machines' torch 2.11 the workers get
     # its fixed grace instead (and _hold_failure_shutdown_to's)
@@ -60,7 +67,7 @@ def torchrun_args(launch: LaunchConfig, entry: list[str]) -> list[str]:
             # hostnames, which nodes sharing one (containers, namespaces) all match: say it.
             host = "true" if launch.node_rank == 0 else "false"
             args += [f"--local-addr={launch.node_addr}", f"--rdzv-conf=is_host={host}"]
-    return args + ["-m", *entry]
+    return args
 
 
 SIOCGIFADDR = 0x8915  # Linux ioctl: an interface's IPv4 address
@@ -126,22 +133,29 @@ def _failure_message(error: ChildFailedError) -> str:
 
 def _hold_failure_shutdown_to(seconds: int) -> None:
     """When a worker fails, torch 2.13's launcher stops the others with SIGTERM and a fixed 30 s
-    grace before SIGKILL (PContext.close's default timeout; --shutdown-timeout reaches only the
-    path where the launcher itself is signalled: pytorch#119856). A stalled rank, deaf to SIGTERM,
-    lives through that grace: hold it to launch.shutdown_timeout_s as well."""
+    grace before SIGKILL, twice over: PContext.close's default timeout (--shutdown-timeout reaches
+    only the path where the launcher itself is signalled: pytorch#119856), and before it the
+    forked workers' own ProcessContext.join. A stalled rank, deaf to SIGTERM, lives through that
+    grace: hold both to launch.shutdown_timeout_s."""
     from torch.distributed.elastic.multiprocessing.api import PContext
+    from torch.multiprocessing.spawn import ProcessContext
 
-    close = PContext.close
+    close, join_all = PContext.close, ProcessContext._join_procs_with_timeout
 
     def close_within(self: PContext, death_sig: signal.Signals | None = None, timeout: int = seconds) -> None:
         close(self, death_sig, timeout)
 
+    def join_all_within(self: ProcessContext, timeout: float) -> None:
+        join_all(self, min(timeout, seconds))
+
     PContext.close = close_within
+    ProcessContext._join_procs_with_timeout = join_all_within
 
 
 def launch_workers(launch: LaunchConfig, entry: list[str]) -> None:
-    """Run `python -m <entry...>` (e.g. shardwise.worker CONFIG) on launch.nproc local ranks;
-    raise WorkerFailed with the first failing rank's error if any rank fails."""
+    """Run module entry[0] as a script with arguments entry[1:] (e.g. shardwise.worker CONFIG) on
+    launch.nproc local ranks, each forked from a server that imported it; raise WorkerFailed with
+    the first failing rank's error if any rank fails."""
     from torch.distributed.run import parse_args, run
 
     # torchrun would set this itself, with a warning; the config says how many threads a rank gets.
@@ -152,14 +166,46 @@ def launch_workers(launch: LaunchConfig, entry: list[str]) -> None:
         # sometimes reach a dead peer's address or hang (pytorch#135712, #167288): one store each.
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     _hold_failure_shutdown_to(launch.shutdown_timeout_s)
+    script = find_spec(entry[0]).origin
+    # The optimizers import torch._dynamo at their first step: once here too, not once a rank.
+    forkserver.set_forkserver_preload([entry[0], "torch._dynamo"])
+    forkserver.ensure_running()  # it imports while torchrun's agent meets the others
     try:
-        run(parse_args(torchrun_args(launch, entry)))
+        run(parse_args([*torchrun_args(launch), "--start-method=forkserver", "--run-path", script, *entry[1:]]))
     except ChildFailedError as error:
         raise WorkerFailed(_failure_message(error)) from None
     except SignalException as signal:
         raise Stopped(f"stopped by signal {signal.sigval.name}; workers were sent it too") from None
     finally:
         sys.stdout.flush()
+
+
+def worker_pids(launcher: int) -> dict[int, int]:
+    """rank -> pid of the workers running under the launcher process `launcher` (its descendants that
+    named themselves `shardwise rN`: dist.name_worker), for whoever must signal one rank. Forked
+    workers share their server's command line, so that does not tell them apart."""
+    parents, ranks = {}, {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as stat:  # pid (name) state ppid ...
+                fields = stat.read()
+        except OSError:  # ended meanwhile
+            continue
+        name, rest = fields[fields.index("(") + 1:fields.rindex(")")], fields[fields.rindex(")") + 2:].split()
+        pid = int(entry.name)
+        parents[pid] = int(rest[1])
+        if name.startswith(WORKER_NAME):
+            ranks[pid] = int(name.removeprefix(WORKER_NAME))
+    found = {}
+    for pid, rank in ranks.items():
+        ancestor = parents.get(pid, 0)
+        while ancestor not in (0, 1, launcher):
+            ancestor = parents.get(ancestor, 0)
+        if ancestor == launcher:
+            found[rank] = pid
+    return dict(sorted(found.items()))
 
 
 def launch_local(launch: LaunchConfig, entry: list[str], expendable: frozenset[int] = frozenset()) -> list[int]:

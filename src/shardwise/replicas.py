@@ -83,8 +83,8 @@ def launch_replica_groups(launch: LaunchConfig, entry: list[str]) -> list[int]:
     env = dict(os.environ, TORCHFT_LIGHTHOUSE=lighthouse.address(), OMP_NUM_THREADS=str(launch.threads_per_rank),
                TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",  # one rendezvous store per restart (launch.py)
                **{START_ENV: f"127.0.0.1:{start.port}", GROUPS_ENV: str(launch.replica_groups)})
-    groups = {group: subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *torchrun_args(launch, entry)],
-                                      env=dict(env, **{GROUP_ENV: str(group)}))
+    command = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(launch), "-m", *entry]
+    groups = {group: subprocess.Popen(command, env=dict(env, **{GROUP_ENV: str(group)}))
               for group in range(launch.replica_groups)}
     failed: list[int] = []
     try:  # the store and the Lighthouse live as long as the groups

@@ -2,7 +2,8 @@
 
     torchrun --nproc-per-node N -m shardwise.worker CONFIG [--set section.key=value ...]
 
-`shardwise train` starts exactly this through torch.distributed.run.
+`shardwise train` starts this through torch.distributed.run, each rank forked from a server that
+imported it (launch.launch_workers). A worker names its process `shardwise rRANK`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from shardwise.config.load import load_config
 from shardwise.config.validate import validate
-from shardwise.dist import init_distributed, leave_process, restart_count, shutdown_distributed
+from shardwise.dist import init_distributed, leave_process, name_worker, restart_count, shutdown_distributed
 from shardwise.metrics import format_summary
 from shardwise.replicas import replica_group
 from shardwise.stalls import explain, is_collective_failure
@@ -30,6 +31,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("config", help="TOML config file")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     args = parser.parse_args(argv)
+    name_worker(int(os.environ.get("RANK", 0)))
     cfg = load_config(args.config, args.set)
     launch = cfg.launch
     # The world the launcher actually made is what counts, whatever the file's launch.nproc says.

@@ -1,5 +1,5 @@
-"""Training jobs run through the CLI for the fault tests: start one, wait for a step, find its
-worker processes."""
+"""Training jobs run through the CLI for the fault tests: start one, wait for a step. (Its worker
+processes: shardwise.launch.worker_pids.)"""
 
 from __future__ import annotations
 
@@ -36,14 +36,3 @@ def wait_for_step(process: subprocess.Popen, out: Path, step: int, timeout: floa
         time.sleep(0.05)
 
 
-def worker_pids(out: Path) -> list[int]:
-    """The worker processes of the run writing to `out` (their command line names its config)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        try:
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-        except (OSError, ValueError):
-            continue
-        if b"shardwise.worker" in cmdline and str(out / "config.toml").encode() in cmdline:
-            pids.append(int(entry.name))
-    return sorted(pids)

@@ -17,8 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import REPO, losses, read_records
-from jobs import STEPS, start_training, wait_for_step, worker_pids
+from jobs import STEPS, start_training, wait_for_step
 from safetensors.torch import load_file
+
+from shardwise.launch import worker_pids
 
 pytestmark = pytest.mark.slow  # real jobs killed and restarted: a minute in all
 
@@ -68,7 +70,7 @@ def test_a_killed_worker_is_restarted_and_the_run_ends_bit_identical(tmp_path, u
     job = start_training(tmp_path, "--checkpoint-every", "4", "--max-restarts", "1")
     kill_at = rng.randint(6, STEPS - 20)  # after the first checkpoint (step 4), well before the end
     wait_for_step(job, tmp_path, kill_at)
-    victim = rng.choice(worker_pids(tmp_path))
+    victim = rng.choice(list(worker_pids(job.pid).values()))
     os.kill(victim, signal.SIGKILL)
     _, err = job.communicate(timeout=300)
     assert job.returncode == 0, f"killed at step {kill_at}:\n{err}"
@@ -84,7 +86,7 @@ def stop_rank0_mid_save(job: subprocess.Popen, out: Path) -> str:
     while job.poll() is None:
         for tmp in root.glob(".tmp-step-*") if (root / "latest").is_file() else []:
             if any(tmp.glob("*")):  # (glob, unlike iterdir, takes a directory renamed meanwhile as empty)
-                rank0 = worker_pids(out)[0]
+                rank0 = worker_pids(job.pid)[0]
                 os.kill(rank0, signal.SIGSTOP)
                 name = tmp.name.removeprefix(".tmp-")
                 if tmp.is_dir() and not (root / name).exists():
@@ -97,7 +99,7 @@ def stop_rank0_mid_save(job: subprocess.Popen, out: Path) -> str:
 def test_a_worker_killed_while_saving_resumes_from_the_previous_checkpoint(tmp_path, uninterrupted):
     job = start_training(tmp_path, "--checkpoint-every", "4", "--max-restarts", "1")
     saving = stop_rank0_mid_save(job, tmp_path)
-    os.kill(worker_pids(tmp_path)[0], signal.SIGKILL)
+    os.kill(worker_pids(job.pid)[0], signal.SIGKILL)
     _, err = job.communicate(timeout=300)
     assert job.returncode == 0, err
     previous = f"step-{int(saving.removeprefix('step-')) - 4:08d}"

@@ -18,7 +18,7 @@ from distributed import run_ranks
 from helpers import CONFIGS, REPO
 from safetensors.torch import load_file
 
-from bench.faults import victim
+from bench.faults import replica_worker
 from shardwise.checkpoint import LATEST, checkpoint_dir
 from shardwise.config.load import load_config
 from shardwise.dist import DistContext
@@ -89,7 +89,7 @@ def test_a_killed_group_heals_from_a_live_one_while_the_others_go_on(tmp_path, t
     # before the kill: a killed writer may leave a torn line
     killed_at = sum(r["committed"] for r in records(tmp_path, 1))
     assert 20 <= killed_at < STEPS, f"group 1 at {killed_at} steps when its worker was to be killed"
-    os.kill(victim(tmp_path, True, 1), signal.SIGKILL)
+    os.kill(replica_worker(tmp_path, 1), signal.SIGKILL)
     _, err = job.communicate(timeout=300)
     assert job.returncode == 0, err[-3000:]
 
@@ -146,7 +146,7 @@ def test_a_group_restarted_after_the_others_ended_stops_rather_than_waiting_for_
     while sum(r["committed"] for r in records(tmp_path, 1)) < 5 and time.monotonic() < deadline \
             and job.poll() is None:
         time.sleep(0.05)
-    os.kill(victim(tmp_path, True, 1), signal.SIGKILL)
+    os.kill(replica_worker(tmp_path, 1), signal.SIGKILL)
     _, err = job.communicate(timeout=120)
     assert job.returncode == 0, err[-3000:]
     assert "replica group 1 was restarted, but every other group had ended" in err

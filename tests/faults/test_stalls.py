@@ -4,6 +4,7 @@ too, and caught at the first mismatched call with --debug-collectives."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -13,8 +14,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_ranks
-from jobs import start_training, steps_logged, worker_pids
+from jobs import start_training, steps_logged
 
+from shardwise.launch import worker_pids
 from shardwise.stalls import explain, is_collective_failure
 
 TIMEOUT_S = 5
@@ -30,25 +32,30 @@ def test_a_stalled_rank_fails_the_job_naming_the_collective_and_the_rank(tmp_pat
     jobs = [start_training(out, "--set", f"launch.timeout_s={TIMEOUT_S}", "--set", "launch.shutdown_timeout_s=1")
             for out in outs]
     stalled_at: dict[int, float] = {}
+    workers: dict[int, list[int]] = {}  # the workers of each job, found while it runs
     try:
         deadline = time.monotonic() + 120
         while len(stalled_at) < 2:
             for stalled, (job, out) in enumerate(zip(jobs, outs, strict=True)):
                 if stalled not in stalled_at and steps_logged(out) >= 5:
-                    os.kill(worker_pids(out)[stalled], signal.SIGSTOP)  # workers start in rank order
+                    workers[stalled] = list(worker_pids(job.pid).values())
+                    os.kill(workers[stalled][stalled], signal.SIGSTOP)
                     stalled_at[stalled] = time.monotonic()
                 assert job.poll() is None, job.communicate()[1]
             assert time.monotonic() < deadline, "no step 5 within 120 s"
             time.sleep(0.05)
         errors = [job.communicate(timeout=120)[1] for job in jobs]
         elapsed = [time.monotonic() - stalled_at[stalled] for stalled in (0, 1)]
+        outlived = [pid for pids in workers.values() for pid in pids if _running(pid)]
     finally:
-        for job, out in zip(jobs, outs, strict=True):
+        for stalled, job in enumerate(jobs):
+            pids = workers.get(stalled, []) + list(worker_pids(job.pid).values())
             if job.poll() is None:
                 job.kill()
-            for pid in worker_pids(out):
-                os.kill(pid, signal.SIGKILL)
-    for stalled, (err, job, out) in enumerate(zip(errors, jobs, outs, strict=True)):
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+    for stalled, (err, job) in enumerate(zip(errors, jobs, strict=True)):
         assert job.returncode == 1, err
         assert elapsed[stalled] < TIMEOUT_S + 30, f"the job took {elapsed[stalled]:.0f} s to end after the stall"
         survivor = 1 - stalled
@@ -57,7 +64,15 @@ def test_a_stalled_rank_fails_the_job_naming_the_collective_and_the_rank(tmp_pat
         assert message[1] in {"all_reduce", "allreduce", "all_gather", "broadcast"}, message[0]
         assert f"did not complete within launch.timeout_s = {TIMEOUT_S} s" in message[0]
         assert f"Rank(s) {stalled} never joined it" in message[0]
-        assert worker_pids(out) == [], "worker processes outlived the job"
+    assert outlived == [], "worker processes outlived the job"
+
+
+def _running(pid: int) -> bool:
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except OSError:
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"  # a zombie has ended, its parent has not yet reaped it
 
 
 def _mismatched_collectives(ctx, debug: bool) -> str:

@@ -13,7 +13,7 @@ from shardwise.launch import interface_of, node_addr_settings, torchrun_args
 def test_node_0_hosts_the_rendezvous_and_every_node_publishes_its_address():
     for rank, hosts in ((0, "true"), (1, "false")):
         launch = LaunchConfig(nnodes=2, node_rank=rank, rdzv_endpoint="10.0.0.1:29400", node_addr=f"10.0.0.{rank + 1}")
-        args = torchrun_args(launch, ["shardwise.worker", "c.toml"])
+        args = torchrun_args(launch)
         assert f"--local-addr=10.0.0.{rank + 1}" in args
         assert f"--rdzv-conf=is_host={hosts}" in args
         assert "--rdzv-endpoint=10.0.0.1:29400" in args and f"--node-rank={rank}" in args
