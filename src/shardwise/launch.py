@@ -1,8 +1,9 @@
 """Start workers through PyTorch's own launcher (torch.distributed.run), never a transport of our own.
 
 Each rank is forked from a server that imported the entry module (and so torch and shardwise) once:
-torchrun's --run-path with the forkserver start method. A `python -m` per rank spent 1.8 core-s on
-the same imports in every rank, before the first step (launch_workers).
+torchrun's --run-path with the forkserver start method (launch_workers), and the same server under
+our own launcher (launch_local). A `python -m` per rank spent 1.8 core-s on the same imports in
+every rank, before the first step.
 
 One node: a rendezvous on a free loopback port. Several nodes: c10d rendezvous at
 launch.rdzv_endpoint, with --nnodes and --node-rank passed through; with launch.node_addr, what a
@@ -13,7 +14,9 @@ from __future__ import annotations
 
 import fcntl
 import ipaddress
+import multiprocessing
 import os
+import runpy
 import signal
 import socket
 import struct
@@ -152,6 +155,15 @@ def _hold_failure_shutdown_to(seconds: int) -> None:
     ProcessContext._join_procs_with_timeout = join_all_within
 
 
+def _start_fork_server(module: str) -> str:
+    """Start the server the ranks are forked from, importing `module` (and what it imports) once;
+    return the module's file, which each rank runs as a script."""
+    # The optimizers import torch._dynamo at their first step: once here too, not once a rank.
+    forkserver.set_forkserver_preload([module, "torch._dynamo"])
+    forkserver.ensure_running()  # it imports while the caller goes on (torchrun's agent meets the others)
+    return find_spec(module).origin
+
+
 def launch_workers(launch: LaunchConfig, entry: list[str]) -> None:
     """Run module entry[0] as a script with arguments entry[1:] (e.g. shardwise.worker CONFIG) on
     launch.nproc local ranks, each forked from a server that imported it; raise WorkerFailed with
@@ -166,10 +178,7 @@ def launch_workers(launch: LaunchConfig, entry: list[str]) -> None:
         # sometimes reach a dead peer's address or hang (pytorch#135712, #167288): one store each.
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     _hold_failure_shutdown_to(launch.shutdown_timeout_s)
-    script = find_spec(entry[0]).origin
-    # The optimizers import torch._dynamo at their first step: once here too, not once a rank.
-    forkserver.set_forkserver_preload([entry[0], "torch._dynamo"])
-    forkserver.ensure_running()  # it imports while torchrun's agent meets the others
+    script = _start_fork_server(entry[0])
     try:
         run(parse_args([*torchrun_args(launch), "--start-method=forkserver", "--run-path", script, *entry[1:]]))
     except ChildFailedError as error:
@@ -209,8 +218,9 @@ def worker_pids(launcher: int) -> dict[int, int]:
 
 
 def launch_local(launch: LaunchConfig, entry: list[str], expendable: frozenset[int] = frozenset()) -> list[int]:
-    """Run `python -m <entry...>` on launch.nproc ranks of this machine, without torchrun, and
-    return the ranks lost on the way: a job that outlives some of its ranks (an asynchronous
+    """Run module entry[0] as a script with arguments entry[1:] on launch.nproc ranks of this
+    machine, each forked from a server that imported it, without torchrun, and return the ranks
+    lost on the way: a job that outlives some of its ranks (an asynchronous
     parameter server loses a worker and goes on) cannot run under torchrun, whose agent stops the
     whole group at the first failure.
 
@@ -225,8 +235,8 @@ def launch_local(launch: LaunchConfig, entry: list[str], expendable: frozenset[i
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), WORLD_SIZE=str(launch.nproc),
                LOCAL_WORLD_SIZE=str(launch.nproc), OMP_NUM_THREADS=str(launch.threads_per_rank),
                TORCHELASTIC_USE_AGENT_STORE="True")  # every rank is a client of the store above
-    ranks = {rank: subprocess.Popen([sys.executable, "-m", *entry],
-                                    env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)))
+    script = _start_fork_server(entry[0])
+    ranks = {rank: ForkedRank(script, entry[1:], dict(env, RANK=str(rank), LOCAL_RANK=str(rank)))
              for rank in range(launch.nproc)}
     lost: list[int] = []
     try:
@@ -245,7 +255,39 @@ def launch_local(launch: LaunchConfig, entry: list[str], expendable: frozenset[i
     return lost
 
 
-def exits(processes: dict[K, subprocess.Popen], grace_s: float, on_signal: str) -> Iterator[tuple[K, int]]:
+class ForkedRank:
+    """A rank forked from the fork server, running `script` as __main__ with `argv` and `environ`;
+    it answers subprocess.Popen's poll, terminate, kill and wait (exits, stop_processes)."""
+
+    def __init__(self, script: str, argv: list[str], environ: dict[str, str]) -> None:
+        self.process = multiprocessing.get_context("forkserver").Process(target=_run_script,
+                                                                         args=(script, argv, environ))
+        self.process.start()
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    def terminate(self) -> None:
+        self.process.terminate()
+
+    def kill(self) -> None:
+        self.process.kill()
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            raise subprocess.TimeoutExpired(f"rank process {self.process.pid}", timeout)
+        return self.process.exitcode
+
+
+def _run_script(script: str, argv: list[str], environ: dict[str, str]) -> None:
+    os.environ.clear()
+    os.environ.update(environ)
+    sys.argv = [script, *argv]
+    runpy.run_path(script, run_name="__main__")
+
+
+def exits(processes: dict[K, subprocess.Popen | ForkedRank], grace_s: float, on_signal: str) -> Iterator[tuple[K, int]]:
     """Each of `processes` (by key) with its exit code as it ends, until all have. SIGTERM or SIGINT
     meanwhile is noted, not acted on, and raises Stopped (`on_signal` says what became of the
     processes). Closed early (the caller raised, or the signal), it stops those still running:
@@ -281,7 +323,7 @@ def signals_noted() -> Iterator[list[signal.Signals]]:
             signal.signal(sig, handler)
 
 
-def stop_processes(processes: list[subprocess.Popen], grace_s: float) -> None:
+def stop_processes(processes: list[subprocess.Popen | ForkedRank], grace_s: float) -> None:
     """SIGTERM every process still running; SIGKILL those still there after `grace_s`."""
     for process in processes:
         if process.poll() is None:
