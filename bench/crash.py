@@ -209,13 +209,14 @@ def kill_job(attempt: Attempt) -> None:
             pass
     attempt.process.wait()
     deadline = time.monotonic() + 30
-    while any(_running(group) for group in attempt.groups):  # each group's leader; orphans go to init
+    while any(running(group) for group in attempt.groups):  # each group's leader; orphans go to init
         if time.monotonic() > deadline:
             raise SystemExit(f"bench crash: processes of groups {attempt.groups} outlived SIGKILL")
         time.sleep(0.01)
 
 
-def _running(pid: int) -> bool:
+def running(pid: int) -> bool:
+    """Process `pid` exists and is not a zombie."""
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except (OSError, IndexError):

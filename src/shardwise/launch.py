@@ -16,7 +16,6 @@ import fcntl
 import ipaddress
 import multiprocessing
 import os
-import runpy
 import signal
 import socket
 import struct
@@ -220,9 +219,9 @@ def worker_pids(launcher: int) -> dict[int, int]:
 def launch_local(launch: LaunchConfig, entry: list[str], expendable: frozenset[int] = frozenset()) -> list[int]:
     """Run module entry[0] as a script with arguments entry[1:] on launch.nproc ranks of this
     machine, each forked from a server that imported it, without torchrun, and return the ranks
-    lost on the way: a job that outlives some of its ranks (an asynchronous
-    parameter server loses a worker and goes on) cannot run under torchrun, whose agent stops the
-    whole group at the first failure.
+    lost on the way: a job that outlives some of its ranks (an asynchronous parameter server loses
+    a worker and goes on) cannot run under torchrun, whose agent stops the whole group at the first
+    failure.
 
     The launcher hosts the rendezvous store, so the store outlives every rank, and it writes
     `exited/RANK` there when a rank ends, which is how the ranks left learn that one is gone. A
@@ -281,10 +280,11 @@ class ForkedRank:
 
 
 def _run_script(script: str, argv: list[str], environ: dict[str, str]) -> None:
+    from torch.distributed.run import run_script_path  # what torchrun's --run-path runs
+
     os.environ.clear()
     os.environ.update(environ)
-    sys.argv = [script, *argv]
-    runpy.run_path(script, run_name="__main__")
+    run_script_path(script, *argv)
 
 
 def exits(processes: dict[K, subprocess.Popen | ForkedRank], grace_s: float, on_signal: str) -> Iterator[tuple[K, int]]:

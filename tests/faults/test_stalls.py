@@ -16,6 +16,7 @@ import torch.distributed as dist
 from distributed import run_ranks
 from jobs import start_training, steps_logged
 
+from bench.crash import running
 from shardwise.launch import worker_pids
 from shardwise.stalls import explain, is_collective_failure
 
@@ -46,7 +47,7 @@ def test_a_stalled_rank_fails_the_job_naming_the_collective_and_the_rank(tmp_pat
             time.sleep(0.05)
         errors = [job.communicate(timeout=120)[1] for job in jobs]
         elapsed = [time.monotonic() - stalled_at[stalled] for stalled in (0, 1)]
-        outlived = [pid for pids in workers.values() for pid in pids if _running(pid)]
+        outlived = [pid for pids in workers.values() for pid in pids if running(pid)]
     finally:
         for stalled, job in enumerate(jobs):
             pids = workers.get(stalled, []) + list(worker_pids(job.pid).values())
@@ -65,14 +66,6 @@ def test_a_stalled_rank_fails_the_job_naming_the_collective_and_the_rank(tmp_pat
         assert f"did not complete within launch.timeout_s = {TIMEOUT_S} s" in message[0]
         assert f"Rank(s) {stalled} never joined it" in message[0]
     assert outlived == [], "worker processes outlived the job"
-
-
-def _running(pid: int) -> bool:
-    try:
-        stat = open(f"/proc/{pid}/stat").read()
-    except OSError:
-        return False
-    return stat[stat.rindex(")") + 2] != "Z"  # a zombie has ended, its parent has not yet reaped it
 
 
 def _mismatched_collectives(ctx, debug: bool) -> str:
