@@ -50,6 +50,7 @@ from shardwise.checkpoint import (
     seal,
     training_state,
 )
+from shardwise.dist import world_timeout
 
 
 class HostStager(AsyncStager):
@@ -151,8 +152,10 @@ class AsyncCheckpointer:
 
     def __init__(self, keep: int, is_main: bool) -> None:
         self.keep, self.is_main = keep, is_main
-        # Gloo: the background thread's collectives take host tensors, whatever device trains.
-        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        # Gloo: the background thread's collectives take host tensors, whatever device trains. With
+        # the world's timeout: a rank lost mid-save fails the save in launch.timeout_s, and the rank
+        # that waits for it on its way out (close) ends, instead of holding for 30 minutes.
+        self.group = dist.new_group(backend="gloo", timeout=world_timeout()) if dist.is_initialized() else None
         self.stager = HostStager()
         self.shapes: dict[str, list[int]] | None = None  # the manifest's model shapes: the same every save
         self.in_flight: InFlight | None = None

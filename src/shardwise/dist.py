@@ -135,12 +135,19 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
-def new_group_of_all(device: torch.device) -> dist.ProcessGroup:
+def world_timeout() -> timedelta:
+    """The default group's collective timeout (launch.timeout_s), for every group a run makes
+    besides: new_group's own default is 30 minutes, and a stall in one would go unexplained, and
+    hold its rank, that long (device meshes inherit the default group's; new_group and
+    new_subgroups_by_enumeration do not)."""
+    device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
+    return dist.group.WORLD._get_backend(device).options._timeout
+
+
+def new_group_of_all() -> dist.ProcessGroup:
     """A second process group of every rank (for collectives issued from another thread), with
-    the world's timeout: new_group's default is 30 minutes, and a stall in it would go
-    unexplained that long. `device`: the one this rank communicates from."""
-    timeout = dist.group.WORLD._get_backend(torch.device(device.type)).options._timeout
-    return dist.new_group(timeout=timeout)
+    the world's timeout."""
+    return dist.new_group(timeout=world_timeout())
 
 
 def name_worker(rank: int) -> None:

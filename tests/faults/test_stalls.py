@@ -13,18 +13,19 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from distributed import run_ranks
+from distributed import DEFAULT_TIMEOUT_S, run_ranks
+from helpers import gpt_tiny
 from jobs import start_training, steps_logged
 
 from bench.crash import running
 from shardwise.launch import worker_pids
 from shardwise.stalls import explain, is_collective_failure
+from shardwise.trainer import Trainer
 
 TIMEOUT_S = 5
 
 
 @pytest.mark.slow
-@pytest.mark.alone
 def test_a_stalled_rank_fails_the_job_naming_the_collective_and_the_rank(tmp_path):
     """Rank 0 stalled in one job, rank 1 in another: the two run at once, since most of each is
     starting up or waiting out the timeout. Each rank is stopped (SIGSTOP, as a hung rank stops
@@ -86,7 +87,6 @@ def _mismatched_collectives(ctx, debug: bool) -> str:
     return "no error"
 
 
-@pytest.mark.alone  # rank 1 joins 1 s after rank 0, which times out 1 s later
 def test_ranks_in_different_collectives_are_both_named_after_the_timeout():
     messages = run_ranks(_mismatched_collectives, 2, False, timeout_s=2)
     assert messages[0].startswith("rank 0: all_reduce #2 on group 'default_pg' (Float[8]) did not complete within "
@@ -107,3 +107,27 @@ def test_debug_collectives_stops_at_the_first_mismatched_call_without_waiting_fo
     for message in messages:
         assert "Detected mismatch between collectives on ranks" in message
         assert "ALLREDUCE" in message and "BROADCAST" in message
+
+
+def _group_timeouts(ctx, root) -> dict[str, float]:
+    """Train runs that make process groups besides the world: the mesh's dimensions, the background
+    saves' own Gloo group, experts over ep, a pipeline's tied embedding, PowerSGD's thread; each
+    group (name, description, size) with its timeout in s."""
+    runs = {"saves-experts": ("ddp", "model.name=gpt-moe", "parallel.ep=2", "train.checkpoint_every=1"),
+            "tied-stages": ("pipeline", "parallel.pp=2", "parallel.pipeline.micro_batches=2"),
+            "powersgd": ("ddp", "parallel.ddp.grad_compression=powersgd", "parallel.ddp.powersgd_start_step=1")}
+    for name, (strategy, *overrides) in runs.items():
+        Trainer(gpt_tiny(root / name, strategy, ctx.world_size, "train.micro_batch=4", *overrides, steps=2), ctx).fit()
+    groups = dist.distributed_c10d._world.pg_map
+    return {f"{group.group_name} {group.group_desc} {group.size()}":
+            group._get_backend(torch.device("cpu")).options._timeout.total_seconds() for group in groups}
+
+
+def test_every_group_a_run_makes_times_out_as_the_world_does(tmp_path):
+    """new_group's default is 30 minutes, and a device mesh's dimensions and flattened groups other
+    than the whole world are new groups: a cut link that landed in a background save held the rank
+    waiting for it on its way out (node 0, in the suite) that long, instead of launch.timeout_s."""
+    timeouts = run_ranks(_group_timeouts, 2, tmp_path)[0]
+    # the world, 3 meshes' dimensions, the save's, ep's, the tied pair's, PowerSGD's
+    assert len([name for name in timeouts if name.endswith(" 2")]) >= 5, timeouts
+    assert set(timeouts.values()) == {DEFAULT_TIMEOUT_S}, timeouts

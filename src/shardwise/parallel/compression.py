@@ -59,7 +59,7 @@ def make_reducer(layout: Layout, all_reduce: str = "backend", compression: str =
     it is, cast to 16 bits (`fp16`, `bf16`) or `powersgd`-compressed."""
     if all_reduce == "backend" and compression == "none":
         return AsyncBackendMean(layout)
-    reduce = AllReduce(all_reduce, new_group_of_all(layout[0][0].device))
+    reduce = AllReduce(all_reduce, new_group_of_all())
     if compression == "powersgd":
         average = PowerSGD(layout, reduce, powersgd_rank, powersgd_start_step)
     elif compression in CAST_DTYPES:

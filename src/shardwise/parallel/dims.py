@@ -36,6 +36,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
+from torch._C._distributed_c10d import Backend
+
+from shardwise.dist import world_timeout
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -103,8 +106,14 @@ class Mesh:
         if shape.world != ctx.world_size:
             raise ValueError(f"mesh {shape}: {shape.world} ranks, but the world has {ctx.world_size}")
         self.shape = shape
-        self.device_mesh = init_device_mesh(ctx.device.type, shape.sizes, mesh_dim_names=MESH_DIMS)
-        self.flattened = {name: self.device_mesh[dims]._flatten(name) for name, dims in FLATTENED.items()}
+        sizes = dict(zip(MESH_DIMS, shape.sizes, strict=True))
+        timeouts = _timeout_options(ctx, {**sizes, **{name: math.prod(sizes[dim] for dim in dims)
+                                                       for name, dims in FLATTENED.items()}})
+        overrides = {dim: timeouts[dim] for dim in MESH_DIMS if dim in timeouts}
+        self.device_mesh = init_device_mesh(ctx.device.type, shape.sizes, mesh_dim_names=MESH_DIMS,
+                                            backend_override=overrides)
+        self.flattened = {name: self.device_mesh[dims]._flatten(name, timeouts.get(name))
+                          for name, dims in FLATTENED.items()}
         if shape.ep > 1:
             self._split_dp_for_experts(ctx, shape)
 
@@ -128,7 +137,7 @@ class Mesh:
             groups["edp_shard"] = per_replica.movedim(1, -1).reshape(-1, per_replica.shape[1])
         for name, ranks in groups.items():
             members = ranks.tolist()
-            group, _ = dist.new_subgroups_by_enumeration(members)
+            group, _ = dist.new_subgroups_by_enumeration(members, timeout=world_timeout())
             mine = next(each for each in members if ctx.rank in each)
             self.flattened[name] = DeviceMesh.from_group(group, ctx.device.type, mesh=mine, mesh_dim_names=(name,))
         if shape.cp == 1:
@@ -154,3 +163,14 @@ class Mesh:
         """The rank at `coordinates` (by dimension; those not given, this rank's own)."""
         index = tuple(coordinates.get(dim, self.rank(dim)) for dim in MESH_DIMS)
         return int(self.device_mesh.mesh[index])
+
+
+def _timeout_options(ctx: DistContext, sizes: dict[str, int]) -> dict[str, Backend.Options]:
+    """For each dimension or flattened group of `sizes` that is not the whole world, options that give
+    its groups the world's timeout (launch.timeout_s). The device mesh makes those with new_group,
+    whose default under Gloo is 30 minutes: a stall in an fsdp all-gather would hold its ranks that
+    long. A whole-world one is the default group itself; NCCL's are split from it, its options copied."""
+    if ctx.backend != "gloo":
+        return {}
+    options = Backend.Options("gloo", world_timeout())
+    return {name: options for name, size in sizes.items() if size != ctx.world_size}

@@ -56,7 +56,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.config.schema import Config, ConfigError, ParallelConfig, PipelineConfig
-from shardwise.dist import DistContext
+from shardwise.dist import DistContext, world_timeout
 from shardwise.gradients import clip_grad_norm_, local_grads
 from shardwise.memory import MemoryBreakdown
 from shardwise.models import moe
@@ -214,7 +214,7 @@ class Pipeline(MeshStrategy):
         # new_group is collective over the world: every rank makes every pair, in the same order.
         replicas = [(r, s) for r in range(self.mesh.size("dp_replicate")) for s in range(self.mesh.size("dp_shard"))]
         pairs = {(d, c, t): dist.new_group([self.mesh.global_rank(dp_replicate=r, dp_shard=s, cp=c, pp=stage, tp=t)
-                                            for stage in holders])
+                                            for stage in holders], timeout=world_timeout())
                  for d, (r, s) in enumerate(replicas) for c in range(self.mesh.size("cp")) for t in range(self.tp)}
         if self.pp_rank in holders:
             self._tied = (shared, pairs[self.dp_rank, self.mesh.rank("cp"), self.tp_rank])
