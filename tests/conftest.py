@@ -32,8 +32,8 @@ def pytest_configure(config: pytest.Config) -> None:
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     """Under pytest-xdist, a test marked `alone` runs with no other worker's test beside it (its setup
-    and teardown included): it holds its job to a short collective timeout and times the failure,
-    which the other worker's load can stretch."""
+    and teardown included): the other worker's load once broke its job's recovery
+    (docs/architecture.md#tests)."""
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
     if run is None:
         yield

@@ -105,7 +105,6 @@ def test_killing_an_async_worker_leaves_the_server_and_the_other_worker_training
 
 
 @pytest.mark.slow
-@pytest.mark.alone
 def test_a_stalled_sync_worker_fails_the_step_naming_it(tmp_path):
     out = tmp_path / "stall"
     timeout = 5

@@ -135,13 +135,15 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
-def world_timeout() -> timedelta:
+def world_timeout() -> timedelta | None:
     """The default group's collective timeout (launch.timeout_s), for every group a run makes
     besides: new_group's own default is 30 minutes, and a stall in one would go unexplained, and
-    hold its rank, that long (device meshes inherit the default group's; new_group and
-    new_subgroups_by_enumeration do not)."""
-    device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
-    return dist.group.WORLD._get_backend(device).options._timeout
+    hold its rank, that long (a device mesh's dimensions: parallel/dims.py). None in a fake
+    world (bench/fake_world.py), whose groups never wait: new_group's default then."""
+    backend = dist.get_backend()
+    if backend not in ("gloo", "nccl"):
+        return None
+    return dist.group.WORLD._get_backend(torch.device("cuda" if backend == "nccl" else "cpu")).options._timeout
 
 
 def new_group_of_all() -> dist.ProcessGroup:

@@ -97,7 +97,6 @@ def slow_link(two_nodes) -> Cluster:
         two_nodes.restore(1)
 
 
-@pytest.mark.alone
 def test_a_cut_link_fails_the_surviving_node_within_the_timeout_naming_the_lost_rank(slow_link, tmp_path):
     processes = start_on_nodes(slow_link, tmp_path, *FLAGS)
     wait_for_step(processes, tmp_path, 6)
