@@ -195,8 +195,8 @@ def test_a_bad_step_in_one_group_is_re_run_there_then_skipped_or_stopped_by_ever
     _, err = stop.communicate(timeout=300)
     assert stop.returncode == 1, err[-3000:]
     assert (f"step 6: {found} in replica group 1, and again when re-run from the same state (deterministic): "
-            "stopping") in err
-    assert "step 6: a bad step in replica group 1, and again when re-run from the same state" in err
+            "stopping") in err, err[-3000:]
+    assert "step 6: a bad step in replica group 1, and again when re-run from the same state" in err, err[-3000:]
     assert [max(r["step"] for r in records(tmp_path / "stop", g)) for g in range(2)] == [5, 5]
 
 
