@@ -113,16 +113,20 @@ def test_a_killed_group_heals_from_a_live_one_while_the_others_go_on(tmp_path, t
     # The restarted group joined by copying a live group's state, at a step past the kill.
     healed = records(tmp_path, 1)
     assert healed[-1]["healed_at"] and healed[-1]["healed_at"][-1] >= killed_at, healed[-1]
-    # Where a step was committed by every group, they all saw the same averaged loss.
+    # Where a step was committed by every group, they all saw the same averaged loss: before the kill,
+    # every step, up to the first one a live group missed. A group later to a quorum than the
+    # Lighthouse's join timeout (1 s: replicas.py), as on a loaded 2-core machine, is left out of that
+    # step and heals from the others, as a restarted one does (seen once in a two-worker suite run).
     losses = [{r["step"]: r["loss"] for r in records(tmp_path, g) if r["committed"]} for g in range(groups)]
     together = set.intersection(*(set(group) for group in losses))
-    assert set(range(1, killed_at)) <= together
+    whole = min([r["step"] for r in steady if r["committed"] and r["replica_groups"] < groups] + [killed_at])
+    assert set(range(1, whole)) <= together
     assert all(len({group[step] for group in losses}) == 1 for step in together)
-    # Before the fault, the groups train as one group of all their ranks does (pooled ranks, the job's config).
+    # Until then, the groups train as one group of all their ranks does (pooled ranks, the job's config).
     run_ranks(train_as_one_group, groups * nproc, tmp_path / "reference", strategy, micro_batch[1])
     want = [r["loss"] for r in map(json.loads, (tmp_path / "reference" / "metrics.jsonl").read_text().splitlines())
             if r["event"] == "step"]
-    assert max(abs(losses[0][step] - loss) / loss for step, loss in enumerate(want, 1)) < 1e-5
+    assert all(abs(losses[0][step] - loss) / loss < 1e-5 for step, loss in enumerate(want[:whole - 1], 1))
 
 
 def train_as_one_group(ctx: DistContext, out: Path, strategy: str, *overrides: str) -> None:
