@@ -54,6 +54,7 @@ from typing import Any
 from bench import ROOT, bench_env
 from bench.common import write_json
 from shardwise.checkpoint import LATEST, MANIFEST, problem_with
+from shardwise.launch import process_stat
 
 EVERY = 5  # the checkpoint interval, in steps
 KEEP = 3  # train.keep_checkpoints (its default): rotation keeps the newest 3
@@ -217,11 +218,8 @@ def kill_job(attempt: Attempt) -> None:
 
 def running(pid: int) -> bool:
     """Process `pid` exists and is not a zombie."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state != "Z"  # a zombie runs no more; its parent, gone, cannot reap it
+    stat = process_stat(pid)
+    return stat is not None and stat[1] != "Z"  # a zombie runs no more; its parent, gone, cannot reap it
 
 
 def listing(root: Path) -> dict[str, int]:

@@ -36,6 +36,7 @@ from bench import bench_env
 from bench.common import write_json
 from shardwise.config.load import load_config
 from shardwise.config.schema import Config
+from shardwise.launch import process_stat
 from shardwise.planner.candidates import Candidate
 from shardwise.planner.memory_model import predict_memory
 from shardwise.planner.model import model_facts, model_shape
@@ -112,13 +113,9 @@ def worker(job: dict[str, Any]) -> None:
 def descendants(root: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            parent = int(stat.rsplit(")", 1)[1].split()[1])
-            children.setdefault(parent, []).append(int(entry))
+        stat = process_stat(entry) if entry.isdigit() else None
+        if stat is not None:
+            children.setdefault(stat[2], []).append(int(entry))
     found, stack = [], list(children.get(root, []))
     while stack:
         pid = stack.pop()

@@ -188,22 +188,30 @@ def launch_workers(launch: LaunchConfig, entry: list[str]) -> None:
         sys.stdout.flush()
 
 
+def process_stat(pid: int | str) -> tuple[str, str, int] | None:
+    """(name, state, parent pid) of process `pid` from /proc/PID/stat ("pid (name) state ppid ..."; the
+    name may hold spaces and parentheses), or None if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read()
+    except OSError:
+        return None
+    state, parent = fields[fields.rindex(")") + 2:].split()[:2]
+    return fields[fields.index("(") + 1:fields.rindex(")")], state, int(parent)
+
+
 def worker_pids(launcher: int) -> dict[int, int]:
     """rank -> pid of the workers running under the launcher process `launcher` (its descendants that
     named themselves `shardwise rN`: dist.name_worker), for whoever must signal one rank. Forked
     workers share their server's command line, so that does not tell them apart."""
     parents, ranks = {}, {}
     for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
+        stat = process_stat(entry.name) if entry.name.isdigit() else None
+        if stat is None:  # not a process, or ended meanwhile
             continue
-        try:
-            with open(f"/proc/{entry.name}/stat") as stat:  # pid (name) state ppid ...
-                fields = stat.read()
-        except OSError:  # ended meanwhile
-            continue
-        name, rest = fields[fields.index("(") + 1:fields.rindex(")")], fields[fields.rindex(")") + 2:].split()
+        name, _, parent = stat
         pid = int(entry.name)
-        parents[pid] = int(rest[1])
+        parents[pid] = parent
         if name.startswith(WORKER_NAME):
             ranks[pid] = int(name.removeprefix(WORKER_NAME))
     found = {}

@@ -135,9 +135,10 @@ class Mesh:
             # held by the ranks of a dp_replicate group.
             per_replica = grid.reshape(shape.dp_replicate, shape.dp_shard // shape.ep, *grid.shape[1:])
             groups["edp_shard"] = per_replica.movedim(1, -1).reshape(-1, per_replica.shape[1])
+        timeout = world_timeout()
         for name, ranks in groups.items():
             members = ranks.tolist()
-            group, _ = dist.new_subgroups_by_enumeration(members, timeout=world_timeout())
+            group, _ = dist.new_subgroups_by_enumeration(members, timeout=timeout)
             mine = next(each for each in members if ctx.rank in each)
             self.flattened[name] = DeviceMesh.from_group(group, ctx.device.type, mesh=mine, mesh_dim_names=(name,))
         if shape.cp == 1:

@@ -213,8 +213,9 @@ class Pipeline(MeshStrategy):
             return
         # new_group is collective over the world: every rank makes every pair, in the same order.
         replicas = [(r, s) for r in range(self.mesh.size("dp_replicate")) for s in range(self.mesh.size("dp_shard"))]
+        timeout = world_timeout()
         pairs = {(d, c, t): dist.new_group([self.mesh.global_rank(dp_replicate=r, dp_shard=s, cp=c, pp=stage, tp=t)
-                                            for stage in holders], timeout=world_timeout())
+                                            for stage in holders], timeout=timeout)
                  for d, (r, s) in enumerate(replicas) for c in range(self.mesh.size("cp")) for t in range(self.tp)}
         if self.pp_rank in holders:
             self._tied = (shared, pairs[self.dp_rank, self.mesh.rank("cp"), self.tp_rank])
