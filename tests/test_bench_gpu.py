@@ -129,19 +129,40 @@ name = "synthetic-tokens"
 """
 
 
+# A Llama whose embedding and head dwarf its blocks and its short sequence's activations, as
+# Llama-3-8B's over 64 ranks do: fsdp's peak is at the end of backward, the root's gradients reduced.
+WIDE_LLAMA = """[model]
+name = "hf-llama"
+n_layer = 4
+n_head = 4
+n_kv_head = 2
+d_model = 128
+d_ff = 448
+seq_len = 64
+vocab_size = 32768
+
+[data]
+name = "synthetic-tokens"
+"""
+
 PEAK_JOBS = ("single:1:none", "ddp:1:none", "fsdp:8:blocks")
+END_JOBS = ("fsdp:64:blocks", "fsdp-native:64:blocks")
 
 
 @pytest.fixture(scope="module")
 def step_peaks(tmp_path_factory) -> dict[str, dict]:
     """bench.gpu_profile's memory profile of each of PEAK_JOBS (gpu-scale jobs of the wide-vocabulary
-    GPT at sequence 256), one after another in one process (each job's group destroyed after it)."""
-    config = tmp_path_factory.mktemp("peaks") / "wide.toml"
-    config.write_text(WIDE_VOCABULARY)
-    jobs = [dict(zip(("strategy", "world", "recompute"), job.split(":"), strict=True)) for job in PEAK_JOBS]
-    jobs = [{**job, "world": int(job["world"]), "seq_len": 256, "config": str(config)} for job in jobs]
-    results = run_jobs_in_one_process([("bench.gpu_profile", job) for job in jobs])
-    return dict(zip(PEAK_JOBS, results, strict=True))
+    GPT at sequence 256) and END_JOBS (of the wide Llama at 64), one after another in one process
+    (each job's group destroyed after it)."""
+    folder = tmp_path_factory.mktemp("peaks")
+    (folder / "wide.toml").write_text(WIDE_VOCABULARY)
+    (folder / "llama.toml").write_text(WIDE_LLAMA)
+    jobs = [(job.split(":"), "wide.toml", 256) for job in PEAK_JOBS]
+    jobs += [(job.split(":"), "llama.toml", 64) for job in END_JOBS]
+    results = run_jobs_in_one_process([("bench.gpu_profile", {
+        "strategy": strategy, "world": int(world), "recompute": recompute, "seq_len": seq,
+        "config": str(folder / config)}) for (strategy, world, recompute), config, seq in jobs])
+    return dict(zip(PEAK_JOBS + END_JOBS, results, strict=True))
 
 
 @pytest.mark.parametrize("job", PEAK_JOBS)
@@ -159,3 +180,16 @@ def test_the_planners_step_peak_is_what_the_profilers_memory_timeline_finds(step
     assert at_peak["autograd_detail"] + at_peak["temporary"] == pytest.approx(predicted["loss"], rel=0.02)
     assert at_peak["optimizer_state"] == predicted["optimizer"]
     assert predicted["loss"] > memory["peak"] / 3  # the case this holds is one where the loss matters
+
+
+def test_fsdps_peak_at_the_end_of_backward_is_the_planners_and_under_fsdp2s(step_peaks):
+    """Where the root outweighs the rest (Llama-3-8B over 64 ranks), the step's peak is the root's
+    reduce-scatter: its whole gradients and their float32 packed copy, its gathered parameters
+    already freed. The planner's `at_end` is that moment; FSDP2 holds more there."""
+    ours, native = step_peaks["fsdp:64:blocks"], step_peaks["fsdp-native:64:blocks"]
+    predicted = ours["predicted"]
+    assert predicted["peak"] == predicted["params"] + predicted["optimizer"] + predicted["at_end"]
+    assert ours["peak"] == pytest.approx(predicted["peak"], rel=0.02), (ours["peak"], predicted)
+    # nothing of the gathered root is left: the parameters live at the peak are this rank's shards
+    assert ours["at_peak"]["parameter"] <= predicted["params"]
+    assert ours["peak"] < 0.95 * native["peak"], (ours["peak"], native["peak"])

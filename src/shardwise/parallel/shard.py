@@ -396,18 +396,17 @@ class Sharding:
                 unit.grads_spent = False
 
     def grad_ready(self, param: nn.Parameter, sync: bool) -> None:
-        """`param`'s gradient is final for this backward: once its unit's all are (the root's wait
-        for the end), stage 2 and 3 reduce-scatter the unit (when `sync`) and stage 3 frees it.
-        Experts' units wait for the end of backward too: an expert no token reached on a rank may
-        get no gradient there, and their reduce-scatters must come in the same order on every rank."""
+        """`param`'s gradient is final: once its unit's all are (the root's and experts' wait for the end
+        of backward: an expert no token reached here gets no gradient, and every rank must reduce in
+        the same order), stage 3 frees the unit and stages 2 and 3 reduce-scatter it (when `sync`)."""
         unit = self._unit_of[id(param)]
         unit.ready.add(id(param))
         if len(unit.ready) < len(unit.params) or unit.root:
             return
+        if self.stage == 3:  # before the reduce-scatter, whose packed gradients need not live beside them
+            self.free(unit)
         if sync and self.stage >= 2 and not unit.over.experts:
             self.reduce_scatter(unit)
-        if self.stage == 3:
-            self.free(unit)
 
     def reduce_scatter(self, unit: Unit) -> None:
         """Average the unit's full gradients over its ranks, packed in the reduce dtype, into this
@@ -421,7 +420,8 @@ class Sharding:
             for region, offset in zip(unit.regions(unit.grads), unit.offsets, strict=True):
                 packed[:, offset : offset + region.shape[1]].copy_(region)
             unit.grads_spent = True
-        elif not unit.padded and all(param.grad is not None for param in unit.params):  # one copy for the unit
+        elif not unit.padded and not unit.root and all(param.grad is not None for param in unit.params):
+            # One copy for the unit; not the root's, whose vocabulary matrices a casting cat would copy first
             torch.cat([param.grad.view(world, -1) for param in unit.params], dim=1, out=packed)
         else:
             for param, shape, rows, offset in zip(unit.params, unit.shapes, unit.rows, unit.offsets, strict=True):
@@ -465,7 +465,9 @@ class Sharding:
     def finish_backward(self, sync: bool) -> None:
         """At the end of a backward: when `sync`, every unit not reduced yet (the root, units with a
         parameter that got no gradient, stage 1's, experts') reduce-scattered and every reduction
-        settled; stage 3 frees what is still gathered."""
+        settled. Stage 3 first frees what is still gathered (the root): the packed gradients need
+        not live beside it."""
+        self.free_all()
         if sync:
             for unit in self.units:
                 if unit.frozen:
@@ -473,7 +475,6 @@ class Sharding:
                 if unit.root or len(unit.ready) < len(unit.params) or self.stage == 1 or unit.over.experts:
                     self.reduce_scatter(unit)
             self.settle_reductions()
-        self.free_all()
         for unit in self.units:
             unit.ready.clear()
 

@@ -40,11 +40,14 @@ and values in flight) and `loss`, what the loss's backward makes over the logits
 gradient and one float32 chunk (models/cross_entropy.py).
 
 Each category is at its own largest at a different time, so the step's `peak` is not their sum
-but the larger of two moments: where backward starts, every activation saved, the loss's
-gradient made and only the gradients and buffers already there (`at_loss`); and later, the
-head's saved tensors freed (`head`: the logits above all) and gradients and buffers at their
-largest. Held to torch.profiler's memory timeline (tests/test_bench_gpu.py). `margin` is a
-stated fraction of the peak for allocator fragmentation and the optimizer step's temporaries.
+but the largest of three moments: where backward starts, every activation saved, the loss's
+gradient made and only the gradients and buffers already there (`at_loss`); later in backward,
+the head's saved tensors freed (`head`: the logits above all) and gradients and buffers at their
+largest; and under fsdp, backward's end, every activation and gathered unit freed, where the
+root's whole gradients and their packed copy are reduce-scattered (`at_end`: the peak where the
+root outweighs the rest, as a large vocabulary's over many ranks does). Held to torch.profiler's
+memory timeline (tests/test_bench_gpu.py). `margin` is a stated fraction of the peak for
+allocator fragmentation and the optimizer step's temporaries.
 """
 
 from __future__ import annotations
@@ -99,15 +102,16 @@ class RankMemory:
     loss: int = 0  # the logits' gradient and one float32 chunk, made as backward starts (models/cross_entropy.py)
     head: int = 0  # of `activations`, what the head and the loss saved (the logits): freed by their backward
     at_loss: int = 0  # the gradients and buffers already live as backward starts
+    at_end: int = 0  # fsdp's gradients and buffers as backward ends, every activation freed (the root's reduction)
 
     @property
     def peak(self) -> int:
-        """The larger of the step's two busiest moments: backward's start, every activation still
-        saved, and the rest of the step, with the head's freed and gradients and buffers at their
-        largest."""
+        """The largest of the step's busiest moments: backward's start, every activation still
+        saved; the rest of backward, with the head's freed and gradients and buffers at their
+        largest; and, under fsdp, backward's end, where the root's gradients are reduced."""
         backward_starts = self.activations + self.at_loss + self.loss
         later = self.activations - self.head + self.grads + self.buffers
-        return self.params + self.optimizer + max(backward_starts, later)
+        return self.params + self.optimizer + max(backward_starts, later, self.at_end)
 
     @property
     def total(self) -> int:
@@ -198,7 +202,8 @@ def _data_parallel(c: Candidate, cfg: Config, shape: ModelShape, activations: bo
         buffers += shard * stored  # the packed gradient shards all-reduced across nodes
     return RankMemory(state.params, state.grads, state.optimizer, saved, buffers, host=state.host,
                       staging=state.staging, loss=loss_gradients(c, shape), head=head,
-                      at_loss=_data_parallel_at_loss(c, cfg, state, facts, units, world, stored))
+                      at_loss=_data_parallel_at_loss(c, cfg, state, facts, units, world, stored),
+                      at_end=_fsdp_at_end(c, cfg, state, facts, world, stored))
 
 
 @functools.cache
@@ -377,9 +382,25 @@ def _sharded_buffers(c: Candidate, cfg: Config, facts: ModelFacts, world: int, s
     gathered = dtype_bytes(precision.compute_dtype if precision.mixed else precision.param_dtype)
     elements = fsdp_gathered_numel(units, world, cfg.parallel.sharding.prefetch,
                                    cfg.parallel.sharding.reshard_after_forward)
-    # Only what trains is reduce-scattered (LoRA's frozen units are not)
-    reduced = sorted(facts.unit_padded(world), reverse=True)[:UNITS_IN_FLIGHT]
-    return elements * gathered + sum(reduced) * reduce + kept_whole
+    # As a block's backward ends: the root and the blocks gathered, the block's whole gradients, the
+    # previous block's packed in flight, the root's gradients the head's backward made, and experts'
+    # whole gradients, which wait for the end of backward. Only what trains is reduced (not LoRA's
+    # frozen units). The root's reduce-scatter, at the end, is `at_end`.
+    block_packed = max(facts.unit_padded(world)[:-1], default=0)
+    whole = facts.block.numel + facts.head.numel + facts.n_layer * facts.experts.numel
+    return elements * gathered + whole * working + block_packed * reduce + kept_whole
+
+
+def _fsdp_at_end(c: Candidate, cfg: Config, state: ModelState, facts: ModelFacts, world: int, stored: int) -> int:
+    """fsdp's gradients and buffers as its backward ends, every activation and gathered parameter
+    freed: every unit's shard gradients, the root's and experts' whole gradients, and the root's
+    packed for its reduce-scatter."""
+    if c.spec.zero_stage != 3:
+        return 0
+    precision = make_precision(c.precision, cfg.parallel.sharding.reduce_dtype)
+    working, reduce = dtype_bytes(working_dtype(precision)), dtype_bytes(precision.reduce_dtype)
+    whole = (facts.root.numel + facts.n_layer * facts.experts.numel) * working
+    return state.grads + max(whole, _kept_whole(c, cfg, facts, stored)) + facts.unit_padded(world)[-1] * reduce
 
 
 def _kept_whole(c: Candidate, cfg: Config, facts: ModelFacts, stored: int) -> int:
