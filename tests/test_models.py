@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -111,3 +113,25 @@ def test_the_chunked_cross_entropy_is_torchs_in_float32_chunk_by_chunk(dtype, mo
         assert got.grad.dtype == dtype and torch.allclose(got.grad.float(), expected.grad.float(), rtol=0, atol=1e-6)
         assert torch.equal(got.detach(), logits)
         assert not got.grad[::5].any()  # an ignored target's row gets no gradient
+
+
+def test_the_chunked_cross_entropy_holds_one_float32_chunk_at_a_time(monkeypatch, tmp_path):
+    """Over many chunks, beside the logits and their gradient, forward and backward hold one float32 chunk of
+    rows at a time (the planner's `loss` counts one), not the last one beside the next (torch.profiler's
+    memory timeline, as bench/gpu_profile.py reads it)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from shardwise.models import cross_entropy
+
+    rows, vocab = 8, 4096
+    monkeypatch.setattr(cross_entropy, "CHUNK_ELEMENTS", rows * vocab)
+    logits = torch.randn(10 * rows, vocab, dtype=torch.bfloat16, requires_grad=True)
+    targets = torch.randint(0, vocab, (10 * rows,))
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        cross_entropy.cross_entropy_sum(logits, targets).backward()
+    prof.export_memory_timeline(str(tmp_path / "timeline.json"), device="cpu")
+    _, sizes = json.loads((tmp_path / "timeline.json").read_text())
+    peak = max(sum(row[1:]) for row in sizes)
+    chunk, logits_bytes = rows * vocab * 4, logits.numel() * 2
+    # the logits, their gradient, the chunk, and a row's few float32 statistics (log-sum-exp, maxima)
+    assert 2 * logits_bytes + chunk <= peak < 2 * logits_bytes + 1.5 * chunk, (peak, logits_bytes, chunk)

@@ -27,6 +27,12 @@ def chunk_rows(vocab: int) -> int:
     return max(1, CHUNK_ELEMENTS // vocab)
 
 
+def float32_chunk(logits: torch.Tensor, rows: int) -> torch.Tensor:
+    """The one float32 chunk a pass over `logits` computes in, `rows` of them at most, reused chunk
+    after chunk: a chunk made anew each time would be allocated while the last one is still held."""
+    return torch.empty(min(rows, logits.shape[0]), logits.shape[-1], dtype=torch.float32, device=logits.device)
+
+
 def cross_entropy_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The summed cross-entropy of `logits` [N, V] against `targets` [N], in float32, a target of
     IGNORE counting 0."""
@@ -39,8 +45,9 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         rows = chunk_rows(logits.shape[-1])
         lse = torch.empty(logits.shape[0], dtype=torch.float32, device=logits.device)
         total = torch.zeros((), dtype=torch.float32, device=logits.device)
+        buffer = float32_chunk(logits, rows)
         for start in range(0, logits.shape[0], rows):
-            chunk = logits[start : start + rows].to(torch.float32, copy=True)  # the one float32 chunk
+            chunk = buffer[: min(rows, logits.shape[0] - start)].copy_(logits[start : start + rows])
             wanted = targets[start : start + rows]
             picked = chunk.gather(1, wanted.clamp(min=0).unsqueeze(1)).squeeze(1)
             top = chunk.amax(dim=-1)
@@ -56,8 +63,9 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         logits, targets, lse = ctx.saved_tensors
         rows = chunk_rows(logits.shape[-1])
         grad = torch.empty_like(logits)
+        buffer = float32_chunk(logits, rows)
         for start in range(0, logits.shape[0], rows):
-            chunk = logits[start : start + rows].to(torch.float32, copy=True)  # written in place below
+            chunk = buffer[: min(rows, logits.shape[0] - start)].copy_(logits[start : start + rows])
             chunk.sub_(lse[start : start + rows].unsqueeze(1)).exp_()  # the softmax, in place
             wanted = targets[start : start + rows]
             counted = (wanted != IGNORE).unsqueeze(1)
