@@ -90,7 +90,7 @@ def test_a_killed_group_heals_from_a_live_one_while_the_others_go_on(tmp_path, t
     killed_at = sum(r["committed"] for r in records(tmp_path, 1))
     assert 20 <= killed_at < STEPS, f"group 1 at {killed_at} steps when its worker was to be killed"
     os.kill(replica_worker(tmp_path, 1), signal.SIGKILL)
-    _, err = job.communicate(timeout=300)
+    err = ended(job, tmp_path, 300)
     assert job.returncode == 0, err[-3000:]
 
     # Every group's weights are the same at the end, the healed one's too.
@@ -151,7 +151,7 @@ def test_a_group_restarted_after_the_others_ended_stops_rather_than_waiting_for_
             and job.poll() is None:
         time.sleep(0.05)
     os.kill(replica_worker(tmp_path, 1), signal.SIGKILL)
-    _, err = job.communicate(timeout=120)
+    err = ended(job, tmp_path, 120)
     assert job.returncode == 0, err[-3000:]
     assert "replica group 1 was restarted, but every other group had ended" in err
     assert "shardwise train: finished without replica group(s) 1" in err
@@ -170,7 +170,7 @@ def test_a_bad_step_in_one_group_is_re_run_there_then_skipped_or_stopped_by_ever
     env = injected(SHARDWISE_TEST_NAN="1:0:3:1,1:0:6:9")  # group 1, rank 0: step 3 once, step 6 always
     skip = train(tmp_path / "skip", *args, "--set", "train.bad_step=skip", env=env)
     stop = train(tmp_path / "stop", *args, env=env)
-    _, err = skip.communicate(timeout=300)
+    err = ended(skip, tmp_path / "skip", 300)
     assert skip.returncode == 0, err[-3000:]
 
     def events(run: Path, group: int, event: str) -> list[dict]:
@@ -196,12 +196,22 @@ def test_a_bad_step_in_one_group_is_re_run_there_then_skipped_or_stopped_by_ever
     weights = [load_file(str(tmp_path / "skip" / f"replica-{g}" / "model.safetensors")) for g in range(2)]
     assert all(weights[0][k].equal(weights[1][k]) and weights[0][k].isfinite().all() for k in weights[0])
 
-    _, err = stop.communicate(timeout=300)
+    err = ended(stop, tmp_path / "stop", 300)
     assert stop.returncode == 1, err[-3000:]
     assert (f"step 6: {found} in replica group 1, and again when re-run from the same state (deterministic): "
             "stopping") in err, err[-3000:]
     assert "step 6: a bad step in replica group 1, and again when re-run from the same state" in err, err[-3000:]
     assert [max(r["step"] for r in records(tmp_path / "stop", g)) for g in range(2)] == [5, 5]
+
+
+def ended(job: subprocess.Popen, out: Path, timeout: float) -> str:
+    """The job's stderr once it has ended, within `timeout` seconds; past that, the job killed and the
+    test failed with what it printed (a group's start-up crash leaves the others waiting for it)."""
+    try:
+        return job.communicate(timeout=timeout)[1]
+    except subprocess.TimeoutExpired:
+        kill_job(job, out)
+        pytest.fail(f"the job into {out} did not end within {timeout} s; its stderr:\n{job.communicate()[1][-8000:]}")
 
 
 def kill_job(job: subprocess.Popen, out: Path) -> None:
@@ -237,8 +247,8 @@ def test_replica_groups_killed_together_resume_from_their_checkpoints_bit_for_bi
         time.sleep(0.05)
     kill_job(job, tmp_path / "killed")
     resumed = train(tmp_path / "killed", *args, "--set", "run.resume=true")
-    for run in (straight, resumed):
-        _, err = run.communicate(timeout=300)
+    for run, out in ((straight, tmp_path / "straight"), (resumed, tmp_path / "killed")):
+        err = ended(run, out, 300)
         assert run.returncode == 0, err[-3000:]
     summaries = [json.loads(line) for line in (tmp_path / "killed" / "replica-0" / "metrics.jsonl").read_text()
                  .splitlines() if '"summary"' in line]

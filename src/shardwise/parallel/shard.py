@@ -398,15 +398,15 @@ class Sharding:
     def grad_ready(self, param: nn.Parameter, sync: bool) -> None:
         """`param`'s gradient is final: once its unit's all are (the root's and experts' wait for the end
         of backward: an expert no token reached here gets no gradient, and every rank must reduce in
-        the same order), stage 3 frees the unit and stages 2 and 3 reduce-scatter it (when `sync`)."""
+        the same order), stages 2 and 3 reduce-scatter the unit (when `sync`) and stage 3 frees it."""
         unit = self._unit_of[id(param)]
         unit.ready.add(id(param))
         if len(unit.ready) < len(unit.params) or unit.root:
             return
-        if self.stage == 3:  # before the reduce-scatter, whose packed gradients need not live beside them
-            self.free(unit)
         if sync and self.stage >= 2 and not unit.over.experts:
             self.reduce_scatter(unit)
+        if self.stage == 3:
+            self.free(unit)
 
     def reduce_scatter(self, unit: Unit) -> None:
         """Average the unit's full gradients over its ranks, packed in the reduce dtype, into this
