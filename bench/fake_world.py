@@ -52,9 +52,9 @@ def rank_zero_of(world: int, node: int | None = None) -> DistContext:
 
 
 def planned_candidate(cfg: Config, world: int) -> Candidate | None:
-    """The planner's candidate for what `cfg` runs on one rank of `world`: its strategy, mesh,
-    precision, recomputation, micro-batch and pipeline schedule; None for FSDP2, which the planner
-    does not model (it predicts ours)."""
+    """The planner's candidate for what `cfg` runs on one rank of `world`: its strategy, mesh (its
+    context and expert parallel too), precision, recomputation, micro-batch and pipeline schedule;
+    None for FSDP2, which the planner does not model (it predicts ours)."""
     from shardwise.planner.candidates import Candidate
 
     p = cfg.parallel
@@ -64,7 +64,8 @@ def planned_candidate(cfg: Config, world: int) -> Candidate | None:
     pipelined = pp > 1 or p.strategy == "pipeline"
     return Candidate(p.strategy, dp, pp, tp, p.precision, p.recompute, cfg.train.micro_batch,
                      p.pipeline.micro_batches if pipelined else 1, p.pipeline.schedule if pipelined else None,
-                     shard=cfg.launch.nproc if p.strategy == "hsdp" else None)
+                     shard=cfg.launch.nproc if p.strategy == "hsdp" else None, cp=p.cp,
+                     cp_mode=p.cp_mode if p.cp > 1 else None, ep=p.ep)
 
 
 def median_step_and_losses(trainer: Trainer, steps: int, warmup: int) -> tuple[float, list[float]]:

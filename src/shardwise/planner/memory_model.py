@@ -380,14 +380,17 @@ def _sharded_buffers(c: Candidate, cfg: Config, facts: ModelFacts, world: int, s
     if stage == 2:  # the unit's gradients and their packed copy; two gathers after the step
         return sum(largest) * max(reduce, working) + kept_whole
     gathered = dtype_bytes(precision.compute_dtype if precision.mixed else precision.param_dtype)
-    elements = fsdp_gathered_numel(units, world, cfg.parallel.sharding.prefetch,
-                                   cfg.parallel.sharding.reshard_after_forward)
     # As a block's backward ends: the root and the blocks gathered, the block's whole gradients, the
-    # previous block's packed in flight, the root's gradients the head's backward made, and experts'
-    # whole gradients, which wait for the end of backward. Only what trains is reduced (not LoRA's
-    # frozen units). The root's reduce-scatter, at the end, is `at_end`.
-    block_packed = max(facts.unit_padded(world)[:-1], default=0)
-    whole = facts.block.numel + facts.head.numel + facts.n_layer * facts.experts.numel
+    # previous block's packed in flight, the root's gradients the head's backward made. Only what
+    # trains is reduced (not LoRA's frozen units). The root's reduce-scatter, at the end, is `at_end`.
+    # Split over ep, experts' whole gradients wait for the end of backward: the most of them are
+    # there as the first block's backward ends, with nothing left to prefetch, its dense part reduced.
+    waiting = _experts_waiting(facts)
+    elements = fsdp_gathered_numel(units, world, 0 if waiting else cfg.parallel.sharding.prefetch,
+                                   cfg.parallel.sharding.reshard_after_forward)
+    reduced = facts.dense if waiting else facts.block
+    block_packed = world * reduced.sharded_numel(world) if waiting else max(facts.unit_padded(world)[:-1], default=0)
+    whole = reduced.numel + facts.head.numel + waiting
     return elements * gathered + whole * working + block_packed * reduce + kept_whole
 
 
@@ -399,8 +402,15 @@ def _fsdp_at_end(c: Candidate, cfg: Config, state: ModelState, facts: ModelFacts
         return 0
     precision = make_precision(c.precision, cfg.parallel.sharding.reduce_dtype)
     working, reduce = dtype_bytes(working_dtype(precision)), dtype_bytes(precision.reduce_dtype)
-    whole = (facts.root.numel + facts.n_layer * facts.experts.numel) * working
+    whole = (facts.root.numel + _experts_waiting(facts)) * working
     return state.grads + max(whole, _kept_whole(c, cfg, facts, stored)) + facts.unit_padded(world)[-1] * reduce
+
+
+def _experts_waiting(facts: ModelFacts) -> int:
+    """Elements of the experts' whole gradients fsdp keeps to the end of backward: split over ep,
+    every layer's are units of their own, reduce-scattered in the same order on every rank once
+    backward ends (parallel/shard.py's grad_ready); without ep they are part of their block's unit."""
+    return facts.n_layer * facts.experts.numel if facts.ep > 1 else 0
 
 
 def _kept_whole(c: Candidate, cfg: Config, facts: ModelFacts, stored: int) -> int:
