@@ -154,8 +154,10 @@ class AsyncCheckpointer:
         self.keep, self.is_main = keep, is_main
         # Gloo: the background thread's collectives take host tensors, whatever device trains. With
         # the world's timeout: a rank lost mid-save fails the save in launch.timeout_s, and the rank
-        # that waits for it on its way out (close) ends, instead of holding for 30 minutes.
-        self.group = dist.new_group(backend="gloo", timeout=world_timeout()) if dist.is_initialized() else None
+        # that waits for it on its way out (close) ends, instead of holding for 30 minutes. Named, so
+        # that a collective failing in it says where it was.
+        self.group = dist.new_group(backend="gloo", timeout=world_timeout(), group_desc="async_checkpoints") \
+            if dist.is_initialized() else None
         self.stager = HostStager()
         self.shapes: dict[str, list[int]] | None = None  # the manifest's model shapes: the same every save
         self.in_flight: InFlight | None = None
