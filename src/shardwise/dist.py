@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from shardwise.memory import map_large_blocks
+from shardwise.parallel.comm import all_gather_single
 
 FLIGHT_RECORDER_ENTRIES = 64  # collectives the flight recorder keeps per process
 WORKER_NAME = "shardwise r"  # a worker's process name, its rank after it (name_worker)
@@ -53,6 +54,15 @@ class DistContext:
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier()
+
+    def all_gather_rows(self, row: torch.Tensor) -> torch.Tensor:
+        """Every rank's 1-D `row` (a few numbers a step: what each rank found, how much it holds),
+        stacked in rank order on every rank: one collective, where a pickled object takes two."""
+        if not self.distributed or self.world_size == 1:
+            return row[None]
+        rows = torch.empty(self.world_size * row.numel(), dtype=row.dtype, device=row.device)
+        all_gather_single(rows, row)
+        return rows.view(self.world_size, -1)
 
     def all_gather_object(self, value: object) -> list[object]:
         """Every rank's `value` (small, picklable: log records), in rank order, on every rank."""

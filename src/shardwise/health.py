@@ -32,7 +32,6 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
 
 from shardwise.checkpoint import TrainingRun
 from shardwise.dist import DistContext
@@ -98,27 +97,29 @@ class StepHealth:
         """At the start of an attempt at a step."""
         self.started_cpu = time.process_time()
 
-    def check(self, local_loss: torch.Tensor, grads: list[torch.Tensor], global_loss: float) -> StepReport:
-        """What every rank found in this attempt (collective). `local_loss`: this rank's; `grads`:
-        the gradients it holds, [] where a loss scaler checks them; `global_loss`: the step's mean."""
+    def check(self, local_loss: torch.Tensor, grads: list[torch.Tensor]) -> tuple[torch.Tensor, StepReport]:
+        """The step's mean loss over the ranks, and what every rank found in this attempt
+        (collective). `local_loss`: this rank's mean loss; `grads`: the gradients it holds, [] where
+        a loss scaler checks them."""
         cpu = time.process_time() - self.started_cpu
         device = self.ctx.device
         # Offloaded shards' gradients are on the host: their norm is brought to the device the loss is on.
         grad_norm = torch.stack(torch._foreach_norm(grads, 1)).sum().to(device) if grads else \
             torch.zeros((), device=device)
-        # Built where the step computed, gathered there, and read back once: one wait for the device.
-        mine = torch.stack([~torch.isfinite(local_loss.detach()), ~torch.isfinite(grad_norm)]).to(torch.float64)
-        mine = torch.cat([mine, torch.tensor([cpu], dtype=torch.float64, device=device)])
-        every = [mine]
-        if self.ctx.distributed and self.ctx.world_size > 1:
-            every = [torch.empty_like(mine) for _ in range(self.ctx.world_size)]
-            dist.all_gather(every, mine)
-        rows = torch.stack(every).cpu().tolist()
+        # One row a rank, built where the step computed and gathered there (the loss with it: one
+        # collective a step, not two), then read back once: one wait for the device.
+        loss = local_loss.detach()
+        mine = torch.stack([loss.to(torch.float64), ~torch.isfinite(loss), ~torch.isfinite(grad_norm),
+                            torch.tensor(cpu, dtype=torch.float64, device=device)])
+        every = self.ctx.all_gather_rows(mine)
+        # The sum over the ranks in the loss's own dtype, over their number: what an all-reduce's mean gives.
+        mean = every[:, 0].to(loss.dtype).sum() / self.ctx.world_size
+        rows = every.cpu().tolist()
         history = list(self.losses)
-        spike = bool(self.spike_factor and len(history) >= 5 and global_loss > self.spike_factor
+        spike = bool(self.spike_factor and len(history) >= 5 and mean.item() > self.spike_factor
                      * statistics.median(history))
-        return StepReport([r for r, row in enumerate(rows) if row[0]], [r for r, row in enumerate(rows) if row[1]],
-                          spike, [row[2] for row in rows])
+        bad_loss, bad_grads = ([r for r, row in enumerate(rows) if row[column]] for column in (1, 2))
+        return mean, StepReport(bad_loss, bad_grads, spike, [row[3] for row in rows])
 
     def accept(self, loss: float) -> None:
         """A step applied: its loss joins the spike history."""
@@ -193,9 +194,8 @@ def _checked_attempt(trainer: WatchedRun, step: int) -> tuple[torch.Tensor, Step
     """Forward and backward of step `step`, and what every rank found in it (collective)."""
     trainer.health.start()
     loss_sum = trainer.forward_backward(step)
-    loss = trainer.ctx.all_reduce_mean(loss_sum / trainer.accum)
     grads = [] if trainer.scaler else local_grads(trainer.strategy.local_parameters())
-    return loss, trainer.health.check(loss_sum, grads, loss.item())
+    return trainer.health.check(loss_sum / trainer.accum, grads)
 
 
 def _log_bad_step(trainer: WatchedRun, step: int, first: StepReport, again: bool) -> None:

@@ -229,9 +229,9 @@ class Trainer:
         self.model.train()
         return self.ctx.all_reduce_mean(loss_sum / count).item()
 
-    def step_record(self, step: int, loss: float, seconds: float) -> dict[str, Any]:
+    def step_record(self, step: int, loss: float, seconds: float,
+                    memory_by_rank: list[dict[str, int | None]]) -> dict[str, Any]:
         samples_per_s = self.cfg.train.global_batch / seconds
-        memory = self.memory()
         return {
             "event": "step",
             "step": step + 1,
@@ -241,8 +241,8 @@ class Trainer:
             "samples_per_s": samples_per_s,
             "tokens_per_s": samples_per_s * self.seq_len if self.seq_len else None,
             "mfu": mfu(self.flops_per_sample, samples_per_s, self.ctx.world_size, self.peak_flops),
-            "memory": memory.as_dict(),
-            "memory_by_rank": self.ctx.all_gather_object(memory.as_dict()),
+            "memory": memory_by_rank[self.ctx.rank],
+            "memory_by_rank": memory_by_rank,
             **({"loss_scale": self.scaler.scale, "skipped": self.last_step_skipped} if self.scaler else {}),
             **({"router": self.strategy.router_stats} if self.strategy.router_stats else {}),
             **({"committed": self.committed, "replica_groups": self.replicas.participants,
@@ -283,7 +283,9 @@ class Trainer:
                 started = time.perf_counter()
                 with self.peaks("steps"):
                     loss = self.train_step(step).item()  # .item() waits for the step to finish
-                    record = self.step_record(step, loss, time.perf_counter() - started)
+                    seconds = time.perf_counter() - started
+                    memory_by_rank, stopping = gather_step_end(self.ctx, self.memory(), terminate.raised)
+                    record = self.step_record(step, loss, seconds, memory_by_rank)
                     self.optimizer.zero_grad(set_to_none=True)
                 writer.write(record)
                 for event in self.health_events:
@@ -294,7 +296,7 @@ class Trainer:
                 if self.checkpointer is not None:
                     self.checkpointer.poll()  # the save in flight, if rank 0 finished it: its failure raised here
                 done = step + 1 if self.committed else step  # a step replica groups rolled back left no trace
-                if terminate.agreed(self.ctx):
+                if stopping:
                     self.save_checkpoint(done, now=True)
                     raise SystemExit(f"rank {self.ctx.rank}: SIGTERM: saved a checkpoint after step {done}")
                 if t.checkpoint_every and self.committed and done % t.checkpoint_every == 0:
@@ -400,12 +402,17 @@ class TerminationFlag:
     def _note(self, signum: int, frame: object) -> None:
         self.raised = True
 
-    def agreed(self, ctx: DistContext) -> bool:
-        """Whether any rank got SIGTERM: all ranks must stop at the same step to save together."""
-        flag = torch.tensor(float(self.raised), device=ctx.device)
-        if ctx.distributed and ctx.world_size > 1:
-            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
-        return bool(flag.item())
-
     def restore(self) -> None:
         signal.signal(signal.SIGTERM, self._previous)
+
+
+def gather_step_end(ctx: DistContext, memory: MemoryBreakdown, stop: bool) -> tuple[list[dict[str, int | None]], bool]:
+    """Every rank's counted memory after a step, and whether any rank is to stop (SIGTERM: all must
+    stop at the same step to save together): one collective a step (a pickled gather and an
+    all-reduce took three)."""
+    fields = memory.as_dict()
+    mine = torch.tensor([-1 if v is None else v for v in fields.values()] + [stop], dtype=torch.int64,
+                        device=ctx.device)
+    rows = ctx.all_gather_rows(mine).cpu().tolist()
+    return [{k: None if v == -1 else v for k, v in zip(fields, row[:-1], strict=True)} for row in rows], \
+        any(row[-1] for row in rows)

@@ -199,8 +199,8 @@ class TrainConfig:
     bad_step: str = option("stop", "a step whose loss or gradients are not finite on some rank, or whose loss "
                            "spikes (`spike_factor`), is re-run once from the same state; if it fails again the run "
                            "stops (`stop`) or goes on without that step's update (`skip`); each logged with the "
-                           "step, the ranks and the verdict (health.py). `off`: no check, one all-gather fewer a "
-                           "step", ("stop", "skip", "off"))
+                           "step, the ranks and the verdict (health.py). `off`: no check (the same one collective a "
+                           "step: the loss's all-reduce instead of the check's all-gather)", ("stop", "skip", "off"))
     spike_factor: float = option(0.0, "a loss above this many times the median of the last 20 steps' is a bad step; "
                                  "0: losses are only checked for being finite")
     straggler_factor: float = option(2.0, "a rank whose step took more than this many times the other ranks' median "
