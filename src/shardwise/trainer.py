@@ -229,7 +229,7 @@ class Trainer:
         self.model.train()
         return self.ctx.all_reduce_mean(loss_sum / count).item()
 
-    def step_record(self, step: int, loss: float, seconds: float,
+    def step_record(self, step: int, loss: float, seconds: float, memory: MemoryBreakdown,
                     memory_by_rank: list[dict[str, int | None]]) -> dict[str, Any]:
         samples_per_s = self.cfg.train.global_batch / seconds
         return {
@@ -241,7 +241,7 @@ class Trainer:
             "samples_per_s": samples_per_s,
             "tokens_per_s": samples_per_s * self.seq_len if self.seq_len else None,
             "mfu": mfu(self.flops_per_sample, samples_per_s, self.ctx.world_size, self.peak_flops),
-            "memory": memory_by_rank[self.ctx.rank],
+            "memory": memory.as_dict(),
             "memory_by_rank": memory_by_rank,
             **({"loss_scale": self.scaler.scale, "skipped": self.last_step_skipped} if self.scaler else {}),
             **({"router": self.strategy.router_stats} if self.strategy.router_stats else {}),
@@ -284,8 +284,9 @@ class Trainer:
                 with self.peaks("steps"):
                     loss = self.train_step(step).item()  # .item() waits for the step to finish
                     seconds = time.perf_counter() - started
-                    memory_by_rank, stopping = gather_step_end(self.ctx, self.memory(), terminate.raised)
-                    record = self.step_record(step, loss, seconds, memory_by_rank)
+                    memory = self.memory()
+                    memory_by_rank, stopping = gather_step_end(self.ctx, memory, terminate.raised)
+                    record = self.step_record(step, loss, seconds, memory, memory_by_rank)
                     self.optimizer.zero_grad(set_to_none=True)
                 writer.write(record)
                 for event in self.health_events:
