@@ -56,7 +56,7 @@ from shardwise.nf4 import quantize_layers
 from shardwise.parallel.pipeline.stages import balanced_split
 from shardwise.parallel.shard import sharded_shape
 from shardwise.parallel.tensor import ShapesOnly, parallelize_blocks
-from shardwise.planner.fake_forward import balanced_routing, one_loss_chunk, one_sequence_per_row
+from shardwise.planner.fake_forward import balanced_routing, fits_real_trace, one_loss_chunk, one_sequence_per_row
 from shardwise.recompute import apply_recompute, parse_policy
 
 
@@ -430,11 +430,11 @@ def _trace(key: TraceKey, n_layer: int, policy: str, batches: tuple[int, ...],
     at each of `batches` of the model with `n_layer` blocks on fake tensors, as an
     ActivationCounter sees them (MoE layers routing evenly: `_balanced_routing`)."""
     shape = key.local_shape
-    # A small model's bytes are counted on real tensors, the same storages as fake ones but a tenth of
-    # the dispatch cost (a tiny Llama's forward: 2.4 ms against 25), its initialisation drawing on a
-    # fork of the caller's RNG; NF4 layers, whose packed weights only fake matmuls take, on fake ones.
-    # Fake mode allows non-fake inputs: the balanced counts are real numbers.
-    real = not ops and shape.lora_quantize == "none" and _fits_real_trace(shape, max(batches))
+    # Real tensors for a small model (its initialisation on a fork of the caller's RNG), but not for
+    # NF4 layers, whose packed weights only fake matmuls take, nor to count operators.
+    hidden = max(shape.d_ff, (shape.d_expert or 0) * (shape.n_experts or 1))
+    real = not ops and shape.lora_quantize == "none" and \
+        fits_real_trace(shape.vocab_size, shape.d_model, hidden, max(batches) * shape.seq_len)
     with contextlib.nullcontext() if real else FakeTensorMode(allow_non_fake_inputs=True), \
             torch.random.fork_rng(devices=[]), one_sequence_per_row(shape.name), one_loss_chunk():
         model = shape.build(n_layer)
@@ -450,17 +450,6 @@ def _trace(key: TraceKey, n_layer: int, policy: str, batches: tuple[int, ...],
         apply_recompute(model, policy, type(blocks[0]).__name__)
         with balanced_routing(model):
             return [_marks(model, blocks, key, batch, ops) for batch in batches]
-
-
-REAL_TRACE_ELEMENTS = 1 << 22  # the most elements a trace on real tensors may hold (16 MiB of float32)
-
-
-def _fits_real_trace(shape: ModelShape, batch: int) -> bool:
-    """Whether a two-block model of `shape` and its logits over `batch` rows are small enough to trace
-    on real tensors (a bound on the embedding, two blocks' weights and the widest activation)."""
-    d_ff = max(shape.d_ff, (shape.d_expert or 0) * (shape.n_experts or 1))
-    weights = shape.vocab_size * shape.d_model + 2 * (4 * shape.d_model ** 2 + 3 * shape.d_model * d_ff)
-    return weights + batch * shape.seq_len * max(shape.vocab_size, d_ff, shape.d_model) <= REAL_TRACE_ELEMENTS
 
 
 def _marks(model: nn.Module, blocks: list[nn.Module], key: TraceKey, batch: int, ops: bool) -> Marks[int]:
