@@ -1,8 +1,9 @@
 """Naming the sick rank: which rank's step went wrong, whether it would again, and which rank is
 holding the others back.
 
-After each step's forward and backward, every rank reports three numbers in one all-gather:
-- whether its own loss is finite;
+After each step's forward and backward, every rank reports four numbers in one all-gather:
+- its own loss (the step's mean loss is summed from these: no all-reduce of its own);
+- whether that loss is finite;
 - whether its gradients are (their L1 norms, one fused kernel; fp16's scaler looks after its own);
 - the CPU seconds its process spent on the step (computing, not waiting: a rank blocked in a
   collective sleeps).
