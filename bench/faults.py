@@ -5,7 +5,7 @@
   torchrun's `--max-restarts`: the whole job restarts and resumes from the newest checkpoint;
 - `restart, async saves`: the same with the checkpoints written in the background (the default);
 - `healing`: 3 replica groups of one rank on torchft (`--replica-groups 3`): the others go on,
-  the killed group is restarted by its torchrun and copies a live group's state.
+  the killed group is restarted by the launcher (forked again) and copies a live group's state.
 
 The same kills (step, worker) in each. The bench watches each job's metrics.jsonl files as they
 grow (every 20 ms); it kills the next worker once the job has recovered from the last kill and
@@ -78,22 +78,6 @@ class Watched:
         return self.seen[-1][1]["step"] if self.seen else 0
 
 
-def replica_worker(out: Path, group: int) -> int:
-    """The worker of replica group `group` (each group a torchrun of its own, its worker
-    `python -m shardwise.worker` with the group in its environment)."""
-    wanted = f"SHARDWISE_REPLICA_GROUP={group}"
-    for entry in Path("/proc").iterdir():
-        try:
-            cmdline = (entry / "cmdline").read_bytes()
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, ValueError):
-            continue
-        if (b"shardwise.worker" in cmdline and b"torch.distributed.run" not in cmdline
-                and str(out / "config.toml").encode() in cmdline and wanted.encode() in environ):
-            return int(entry.name)
-    raise SystemExit(f"bench faults: no worker {wanted} to kill under {out}")
-
-
 def kill_plan(steps: int, kills: int, seed: int) -> list[tuple[int, int]]:
     """`kills` (step, worker) pairs: steps spread over the run at random within equal stretches
     (never on a checkpoint's step), the workers in a random order, each in turn."""
@@ -129,8 +113,12 @@ def run_path(name: str, steps: int, plan: list[tuple[int, int]], out: Path) -> d
         progress = max(each.steps() for each in watched)
         if recovering is None and pending and progress >= pending[0][0]:
             _, which = pending.pop(0)
-            os.kill(replica_worker(out, which) if healing else worker_pids(job.pid)[which], signal.SIGKILL)
+            victim = worker_pids(job.pid, which)[0] if healing else worker_pids(job.pid)[which]
+            os.kill(victim, signal.SIGKILL)
             recovering = {"at": time.monotonic(), "before": progress, "worker": which}
+        if recovering is not None and not healing and "restarted" not in recovering \
+                and worker_pids(job.pid).get(recovering["worker"], victim) != victim:
+            recovering["restarted"] = time.monotonic()  # the restarted job's rank is there
         if recovering is not None and _recovered(recovering, watched, healing):
             kills.append(recovering)
             recovering = None
@@ -159,14 +147,17 @@ def _recovered(kill: dict[str, Any], watched: list[Watched], healing: bool) -> b
     job: after rewriting its metrics; healing: the killed group back too). Fills in the measures."""
     since = kill["at"]
     if not healing:
-        # A restarted job rewrites its metrics with the steps its checkpoint covers; where that is
-        # every step before the kill, the file does not shrink, and what follows is simply new.
+        # Only what is recorded once the restarted job's ranks are there is its progress: a step the
+        # dying job finished just before the kill can reach the file just after it. A restarted job
+        # rewrites its metrics with the steps its checkpoint covers; where that is every step before
+        # the kill, the file does not shrink, and what follows is simply new.
+        if "restarted" not in kill:
+            return False
         rewritten = watched[0].rewritten
-        after = [(t, r) for t, r in watched[0].seen if t >= max(since, rewritten or since)]
+        after = [(t, r) for t, r in watched[0].seen if t >= max(kill["restarted"], rewritten or since)]
         if not any(r["step"] > kill["before"] for _, r in after):
             return False
-        # (the job's other ranks cannot finish a step without the killed one: nothing recorded after
-        # the kill comes from the job that died)
+        kill.pop("restarted")
         kill["no_progress_s"] = next(t for t, r in after if r["step"] > kill["before"]) - since
         kill["steps_done_again"] = kill["before"] - (after[0][1]["step"] - 1)
         return True

@@ -18,7 +18,6 @@ from shardwise.memory import map_large_blocks
 from shardwise.parallel.comm import all_gather_single
 
 FLIGHT_RECORDER_ENTRIES = 64  # collectives the flight recorder keeps per process
-WORKER_NAME = "shardwise r"  # a worker's process name, its rank after it (name_worker)
 
 
 @dataclass
@@ -162,11 +161,17 @@ def new_group_of_all() -> dist.ProcessGroup:
     return dist.new_group(timeout=world_timeout())
 
 
-def name_worker(rank: int) -> None:
-    """Call this process `shardwise rRANK` where ps, top and pgrep look (Linux keeps 15 characters of
-    it): workers forked from one server (launch.py) otherwise all show the server's command line."""
+def worker_name(rank: int, group: int | None = None) -> str:
+    """A worker's process name: `shardwise rRANK`, or `shardwise gGROUPrRANK` in replica group GROUP."""
+    return f"shardwise r{rank}" if group is None else f"shardwise g{group}r{rank}"
+
+
+def name_worker(rank: int, group: int | None = None) -> None:
+    """Call this process worker_name(rank, group) where ps, top and pgrep look (Linux keeps 15
+    characters of it): workers forked from one server (launch.py) otherwise all show the server's
+    command line."""
     try:
-        Path("/proc/self/comm").write_text(f"{WORKER_NAME}{rank}"[:15])
+        Path("/proc/self/comm").write_text(worker_name(rank, group)[:15])
     except OSError:  # not Linux
         pass
 

@@ -34,7 +34,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from shardwise.config.schema import ConfigError, LaunchConfig
-from shardwise.dist import WORKER_NAME
+from shardwise.dist import worker_name
 
 K = TypeVar("K")  # what a caller of `exits` knows its processes by
 
@@ -154,7 +154,7 @@ def _hold_failure_shutdown_to(seconds: int) -> None:
     ProcessContext._join_procs_with_timeout = join_all_within
 
 
-def _start_fork_server(module: str) -> str:
+def start_fork_server(module: str) -> str:
     """Start the server the ranks are forked from, importing `module` (and what it imports) once;
     return the module's file, which each rank runs as a script."""
     # The optimizers import torch._dynamo at their first step: once here too, not once a rank.
@@ -177,7 +177,7 @@ def launch_workers(launch: LaunchConfig, entry: list[str]) -> None:
         # sometimes reach a dead peer's address or hang (pytorch#135712, #167288): one store each.
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     _hold_failure_shutdown_to(launch.shutdown_timeout_s)
-    script = _start_fork_server(entry[0])
+    script = start_fork_server(entry[0])
     try:
         run(parse_args([*torchrun_args(launch), "--start-method=forkserver", "--run-path", script, *entry[1:]]))
     except ChildFailedError as error:
@@ -200,10 +200,12 @@ def process_stat(pid: int | str) -> tuple[str, str, int] | None:
     return fields[fields.index("(") + 1:fields.rindex(")")], state, int(parent)
 
 
-def worker_pids(launcher: int) -> dict[int, int]:
+def worker_pids(launcher: int, group: int | None = None) -> dict[int, int]:
     """rank -> pid of the workers running under the launcher process `launcher` (its descendants that
-    named themselves `shardwise rN`: dist.name_worker), for whoever must signal one rank. Forked
-    workers share their server's command line, so that does not tell them apart."""
+    named themselves dist.worker_name(rank, group): of replica group `group`, or of a job without
+    them), for whoever must signal one rank. Forked workers share their server's command line, so
+    that does not tell them apart."""
+    prefix = worker_name(0, group)[:-1]
     parents, ranks = {}, {}
     for entry in os.scandir("/proc"):
         stat = process_stat(entry.name) if entry.name.isdigit() else None
@@ -212,8 +214,8 @@ def worker_pids(launcher: int) -> dict[int, int]:
         name, _, parent = stat
         pid = int(entry.name)
         parents[pid] = parent
-        if name.startswith(WORKER_NAME):
-            ranks[pid] = int(name.removeprefix(WORKER_NAME))
+        if name.startswith(prefix) and name.removeprefix(prefix).isdigit():
+            ranks[pid] = int(name.removeprefix(prefix))
     found = {}
     for pid, rank in ranks.items():
         ancestor = parents.get(pid, 0)
@@ -242,7 +244,7 @@ def launch_local(launch: LaunchConfig, entry: list[str], expendable: frozenset[i
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), WORLD_SIZE=str(launch.nproc),
                LOCAL_WORLD_SIZE=str(launch.nproc), OMP_NUM_THREADS=str(launch.threads_per_rank),
                TORCHELASTIC_USE_AGENT_STORE="True")  # every rank is a client of the store above
-    script = _start_fork_server(entry[0])
+    script = start_fork_server(entry[0])
     ranks = {rank: ForkedRank(script, entry[1:], dict(env, RANK=str(rank), LOCAL_RANK=str(rank)))
              for rank in range(launch.nproc)}
     lost: list[int] = []

@@ -1,7 +1,8 @@
 """Replica groups that heal without restarting the job (`launch.replica_groups`), on torchft.
 
-`shardwise train --replica-groups N` starts torchft's Lighthouse and N torchrun jobs of
-launch.nproc ranks each, on this machine. Each job is one replica group: a whole copy of the
+`shardwise train --replica-groups N` starts torchft's Lighthouse and N groups of launch.nproc
+ranks each, on this machine, every rank forked from one server that imported torch and shardwise
+once (launch.py); the launcher restarts a failed group as torchrun's agent would a job. Each job is one replica group: a whole copy of the
 model, trained by its own strategy over its own ranks (ddp; or zero1, zero2, fsdp, which shard it
 over the group's ranks: torchft's HSDP), with a share of each global batch of its own. Across the
 groups, torchft's Manager does the rest, step by step:
@@ -13,7 +14,7 @@ groups, torchft's Manager does the rest, step by step:
 - **Commit or roll back.** The optimizer steps only if every group in the quorum finished the
   step without an error (`should_commit`); otherwise no group applies it, and the step is tried
   again with the next quorum. A committed step is never applied twice.
-- **Healing.** A group whose process died is restarted by its own torchrun
+- **Healing.** A group whose process died is restarted by the launcher, forked again
   (`launch.max_restarts`); the others do not stop. It joins the next quorum behind the others,
   and the Manager copies the model, optimizer and step from a live peer (over HTTP), not from a
   checkpoint; it then steps in lockstep with them. One whose restart outlasted the rest of the
@@ -36,11 +37,9 @@ from one whose is newest. A group restarted alone heals from a live one without 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 from collections.abc import Callable
-from contextlib import closing
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
@@ -52,13 +51,13 @@ from shardwise.config.schema import LaunchConfig
 from shardwise.dist import DistContext, restart_count
 from shardwise.gradients import local_grads
 from shardwise.health import WatchedRun, checked_step, give_up
-from shardwise.launch import exits, torchrun_args
+from shardwise.launch import ForkedRank, Stopped, signals_noted, start_fork_server, stop_processes
 from shardwise.memory import local_tensor
 
 GROUP_ENV = "SHARDWISE_REPLICA_GROUP"  # which replica group a worker belongs to, set by the launcher
 GROUPS_ENV = "SHARDWISE_REPLICA_GROUPS"  # how many there are
 START_ENV = "SHARDWISE_REPLICA_START"  # HOST:PORT of the launcher's store, where the groups meet to start
-ENDED_KEY = "ended"  # in that store, ENDED_KEY/G: group G's torchrun has exited (its exit code)
+ENDED_KEY = "ended"  # in that store, ENDED_KEY/G: group G has ended for good (its exit code)
 
 
 def replica_group() -> int | None:
@@ -72,32 +71,86 @@ def replica_dir(out: str | Path, group: int) -> Path:
 
 
 def launch_replica_groups(launch: LaunchConfig, entry: list[str]) -> list[int]:
-    """Start a Lighthouse and launch.replica_groups torchrun jobs of `python -m <entry...>`; wait for
-    them all and return the groups that failed for good (their restarts spent). SIGTERM or SIGINT
-    is passed on to every group and raises Stopped."""
+    """Start a Lighthouse and launch.replica_groups groups of launch.nproc ranks each, running module
+    entry[0] as a script with arguments entry[1:]; wait for them all and return the groups that
+    failed for good (their restarts spent). Every group's ranks, and their restarts, are forked from
+    one server that imported the entry module once. SIGTERM or SIGINT is passed on to every group
+    and raises Stopped."""
     from torch.distributed import TCPStore
     from torchft.coordination import LighthouseServer
 
+    os.environ["OMP_NUM_THREADS"] = str(launch.threads_per_rank)  # the server's, so its ranks' too
+    script = start_fork_server(entry[0])
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000)
     start = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # where the groups meet to start
-    env = dict(os.environ, TORCHFT_LIGHTHOUSE=lighthouse.address(), OMP_NUM_THREADS=str(launch.threads_per_rank),
-               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",  # one rendezvous store per restart (launch.py)
+    env = dict(os.environ, TORCHFT_LIGHTHOUSE=lighthouse.address(),
                **{START_ENV: f"127.0.0.1:{start.port}", GROUPS_ENV: str(launch.replica_groups)})
-    command = [sys.executable, "-m", "torch.distributed.run", *torchrun_args(launch), "-m", *entry]
-    groups = {group: subprocess.Popen(command, env=dict(env, **{GROUP_ENV: str(group)}))
-              for group in range(launch.replica_groups)}
-    failed: list[int] = []
+    groups = {group: GroupRanks(group, launch, script, entry[1:], env) for group in range(launch.replica_groups)}
+    running, failed = dict(groups), []
     try:  # the store and the Lighthouse live as long as the groups
-        with closing(exits(groups, launch.shutdown_timeout_s, "every replica group was sent it too")) as ended:
-            for group, code in ended:
-                start.set(f"{ENDED_KEY}/{group}", str(code))  # a restarted group with no one left stops (begin)
-                if code:
-                    print(f"replica group {group} failed for good (exit code {code}); the others go on",
-                          file=sys.stderr, flush=True)
-                    failed.append(group)
+        with signals_noted() as signalled:
+            while running and not signalled:
+                for group, ranks in list(running.items()):
+                    code = ranks.poll()
+                    if code is None:
+                        continue
+                    del running[group]
+                    start.set(f"{ENDED_KEY}/{group}", str(code))  # a restarted group with no one left stops (begin)
+                    if code:
+                        print(f"replica group {group} failed for good (exit code {code}); the others go on",
+                              file=sys.stderr, flush=True)
+                        failed.append(group)
+                time.sleep(0.1)
+            if signalled:
+                raise Stopped(f"stopped by signal {signalled[0].name}; every replica group was sent it too")
     finally:
+        stop_processes([rank for ranks in running.values() for rank in ranks.ranks.values()],
+                       launch.shutdown_timeout_s)
         lighthouse.shutdown()
     return failed
+
+
+class GroupRanks:
+    """The ranks of one replica group, forked from the launcher's server; when one fails, the
+    group's others are stopped and the whole group is started again (TORCHELASTIC_RESTART_COUNT
+    one higher, a fresh rendezvous store), up to launch.max_restarts times: what torchrun's agent
+    does for a job, here for every group in the launcher's one process. A restart is a fork, not
+    an interpreter importing torch and shardwise again."""
+
+    def __init__(self, group: int, launch: LaunchConfig, script: str, argv: list[str], env: dict[str, str]) -> None:
+        self.group, self.launch, self.script, self.argv, self.env = group, launch, script, argv, env
+        self.restarts = 0
+        self._start()
+
+    def _start(self) -> None:
+        from torch.distributed import TCPStore
+
+        # one store each start: restarted Gloo groups meeting in a store that held the dead ones'
+        # keys sometimes reach a dead peer's address or hang (launch.py)
+        self.store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        n = self.launch.nproc
+        env = dict(self.env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.store.port), WORLD_SIZE=str(n),
+                   LOCAL_WORLD_SIZE=str(n), TORCHELASTIC_USE_AGENT_STORE="True",  # every rank a client of it
+                   TORCHELASTIC_RESTART_COUNT=str(self.restarts), **{GROUP_ENV: str(self.group)})
+        self.ranks = {rank: ForkedRank(self.script, self.argv, dict(env, RANK=str(rank), LOCAL_RANK=str(rank)))
+                      for rank in range(n)}
+
+    def poll(self) -> int | None:
+        """None while the group runs (restarting it first if a rank failed and restarts are left);
+        else its exit code: 0 once every rank ended well, a failed rank's once restarts are spent."""
+        codes = {rank: process.poll() for rank, process in self.ranks.items()}
+        failures = {rank: code for rank, code in codes.items() if code not in (None, 0)}
+        if not failures:
+            return 0 if all(code == 0 for code in codes.values()) else None
+        stop_processes(list(self.ranks.values()), self.launch.shutdown_timeout_s)
+        rank, code = next(iter(failures.items()))
+        if self.restarts == self.launch.max_restarts:
+            return code
+        self.restarts += 1
+        print(f"replica group {self.group}: rank {rank} exited with code {code}; restarting the group "
+              f"({self.restarts} of {self.launch.max_restarts})", file=sys.stderr, flush=True)
+        self._start()
+        return None
 
 
 class NoPeerToHeal(RuntimeError):

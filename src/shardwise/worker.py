@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("config", help="TOML config file")
     parser.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE")
     args = parser.parse_args(argv)
-    name_worker(int(os.environ.get("RANK", 0)))
+    name_worker(int(os.environ.get("RANK", 0)), replica_group())
     cfg = load_config(args.config, args.set)
     launch = cfg.launch
     # The world the launcher actually made is what counts, whatever the file's launch.nproc says.

@@ -18,10 +18,10 @@ from distributed import run_ranks
 from helpers import CONFIGS, REPO
 from safetensors.torch import load_file
 
-from bench.faults import replica_worker
 from shardwise.checkpoint import LATEST, checkpoint_dir
 from shardwise.config.load import load_config
 from shardwise.dist import DistContext
+from shardwise.launch import worker_pids
 from shardwise.trainer import Trainer
 
 pytest.importorskip("torchft")
@@ -54,21 +54,20 @@ def train() -> Iterator[Callable[..., subprocess.Popen]]:
     """Start `shardwise train` of gpt-tiny (a global batch of 12, SGD) into `out` (`env`: variables
     added to the job's environment). What a test started and left running (an assertion failed) is
     killed when it ends, not left to load the tests after."""
-    started: list[tuple[subprocess.Popen, Path]] = []
+    started: list[subprocess.Popen] = []
 
     def start(out: Path, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
         job = subprocess.Popen(
             [sys.executable, "-m", "shardwise.cli", "train", str(CONFIGS / "gpt-tiny.toml"),
              *(a for setting in JOB for a in ("--set", setting)), "--out", str(out), *args],
-            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
             env={**os.environ, "RUST_LOG": "error", **(env or {})})
-        started.append((job, out))
+        started.append(job)
         return job
 
     yield start
-    for job, out in started:
-        if job.poll() is None:
-            kill_job(job, out)
+    for job in started:
+        kill_job(job)  # its processes left, if any: a launcher that ended may leave none
 
 
 @pytest.mark.slow
@@ -89,7 +88,7 @@ def test_a_killed_group_heals_from_a_live_one_while_the_others_go_on(tmp_path, t
     # before the kill: a killed writer may leave a torn line
     killed_at = sum(r["committed"] for r in records(tmp_path, 1))
     assert 20 <= killed_at < STEPS, f"group 1 at {killed_at} steps when its worker was to be killed"
-    os.kill(replica_worker(tmp_path, 1), signal.SIGKILL)
+    os.kill(worker_pids(job.pid, 1)[0], signal.SIGKILL)
     err = ended(job, tmp_path, 300)
     assert job.returncode == 0, err[-3000:]
 
@@ -150,7 +149,7 @@ def test_a_group_restarted_after_the_others_ended_stops_rather_than_waiting_for_
     while sum(r["committed"] for r in records(tmp_path, 1)) < 5 and time.monotonic() < deadline \
             and job.poll() is None:
         time.sleep(0.05)
-    os.kill(replica_worker(tmp_path, 1), signal.SIGKILL)
+    os.kill(worker_pids(job.pid, 1)[0], signal.SIGKILL)
     err = ended(job, tmp_path, 120)
     assert job.returncode == 0, err[-3000:]
     assert "replica group 1 was restarted, but every other group had ended" in err
@@ -210,21 +209,18 @@ def ended(job: subprocess.Popen, out: Path, timeout: float) -> str:
     try:
         return job.communicate(timeout=timeout)[1]
     except subprocess.TimeoutExpired:
-        kill_job(job, out)
+        kill_job(job)
         pytest.fail(f"the job into {out} did not end within {timeout} s; its stderr:\n{job.communicate()[1][-8000:]}")
 
 
-def kill_job(job: subprocess.Popen, out: Path) -> None:
-    """SIGKILL the launcher and every process of its run (torchrun jobs, workers), as a lost machine would."""
-    job.kill()
+def kill_job(job: subprocess.Popen) -> None:
+    """SIGKILL the launcher and every process of its run (the fork server, the workers: its session,
+    `train` starts it in one of its own), as a lost machine would."""
+    try:
+        os.killpg(job.pid, signal.SIGKILL)
+    except ProcessLookupError:  # every one of them ended already
+        pass
     job.wait()
-    marker = str(out / "config.toml").encode()
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and marker in (entry / "cmdline").read_bytes():
-                os.kill(int(entry.name), signal.SIGKILL)
-        except (OSError, ProcessLookupError):
-            continue
 
 
 @pytest.mark.slow
@@ -245,7 +241,7 @@ def test_replica_groups_killed_together_resume_from_their_checkpoints_bit_for_bi
            or min(newest_checkpoint(tmp_path / "killed", group) for group in range(2)) < 10) \
             and time.monotonic() < deadline and job.poll() is None:
         time.sleep(0.05)
-    kill_job(job, tmp_path / "killed")
+    kill_job(job)
     resumed = train(tmp_path / "killed", *args, "--set", "run.resume=true")
     for run, out in ((straight, tmp_path / "straight"), (resumed, tmp_path / "killed")):
         err = ended(run, out, 300)

@@ -1,7 +1,8 @@
 """Faults and timings for the replica-group tests (test_replicas.py), injected into the job's own
 processes. With this folder on PYTHONPATH, Python imports this module at start in every process of
-the job; only the workers, which import shardwise.trainer, are changed, as that import finishes,
-and only as these variables ask:
+the job; only the server the workers are forked from, which imports shardwise.trainer, is changed,
+as that import finishes, and only as these variables ask. The ranks forked from it inherit the
+changes, which read each rank's group, rank and restart from its environment as it runs:
 
 - SHARDWISE_TEST_NAN = "GROUP:RANK:STEP:ATTEMPTS,...": a broken device. The worker of rank RANK in
   replica group GROUP makes its loss and gradients NaN at (1-based) step STEP, for the first
@@ -38,13 +39,13 @@ def nan_faults() -> dict[int, int]:
     return found
 
 
-def break_trainer(trainer_class: type, steps: dict[int, int]) -> None:
+def break_trainer(trainer_class: type) -> None:
     original, tried = trainer_class.forward_backward, {}
 
     def forward_backward(self, step: int):
         loss = original(self, step)
         tried[step] = tried.get(step, 0) + 1
-        if tried[step] <= steps.get(step + 1, 0):
+        if tried[step] <= nan_faults().get(step + 1, 0):
             for p in self.model.parameters():
                 if p.grad is not None:
                     p.grad.fill_(float("nan"))
@@ -54,13 +55,13 @@ def break_trainer(trainer_class: type, steps: dict[int, int]) -> None:
     trainer_class.forward_backward = forward_backward
 
 
-def pace(replicas_class: type, seconds: float) -> None:
+def pace(replicas_class: type) -> None:
     original = replicas_class.begin
 
     def begin(self) -> int:
         step = original(self)
         if self.participants < int(os.environ["SHARDWISE_REPLICA_GROUPS"]):
-            time.sleep(seconds)
+            time.sleep(float(os.environ["SHARDWISE_TEST_PACE"]))
         return step
 
     replicas_class.begin = begin
@@ -74,13 +75,23 @@ def hold_restart() -> None:
             time.sleep(0.05)
 
 
+def hold_restarts(replicas_class: type) -> None:
+    original = replicas_class.__init__
+
+    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        hold_restart()
+        original(self, *args, **kwargs)
+
+    replicas_class.__init__ = __init__
+
+
 def change(module) -> None:  # noqa: ANN001
-    faults = nan_faults()
-    if faults:
-        break_trainer(module.Trainer, faults)
+    if os.environ.get("SHARDWISE_TEST_NAN"):
+        break_trainer(module.Trainer)
     if os.environ.get("SHARDWISE_TEST_PACE"):
-        pace(module.ReplicaGroups, float(os.environ["SHARDWISE_TEST_PACE"]))
-    hold_restart()
+        pace(module.ReplicaGroups)
+    if os.environ.get("SHARDWISE_TEST_HOLD_RESTART"):
+        hold_restarts(module.ReplicaGroups)
 
 
 class ChangeTrainerOnImport(importlib.abc.MetaPathFinder):
