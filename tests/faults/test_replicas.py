@@ -138,24 +138,22 @@ def train_as_one_group(ctx: DistContext, out: Path, strategy: str, *overrides: s
 
 @pytest.mark.slow
 def test_a_group_restarted_after_the_others_ended_stops_rather_than_waiting_for_a_peer(tmp_path, train):
-    """Two ddp groups of one rank; group 1's worker killed, and its restart held until group 0 has
-    written its final weights (a restart slower than the rest of the run). With no one left to heal
-    from, and no step it may commit alone, group 1 stops with an error naming why; the job ends, its
+    """Two ddp groups of one rank; group 1's worker killed after 5 committed steps (by itself: the
+    injector's SHARDWISE_TEST_KILL), and its restart held until group 0 has written its final
+    weights (a restart slower than the rest of the run). With no one left to heal from, and no
+    step it may commit alone, group 1 stops with an error naming why; the job ends, its
     weights group 0's. (It used to wait for a peer for ever.)"""
     final = tmp_path / "replica-0" / "model.safetensors"
     job = train(tmp_path, "--strategy", "ddp", "--nproc", "1", "--replica-groups", "2", "--max-restarts", "1",
-                "--steps", "30", "--set", "train.micro_batch=6", env=injected(SHARDWISE_TEST_HOLD_RESTART=f"1:{final}"))
-    deadline = time.monotonic() + 120
-    while sum(r["committed"] for r in records(tmp_path, 1)) < 5 and time.monotonic() < deadline \
-            and job.poll() is None:
-        time.sleep(0.05)
-    os.kill(worker_pids(job.pid, 1)[0], signal.SIGKILL)
+                "--steps", "30", "--set", "train.micro_batch=6",
+                env=injected(SHARDWISE_TEST_HOLD_RESTART=f"1:{final}", SHARDWISE_TEST_KILL="1:5"))
     err = ended(job, tmp_path, 120)
     assert job.returncode == 0, err[-3000:]
     assert "replica group 1 was restarted, but every other group had ended" in err
     assert "shardwise train: finished without replica group(s) 1" in err
     assert final.is_file() and not (tmp_path / "replica-1" / "model.safetensors").exists()
     assert [r["step"] for r in records(tmp_path, 0) if r["committed"]][-1] == 30
+    assert [r["step"] for r in records(tmp_path, 1)] == [1, 2, 3, 4, 5]  # killed as it began step 6
 
 
 @pytest.mark.slow

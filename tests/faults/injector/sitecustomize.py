@@ -13,6 +13,9 @@ changes, which read each rank's group, rank and restart from its environment as 
   milliseconds; a restart takes seconds, more on a loaded machine).
 - SHARDWISE_TEST_HOLD_RESTART = "GROUP:PATH": a restart slower than the rest of the run. Group
   GROUP's restarted worker waits until PATH exists before it trains.
+- SHARDWISE_TEST_KILL = "GROUP:STEPS": a lost process at a known step. Group GROUP's worker, at its
+  first start, SIGKILLs itself as it begins the step after STEPS committed ones (a test's own kill
+  can come late on a loaded machine, after the group has ended).
 """
 
 from __future__ import annotations
@@ -20,11 +23,13 @@ from __future__ import annotations
 import importlib.abc
 import importlib.util
 import os
+import signal
 import sys
 import time
 from pathlib import Path
 
-VARIABLES = ("SHARDWISE_TEST_NAN", "SHARDWISE_TEST_PACE", "SHARDWISE_TEST_HOLD_RESTART")  # the docstring's
+VARIABLES = (  # the docstring's
+    "SHARDWISE_TEST_NAN", "SHARDWISE_TEST_PACE", "SHARDWISE_TEST_HOLD_RESTART", "SHARDWISE_TEST_KILL")
 
 
 def nan_faults() -> dict[int, int]:
@@ -75,6 +80,20 @@ def hold_restart() -> None:
             time.sleep(0.05)
 
 
+def kill_at(replicas_class: type) -> None:
+    original = replicas_class.begin
+
+    def begin(self) -> int:
+        step = original(self)
+        group, steps = os.environ["SHARDWISE_TEST_KILL"].split(":")
+        first_start = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0
+        if first_start and group == os.environ.get("SHARDWISE_REPLICA_GROUP") and step >= int(steps):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return step
+
+    replicas_class.begin = begin
+
+
 def hold_restarts(replicas_class: type) -> None:
     original = replicas_class.__init__
 
@@ -92,6 +111,8 @@ def change(module) -> None:  # noqa: ANN001
         pace(module.ReplicaGroups)
     if os.environ.get("SHARDWISE_TEST_HOLD_RESTART"):
         hold_restarts(module.ReplicaGroups)
+    if os.environ.get("SHARDWISE_TEST_KILL"):
+        kill_at(module.ReplicaGroups)
 
 
 class ChangeTrainerOnImport(importlib.abc.MetaPathFinder):
