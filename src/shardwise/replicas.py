@@ -1,11 +1,11 @@
 """Replica groups that heal without restarting the job (`launch.replica_groups`), on torchft.
 
-`shardwise train --replica-groups N` starts torchft's Lighthouse and N groups of launch.nproc
-ranks each, on this machine, every rank forked from one server that imported torch and shardwise
-once (launch.py); the launcher restarts a failed group as torchrun's agent would a job. Each job is one replica group: a whole copy of the
-model, trained by its own strategy over its own ranks (ddp; or zero1, zero2, fsdp, which shard it
-over the group's ranks: torchft's HSDP), with a share of each global batch of its own. Across the
-groups, torchft's Manager does the rest, step by step:
+`shardwise train --replica-groups N` starts torchft's Lighthouse and N groups of launch.nproc ranks
+each, on this machine, every rank forked from one server that imported torch and shardwise once
+(launch.py); the launcher restarts a failed group as torchrun's agent would a job. Each group is one
+replica: a whole copy of the model, trained by its own strategy over its own ranks (ddp; or zero1,
+zero2, fsdp, which shard it over the group's ranks: torchft's HSDP), with a share of each global
+batch of its own. Across the groups, torchft's Manager does the rest, step by step:
 
 - **A quorum** at the start of each step: the groups alive now (the Lighthouse's heartbeat).
 - **Averaging.** After backward (and a sharded strategy's reduce-scatter within the group), each

@@ -389,11 +389,12 @@ class LaunchConfig:
                                "newest checkpoint")
     shutdown_timeout_s: int = option(25, "after SIGTERM, workers get this long (to save a checkpoint) before "
                                      "SIGKILL; a stalled rank also lives this long after the job has failed")
-    replica_groups: int = option(1, "N > 1: N replica groups of `nproc` ranks each on this node, every rank "
-                                 "forked from one server and a failed group restarted by the launcher; their gradients averaged every step by torchft, which commits or "
-                                 "rolls back each step and heals a group restarted after a failure (`max_restarts`) "
-                                 "from a live one, the others going on (replicas.py; ddp, or zero1, zero2, fsdp "
-                                 "sharding each group's model over its ranks; needs torchft)")
+    replica_groups: int = option(1, "N > 1: N replica groups of `nproc` ranks each on this node, every rank forked "
+                                 "from one server and a failed group restarted by the launcher; their gradients "
+                                 "averaged every step by torchft, which commits or rolls back each step and heals "
+                                 "a group restarted after a failure (`max_restarts`) from a live one, the others "
+                                 "going on (replicas.py; ddp, or zero1, zero2, fsdp sharding each group's model "
+                                 "over its ranks; needs torchft)")
     debug_collectives: bool = option(False, "check before every collective that it is the same call on every rank, "
                                      "failing at the first mismatch (slow; not with ddp-native)")
 
