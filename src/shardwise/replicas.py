@@ -85,8 +85,8 @@ def launch_replica_groups(launch: LaunchConfig, entry: list[str]) -> list[int]:
     start = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # where the groups meet to start
     env = dict(os.environ, TORCHFT_LIGHTHOUSE=lighthouse.address(),
                **{START_ENV: f"127.0.0.1:{start.port}", GROUPS_ENV: str(launch.replica_groups)})
-    groups = {group: GroupRanks(group, launch, script, entry[1:], env) for group in range(launch.replica_groups)}
-    running, failed = dict(groups), []
+    running = {group: GroupRanks(group, launch, script, entry[1:], env) for group in range(launch.replica_groups)}
+    failed: list[int] = []
     try:  # the store and the Lighthouse live as long as the groups
         with signals_noted() as signalled:
             while running and not signalled:
