@@ -159,8 +159,9 @@ def drop_groups(ctx: DistContext) -> None:
 
 
 # What the fork server imports once for every rank: torch, the trainer, and transformers' models
-# (another 2 s a process), imported offline as the test modules that use them ask.
-PRELOAD = ["torch", "torch.distributed", "shardwise.trainer", "transformers",
+# (another 2 s a process), imported offline as the test modules that use them ask; and scikit-learn's
+# datasets, which the digits the CNN tests train on come from (1 s a process).
+PRELOAD = ["torch", "torch.distributed", "shardwise.trainer", "sklearn.datasets", "transformers",
            *(f"transformers.models.{m}.modeling_{m}" for m in ("llama", "qwen2", "gpt2", "mixtral", "qwen3_moe",
                                                                 "deepseek_v3"))]
 

@@ -331,7 +331,9 @@ def seeded(seed: int, device: torch.device) -> Iterator[None]:
     """The global generators (the CPU's and the device's) seeded with `seed` inside, restored after."""
     devices = [device] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices, device_type=device.type if devices else "cuda"):
-        torch.manual_seed(seed)
+        # Not torch.manual_seed on the CPU: where CUDA is not in use it queues the seed for CUDA too,
+        # with the caller's stack formatted (0.3 ms a call, one call a module materialised).
+        (torch.manual_seed if devices else torch.default_generator.manual_seed)(seed)
         yield
 
 
