@@ -92,3 +92,31 @@ def test_sampling_refuses_what_cannot_run_before_any_rank_starts(cli_single_run,
     assert "give --nproc N" in capsys.readouterr().err
     assert main(["sample", str(tmp_path), "--nproc", "2"]) == 2
     assert "model.safetensors: not found" in capsys.readouterr().err
+
+
+FORK_SERVER_PROBE = """
+import multiprocessing, os, sys, time
+from multiprocessing import forkserver
+from shardwise.fork_server import start_fork_server
+
+private = os.open(sys.argv[1], os.O_RDONLY)  # a descriptor of the launcher's, not to be kept by the server
+start_fork_server("json")
+rank = multiprocessing.get_context("forkserver").Process(target=time.sleep, args=(0,))
+rank.start()  # the server serves: it has closed what it does not keep
+rank.join(60)
+server = forkserver._forkserver._forkserver_pid
+kept = {os.readlink(f"/proc/{server}/fd/{fd}") for fd in os.listdir(f"/proc/{server}/fd")}
+same_command = open(f"/proc/{server}/cmdline").read() == open("/proc/self/cmdline").read()
+print(same_command, sys.argv[1] in kept, rank.exitcode)
+"""
+
+
+def test_the_fork_server_is_forked_from_the_launcher_with_none_of_its_other_descriptors(tmp_path):
+    """fork_server.py: the ranks' server is the launcher forked (its command line, not a new
+    interpreter's), holding only what multiprocessing passes it, and it forks ranks."""
+    private = tmp_path / "private"
+    private.write_text("")
+    result = subprocess.run([sys.executable, "-c", FORK_SERVER_PROBE, str(private)], capture_output=True, text=True,
+                            timeout=120, cwd=REPO)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "False", "0"]

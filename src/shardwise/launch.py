@@ -2,8 +2,8 @@
 
 Each rank is forked from a server that imported the entry module (and so torch and shardwise) once:
 torchrun's --run-path with the forkserver start method (launch_workers), and the same server under
-our own launcher (launch_local). A `python -m` per rank spent 1.8 core-s on the same imports in
-every rank, before the first step.
+our own launcher (launch_local); the server is forked from this process (fork_server.py). A
+`python -m` per rank spent 1.8 core-s on the same imports in every rank, before the first step.
 
 One node: a rendezvous on a free loopback port. Several nodes: c10d rendezvous at
 launch.rdzv_endpoint, with --nnodes and --node-rank passed through; with launch.node_addr, what a
@@ -25,8 +25,6 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import closing, contextmanager
-from importlib.util import find_spec
-from multiprocessing import forkserver
 from typing import TypeVar
 
 import torch
@@ -35,6 +33,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from shardwise.config.schema import ConfigError, LaunchConfig
 from shardwise.dist import worker_name
+from shardwise.fork_server import start_fork_server
 
 K = TypeVar("K")  # what a caller of `exits` knows its processes by
 
@@ -154,15 +153,6 @@ def _hold_failure_shutdown_to(seconds: int) -> None:
     ProcessContext._join_procs_with_timeout = join_all_within
 
 
-def start_fork_server(module: str) -> str:
-    """Start the server the ranks are forked from, importing `module` (and what it imports) once;
-    return the module's file, which each rank runs as a script."""
-    # The optimizers import torch._dynamo at their first step: once here too, not once a rank.
-    forkserver.set_forkserver_preload([module, "torch._dynamo"])
-    forkserver.ensure_running()  # it imports while the caller goes on (torchrun's agent meets the others)
-    return find_spec(module).origin
-
-
 def launch_workers(launch: LaunchConfig, entry: list[str]) -> None:
     """Run module entry[0] as a script with arguments entry[1:] (e.g. shardwise.worker CONFIG) on
     launch.nproc local ranks, each forked from a server that imported it; raise WorkerFailed with
@@ -240,11 +230,11 @@ def launch_local(launch: LaunchConfig, entry: list[str], expendable: frozenset[i
     passed on the same way and raises Stopped. A rank's own error goes to stderr as it happens."""
     from torch.distributed import TCPStore
 
+    script = start_fork_server(entry[0])  # first: a launcher with the store's thread cannot fork it
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), WORLD_SIZE=str(launch.nproc),
                LOCAL_WORLD_SIZE=str(launch.nproc), OMP_NUM_THREADS=str(launch.threads_per_rank),
                TORCHELASTIC_USE_AGENT_STORE="True")  # every rank is a client of the store above
-    script = start_fork_server(entry[0])
     ranks = {rank: ForkedRank(script, entry[1:], dict(env, RANK=str(rank), LOCAL_RANK=str(rank)))
              for rank in range(launch.nproc)}
     lost: list[int] = []

@@ -49,9 +49,10 @@ import torch
 from shardwise.checkpoint import ensure_optimizer_state, training_state
 from shardwise.config.schema import LaunchConfig
 from shardwise.dist import DistContext, restart_count
+from shardwise.fork_server import start_fork_server
 from shardwise.gradients import local_grads
 from shardwise.health import WatchedRun, checked_step, give_up
-from shardwise.launch import ForkedRank, Stopped, signals_noted, start_fork_server, stop_processes
+from shardwise.launch import ForkedRank, Stopped, signals_noted, stop_processes
 from shardwise.memory import local_tensor
 
 GROUP_ENV = "SHARDWISE_REPLICA_GROUP"  # which replica group a worker belongs to, set by the launcher
