@@ -11,8 +11,9 @@ changes, which read each rank's group, rank and restart from its environment as 
   from the quorum, every step of the groups present takes SECONDS more, so that what is left of
   the run outlasts a killed group's restart, as it would outside a test (gpt-tiny's steps take
   milliseconds; a restart takes seconds, more on a loaded machine).
-- SHARDWISE_TEST_HOLD_RESTART = "GROUP:PATH": a restart slower than the rest of the run. Group
-  GROUP's restarted worker waits until PATH exists before it trains.
+- SHARDWISE_TEST_HOLD_RESTART = "GROUP": a restart slower than the rest of the run. Group GROUP's
+  restarted worker waits until the launcher has recorded every other group's end before it trains
+  (their final weights written is not enough: a worker that has written them may not have exited).
 - SHARDWISE_TEST_KILL = "GROUP:STEPS": a lost process at a known step. Group GROUP's worker, at its
   first start, SIGKILLs itself as it begins the step after STEPS committed ones (a test's own kill
   can come late on a loaded machine, after the group has ended).
@@ -26,7 +27,6 @@ import os
 import signal
 import sys
 import time
-from pathlib import Path
 
 VARIABLES = (  # the docstring's
     "SHARDWISE_TEST_NAN", "SHARDWISE_TEST_PACE", "SHARDWISE_TEST_HOLD_RESTART", "SHARDWISE_TEST_KILL")
@@ -73,11 +73,17 @@ def pace(replicas_class: type) -> None:
 
 
 def hold_restart() -> None:
-    group, path = os.environ.get("SHARDWISE_TEST_HOLD_RESTART", ":").split(":", 1)
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
-    if group and group == os.environ.get("SHARDWISE_REPLICA_GROUP") and restarted:
-        while not Path(path).exists():
-            time.sleep(0.05)
+    from torch.distributed import TCPStore
+
+    from shardwise.replicas import ENDED_KEY, GROUP_ENV, GROUPS_ENV, START_ENV
+
+    group = os.environ["SHARDWISE_TEST_HOLD_RESTART"]
+    if group != os.environ.get(GROUP_ENV) or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
+        return
+    host, port = os.environ[START_ENV].rsplit(":", 1)
+    launcher = TCPStore(host, int(port), is_master=False)
+    while not launcher.check([f"{ENDED_KEY}/{g}" for g in range(int(os.environ[GROUPS_ENV])) if str(g) != group]):
+        time.sleep(0.05)
 
 
 def kill_at(replicas_class: type) -> None:
