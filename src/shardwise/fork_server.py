@@ -26,10 +26,6 @@ from importlib.util import find_spec
 from multiprocessing import forkserver, resource_tracker, util
 from unittest import mock
 
-# The dispositions a new interpreter starts with, for the signals a launcher handles (launch.signals_noted).
-FRESH_HANDLERS = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL,
-                  signal.SIGHUP: signal.SIG_DFL, signal.SIGUSR1: signal.SIG_DFL, signal.SIGUSR2: signal.SIG_DFL}
-
 
 def start_fork_server(module: str) -> str:
     """Start the server the ranks are forked from, importing `module` (and what it imports) once;
@@ -58,8 +54,9 @@ def _forked(path: str, args: list[str], passfds: list[int]) -> int:
         keep = sorted(fd for fd in passfds if fd > 2)
         for low, high in zip([3] + [fd + 1 for fd in keep], [*keep, os.sysconf("SC_OPEN_MAX")], strict=True):
             os.closerange(low, high)
-        for sig, handler in FRESH_HANDLERS.items():
-            signal.signal(sig, handler)
+        for sig in signal.valid_signals():  # a new interpreter's: no Python handler but SIGINT's own
+            if callable(signal.getsignal(sig)):
+                signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
         forkserver._forkserver._lock = threading.Lock()  # held by ensure_running, in the launcher, at the fork
         exec(args[args.index("-c") + 1], {"__name__": "__main__"})
     finally:

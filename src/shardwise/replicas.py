@@ -67,6 +67,11 @@ def replica_group() -> int | None:
     return int(group) if group is not None else None
 
 
+def others_ended_keys(group: int) -> list[str]:
+    """The keys of the launcher's start store that say every group but `group` has ended for good."""
+    return [f"{ENDED_KEY}/{g}" for g in range(int(os.environ[GROUPS_ENV])) if g != group]
+
+
 def replica_dir(out: str | Path, group: int) -> Path:
     return Path(out) / f"replica-{group}"
 
@@ -200,8 +205,7 @@ class ReplicaGroups:
         """Before a restarted group has healed: raise NoPeerToHeal if every other group has ended.
         Its restart may take longer than what the others had left to train (on a loaded machine,
         near a run's end); it would otherwise wait for a peer for ever, since it commits no step alone."""
-        others = [f"{ENDED_KEY}/{g}" for g in range(int(os.environ[GROUPS_ENV])) if g != self.group]
-        if self._start.check(others):
+        if self._start.check(others_ended_keys(self.group)):
             raise NoPeerToHeal(f"replica group {self.group} was restarted, but every other group had ended by "
                                "the time it was ready to heal from one; it stops without training further "
                                "(the others' directories hold the job's final weights)")

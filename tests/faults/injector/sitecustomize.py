@@ -75,14 +75,14 @@ def pace(replicas_class: type) -> None:
 def hold_restart() -> None:
     from torch.distributed import TCPStore
 
-    from shardwise.replicas import ENDED_KEY, GROUP_ENV, GROUPS_ENV, START_ENV
+    from shardwise.replicas import GROUP_ENV, START_ENV, others_ended_keys
 
     group = os.environ["SHARDWISE_TEST_HOLD_RESTART"]
     if group != os.environ.get(GROUP_ENV) or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) == 0:
         return
     host, port = os.environ[START_ENV].rsplit(":", 1)
     launcher = TCPStore(host, int(port), is_master=False)
-    while not launcher.check([f"{ENDED_KEY}/{g}" for g in range(int(os.environ[GROUPS_ENV])) if str(g) != group]):
+    while not launcher.check(others_ended_keys(int(group))):  # what the restarted group checks (begin)
         time.sleep(0.05)
 
 
