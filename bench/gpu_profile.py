@@ -9,7 +9,7 @@ memory timeline, the bytes live at its peak by what they are (parameters, optimi
 activations, gradients, autograd's own, ...) beside the planner's categories. `--scale-job` takes
 a `bench gpu-scale` job (Llama-3-8B's shapes as one rank of a fake world) in place of a GPT preset.
 
-    python -m bench.gpu_profile --strategy fsdp --world 1 [--json OUT.json]
+    python -m bench.gpu_profile --strategy fsdp --world 1 [--compile] [--json OUT.json]
     python -m bench.gpu_profile --memory --strategy single [--json OUT.json]
     python -m bench.gpu_profile --memory --scale-job fsdp:64:blocks:4096 [--scale-config FILE]
 """
@@ -63,8 +63,10 @@ def activities(trainer: Trainer) -> list[ProfilerActivity]:
     return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if trainer.ctx.device.type == "cuda" else [])
 
 
-def profile_job(strategy: str, world: int, preset: str, micro_batch: int, steps: int) -> dict[str, Any]:
-    job = {"strategy": strategy, "world": world, "preset": preset, "micro_batch": micro_batch, "steps": 3 + steps}
+def profile_job(strategy: str, world: int, preset: str, micro_batch: int, steps: int,
+                compile_blocks: bool = False) -> dict[str, Any]:
+    job = {"strategy": strategy, "world": world, "preset": preset, "micro_batch": micro_batch, "steps": 3 + steps,
+           "compile": compile_blocks}
     with warmed_up(job, scale=False, warmup=3) as (_, trainer, _):
         cuda = trainer.ctx.device.type == "cuda"
         if cuda:
@@ -80,7 +82,7 @@ def profile_job(strategy: str, world: int, preset: str, micro_batch: int, steps:
     every = rows(events, "count", len(events))
     sort_device = "self_device_time_total" if cuda else "self_cpu_time_total"
     return {"strategy": strategy, "world": world, "preset": preset, "micro_batch": micro_batch, "steps": steps,
-            "step_s": step_s, "by_host": rows(events, "self_cpu_time_total", 25),
+            "compile": compile_blocks, "step_s": step_s, "by_host": rows(events, "self_cpu_time_total", 25),
             "by_device": rows(events, sort_device, 25),
             "waits": [r for r in every if any(w in r["name"] for w in WAITS)],
             "collectives": [r for r in every if r["name"].startswith(COLLECTIVES)]}
@@ -138,6 +140,7 @@ def main() -> None:
     parser.add_argument("--preset", default="gpt2-124m")
     parser.add_argument("--micro-batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--compile", action="store_true", help="each block compiled (train.compile)")
     parser.add_argument("--memory", action="store_true", help="what the step's memory peak is made of")
     parser.add_argument("--scale-job", help="a gpu-scale job, STRATEGY:WORLD:RECOMPUTE:SEQ (with --memory)")
     parser.add_argument("--scale-config", default="configs/llama-3-8b.toml", help="the gpu-scale job's model")
@@ -156,8 +159,9 @@ def main() -> None:
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=1))
         return
-    result = profile_job(args.strategy, args.world, args.preset, args.micro_batch, args.steps)
-    print(f"{args.strategy} world {args.world}: {result['step_s'] * 1e3:.1f} ms a step (under the profiler)")
+    result = profile_job(args.strategy, args.world, args.preset, args.micro_batch, args.steps, args.compile)
+    label = args.strategy + (", compiled" if args.compile else "")
+    print(f"{label} world {args.world}: {result['step_s'] * 1e3:.1f} ms a step (under the profiler)")
     for title, key in (("by own host time", "by_host"), ("by device time", "by_device"),
                        ("waits on the device", "waits"), ("collectives", "collectives")):
         print(f"  {title}:")
