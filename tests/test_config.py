@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -139,6 +141,33 @@ def test_resolved_config_round_trips_through_toml(tmp_path):
     again = load_config(tmp_path / "config.toml")
     assert again == cfg and again.model.d_model == 384 and again.parallel.pipeline.split_points == [1]
     assert "[parallel.pipeline]" in (tmp_path / "config.toml").read_text()
+
+
+def test_a_config_read_while_another_rank_saves_it_is_the_whole_file(tmp_path):
+    """Each replica group's first rank saves the run's resolved config while the others' ranks may be
+    reading it: a read never sees the file half written (it did 3 reads in 4 here, a rank then
+    training with AdamW, the default, where the file said SGD)."""
+    path = tmp_path / "config.toml"
+    cfg = load_config(None, ["train.optimizer=sgd", "train.lr=0.01"])
+    cfg.save(path)
+    saving = True
+
+    def save_again_and_again() -> None:
+        while saving:
+            cfg.save(path)
+
+    writer = threading.Thread(target=save_again_and_again)
+    writer.start()
+    try:
+        deadline = time.monotonic() + 0.5
+        reads = []
+        while time.monotonic() < deadline:
+            reads.append(load_config(path))
+    finally:
+        saving = False
+        writer.join()
+    assert len(reads) > 50 and all(read == cfg for read in reads)
+    assert [p.name for p in tmp_path.iterdir()] == ["config.toml"]  # no writer's partial file left
 
 
 @pytest.mark.parametrize(

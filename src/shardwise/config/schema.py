@@ -5,6 +5,8 @@ the families and strategies a key's values name. A value here is checked by vali
 from __future__ import annotations
 
 import dataclasses
+import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -439,8 +441,17 @@ class Config:
         return {section: set_only(dataclasses.asdict(getattr(self, section))) for section in SECTIONS}
 
     def save(self, path: Path) -> None:
+        """Write the config to `path` as TOML, whole or not at all: each rank that saves a run's
+        resolved config (a job's first rank, each replica group's) replaces the file while others may
+        be reading it, and a rank that read it half written trained with defaults for the rest."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(tomli_w.dumps(self.to_dict()))
+        partial = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")  # this writer's own
+        try:
+            partial.write_text(tomli_w.dumps(self.to_dict()))
+            os.replace(partial, path)
+        except BaseException:
+            partial.unlink(missing_ok=True)
+            raise
 
 
 SECTIONS: dict[str, type] = {
