@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 from pathlib import Path
 
 from torch import nn
+
+from shardwise.atomic_file import write_whole
 
 CONFIG = "config.json"
 # A Hugging Face tokenizer's files, as `save_pretrained` writes them for the tokenizers transformers knows.
@@ -57,13 +58,6 @@ def write_model_files(out: Path, config: str, tokenizer: str) -> None:
     """`config` as out/config.json and the tokenizer's files into `out`, each written whole under a
     temporary name and renamed into place."""
     out.mkdir(parents=True, exist_ok=True)
-    _write_atomically(out / CONFIG, config.encode())
+    write_whole(out / CONFIG, config.encode())
     for name, file in tokenizer_files(tokenizer).items():
-        _write_atomically(out / name, file.read_bytes())
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
+        write_whole(out / name, file.read_bytes())

@@ -89,8 +89,8 @@ def test_a_killed_group_heals_from_a_live_one_while_the_others_go_on(tmp_path, t
     killed_at = sum(r["committed"] for r in records(tmp_path, 1))
     if not 20 <= killed_at < STEPS:
         kill_job(job)
-        steady = sum(r["committed"] for r in records(tmp_path, 0))
-        pytest.fail(f"group 1 at {killed_at} steps when its worker was to be killed, group 0 at {steady}; "
+        group_0_at = sum(r["committed"] for r in records(tmp_path, 0))
+        pytest.fail(f"group 1 at {killed_at} steps when its worker was to be killed, group 0 at {group_0_at}; "
                     f"the job's stderr:\n{job.communicate()[1][-8000:]}")
     os.kill(worker_pids(job.pid, 1)[0], signal.SIGKILL)
     err = ended(job, tmp_path, 300)

@@ -5,14 +5,13 @@ the families and strategies a key's values name. A value here is checked by vali
 from __future__ import annotations
 
 import dataclasses
-import os
-import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import tomli_w
 
+from shardwise.atomic_file import write_whole
 from shardwise.parallel.dims import MeshShape
 from shardwise.parallel.pipeline.schedules import SCHEDULES as PIPELINE_SCHEDULES
 from shardwise.strategies.registry import NAMES as STRATEGIES
@@ -445,13 +444,7 @@ class Config:
         resolved config (a job's first rank, each replica group's) replaces the file while others may
         be reading it, and a rank that read it half written trained with defaults for the rest."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")  # this writer's own
-        try:
-            partial.write_text(tomli_w.dumps(self.to_dict()))
-            os.replace(partial, path)
-        except BaseException:
-            partial.unlink(missing_ok=True)
-            raise
+        write_whole(path, tomli_w.dumps(self.to_dict()).encode())
 
 
 SECTIONS: dict[str, type] = {
