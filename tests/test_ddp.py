@@ -3,6 +3,10 @@ parity with `single` on the same global batch."""
 
 from __future__ import annotations
 
+import gc
+import threading
+import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -17,6 +21,7 @@ from shardwise.dist import DistContext
 from shardwise.models import CNN
 from shardwise.parallel.replicate import plan_buckets
 from shardwise.strategies.ddp import DDP
+from shardwise.strategies.fsdp import ShardedDataParallel
 from shardwise.trainer import Trainer
 
 STEPS = 20
@@ -151,6 +156,30 @@ def ddp_behaviour(ctx: DistContext) -> dict:
     lenient.backward(twoheads(torch.full((2, 4), float(ctx.rank + 1))).sum())
     out["unused_grad"] = twoheads.unused.weight.grad.abs().sum().item()
     out["used_bias_grad"] = twoheads.used.bias.grad.clone()
+
+    # 6. A strategy let go of goes, with its reducer's thread and its process groups (the hooks on its
+    # model's parameters hold it weakly: autograd keeps them out of the garbage collector's sight).
+    ringed = DDP(ctx, ParallelConfig(strategy="ddp", ddp=DDPConfig(all_reduce="ring")))
+    ringed.wrap(CNN(width=4))
+    released = weakref.ref(ringed)
+    del ringed
+    gc.collect()
+    out["released"] = released() is None
+    deadline = time.monotonic() + 10  # the thread ends once it reads the finalizer's stop
+    while any(t.name == "shardwise-ddp-reduce" for t in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    out["reduce_threads"] = sum(t.name == "shardwise-ddp-reduce" for t in threading.enumerate())
+    # A model kept after its strategy (zero2's holds no hook of its own on the model) cannot go on
+    # training unsynchronised: its backward fails, saying why.
+    sharded = ShardedDataParallel(ctx, ParallelConfig(strategy="zero2"))
+    orphan = sharded.wrap(CNN(width=4))
+    del sharded
+    gc.collect()
+    try:
+        orphan(x).sum().backward()
+        out["orphan_error"] = None
+    except RuntimeError as error:
+        out["orphan_error"] = str(error)
     return out
 
 
@@ -191,6 +220,14 @@ def test_parameters_without_gradient_are_named_or_handled(behaviour):
         assert "find_unused_parameters" in r["unused_error"]
         assert r["unused_grad"] == 0.0
         torch.testing.assert_close(r["used_bias_grad"], torch.full((4,), 2.0))
+
+
+def test_a_strategy_let_go_of_is_released_and_a_model_kept_without_it_cannot_train(behaviour):
+    """A hook holding its strategy kept the strategy, its model and its process groups (3 threads
+    each, one waking every 10 ms) alive for good: every pooled rank of the suite grew a few a call."""
+    for r in behaviour:
+        assert r["released"] and r["reduce_threads"] == 0
+        assert "strategy is gone" in r["orphan_error"]
 
 
 # --- SyncBatchNorm --------------------------------------------------------------------------

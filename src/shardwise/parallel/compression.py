@@ -21,6 +21,7 @@ backend's all-reduce the same count, as Gloo's is a ring too (gloo/allreduce.cc)
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -237,10 +238,14 @@ class InBackground:
     def __init__(self, average: Callable[[int], None], all_reduce: AllReduce) -> None:
         self.average = average
         self.all_reduce = all_reduce
-        self.jobs: SimpleQueue[tuple[int, Future]] = SimpleQueue()
+        self.jobs: SimpleQueue[tuple[int, Future] | None] = SimpleQueue()
         # A daemon: a thread blocked in a collective whose peer died must not keep the process alive.
-        threading.Thread(target=self._run, args=(torch.get_num_threads(),), name="shardwise-ddp-reduce",
-                         daemon=True).start()
+        # It holds the queue and a weak reference, not this object: once the strategy lets go of it,
+        # the finalizer ends the thread, and the group and buffers go with it (a process that trains
+        # again, the API's or the tests' ranks, kept every run's).
+        threading.Thread(target=_run_jobs, args=(weakref.ref(self), self.jobs, torch.get_num_threads()),
+                         name="shardwise-ddp-reduce", daemon=True).start()
+        weakref.finalize(self, self.jobs.put, None)
 
     @property
     def bytes_sent(self) -> int:
@@ -254,17 +259,21 @@ class InBackground:
         self.jobs.put((index, future))
         return Pending(future)
 
-    def _run(self, threads: int) -> None:
-        # A new thread starts with the machine's default intra-op thread count, not this rank's.
-        torch.set_num_threads(threads)
-        while True:
-            index, future = self.jobs.get()
-            try:
-                self.average(index)
-            except BaseException as error:  # handed to the waiting main thread, which raises it
-                future.set_exception(error)
-            else:
-                future.set_result(None)
+
+def _run_jobs(owner: weakref.ref[InBackground], jobs: SimpleQueue[tuple[int, Future] | None], threads: int) -> None:
+    """InBackground's thread: each launched bucket averaged in turn, until the owner is gone (None)."""
+    # A new thread starts with the machine's default intra-op thread count, not this rank's.
+    torch.set_num_threads(threads)
+    while (job := jobs.get()) is not None:
+        index, future = job
+        average = owner().average  # alive: it launched this job and waits for it
+        try:
+            average(index)
+        except BaseException as error:  # handed to the waiting main thread, which raises it
+            future.set_exception(error)
+        else:
+            future.set_result(None)
+        del average  # holding it while waiting for the next job would keep the owner's state alive
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
@@ -35,6 +36,24 @@ LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (outputs, targe
 # A micro-batch: (inputs, targets), or (inputs, targets, documents) for packed documents (each input
 # token's document, `DocumentWindows.documents`).
 MicroBatch = tuple[torch.Tensor, ...]
+
+
+def on_grad_accumulated(param: nn.Parameter, hook: Callable[[nn.Parameter], None]) -> None:
+    """Call `hook`, a strategy's bound method, each time backward has accumulated `param`'s gradient.
+    The parameter holds it through a weak reference: autograd keeps a parameter's hooks where the
+    garbage collector cannot see them, so a strategy held there, whose model holds the parameter, was
+    a cycle never collected, its model, buffers and process groups (3 threads each) kept alive after
+    the run, in every process that trains more than once (the API's, the tests' ranks)."""
+    method = weakref.WeakMethod(hook)
+
+    def call(param: nn.Parameter) -> None:
+        owner = method()
+        if owner is None:
+            raise RuntimeError("backward through a model whose strategy is gone: keep the trainer (or the API's "
+                               "run) alive while training; it synchronises the gradients")
+        owner(param)
+
+    param.register_post_accumulate_grad_hook(call)
 
 
 class Strategy:

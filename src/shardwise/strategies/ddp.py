@@ -26,7 +26,7 @@ from shardwise.dist import broadcast_from_rank0
 from shardwise.parallel.compression import make_reducer
 from shardwise.parallel.replicate import ReplicatedGradients, UnusedParameters
 from shardwise.state_view import StateView
-from shardwise.strategies.base import HookedStrategy
+from shardwise.strategies.base import HookedStrategy, on_grad_accumulated
 from shardwise.strategies.sync_batchnorm import convert_sync_batchnorm
 
 
@@ -52,7 +52,7 @@ class DDP(HookedStrategy):
                                              cfg.ddp.find_unused_parameters)
         self.view = StateView(self, rank_state=self.gradients.reducer.state)  # PowerSGD's error feedback
         for param in trainable:
-            param.register_post_accumulate_grad_hook(self._on_grad_ready)
+            on_grad_accumulated(param, self._on_grad_ready)
         self._init_backward_state()
         self.last_wait_s = 0.0  # communication left exposed after the last backward
         self.module.register_forward_pre_hook(self._sync_buffers)

@@ -36,7 +36,7 @@ from shardwise.parallel.dims import Mesh
 from shardwise.parallel.shard import GatherHooks, ShardGroup, Sharding, Unit
 from shardwise.parallel.tensor import BlockSplitter, TensorParallelGroup, TensorShard
 from shardwise.state_view import ShardedView
-from shardwise.strategies.base import HookedStrategy, OptimizerFactory
+from shardwise.strategies.base import HookedStrategy, OptimizerFactory, on_grad_accumulated
 from shardwise.strategies.mesh import check_model_split
 from shardwise.strategies.registry import spec
 from shardwise.strategies.sync_batchnorm import convert_sync_batchnorm
@@ -95,7 +95,7 @@ class ShardedDataParallel(HookedStrategy):
         self.view = ShardedView(self, dict(self.module.named_parameters()), self._full)
         for unit in self.sharding.units:
             for param in unit.params if not unit.frozen else []:
-                param.register_post_accumulate_grad_hook(self._on_grad_ready)
+                on_grad_accumulated(param, self._on_grad_ready)
         self._init_backward_state()
         if self.stage == 3:
             GatherHooks(self.sharding, self.module, blocks)
