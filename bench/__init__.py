@@ -8,6 +8,7 @@ measure shardwise from a checkout, and every process they start finds them there
 
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]  # the checkout
 
@@ -19,31 +20,51 @@ def bench_env(**settings: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, **settings}
 
 
-BENCHES = {  # name -> (module, ranks)
-    "ddp": ("bench.ddp", 2),
-    "fsdp": ("bench.fsdp", 2),
-    "recompute": ("bench.recompute", 1),
-    "precision": ("bench.precision", 1),
-    "loss": ("bench.loss", 1),  # the chunked cross-entropy against F.cross_entropy on float32 logits
-    "pipeline": ("bench.pipeline", 0),  # a driver: one world of 2 ranks, one of 4
-    "tensor": ("bench.tensor", 2),
-    "lora": ("bench.lora", 2),  # LoRA under our fsdp against peft's under FSDP2
-    "mesh": ("bench.mesh", 4),  # fsdp x tp against FSDP2 x DTensor on a 2 x 2 mesh
-    "collectives": ("bench.collectives", 2),
-    "checkpoint": ("bench.checkpoint", 2),
-    "checkpoint-scale": ("bench.checkpoint_scale", 4),  # the async save's stall on the 1.2B GPT under fsdp
-    "context": ("bench.context", 4),  # context parallel: cp 1, 2, 4 in both modes against sequence length
-    "hardware": ("bench.hardware", 2),  # a device profile for `shardwise plan --device FILE`
-    "planner": ("bench.planner", 0),  # the planner's predictions against real runs (namespaces as root)
-    "ps": ("bench.ps", 0),  # parameter server (sync, async), dp and ddp as whole jobs
-    "faults": ("bench.faults", 0),  # one killed worker: restart from a checkpoint (sync, async) against healing
-    "crash": ("bench.crash", 0),  # the whole job SIGKILLed 20 times in and between async saves: every resume exact
-    "scale": ("bench.scale", 0),  # the largest GPT each strategy trains in a memory budget, as whole jobs
-    "data": ("bench.data", 0),  # your own corpus: preparation, reads against a step, RSS at 1 MiB and 1 GiB
-    "moe": ("bench.moe", 0),  # gpt-moe under ep 1, 2, 4 as whole jobs; one layer against DeepSpeed's
-    "multinode": ("bench.multinode", 0),  # makes its own nodes (namespaces, as root) and ranks
+class Bench(NamedTuple):
+    module: str
+    ranks: int  # the world it runs on under torchrun; 0: a driver, one plain process that starts its own jobs
+    # `shardwise bench NAME --quick`: its own flags for its shortest run, every part of it once, in seconds
+    # (a check that it runs, not a measurement); None where it has no short form
+    quick: tuple[str, ...] | None
+
+
+# A bench whose entry is bench_main: one measured step in one round, on a micro-batch of 1 of gpt tiny.
+ONE_STEP = ("--steps", "1", "--rounds", "1", "--micro-batch", "1", "--preset", "tiny")
+
+BENCHES = {
+    "ddp": Bench("bench.ddp", 2, ONE_STEP),
+    "fsdp": Bench("bench.fsdp", 2, ONE_STEP),
+    "recompute": Bench("bench.recompute", 1, ONE_STEP),
+    "precision": Bench("bench.precision", 1, ONE_STEP),
+    # the chunked cross-entropy against F.cross_entropy on float32 logits (of fixed, large sizes)
+    "loss": Bench("bench.loss", 1, None),
+    "pipeline": Bench("bench.pipeline", 0, None),  # a driver: one world of 2 ranks, one of 4
+    "tensor": Bench("bench.tensor", 2, ONE_STEP),
+    "lora": Bench("bench.lora", 2, ONE_STEP),  # LoRA under our fsdp against peft's under FSDP2
+    "mesh": Bench("bench.mesh", 4, ONE_STEP),  # fsdp x tp against FSDP2 x DTensor on a 2 x 2 mesh
+    "collectives": Bench("bench.collectives", 2, None),  # 1 KiB to 256 MiB, and 200 steps of each compression
+    "checkpoint": Bench("bench.checkpoint", 2, ONE_STEP),
+    "checkpoint-scale": Bench("bench.checkpoint_scale", 4, None),  # the async save's stall on the 1.2B GPT, fsdp
+    "context": Bench("bench.context", 4, None),  # context parallel: cp 1, 2, 4 in both modes against sequence length
+    "hardware": Bench("bench.hardware", 2, ()),  # a device profile for `shardwise plan --device FILE`
+    # the planner's predictions against real runs (namespaces as root)
+    "planner": Bench("bench.planner", 0, ("--steps", "2", "--scenarios", "1")),
+    "ps": Bench("bench.ps", 0, None),  # parameter server (sync, async), dp and ddp as whole jobs
+    # one killed worker: restart from a checkpoint (sync, async) against healing
+    "faults": Bench("bench.faults", 0, None),
+    # the whole job SIGKILLed 20 times in and between async saves: every resume exact
+    "crash": Bench("bench.crash", 0, ("--steps", "20", "--kills", "1")),
+    # the largest GPT each strategy trains in a memory budget, as whole jobs
+    "scale": Bench("bench.scale", 0, None),
+    # your own corpus: preparation, reads against a step, RSS at 1 MiB and 1 GiB
+    "data": Bench("bench.data", 0, ("--steps", "1", "--reads", "10", "--sizes-mib", "1")),
+    # gpt-moe under ep 1, 2, 4 as whole jobs; one layer against DeepSpeed's
+    "moe": Bench("bench.moe", 0, None),
+    # makes its own nodes (namespaces, as root) and ranks
+    "multinode": Bench("bench.multinode", 0, ("--steps", "1", "--strategies", "ddp", "--rates", "unlimited",
+                                               "--preset", "tiny", "--micro-batch", "1")),
     # one GPU (needs CUDA): gpt-2-124m's MFU and every data-parallel strategy's host cost on fake worlds
-    "gpu": ("bench.gpu", 0),
+    "gpu": Bench("bench.gpu", 0, None),
     # Llama-3-8B sharded 8, 16, 64 ways on one GPU through the fake process group (needs CUDA)
-    "gpu-scale": ("bench.gpu_scale", 0),
+    "gpu-scale": Bench("bench.gpu_scale", 0, None),
 }

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from bench.common import bench_config, bench_main, timed_steps
+from bench.common import BenchArgs, bench_config, bench_main, timed_steps
 from shardwise import checkpoint
 from shardwise.checkpoint import TrainingRun, load_checkpoint, save_checkpoint, training_state
 from shardwise.checkpoint_async import AsyncCheckpointer
@@ -181,12 +181,13 @@ def shared_scratch(ctx: DistContext) -> Iterator[Path]:
             shutil.rmtree(scratch, ignore_errors=True)
 
 
-def run(ctx: DistContext, steps: int, rounds: int, micro_batch: int) -> dict[str, Any] | None:
+def run(ctx: DistContext, args: BenchArgs) -> dict[str, Any] | None:
     """`steps` rounds of every measurement (`rounds` is unused: each measurement is a block)."""
+    steps, micro_batch = args.steps, args.micro_batch
     load_before = os.getloadavg()  # the machine is shared: say how busy it was
     with shared_scratch(ctx) as scratch:
         trainer = Trainer(bench_config("fsdp", ctx.world_size, micro_batch, WARMUP_STEPS + 2 * (steps + 1),
-                                       f"run.out={scratch / 'run'}"), ctx)
+                                       f"run.out={scratch / 'run'}", preset=args.preset), ctx)
         timed_steps(trainer.run_step, 0, WARMUP_STEPS)  # the optimizer makes its state in its first step
         bench = Measurements(ctx, trainer, scratch)
         times, async_runs = bench.rounds(steps)

@@ -27,7 +27,7 @@ import time
 from typing import Any
 
 from bench.checkpoint import Measurements, shared_scratch
-from bench.common import bench_main
+from bench.common import BenchArgs, bench_main
 from bench.scale import END_SEQ_LEN, END_WIDTH, RANKS, scale_config
 from shardwise.dist import DistContext
 from shardwise.memory import resident_bytes
@@ -39,9 +39,10 @@ PRECISION = "bf16-true"  # what fits beside the staged copy (the module's docstr
 GIB = 2**30
 
 
-def run(ctx: DistContext, steps: int, rounds: int, micro_batch: int) -> dict[str, Any] | None:
+def run(ctx: DistContext, args: BenchArgs) -> dict[str, Any] | None:
     """`rounds` rounds (`steps` and `micro_batch` are unused: one sequence per rank, two steps a round).
     The first asynchronous save allocates the host buffers that later ones reuse: each round is kept."""
+    rounds = args.rounds
     with shared_scratch(ctx) as scratch:
         cfg = scale_config("fsdp", "sgd", END_WIDTH, ctx.world_size, 2 * rounds + 2, f"model.seq_len={END_SEQ_LEN}",
                            f"parallel.precision={PRECISION}", f"run.out={scratch / 'run'}")

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bench.common import alternate, bench_config, bench_main
+from bench.common import BenchArgs, alternate, bench_config, bench_main
 from shardwise.config.load import load_config
 from shardwise.dist import DistContext
 from shardwise.parallel.comm import bus_bandwidth, ring_all_reduce
@@ -86,8 +86,10 @@ def all_reduce_times(ctx: DistContext) -> list[dict[str, float]]:
     return rows
 
 
-def compression_speed(ctx: DistContext, steps: int, rounds: int, micro_batch: int) -> dict[str, Any]:
-    trainers = {name: Trainer(bench_config("ddp", ctx.world_size, micro_batch, steps * 2, *overrides), ctx)
+def compression_speed(ctx: DistContext, args: BenchArgs) -> dict[str, Any]:
+    steps, rounds, micro_batch = args.steps, args.rounds, args.micro_batch
+    trainers = {name: Trainer(bench_config("ddp", ctx.world_size, micro_batch, steps * 2, *overrides,
+                                           preset=args.preset), ctx)
                 for name, overrides in SPEED_VARIANTS.items()}
     times = alternate({name: trainer.run_step for name, trainer in trainers.items()}, steps, rounds)
     plain = statistics.median(times["ddp"])
@@ -128,9 +130,9 @@ def compression_accuracy(ctx: DistContext) -> dict[str, Any]:
             "variants": results}
 
 
-def run(ctx: DistContext, steps: int, rounds: int, micro_batch: int) -> dict[str, Any] | None:
+def run(ctx: DistContext, args: BenchArgs) -> dict[str, Any] | None:
     sizes = all_reduce_times(ctx)
-    speed = compression_speed(ctx, steps, rounds, micro_batch)
+    speed = compression_speed(ctx, args)
     accuracy = compression_accuracy(ctx)
     if not ctx.is_main:
         return None

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from bench.common import bench_main
+from bench.common import BenchArgs, bench_main
 from bench.hardware import measure_profile
 from shardwise.config.load import load_config
 from shardwise.config.schema import Config
@@ -131,7 +131,8 @@ def longest_sequence(model: str, cp: int, mode: str | None, device: DeviceProfil
     return low * LONGEST_STEP
 
 
-def run(ctx: DistContext, steps: int, rounds: int, micro_batch: int) -> dict[str, Any] | None:
+def run(ctx: DistContext, args: BenchArgs) -> dict[str, Any] | None:
+    steps, rounds = args.steps, args.rounds
     profile = ctx.all_gather_object(measure_profile(ctx))[0]
     device = DeviceProfile(**profile)
     load_before = os.getloadavg()

@@ -587,7 +587,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-crash-", dir=ROOT / "runs" if (ROOT / "runs").is_dir()
                                      else None) as scratch:
         result = run(args.steps, args.kills, args.seed, Path(scratch))
-    write_json(result, args.json or [str(ROOT / "bench" / "results" / "crash.json")])
+    write_json(result, args.json)
     print(format_result(result), flush=True)
     if not result["passed"]:
         raise SystemExit(1)

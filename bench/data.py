@@ -29,11 +29,11 @@ from typing import Any
 
 import torch
 
-from bench import bench_env
+from bench import ROOT, bench_env
 from bench.common import write_json
 
 LINE_BYTES = 1024
-DEMO = Path(__file__).resolve().parents[3] / "configs" / "demo.toml"
+DEMO = ROOT / "configs" / "demo.toml"
 
 
 def write_corpus(path: Path, mib: int) -> None:

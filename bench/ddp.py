@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bench.common import alternate, bench_config, bench_main, build_trainers, timed_steps
+from bench.common import BenchArgs, alternate, bench_config, bench_main, build_trainers, timed_steps
 from shardwise.dist import DistContext
 from shardwise.models import loss_fn
 from shardwise.trainer import Trainer
@@ -70,8 +70,9 @@ def all_reduce_seconds(trainer: Trainer, bucket_bytes: int, repeats: int) -> flo
     return statistics.median(times)
 
 
-def run(ctx: DistContext, steps: int, rounds: int, micro_batch: int) -> dict[str, Any] | None:
-    trainers = build_trainers(ctx, ["ddp", "ddp-native"], steps, micro_batch)
+def run(ctx: DistContext, args: BenchArgs) -> dict[str, Any] | None:
+    steps, rounds, micro_batch = args.steps, args.rounds, args.micro_batch
+    trainers = build_trainers(ctx, ["ddp", "ddp-native"], steps, micro_batch, preset=args.preset)
     times = alternate({name: trainer.run_step for name, trainer in trainers.items()}, steps, rounds)
     per_round = max(1, steps // rounds)
 
@@ -81,7 +82,8 @@ def run(ctx: DistContext, steps: int, rounds: int, micro_batch: int) -> dict[str
 
     single_times = None
     if ctx.is_main:
-        single = Trainer(bench_config("single", 1, micro_batch, steps), DistContext(0, 1, 0, ctx.device, "gloo"))
+        single = Trainer(bench_config("single", 1, micro_batch, steps, preset=args.preset),
+                         DistContext(0, 1, 0, ctx.device, "gloo"))
         timed_steps(single.run_step, 0, 2)
         single_times = timed_steps(single.run_step, 2, per_round * 2)
     ctx.barrier()  # rank 1 waits here while rank 0 runs single alone

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from bench.common import StepFn, alternate, bench_main, build_trainers
+from bench.common import BenchArgs, StepFn, alternate, bench_main, build_trainers
 from shardwise.dist import DistContext, seed_everything
 from shardwise.memory import local_tensor, storage_key
 from shardwise.models import build_model, loss_fn
@@ -174,9 +174,11 @@ def ours_at_step(trainer: Trainer, k: int) -> dict[str, Any]:
     return result
 
 
-def run(ctx: DistContext, steps: int, rounds: int, micro_batch: int) -> dict[str, Any] | None:
+def run(ctx: DistContext, args: BenchArgs) -> dict[str, Any] | None:
+    steps, rounds, micro_batch = args.steps, args.rounds, args.micro_batch
     load_before = os.getloadavg()
-    trainers = build_trainers(ctx, STRATEGIES, steps, micro_batch, f"parallel.precision={PRECISION}")
+    trainers = build_trainers(ctx, STRATEGIES, steps, micro_batch, f"parallel.precision={PRECISION}",
+                              preset=args.preset)
     steps_of: dict[str, StepFn] = {name: trainer.run_step for name, trainer in trainers.items()}
     deepspeed = deepspeed_runs(trainers["zero1"], bf16=True)
     if isinstance(deepspeed, dict):
@@ -189,7 +191,7 @@ def run(ctx: DistContext, steps: int, rounds: int, micro_batch: int) -> dict[str
     description = model_description(trainers["zero1"], n_params)
     del trainers, steps_of, deepspeed
     gc.collect()
-    fp32 = fp32_model_state(ctx, micro_batch)
+    fp32 = fp32_model_state(ctx, micro_batch, args.preset)
     load_after = os.getloadavg()
     if not ctx.is_main:
         return None
@@ -230,10 +232,11 @@ def model_description(trainer: Trainer, n_params: int) -> str:
     return f"gpt {m.preset}: {m.n_layer} layers, width {m.d_model}, seq {m.seq_len}, {n_params:,} parameters"
 
 
-def fp32_model_state(ctx: DistContext, micro_batch: int) -> dict[str, Any]:
+def fp32_model_state(ctx: DistContext, micro_batch: int, preset: str) -> dict[str, Any]:
     """Model state per rank in fp32 (and ours' all-gather bytes per step), untimed: ours after a
     step, DeepSpeed's at its optimizer step."""
-    trainers = build_trainers(ctx, ["zero1", "zero2", "fsdp", "ddp"], 2, micro_batch, "parallel.precision=fp32")
+    trainers = build_trainers(ctx, ["zero1", "zero2", "fsdp", "ddp"], 2, micro_batch, "parallel.precision=fp32",
+                              preset=preset)
     for trainer in trainers.values():
         trainer.run_step(0)  # the optimizer state exists from the first step on
     out = {name: ours_at_step(trainer, 1) for name, trainer in trainers.items()}

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bench.common import bench_main
+from bench.common import BenchArgs, bench_main
 from shardwise.dist import DistContext
 from shardwise.parallel.comm import all_gather_single, reduce_scatter_single
 from shardwise.planner.devices import DeviceProfile
@@ -164,7 +164,7 @@ def _median_of(values: list[Any]) -> Any:
     return statistics.median(values)
 
 
-def run(ctx: DistContext, steps: int, rounds: int, micro_batch: int) -> dict[str, Any] | None:
+def run(ctx: DistContext, args: BenchArgs) -> dict[str, Any] | None:
     """bench_main's entry: the profile takes no steps, rounds or micro-batches."""
     return measure_profile(ctx)
 

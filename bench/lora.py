@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 
-from bench.common import StepFn, alternate, bench_config, bench_main
+from bench.common import BenchArgs, StepFn, alternate, bench_config, bench_main
 from bench.tensor import initial_model, our_step
 from shardwise.dist import DistContext
 from shardwise.lora import is_adapter
@@ -85,11 +85,13 @@ def fsdp2_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
     return {"params": storage_bytes(params), "grads": storage_bytes(grads), "optimizer": storage_bytes(state)}
 
 
-def run(ctx: DistContext, steps: int, rounds: int, micro_batch: int) -> dict[str, Any] | None:
+def run(ctx: DistContext, args: BenchArgs) -> dict[str, Any] | None:
+    steps, rounds, micro_batch = args.steps, args.rounds, args.micro_batch
     load_before = os.getloadavg()
-    cfg = bench_config("fsdp", ctx.world_size, micro_batch, steps * 2, *LLAMA)
+    cfg = bench_config("fsdp", ctx.world_size, micro_batch, steps * 2, *LLAMA, preset=args.preset)
     trainer = Trainer(cfg, ctx)
-    qlora = Trainer(bench_config("fsdp", ctx.world_size, micro_batch, steps * 2, *LLAMA, "lora.quantize=nf4"), ctx)
+    qlora = Trainer(bench_config("fsdp", ctx.world_size, micro_batch, steps * 2, *LLAMA, "lora.quantize=nf4",
+                                 preset=args.preset), ctx)
     native = peft_fsdp2_model(trainer, ctx)
     losses = {"ours": [], "native": [], "qlora": []}
     native_step, native_optimizer = peft_step(trainer, ctx, native, losses["native"])

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import shardwise.trainer as trainer_module
-from bench.common import StepFn, alternate, bench_config, bench_main
+from bench.common import BenchArgs, StepFn, alternate, bench_config, bench_main
 from shardwise.dist import DistContext
 from shardwise.models import cross_entropy
 from shardwise.models.cross_entropy import IGNORE, cross_entropy_sum
@@ -90,7 +90,8 @@ def whole_steps(ctx: DistContext, steps: int, rounds: int, micro_batch: int) -> 
             "ours_over_native": ours_s / native_s}
 
 
-def run(ctx: DistContext, steps: int, rounds: int, micro_batch: int) -> dict[str, Any]:
+def run(ctx: DistContext, args: BenchArgs) -> dict[str, Any]:
+    steps, rounds, micro_batch = args.steps, args.rounds, args.micro_batch
     return {"machine": platform.machine(), "threads": torch.get_num_threads(), "steps": steps,
             "chunk_elements": cross_entropy.CHUNK_ELEMENTS, "loss_alone": loss_alone(steps, rounds),
             "whole_steps": whole_steps(ctx, steps, rounds, micro_batch)}

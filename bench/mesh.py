@@ -28,7 +28,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
 
-from bench.common import StepFn, alternate, bench_config, bench_main
+from bench.common import BenchArgs, StepFn, alternate, bench_config, bench_main
 from bench.tensor import MODELS, describe, dtensor_plan, initial_model
 from shardwise.config.schema import Config
 from shardwise.config.validate import validate
@@ -86,12 +86,14 @@ def native_step(like: Trainer, model: nn.Module, optimizer: torch.optim.Optimize
     return step
 
 
-def run(ctx: DistContext, steps: int, rounds: int, micro_batch: int) -> dict[str, Any] | None:
+def run(ctx: DistContext, args: BenchArgs) -> dict[str, Any] | None:
+    steps, rounds, micro_batch = args.steps, args.rounds, args.micro_batch
     load_before = os.getloadavg()
     mesh = init_device_mesh(ctx.device.type, (DP, TP), mesh_dim_names=("dp", "tp"))
     trainers, natives, optimizers, losses, steps_of = {}, {}, {}, {}, {}
     for model, overrides in MODELS.items():
-        cfg = bench_config("fsdp", ctx.world_size, micro_batch, steps * 2, f"parallel.tp={TP}", *overrides)
+        cfg = bench_config("fsdp", ctx.world_size, micro_batch, steps * 2, f"parallel.tp={TP}", *overrides,
+                           preset=args.preset)
         cfg.train.global_batch = micro_batch * DP  # each dp rank one micro-batch a step
         cfg.train.grad_clip = 0.0
         validate(cfg, world_size=ctx.world_size)

@@ -15,7 +15,7 @@ planner, which assumes a NIC per GPU: here a node's ranks share one link, which 
 ranks crosses with one flow each way, hsdp's shard all-reduces with one flow per process);
 unlimited, the veth is a memory copy like loopback, so the intra-node bandwidth.
 
-    python -m bench.multinode [--steps N] [--json FILE]       # on the host, as root
+    python -m bench.multinode [--steps N] [--strategies S,..] [--rates R,..] [--preset P] [--json FILE]  # as root
 The same module is each rank (`worker`), started on every node by netns.run_job.
 """
 
@@ -213,10 +213,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("role", nargs="?", default="host", choices=("host", "worker"))
     parser.add_argument("--steps", type=int, default=6, help="measured steps per case (after 2 warm-up steps)")
     parser.add_argument("--json", action="append", default=[], help="write the result here (repeatable)")
-    parser.add_argument("--strategies")
-    parser.add_argument("--rates")
-    parser.add_argument("--handshake")
-    parser.add_argument("--preset", default="small")
+    parser.add_argument("--strategies", help=f"comma-separated (default {','.join(STRATEGIES)})")
+    parser.add_argument("--rates", help="the link's rates, comma-separated, tc's syntax or `unlimited` (default "
+                        "unlimited,1gbit,200mbit)")
+    parser.add_argument("--handshake", help=argparse.SUPPRESS)
+    parser.add_argument("--preset", default="small", help="the GPT preset the cases train")
     parser.add_argument("--micro-batch", type=int, default=4)
     args = parser.parse_args(argv)
     if args.role == "worker":
@@ -230,7 +231,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"shardwise bench multinode: it makes its nodes as network namespaces, and {reason}",
                   file=sys.stderr)
             return 2
-        result = run_bench(args.steps)
+        strategies = tuple(args.strategies.split(",")) if args.strategies else STRATEGIES
+        rates = tuple(None if r == "unlimited" else r for r in args.rates.split(",")) if args.rates else RATES
+        result = run_bench(args.steps, strategies, rates, args.preset, args.micro_batch)
         write_json(result, args.json)
         print(format_result(result), flush=True)
     return 0

@@ -318,9 +318,7 @@ def main(argv: list[str] | None = None) -> int:
         for netns in _namespaces(args.name):
             kill_and_remove(netns)
         return 0
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2]),
-                                                         os.environ.get("PYTHONPATH", "")])}
-    processes = cluster.train(args.config, rest, args.nproc, env=env)
+    processes = cluster.train(args.config, rest, args.nproc, env=bench_env())
     return max(process.wait() for process in processes)
 
 

@@ -141,12 +141,13 @@ def link_profile(profile: DeviceProfile, world: int, link: str | None) -> Device
     return dataclasses.replace(profile, inter_node_bandwidth=parse_rate(link), gpus_per_node=1)
 
 
-def run(ctx: DistContext, steps: int, link: LinkRate | None) -> dict[str, Any] | None:
-    """Measure the machine, then every scenario (those with a link rate only if `link` can set it)."""
+def run(ctx: DistContext, steps: int, count: int, link: LinkRate | None) -> dict[str, Any] | None:
+    """Measure the machine, then the first `count` scenarios (those with a link rate only if `link`
+    can set it)."""
     profile = ctx.all_gather_object(measure_profile(ctx))[0]
     device = DeviceProfile(**profile)
     results = {}
-    for name, scenario in scenarios().items():
+    for name, scenario in list(scenarios().items())[:count]:
         if scenario.link is not None and link is None:
             continue
         if link is not None:
@@ -185,7 +186,7 @@ def format_result(result: dict[str, Any]) -> str:
 def worker(args: argparse.Namespace) -> None:
     ctx = init_distributed("gloo", timeout_s=900, threads_per_rank=1)
     handshake = Path(args.handshake)
-    result = run(ctx, args.steps, LinkRate(ctx, handshake) if args.link else None)
+    result = run(ctx, args.steps, args.scenarios, LinkRate(ctx, handshake) if args.link else None)
     if result is not None:
         (handshake / "result.json").write_text(json.dumps(result))
     shutdown_distributed()
@@ -197,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("role", nargs="?", default="host", choices=("host", "worker"))
     parser.add_argument("--steps", type=int, default=10, help="measured steps per candidate")
+    parser.add_argument("--scenarios", type=int, default=len(scenarios()), help="run the first N scenarios "
+                        "(default all)")
     parser.add_argument("--json", action="append", default=[], help="write the result here (repeatable)")
     parser.add_argument("--handshake", help=argparse.SUPPRESS)
     parser.add_argument("--link", action="store_true", help=argparse.SUPPRESS)
@@ -207,16 +210,18 @@ def main(argv: list[str] | None = None) -> int:
     reason = unavailable_reason()
     if reason is None:
         with Cluster(2) as cluster:
-            result = run_job(cluster, 1, "bench.planner", ["worker", "--steps", str(args.steps), "--link"])
+            result = run_job(cluster, 1, "bench.planner", ["worker", "--steps", str(args.steps), "--scenarios",
+                                                           str(args.scenarios), "--link"])
     else:
         from shardwise.launch import launch_workers
 
-        skipped = [name for name, scenario in scenarios().items() if scenario.link]
-        print(f"shardwise bench planner: the scenarios with a slower link ({'; '.join(skipped)}) run over network "
-              f"namespaces, and {reason}: running the others on this host", file=sys.stderr)
+        skipped = [name for name, scenario in list(scenarios().items())[:args.scenarios] if scenario.link]
+        if skipped:
+            print(f"shardwise bench planner: the scenarios with a slower link ({'; '.join(skipped)}) run over "
+                  f"network namespaces, and {reason}: running the others on this host", file=sys.stderr)
         with tempfile.TemporaryDirectory() as handshake:
             launch_workers(LaunchConfig(nproc=2), ["bench.planner", "worker", "--steps", str(args.steps),
-                                                   "--handshake", handshake])
+                                                   "--scenarios", str(args.scenarios), "--handshake", handshake])
             result = json.loads((Path(handshake) / "result.json").read_text())
         result["not_run"] = {"scenarios": skipped, "why": reason}
     write_json(result, args.json)

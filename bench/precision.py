@@ -12,15 +12,17 @@ from typing import Any
 
 import torch
 
-from bench.common import alternate, bench_config, bench_main
+from bench.common import BenchArgs, alternate, bench_config, bench_main
 from shardwise.dist import DistContext
 from shardwise.trainer import Trainer
 
 PRECISIONS = ["fp32", "bf16-mixed", "bf16-true"]
 
 
-def run(ctx: DistContext, steps: int, rounds: int, micro_batch: int) -> dict[str, Any]:
-    trainers = {p: Trainer(bench_config("single", 1, micro_batch, steps * 2, f"parallel.precision={p}"), ctx)
+def run(ctx: DistContext, args: BenchArgs) -> dict[str, Any]:
+    steps, rounds, micro_batch = args.steps, args.rounds, args.micro_batch
+    trainers = {p: Trainer(bench_config("single", 1, micro_batch, steps * 2, f"parallel.precision={p}",
+                                        preset=args.preset), ctx)
                 for p in PRECISIONS}
     times = alternate({p: t.run_step for p, t in trainers.items()}, steps, rounds)
     median = {p: statistics.median(t) for p, t in times.items()}

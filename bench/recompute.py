@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bench.common import alternate, bench_config, bench_main
+from bench.common import BenchArgs, alternate, bench_config, bench_main
 from shardwise.dist import DistContext
 from shardwise.memory import ActivationCounter
 from shardwise.models import loss_fn
@@ -47,8 +47,10 @@ def saved_bytes_per_block(trainer: Trainer) -> list[int]:
     return [counter.bytes for counter in counters]
 
 
-def run(ctx: DistContext, steps: int, rounds: int, micro_batch: int) -> dict[str, Any]:
-    trainers = {p: Trainer(bench_config("single", 1, micro_batch, steps * 2, f"parallel.recompute={p}"), ctx)
+def run(ctx: DistContext, args: BenchArgs) -> dict[str, Any]:
+    steps, rounds, micro_batch = args.steps, args.rounds, args.micro_batch
+    trainers = {p: Trainer(bench_config("single", 1, micro_batch, steps * 2, f"parallel.recompute={p}",
+                                        preset=args.preset), ctx)
                 for p in POLICIES}
     per_block = {p: saved_bytes_per_block(t) for p, t in trainers.items()}
     times = alternate({p: t.run_step for p, t in trainers.items()}, steps, rounds)

@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
-from bench.common import StepFn, alternate, bench_config, bench_main
+from bench.common import BenchArgs, StepFn, alternate, bench_config, bench_main
 from shardwise.config.schema import Config
 from shardwise.config.validate import validate
 from shardwise.dist import DistContext
@@ -109,11 +109,12 @@ def describe(cfg: Config) -> str:
             f"heads, seq {m.seq_len}, {n_params:,} parameters")
 
 
-def run(ctx: DistContext, steps: int, rounds: int, micro_batch: int) -> dict[str, Any] | None:
+def run(ctx: DistContext, args: BenchArgs) -> dict[str, Any] | None:
+    steps, rounds, micro_batch = args.steps, args.rounds, args.micro_batch
     load_before = os.getloadavg()
     trainers, natives, losses, steps_of = {}, {}, {}, {}
     for model, overrides in MODELS.items():
-        cfg = bench_config("tensor", ctx.world_size, micro_batch, steps * 2, *overrides)
+        cfg = bench_config("tensor", ctx.world_size, micro_batch, steps * 2, *overrides, preset=args.preset)
         cfg.train.global_batch = micro_batch  # one replica: every rank reads the whole batch
         cfg.train.grad_clip = 0.0
         validate(cfg, world_size=ctx.world_size)

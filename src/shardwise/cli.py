@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+from shardwise import bench_command
 from shardwise.config.load import hf_config_overrides, load_config
 from shardwise.config.schema import PRECISIONS, Config, ConfigError
 from shardwise.planner.candidates import POLICIES, default_precisions
@@ -248,70 +247,6 @@ def sample(args: argparse.Namespace) -> int:
     return 0
 
 
-def bench_checkout() -> Path | None:
-    """The repository this shardwise runs from, where it holds bench/ beside src/ (the benches are
-    not part of the installed package: they measure it from a checkout); None for an installed copy."""
-    root = Path(__file__).resolve().parents[2]
-    return root if (root / "bench" / "__init__.py").is_file() else None
-
-
-def benches() -> dict[str, tuple[str, int]]:
-    """The checkout's benches (bench/__init__.py's BENCHES: name -> (module, ranks)), read from that
-    file alone, this process's import path left as it is; none without a checkout."""
-    root = bench_checkout()
-    if root is None:
-        return {}
-    spec = importlib.util.spec_from_file_location("bench", root / "bench" / "__init__.py")
-    registry = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(registry)
-    return registry.BENCHES
-
-
-def bench(args: argparse.Namespace) -> int:
-    from shardwise.config.schema import LaunchConfig
-    from shardwise.launch import WorkerFailed, launch_workers
-
-    root = bench_checkout()
-    if root is None:
-        raise ConfigError("the benches run from a checkout of the shardwise repository (bench/ beside src/, after "
-                          "`make setup`); this shardwise is an installed copy without them")
-    module, ranks = benches()[args.name]
-    # The bench modules, and the ranks and jobs they start, import `bench` from the checkout.
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
-    if args.nproc is not None and args.name != "hardware":
-        raise ConfigError(f"--nproc {args.nproc}: only `bench hardware` takes a world size; "
-                          f"{args.name} runs on {ranks}")
-    scale_only = {"--budget-gib": args.budget_gib, "--parts": args.parts, "--end-of-run": args.end_of_run,
-                  "--end-budget-gib": args.end_budget_gib}
-    for flag, value in scale_only.items():
-        if value is not None and args.name != "scale":
-            raise ConfigError(f"{flag} {value}: only `bench scale` takes it")
-    if args.name in ("gpu", "gpu-scale"):
-        import torch
-
-        if not torch.cuda.is_available():
-            raise ConfigError(f"bench {args.name} measures a GPU and no CUDA device is here; `python -m {module} "
-                              "--help` says how to run its jobs on the CPU to check the harness, with no device "
-                              "figures")
-    entry = [module, "--json", str(root / "bench" / "results" / f"{args.name}.json")]
-    own_steps = ("scale", "gpu", "gpu-scale", "faults", "crash")  # benches with their own default steps
-    if args.steps is not None or args.name not in own_steps:
-        entry += ["--steps", str(12 if args.steps is None else args.steps)]
-    for flag, value in scale_only.items():
-        if value is not None:
-            entry += [flag, str(value)]
-    if args.json:
-        entry += ["--json", args.json]
-    if ranks == 0:  # a driver that launches its own jobs
-        return subprocess.run([sys.executable, "-m", *entry]).returncode
-    try:
-        launch_workers(LaunchConfig(nproc=args.nproc or ranks), entry)
-    except WorkerFailed as failure:
-        print(f"shardwise bench: {failure}", file=sys.stderr)
-        return 1
-    return 0
-
-
 def consolidate(args: argparse.Namespace) -> int:
     from shardwise.checkpoint import CheckpointError, consolidate
 
@@ -483,41 +418,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--nproc", type=int, help="ranks to sample on, under the run's strategy (default: this process)")
     p.add_argument("--strategy", choices=NAMES, help="with --nproc: the strategy to sample under (default: the run's)")
-    p = commands.add_parser("bench", help="ours vs PyTorch native, or an option's variants, alternating in one run",
-                            description="ddp, fsdp, pipeline, tensor: ours against PyTorch's own; mesh: fsdp over "
-                            "tensor parallel (2 x 2) against FSDP2 over DTensor's; collectives: our "
-                            "ring all-reduce against the backend's, and ddp's gradient compression against plain "
-                            "ddp; recompute, precision: each policy or precision against the plain one; checkpoint: "
-                            "save and load against a plain write of the same bytes, and async save; context: context "
-                            "parallel at cp 1, 2 and 4 in both modes against sequence length; hardware: this "
-                            "machine's matmul throughput per dtype and collective bandwidths, as a device profile "
-                            "for `shardwise plan`; planner: the planner's predictions against real runs (the scenarios "
-                            "with a slowed link between the ranks run over network namespaces, as root); ps: the "
-                            "parameter server (sync, async), dp and ddp, whole jobs on the same model and workers; "
-                            "multinode: ddp, fsdp and hsdp over 2 nodes (network namespaces; needs root) at 3 link "
-                            "rates, communication share measured and predicted; scale: the largest GPT single, ddp, "
-                            "zero2, fsdp and fsdp-native train within a memory budget, as whole jobs; gpu (CUDA only): "
-                            "the device's ceilings, gpt-2-124m's tokens/s and MFU under single, ddp, zero2, fsdp "
-                            "and fsdp-native, and fsdp, zero2, hsdp and pipeline as rank 0 of fake worlds of 8 and "
-                            "64 against single; gpu-scale "
-                            "(CUDA only): Llama-3-8B sharded 8, 16 and 64 ways on one GPU through the fake process "
-                            "group, ours and FSDP2, against the planner; data: your own "
-                            "corpus (data.path) prepared (on 1 process and on one per core) and read at 1 MiB and "
-                            "1 GiB, against the demo model's step. Writes bench/results/NAME.json (and --json FILE).")
-    p.add_argument("name", choices=list(benches()) or None, help="which benchmark (from a checkout of the "
-                   "repository: bench/ lives beside src/)")
-    p.add_argument("--steps", type=int, help="measured steps per variant, default 12 (checkpoint: rounds; scale: "
-                   "steps each job trains, default 2)")
-    p.add_argument("--json", "--out", dest="json", help="also write the result to this file (for hardware: "
-                   "the device profile `shardwise plan --device FILE` reads)")
-    p.add_argument("--nproc", type=int, help="hardware: ranks to measure the collectives over (default 2)")
-    p.add_argument("--budget-gib", type=float, help="scale: the memory of all of a job's ranks together (default 16)")
-    p.add_argument("--parts", help="scale: search (the largest model per strategy), end (a 1B+ model's whole run, "
-                   "every phase against the planner, and consolidate), or search,end (default)")
-    p.add_argument("--end-of-run", metavar="STRATEGY:WIDTH", help="scale: the whole run to measure (default "
-                   "fsdp:1792, a 1.23B GPT)")
-    p.add_argument("--end-budget-gib", type=float, help="scale: the memory of the whole run's ranks together "
-                   "(default 20)")
+    bench_command.add_parser(commands)
     p = commands.add_parser("prepare-data", help="tokenize a config's own corpus (data.path) into the cache",
                             description="Reads data.path (.txt, .jsonl, .parquet, .arrow or .feather files, a "
                             "directory of them or a glob, or a Hugging Face dataset saved to disk) and writes its "
@@ -564,7 +465,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    handlers = {"train": train, "sample": sample, "bench": bench, "consolidate": consolidate, "plan": plan,
+    handlers = {"train": train, "sample": sample, "bench": bench_command.run, "consolidate": consolidate, "plan": plan,
                 "report": report, "prepare-data": prepare_data, "export": export}
     try:
         return handlers[args.command](args)
