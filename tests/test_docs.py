@@ -29,6 +29,8 @@ FOREIGN_FLAGS = {
     "--rdzv-conf": "torchrun",
     "--rate": "scripts/netns-nodes.sh",
     "--durations": "pytest",
+    "--backend-store-uri": "mlflow ui",
+    "--json": "wandb leet inspect",
 }
 
 

@@ -18,7 +18,7 @@ from helpers import CONFIGS, REPO, read_records, train_in_process
 
 from shardwise.cli import main
 from shardwise.config.load import load_config
-from shardwise.metrics import tensorboard_scalars
+from shardwise.trackers import scalars
 
 STEPS, EVAL_EVERY, MICRO_BATCHES = 6, 3, 4
 SHORT = [f"train.steps={STEPS}", f"train.eval_every={EVAL_EVERY}"]
@@ -66,7 +66,7 @@ def test_tensorboard_holds_the_metrics_jsonl_numbers(runs):
     (midway,) = read_records(pipe, "eval")
     assert got["val/loss"] == pytest.approx({EVAL_EVERY: midway["val_loss"], STEPS: summary["val_loss"]}, rel=1e-6)
     # What the writer sent is what it maps each record to, tag for tag.
-    assert tensorboard_scalars(steps[0]).keys() == expected_tags
+    assert scalars(steps[0]).keys() == expected_tags
 
 
 def test_tensorboard_missing_fails_before_any_worker_starts(tmp_path, monkeypatch, capsys):

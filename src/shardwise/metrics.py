@@ -1,5 +1,5 @@
-"""What a run reports: one JSON object per step in OUT/metrics.jsonl (and, with run.tensorboard,
-the same numbers as TensorBoard scalars in OUT/tensorboard), progress on rank 0, MFU."""
+"""What a run reports: one JSON object per step in OUT/metrics.jsonl (and the same numbers to the
+trackers the config asks for: TensorBoard, MLflow, W&B; trackers.py), progress on rank 0, MFU."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from typing import Any, TextIO
 
 import torch
 from tqdm import tqdm
+
+from shardwise.trackers import Trackers
 
 # Dense bf16 tensor-core peaks from the vendors' datasheets, in FLOP/s.
 DEVICE_PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L4": 121e12}
@@ -32,47 +34,14 @@ def mfu(flops_per_sample: int | None, samples_per_s: float, world_size: int, pea
     return flops_per_sample * samples_per_s / (peak * world_size)
 
 
-def tensorboard_scalars(record: dict[str, Any]) -> dict[str, float]:
-    """A metrics.jsonl record as TensorBoard scalars by tag: a step's loss, lr, step time,
-    throughput, MFU and loss scale where known, and each rank's memory by category in MiB; an
-    eval's (or the summary's final) validation loss."""
-    if record["event"] in ("eval", "summary"):
-        return {"val/loss": record["val_loss"]}
-    keys = ("loss", "lr", "step_time_s", "samples_per_s", "tokens_per_s", "mfu", "loss_scale")
-    scalars = {f"train/{key}": record[key] for key in keys if record.get(key) is not None}
-    for rank, memory in enumerate(record["memory_by_rank"]):
-        scalars.update({f"memory_MiB/rank{rank}/{category}": value / 2**20
-                        for category, value in memory.items() if value is not None})
-    return scalars
-
-
-class TensorBoardWriter:
-    """Records as scalars in an OUT/tensorboard event file, at their step."""
-
-    def __init__(self, log_dir: Path, resumed_at: int) -> None:
-        from torch.utils.tensorboard import SummaryWriter
-
-        # purge_step: TensorBoard drops what earlier event files in this directory hold from that
-        # step on: a resumed run's steps after its checkpoint, or a previous run's in the same OUT.
-        self._writer = SummaryWriter(str(log_dir), purge_step=resumed_at + 1, flush_secs=10)
-
-    def write(self, record: dict[str, Any]) -> None:
-        step = record["steps"] if record["event"] == "summary" else record["step"]
-        for tag, value in tensorboard_scalars(record).items():
-            self._writer.add_scalar(tag, value, step)
-
-    def close(self) -> None:
-        self._writer.close()
-
-
 class MetricsWriter:
-    """Appends JSON records to OUT/metrics.jsonl, and with `tensorboard` also to OUT/tensorboard;
-    only the main rank writes. A resumed run keeps the records of the steps its checkpoint had
-    completed (`resumed_at`) and drops the rest."""
+    """Appends JSON records to OUT/metrics.jsonl and hands each to `trackers`; only the main rank
+    writes. A resumed run keeps the records of the steps its checkpoint had completed (`resumed_at`)
+    and drops the rest."""
 
-    def __init__(self, path: Path, enabled: bool, resumed_at: int = 0, tensorboard: bool = False) -> None:
+    def __init__(self, path: Path, enabled: bool, resumed_at: int = 0, trackers: Trackers | None = None) -> None:
         self._file: TextIO | None = None
-        self._tensorboard: TensorBoardWriter | None = None
+        self._trackers = trackers
         if enabled:
             path.parent.mkdir(parents=True, exist_ok=True)
             kept = []
@@ -91,22 +60,20 @@ class MetricsWriter:
                 file.writelines(json.dumps(record) + "\n" for record in kept)
             os.replace(rewritten, path)
             self._file = open(path, "a")
-            # Opened after the kept records are rewritten: the event files already hold them.
-            if tensorboard:
-                self._tensorboard = TensorBoardWriter(path.parent / "tensorboard", resumed_at)
 
     def write(self, record: dict[str, Any]) -> None:
         if self._file is not None:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
-        if self._tensorboard is not None:
-            self._tensorboard.write(record)
+        if self._trackers is not None:
+            self._trackers.write(record)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
+        """Close the file, then end the trackers' runs (marked failed where the training raised)."""
         if self._file is not None:
             self._file.close()
-        if self._tensorboard is not None:
-            self._tensorboard.close()
+        if self._trackers is not None:
+            self._trackers.close(failed)
 
 
 class Progress:

@@ -44,6 +44,7 @@ from shardwise.replicas import (
 from shardwise.strategies.base import OptimizerFactory, Strategy
 from shardwise.strategies.classes import make_strategy
 from shardwise.strategies.registry import spec
+from shardwise.trackers import Trackers
 from shardwise.weights import ModelNames, load_weights
 from shardwise.weights_file import final_layout, save_weights
 
@@ -266,12 +267,13 @@ class Trainer:
                                   "nothing left to resume (raise train.steps to train further)")
         # A replica group restarted after a failure keeps the records of what it did before it.
         kept = t.steps if self.replicas is not None and self.replicas.restarted else first
-        writer = MetricsWriter(self.out / "metrics.jsonl", self.ctx.is_main, resumed_at=kept,
-                               tensorboard=self.cfg.run.tensorboard)
+        trackers = Trackers(self.cfg, self.out, resumed_at=kept) if self.ctx.is_main else None
+        writer = MetricsWriter(self.out / "metrics.jsonl", self.ctx.is_main, resumed_at=kept, trackers=trackers)
         progress = Progress(t.steps, self.ctx.is_main, self.cfg.run.log_every, first=first)
         records: list[dict[str, Any]] = []
         val_loss = None
         terminate = TerminationFlag()
+        failed = True  # until the summary is written: the trackers mark their runs failed
         try:
             step = first
             while step < t.steps:
@@ -314,6 +316,7 @@ class Trainer:
                 self._save_weights()
             summary = self._summary(records, val_loss)
             writer.write(summary)
+            failed = False
         finally:
             if self.checkpointer is not None:
                 self.checkpointer.close()  # after an error: the save in flight ends, on this rank alone
@@ -321,7 +324,7 @@ class Trainer:
                 self.replicas.close()
             terminate.restore()
             progress.close()
-            writer.close()
+            writer.close(failed)
         return summary
 
     def save_checkpoint(self, step: int, now: bool = False) -> None:

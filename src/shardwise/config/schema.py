@@ -401,6 +401,31 @@ class LaunchConfig:
 
 
 @dataclass
+class MlflowConfig:
+    """MLflow: the main rank logs the resolved config as parameters, every step's and evaluation's
+    metrics at their step, and summary.json and metrics.jsonl as artifacts, to one MLflow run named
+    after the run directory (docs/report.md). Needs `pip install 'shardwise[mlflow]'`."""
+
+    tracking_uri: str | None = option(None, "where MLflow keeps its runs: a database (`sqlite:///mlflow.db`, a "
+                                      "file in the directory shardwise starts in, MLflow putting the artifacts in "
+                                      "./mlruns there) or a tracking server (`http://host:5000`); unset: off")
+    experiment: str = option("shardwise", "the MLflow experiment the run is logged under (made if missing)")
+
+
+@dataclass
+class WandbConfig:
+    """Weights & Biases: the main rank logs the resolved config, every step's and evaluation's
+    metrics at their step, and summary.json and metrics.jsonl as run files, to one W&B run named after
+    the run directory, kept in `out`/wandb. Its mode is WANDB_MODE where set, else `online` where an
+    API key is found (WANDB_API_KEY or `wandb login`), else `offline` (docs/report.md). Needs
+    `pip install 'shardwise[wandb]'`."""
+
+    project: str | None = option(None, "the W&B project the run is logged to; unset: off")
+    entity: str | None = option(None, "the W&B team or user the project belongs to (unset: the API key's "
+                                "default entity)")
+
+
+@dataclass
 class RunConfig:
     """Where the run is written, and how it is reported."""
 
@@ -410,6 +435,8 @@ class RunConfig:
     resume: bool = option(False, "continue from the newest good checkpoint in `out`")
     tensorboard: bool = option(False, "the main rank also writes its metrics as TensorBoard scalars to "
                                "`out`/tensorboard (needs the tensorboard package)")
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
 @dataclass

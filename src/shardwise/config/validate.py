@@ -6,7 +6,9 @@ beside the code it protects, called from here."""
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from shardwise.config.schema import (
     ALL_REDUCES,
@@ -36,6 +38,7 @@ from shardwise.config.schema import (
     ConfigError,
     DataConfig,
     ParallelConfig,
+    RunConfig,
 )
 from shardwise.parallel.pipeline.schedules import ScheduleError, virtual_stages
 from shardwise.recompute import parse_policy
@@ -172,9 +175,35 @@ def _validate_launch(cfg: Config) -> None:
         raise ConfigError(f"launch.node_addr = {launch.node_addr!r}: only for several nodes (launch.nnodes > 1); "
                           "one node rendezvous on loopback")
     _positive("run.log_every", cfg.run.log_every)
-    if cfg.run.tensorboard and importlib.util.find_spec("tensorboard") is None:
+    _validate_trackers(cfg.run)
+
+
+# MLflow's stores in a database, by the scheme of their URI (mlflow/store/db/db_types.py): opened
+# through SQLAlchemy, their tables made and migrated by alembic.
+MLFLOW_DATABASES = ("sqlite", "postgresql", "mysql", "mssql")
+
+
+def _validate_trackers(run: RunConfig) -> None:
+    """The trackers asked for are installed (looked for, not imported: importing mlflow or wandb
+    takes most of a second), and MLflow's store is one MLflow 3 opens."""
+    if run.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError("run.tensorboard = true: the tensorboard package is not installed; "
                           "pip install 'shardwise[tensorboard]' (or pip install tensorboard), or leave it off")
+    uri = run.mlflow.tracking_uri
+    if uri is not None:
+        key = f"run.mlflow.tracking_uri = {uri!r}"
+        scheme = urlsplit(uri).scheme.partition("+")[0]
+        needed = ("mlflow", "sqlalchemy", "alembic") if scheme in MLFLOW_DATABASES else ("mlflow",)
+        for package in needed:
+            if importlib.util.find_spec(package) is None:
+                raise ConfigError(f"{key}: the {package} package is not installed; pip install 'shardwise[mlflow]'")
+        directory = scheme == "file" or (scheme == "" and uri != "databricks")  # MLflow's name for its own service
+        if directory and os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() not in ("true", "1"):
+            raise ConfigError(f"{key}: a directory, which MLflow 3 opens only with MLFLOW_ALLOW_FILE_STORE=true; "
+                              "use a database (sqlite:///mlflow.db) or a tracking server (http://host:5000)")
+    if run.wandb.project is not None and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(f"run.wandb.project = {run.wandb.project!r}: the wandb package is not installed; "
+                          "pip install 'shardwise[wandb]'")
 
 
 def _validate_strategy(cfg: Config, world: int) -> None:
