@@ -151,10 +151,12 @@ def test_no_rank_holds_the_whole_model_to_evaluate_save_a_checkpoint_or_write_it
     for rank, rises in enumerate(run_ranks(end_of_run_rises, 2, tmp_path)):
         for strategy, rise in rises.items():
             # fsdp evaluates with a unit and the next one's all-gather, which Gloo receives into a
-            # buffer of its own first (3 units); rank 0 writes the final weights from one whole
-            # tensor (4 MB; twice under tensor parallel); a checkpoint copies no shard (a rank's
-            # are 50 MB here), writing its files through buffers of a few MB.
-            for phase, bound in (("eval", 3.5 * UNIT), ("checkpoint", 0.1 * MODEL_BYTES),
+            # buffer of its own first (3 units; the resident set, which counts the allocator's slack
+            # too, rose 2.7 to 4.3 units in 12 runs of 16dc8f5 on 2026-11-29: a bound of 3.5 failed
+            # half of them), far from the whole model's 8; rank 0 writes the final weights from one
+            # whole tensor (4 MB; twice under tensor parallel); a checkpoint copies no shard (a
+            # rank's are 50 MB here), writing its files through buffers of a few MB.
+            for phase, bound in (("eval", 5 * UNIT), ("checkpoint", 0.1 * MODEL_BYTES),
                                  ("final_weights", 0.1 * MODEL_BYTES)):
                 assert rise[phase] < bound, (rank, strategy, phase, rise[phase] / MB)
     cfg = parity_cfg(tmp_path / "fsdp", "fsdp", 2, "gpt", *WIDE)
