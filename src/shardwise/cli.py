@@ -10,7 +10,7 @@ from pathlib import Path
 
 from shardwise import bench_command
 from shardwise.config.load import hf_config_overrides, load_config
-from shardwise.config.schema import PRECISIONS, Config, ConfigError
+from shardwise.config.schema import HF_MODELS, PRECISIONS, Config, ConfigError
 from shardwise.planner.candidates import POLICIES, default_precisions
 from shardwise.recompute import parse_policy
 from shardwise.strategies.registry import NAMES, spec
@@ -26,7 +26,8 @@ def _add_train_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("config", nargs="?", help="TOML config file, e.g. configs/gpt-tiny.toml; optional when "
                    "--hf-config, the flags and --set say everything (the rest keeps its defaults)")
     p.add_argument("--hf-config", metavar="CONFIG.JSON", help="model.hf_config: train the model a transformers "
-                   "config.json (or the directory holding it) describes, of its sizes; sets model.name too")
+                   "config.json (or the directory holding it) describes, any causal-LM family transformers builds, "
+                   "of its sizes; sets model.name too")
     p.add_argument("--weights", metavar="PATH", help="model.weights: start from these safetensors weights, a file "
                    "or a directory of them (what from_pretrained reads)")
     p.add_argument("--strategy", choices=NAMES, help="parallel.strategy")
@@ -159,16 +160,24 @@ def _check_before_launch(cfg: Config) -> None:
 
         _check_writable(f"train.checkpoint_every = {cfg.train.checkpoint_every}: its directory",
                         checkpoint_dir(Path(cfg.run.out)))
-    if cfg.model.weights is not None or cfg.lora.rank > 0:
+    if cfg.model.weights is not None or cfg.lora.rank > 0 or cfg.model.name in HF_MODELS:
+        from shardwise.hub_layout import HubLayout, UnsupportedLayout
         from shardwise.lora import LoraError, apply_lora
         from shardwise.materialise import init_context
         from shardwise.models import build_model
         from shardwise.nf4 import QuantizeError, check_shape
         from shardwise.weights import WeightsError, check_weights
 
-        with init_context():
-            model = build_model(cfg.model)
         try:
+            with init_context():
+                model = build_model(cfg.model)
+        except Exception as error:  # transformers' own refusal of a family it cannot build here (a kernel missing)
+            if cfg.model.name not in HF_MODELS:
+                raise
+            raise ConfigError(f"model.hf_config = {cfg.model.hf_config!r}: transformers cannot build it "
+                              f"({type(error).__name__}: {error})") from None
+        try:
+            HubLayout.of(model)  # a family whose checkpoints cannot be read and written a part at a time
             if cfg.model.weights is not None:
                 check_weights(model, cfg.model.weights)
             if cfg.lora.rank > 0:  # its targets and rank against the model's layers
@@ -177,7 +186,7 @@ def _check_before_launch(cfg: Config) -> None:
                 if cfg.lora.quantize == "nf4":
                     for name in adapted:
                         check_shape(name, model.get_submodule(name).in_features)
-        except (WeightsError, LoraError, QuantizeError) as error:
+        except (WeightsError, LoraError, QuantizeError, UnsupportedLayout) as error:
             raise ConfigError(str(error)) from None
     if cfg.run.resume:
         from shardwise.checkpoint import LATEST, MANIFEST, CheckpointError, check_lora, checkpoint_dir
@@ -300,8 +309,8 @@ def _add_plan_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("config", nargs="?", help="TOML config file (model and train sections are what matter); "
                    "optional with --hf-config")
     p.add_argument("--hf-config", metavar="CONFIG.JSON", help="plan the model a transformers config.json (or the "
-                   "directory holding it) describes (model_type llama, mistral, qwen2, gpt2, mixtral, qwen3_moe or "
-                   "deepseek_v3; read offline): sets model.name and model.hf_config, whose sizes the model takes")
+                   "directory holding it) describes (any causal-LM family; read offline): sets model.name and "
+                   "model.hf_config, whose sizes the model takes")
     world = p.add_mutually_exclusive_group()
     world.add_argument("--nproc", type=int, help="ranks on one node (default: the config's launch.nproc x nnodes)")
     world.add_argument("--nodes", type=int, help="nodes, each with --gpus-per-node ranks")

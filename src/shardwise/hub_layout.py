@@ -1,35 +1,37 @@
 """How the Hugging Face Hub stores a transformers model's tensors, where that is not how the model
 holds them.
 
-transformers 5 holds each Mixture-of-Experts layer's experts stacked, two tensors for all of them:
-`mlp.experts.gate_up_proj` of [E, 2I, H] (each expert's gate rows, then its up rows) and
-`mlp.experts.down_proj` of [E, H, I]. The checkpoints on the Hub, and what `save_pretrained`
-writes, keep one matrix per expert and projection, as the families were published
-(transformers' `conversion_mapping.py` stacks them as it loads and splits them as it saves).
-Mixtral's checkpoints also name the layer `block_sparse_moe` and its projections w1 (gate),
-w3 (up) and w2 (down).
+transformers says so itself, family by family (its `conversion_mapping.py`): what `from_pretrained`
+does to a checkpoint's keys as it loads it, and what `save_pretrained` undoes as it saves. Of two
+kinds:
+- a renaming: a tensor kept whole under another name (Mixtral's checkpoints call the model's `mlp`
+  `block_sparse_moe`; EXAONE's keep GPT-2's names);
+- a converter: one model tensor made of several of the Hub's. transformers 5 holds a
+  Mixture-of-Experts layer's experts stacked, `mlp.experts.gate_up_proj` of [E, 2I, H] and
+  `mlp.experts.down_proj` of [E, H, I], where the Hub keeps one matrix per expert and projection
+  (`MergeModulelist` along the experts, then `Concatenate` of gate and up).
 
-`pieces(name, shape, model_type)` says which of the Hub's tensors hold a model tensor and where
-each sits in it. Weights are read through it (weights.py: a pretrained Qwen3-MoE's experts land
-in the stacked tensors) and written through it (weights_file.py: a run's final weights are
-what `save_pretrained` writes). Every other tensor the Hub keeps under the model's own name.
+`HubLayout.of(model)` takes the family's conversion from transformers, as `save_pretrained` applies
+it (its legacy renamings, which only read old checkpoints, left out), and `layout.pieces(name,
+shape)` says which of the Hub's tensors hold a model tensor and where each sits in it. Weights are
+read through it (weights.py: a pretrained Qwen3-MoE's experts land in the stacked tensors, each rank
+reading its own) and written through it (weights_file.py: a run's final weights are what
+`save_pretrained` writes). A converter whose parts are not boxes of the model tensor (a transpose, an
+interleave) cannot be read or written a part at a time: `HubLayout.of` refuses such a family
+(`UnsupportedLayout`), naming it, before anything runs.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch import nn
 
-# transformers' model_type -> the MoE layer's name on the Hub, and its gate, up and down projections'.
-_EXPERT_NAMES = {
-    "mixtral": ("block_sparse_moe", "w1", "w3", "w2"),
-    "qwen3_moe": ("mlp", "gate_proj", "up_proj", "down_proj"),
-    "deepseek_v3": ("mlp", "gate_proj", "up_proj", "down_proj"),
-}
-_STACKED = re.compile(r"(?P<block>.*)\.mlp\.experts\.(?P<which>gate_up_proj|down_proj)")
-_ROUTER = re.compile(r"(?P<block>.*)\.mlp\.gate\.weight")
+
+class UnsupportedLayout(ValueError):
+    """A family whose Hub checkpoints shardwise cannot read or write a part at a time."""
 
 
 @dataclass(frozen=True)
@@ -54,31 +56,86 @@ class Piece:
         return part.squeeze(0) if self.expert else part
 
 
-def pieces(name: str, shape: tuple[int, ...], model_type: str | None) -> list[Piece]:
-    """The Hub's tensors that hold the model tensor `name` (transformers' own name) of `shape`, for
-    a model of transformers' `model_type`; [] where the Hub keeps it whole under `name`."""
-    if model_type not in _EXPERT_NAMES:
-        return []
-    layer, gate, up, down = _EXPERT_NAMES[model_type]
-    stacked = _STACKED.fullmatch(name)
-    if stacked:
-        experts, rows, columns = shape
-        prefix = f"{stacked['block']}.{layer}.experts"
-        if stacked["which"] == "down_proj":
-            return [Piece(f"{prefix}.{e}.{down}.weight", (e, 0, 0), (1, rows, columns), expert=True)
-                    for e in range(experts)]
-        half = rows // 2
-        return [Piece(f"{prefix}.{e}.{projection}.weight", (e, start, 0), (1, half, columns), expert=True)
-                for e in range(experts) for projection, start in ((gate, 0), (up, half))]
-    router = _ROUTER.fullmatch(name)
-    if router and layer != "mlp":
-        return [Piece(f"{router['block']}.{layer}.gate.weight", (0,) * len(shape), tuple(shape))]
-    return []
-
-
-def model_type(model: torch.nn.Module) -> str | None:
+def model_type(model: nn.Module) -> str | None:
     """transformers' model_type of `model` (a transformers model, or shardwise's wrapper of one:
     models/hf.py), or None for any other model."""
-    inner = getattr(model, "lm", model)
-    config = getattr(inner, "config", None)
+    config = getattr(getattr(model, "lm", model), "config", None)
     return getattr(config, "model_type", None)
+
+
+@dataclass(frozen=True)
+class HubLayout:
+    """A transformers family's conversion, reversed: the model's names to the Hub's."""
+
+    model_type: str
+    renamings: tuple[Any, ...]  # transformers' WeightRenaming, reversed, in the order save_pretrained applies them
+    converters: tuple[tuple[Any, Any], ...]  # (a WeightConverter as from_pretrained applies it, its reverse)
+
+    @classmethod
+    def of(cls, model: nn.Module) -> HubLayout | None:
+        """The layout of `model`'s family (None for a model that is no transformers model), checked
+        against every tensor of `model` (one built on the meta device will do)."""
+        kind = model_type(model)
+        if kind is None:
+            return None
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import PrefixChange, WeightConverter
+
+        inner = getattr(model, "lm", model)
+        # What save_pretrained reverts, in its order: a model made here, not loaded, has no prefix to restore.
+        forward = [t for t in get_model_conversion_mapping(inner, add_legacy=False) if not isinstance(t, PrefixChange)]
+        pairs = [(t, t.reverse_transform()) for t in reversed(forward)]
+        layout = cls(kind, tuple(back for t, back in pairs if not isinstance(t, WeightConverter)),
+                     tuple((t, back) for t, back in pairs if isinstance(t, WeightConverter)))
+        for name, tensor in inner.state_dict(keep_vars=True).items():
+            layout.pieces(name, tuple(tensor.shape))
+        return layout
+
+    def pieces(self, name: str, shape: tuple[int, ...]) -> list[Piece]:
+        """The Hub's tensors that hold the model tensor `name` (transformers' own name) of `shape`;
+        [] where the Hub keeps it whole under `name`."""
+        for forward, back in self.converters:
+            renamed, matched = back.rename_source_key(name)
+            if matched is not None:
+                return [Piece(self._renamed(piece.key), piece.offsets, piece.sizes, piece.expert)
+                        for piece in self._parts(forward, back, name, renamed, shape)]
+        key = self._renamed(name)
+        return [] if key == name else [Piece(key, (0,) * len(shape), shape)]
+
+    def _renamed(self, key: str) -> str:
+        for renaming in self.renamings:
+            key, _ = renaming.rename_source_key(key)
+        return key
+
+    def _parts(self, forward: Any, back: Any, name: str, renamed: str, shape: tuple[int, ...]) -> list[Piece]:
+        """The parts a converter makes `name` of, named as the Hub does before the renamings: the
+        experts' matrices of a stacked tensor (`*` in the Hub's names, the expert's index), and
+        equal slices of a concatenation (one of the Hub's names each, in order)."""
+        ops = list(forward.operations)
+        merged = bool(ops) and type(ops[0]).__name__ == "MergeModulelist" and ops[0].dim == 0
+        rest = ops[1:] if merged else ops
+        sources = back.target_patterns  # the Hub's names, `*` standing for an expert's index
+        concatenated = len(rest) == 1 and type(rest[0]).__name__ == "Concatenate" and \
+            getattr(rest[0], "num_shards_attribute", None) is None
+        if not (rest == [] and merged or concatenated) or sources[0] not in renamed:
+            raise UnsupportedLayout(
+                f"model_type {self.model_type!r}: the Hub keeps {name} as transformers makes it with "
+                f"{' then '.join(type(op).__name__ for op in ops)}, which shardwise cannot read or write a part at "
+                "a time (it reads stacked experts and equal concatenated parts)")
+        names = [renamed.replace(sources[0], source, 1) for source in sources]
+        dim = rest[0].dim if concatenated else None
+        if dim is not None and shape[dim] % len(names):
+            raise UnsupportedLayout(f"model_type {self.model_type!r}: {name} of {list(shape)} does not split into "
+                                    f"{len(names)} equal parts along dimension {dim}")
+        part = shape[dim] // len(names) if dim is not None else None
+        pieces = []
+        for e in range(shape[0]) if merged else [None]:
+            for i, each in enumerate(names):
+                offsets, sizes = [0] * len(shape), list(shape)
+                if merged:
+                    offsets[0], sizes[0] = e, 1
+                if dim is not None:
+                    offsets[dim], sizes[dim] = i * part, part
+                key = each.replace("*", str(e)) if merged else each
+                pieces.append(Piece(key, tuple(offsets), tuple(sizes), expert=merged))
+        return pieces

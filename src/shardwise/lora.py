@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.materialise import seed_for, seeded
+from shardwise.models.hf import decoder_layer_class
 from shardwise.models.plans import PlanError, matches, plan_for
 from shardwise.nf4 import dequantize
 
@@ -60,15 +61,44 @@ def _add_update(layer: nn.Module, args: tuple, output: torch.Tensor) -> torch.Te
 
 
 def default_targets(model: nn.Module) -> tuple[str, ...]:
-    """The attention and MLP projections of the model's family: every column- and row-parallel
-    layer of its parallel plan's regions (models/plans.py), relative to a block."""
+    """The attention and MLP projections of the model's family, relative to a block: every column-
+    and row-parallel layer of its parallel plan's regions (models/plans.py), or for a transformers
+    family without one the linear layers of its blocks that its own tensor-parallel plan
+    (`base_model_tp_plan`) splits, else every linear layer of its blocks."""
     try:
         plan = plan_for(model)
     except PlanError:
+        found = transformers_split_layers(model) or block_linear_layers(model)
+        if found:
+            return found
         raise LoraError(f"lora.targets: {type(model).__name__} has no parallel plan to take the attention and MLP "
                         "projections from; name the layers that get adapters") from None
     return tuple(f"{region.module}.{name}" for region in plan.regions
                  for name in (*(column.name for column in region.columns), region.row))
+
+
+def block_linear_layers(model: nn.Module) -> tuple[str, ...]:
+    """Every nn.Linear layer of a transformers model's repeated layer (its `_no_split_modules`),
+    relative to it: peft's `all-linear` within the blocks. () where it declares none."""
+    block = decoder_layer_class(model)
+    first = next((module for module in model.modules() if type(module).__name__ == block), None)
+    if first is None:
+        return ()
+    return tuple(name for name, module in first.named_modules() if type(module) is nn.Linear)
+
+
+def transformers_split_layers(model: nn.Module) -> tuple[str, ...]:
+    """The nn.Linear layers of a transformers model's blocks that its family's `base_model_tp_plan`
+    splits (`layers.*.self_attn.q_proj`: colwise), relative to a block; () without a plan."""
+    config = getattr(getattr(model, "lm", model), "config", None)
+    plan = getattr(config, "base_model_tp_plan", None) or {}
+    linear = [name for name, module in model.named_modules() if type(module) is nn.Linear]
+    found = []
+    for pattern in plan:
+        block, _, inside = pattern.partition(".*.")
+        if inside and any(matches(name, f"{block.rpartition('.')[2]}.*.{inside}") for name in linear):
+            found.append(inside)
+    return tuple(dict.fromkeys(found))
 
 
 def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float, targets: list[str] | None,

@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadPlanner, ReadItem
 
-from shardwise.hub_layout import Piece, model_type, pieces
+from shardwise.hub_layout import HubLayout, Piece
 from shardwise.lora import is_adapter
 from shardwise.nf4 import quantize, quantized
 
@@ -101,14 +101,14 @@ def tied_names(model: nn.Module) -> dict[str, list[str]]:
 @dataclass(frozen=True)
 class ModelNames:
     """What a weights file may call the plain model's tensors: a tied weight by any of its names,
-    and a transformers MoE model's experts as the Hub keeps them (`model_type`: transformers')."""
+    and a transformers model's as the Hub keeps them (`layout`: its family's, hub_layout.py)."""
 
     ties: dict[str, list[str]] = field(default_factory=dict)
-    model_type: str | None = None
+    layout: HubLayout | None = None
 
     @classmethod
     def of(cls, model: nn.Module) -> ModelNames:
-        return cls(tied_names(model), model_type(model))
+        return cls(tied_names(model), HubLayout.of(model))
 
 
 @dataclass
@@ -131,7 +131,7 @@ def match(state: dict[str, torch.Tensor], parameters: set[str], stored: dict[str
         keys = [alias[len(prefix):] for alias in names.ties.get(name, [name]) if alias.startswith(prefix)]
         key = next((key for key in keys if key in stored), None)
         if key is None:
-            held = pieces(keys[0], tuple(tensor.shape), names.model_type) if keys else []
+            held = names.layout.pieces(keys[0], tuple(tensor.shape)) if keys and names.layout else []
             if held and all(piece.key in stored for piece in held):
                 _match_pieces(matched, name, keys[0], tensor, held, stored)
             elif name in parameters:

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from shardwise.hub_layout import Piece, model_type, pieces
+from shardwise.hub_layout import HubLayout, Piece, model_type
 from shardwise.lora import merged
 from shardwise.memory import return_free_memory
 
@@ -96,10 +96,10 @@ class WeightsLayout:
         """The layout `save_pretrained` writes for a transformers `model`, or for the one
         shardwise's hf-* wrapper holds as `lm` (whose names the entries' `name` keep)."""
         inner, prefix = (model.lm, "lm.") if isinstance(getattr(model, "lm", None), nn.Module) else (model, "")
-        kind = model_type(model)
+        layout = HubLayout.of(model)
         entries = []
         for each, tensor in _named_once(inner.state_dict(keep_vars=True)):
-            held = pieces(each[0], tuple(tensor.shape), kind)
+            held = layout.pieces(each[0], tuple(tensor.shape))
             name = prefix + each[0]
             entries += [Entry(p.key, name, p.shape, tensor.dtype, p) for p in held] if held else \
                 [Entry(each[0], name, tuple(tensor.shape), tensor.dtype)]

@@ -15,9 +15,9 @@ from typing import Any
 from shardwise.config.schema import (
     GPT_PRESET_SIZES,
     GPT_PRESETS,
+    HF_FAMILY_SIZES,
     HF_MODEL_TYPES,
-    HF_SIZE_ALIASES,
-    HF_SIZE_KEYS,
+    HF_SIZE_NAMES,
     LANGUAGE_MODELS,
     MOE_MODELS,
     MOVED_KEYS,
@@ -128,9 +128,10 @@ def load_config(
 
 
 def read_hf_config(path: str) -> tuple[str, dict[str, tuple[str, int]]]:
-    """The family (model.name) a transformers config.json builds and the sizes it sets, by
-    ModelConfig key, each with the file's name for it; ConfigError if the file is missing, not JSON
-    or of another family."""
+    """The family (model.name) a transformers config.json builds and the sizes it gives, by
+    ModelConfig key, each with the file's name for it, read through the family's config class (its
+    attribute_map: GPT-2's n_embd is its hidden_size); ConfigError if the file is missing, not JSON,
+    or of a model_type transformers does not build as a causal LM."""
     key = f"model.hf_config = {path!r}"
     try:
         values = json.loads(Path(path).read_text())
@@ -139,15 +140,29 @@ def read_hf_config(path: str) -> tuple[str, dict[str, tuple[str, int]]]:
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{key}: not a JSON transformers config ({exc})") from None
     model_type = values.get("model_type") if isinstance(values, dict) else None
-    if model_type not in HF_MODEL_TYPES:
-        raise ConfigError(f"{key}: model_type {model_type!r} is not a family shardwise builds; allowed: "
-                          f"{', '.join(HF_MODEL_TYPES)}")
-    name = HF_MODEL_TYPES[model_type]
+    try:
+        import transformers
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    except ImportError:
+        raise ConfigError(f"{key}: reading it needs transformers; pip install 'shardwise[hf]'") from None
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ConfigError(f"{key}: model_type {model_type!r} is not a family transformers "
+                          f"{transformers.__version__} builds as a causal LM (AutoModelForCausalLM)")
+    name = HF_MODEL_TYPES.get(model_type, "hf")
+    try:
+        config = transformers.AutoConfig.for_model(**values)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"{key}: transformers' {model_type} config refuses it ({exc})") from None
+    renamed = type(config).attribute_map  # the standard name -> the family's own
     sizes = {}
-    for ours, theirs in HF_SIZE_KEYS[name].items():
-        found = next((k for k in (theirs, *HF_SIZE_ALIASES.get(theirs, ())) if values.get(k) is not None), None)
-        if found is not None:
-            sizes[ours] = (found, values[found])
+    for ours in HF_FAMILY_SIZES[name]:
+        for standard in HF_SIZE_NAMES[ours]:
+            theirs = renamed.get(standard, standard)
+            in_file = next((k for k in values if renamed.get(k, k) == theirs), None)
+            value = getattr(config, standard, None)
+            if isinstance(value, int) and not isinstance(value, bool) and (in_file or name == "hf"):
+                sizes[ours] = (in_file or theirs, value)
+                break
     return name, sizes
 
 

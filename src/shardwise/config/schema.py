@@ -24,33 +24,45 @@ REDUCE_DTYPES = ("fp32", "bf16")
 OFFLOADS = ("none", "optimizer")
 ALL_REDUCES = ("backend", "ring")
 GRAD_COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
-# transformers models of the GPT presets' sizes (models/hf.py)
-HF_MODELS = ("hf-llama", "hf-qwen2", "hf-gpt2", "hf-mixtral", "hf-qwen3-moe", "hf-deepseek-v3")
+# transformers models (models/hf.py): `hf`, any causal-LM family, of model.hf_config's architecture; and
+# the families shardwise splits with plans of its own, of the GPT presets' sizes or of model.hf_config's
+HF_MODELS = ("hf", "hf-llama", "hf-qwen2", "hf-gpt2", "hf-mixtral", "hf-qwen3-moe", "hf-deepseek-v3")
 # families whose key/value heads may be fewer than their heads
-GROUPED_QUERY_MODELS = ("hf-llama", "hf-qwen2", "hf-mixtral", "hf-qwen3-moe", "hf-deepseek-v3")
-# A transformers config.json's `model_type` -> the family that builds it (Mistral has Llama's modules).
+GROUPED_QUERY_MODELS = ("hf", "hf-llama", "hf-qwen2", "hf-mixtral", "hf-qwen3-moe", "hf-deepseek-v3")
+# A transformers config.json's `model_type` -> the family of shardwise's that builds it (Mistral has
+# Llama's modules); every other causal-LM model_type builds as `hf`.
 HF_MODEL_TYPES = {"llama": "hf-llama", "mistral": "hf-llama", "qwen2": "hf-qwen2", "gpt2": "hf-gpt2",
                   "mixtral": "hf-mixtral", "qwen3_moe": "hf-qwen3-moe", "deepseek_v3": "hf-deepseek-v3"}
-# Where each family's transformers config keeps the sizes a ModelConfig names.
-_LLAMA_SIZE_KEYS = dict(n_layer="num_hidden_layers", n_head="num_attention_heads", n_kv_head="num_key_value_heads",
-                        d_model="hidden_size", d_ff="intermediate_size", vocab_size="vocab_size",
-                        seq_len="max_position_embeddings")
-HF_SIZE_KEYS: dict[str, dict[str, str]] = {
-    "hf-llama": _LLAMA_SIZE_KEYS,
-    "hf-qwen2": _LLAMA_SIZE_KEYS,
-    "hf-gpt2": dict(n_layer="n_layer", n_head="n_head", d_model="n_embd", d_ff="n_inner", vocab_size="vocab_size",
-                    seq_len="n_positions"),
-    # Mixtral's experts are its MLPs (intermediate_size); Qwen3-MoE's have a width of their own.
-    "hf-mixtral": {**_LLAMA_SIZE_KEYS, "n_experts": "num_local_experts", "top_k": "num_experts_per_tok"},
-    "hf-qwen3-moe": {**_LLAMA_SIZE_KEYS, "n_experts": "num_experts", "top_k": "num_experts_per_tok",
-                     "d_expert": "moe_intermediate_size", "head_dim": "head_dim"},
-    # Its attention's other sizes (MLA's ranks and head widths) and its dense first blocks: model.hf_config's.
-    "hf-deepseek-v3": {**_LLAMA_SIZE_KEYS, "n_experts": "n_routed_experts", "top_k": "num_experts_per_tok",
-                       "d_expert": "moe_intermediate_size"},
+# A size a ModelConfig names -> transformers' standard attribute for it, which every config class
+# answers to (its attribute_map points the standard name at the family's own: GPT-2's n_embd for
+# hidden_size), then the names families without the standard one use.
+HF_SIZE_NAMES: dict[str, tuple[str, ...]] = {
+    "n_layer": ("num_hidden_layers",),
+    "n_head": ("num_attention_heads",),
+    "n_kv_head": ("num_key_value_heads",),
+    "d_model": ("hidden_size",),
+    "d_ff": ("intermediate_size", "n_inner", "ffn_dim"),
+    "vocab_size": ("vocab_size",),
+    "seq_len": ("max_position_embeddings",),
+    "head_dim": ("head_dim",),
+    "n_experts": ("num_local_experts", "num_experts", "n_routed_experts"),
+    "top_k": ("num_experts_per_tok",),
+    "d_expert": ("moe_intermediate_size",),
 }
-# Other names a config.json may keep a size under: transformers 5 saves Qwen3-MoE's num_experts by its
-# attribute's name, num_local_experts (published Qwen3-MoE configs say num_experts).
-HF_SIZE_ALIASES = {"num_experts": ("num_local_experts",)}
+# The sizes each family of shardwise's own takes from model.hf_config where the file sets them (the
+# others are the preset's); `hf` takes every size its config class has, the class's default where the
+# file is silent.
+_DENSE_SIZES = ("n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "vocab_size", "seq_len")
+HF_FAMILY_SIZES: dict[str, tuple[str, ...]] = {
+    "hf-llama": _DENSE_SIZES,
+    "hf-qwen2": _DENSE_SIZES,
+    "hf-gpt2": ("n_layer", "n_head", "d_model", "d_ff", "vocab_size", "seq_len"),
+    "hf-mixtral": (*_DENSE_SIZES, "n_experts", "top_k"),  # its experts are its MLPs (intermediate_size)
+    "hf-qwen3-moe": (*_DENSE_SIZES, "n_experts", "top_k", "d_expert", "head_dim"),
+    # its attention's other sizes (MLA's ranks and head widths) and its dense first blocks: the file's
+    "hf-deepseek-v3": (*_DENSE_SIZES, "n_experts", "top_k", "d_expert"),
+    "hf": tuple(HF_SIZE_NAMES),
+}
 # Models of token sequences: sized by a GPT preset, trained on text.
 LANGUAGE_MODELS = ("gpt", "gpt-moe", *HF_MODELS)
 # Models whose blocks have Mixture-of-Experts layers: ours (models/moe.py), transformers' (their own).
@@ -89,10 +101,11 @@ class ModelConfig:
     overrides the preset's."""
 
     name: str = option("gpt", "`gpt` (decoder-only transformer), `gpt-moe` (the GPT with a Mixture-of-Experts "
-                       "layer for each MLP, docs/strategies/moe.md), `hf-llama` / `hf-qwen2` / `hf-gpt2` / "
-                       "`hf-mixtral` / `hf-qwen3-moe` / `hf-deepseek-v3` (a randomly initialised transformers "
-                       "Llama, Qwen2, GPT-2, Mixtral, Qwen3-MoE or DeepSeek-V3 of the preset's sizes), `cnn` (with "
-                       "BatchNorm) or `mlp`", MODELS)
+                       "layer for each MLP, docs/strategies/moe.md), `hf` (a transformers causal LM of any family, "
+                       "model.hf_config's), `hf-llama` / `hf-qwen2` / `hf-gpt2` / `hf-mixtral` / `hf-qwen3-moe` / "
+                       "`hf-deepseek-v3` (a randomly initialised transformers Llama, Qwen2, GPT-2, Mixtral, "
+                       "Qwen3-MoE or DeepSeek-V3 of the preset's sizes, or of model.hf_config's: the families "
+                       "shardwise splits with plans of its own), `cnn` (with BatchNorm) or `mlp`", MODELS)
     preset: str = option("tiny", "GPT and hf-* size: `tiny` (2 blocks x width 64, 64-token context), `small` "
                          "(6 x 384, 256), `gpt2-124m` (12 x 768, 1024, vocabulary 50304); fills every size below "
                          "left unset", GPT_PRESETS)
@@ -110,7 +123,8 @@ class ModelConfig:
                                    "size set here must agree; seq_len may be shorter than its context) and its other "
                                    "settings (tied embeddings, biases, RoPE); its model_type must be model.name's "
                                    "family (llama and mistral: hf-llama; qwen2; gpt2; mixtral; qwen3_moe; "
-                                   "deepseek_v3). `--hf-config FILE` sets this and model.name")
+                                   "deepseek_v3; every other causal LM transformers builds: hf, which needs it). "
+                                   "`--hf-config FILE` sets this and model.name")
     bias: bool = option(False, "biases in the GPT's linear layers")
     weights: str | None = option(None, "start from these weights instead of initialising: a .safetensors file, or a "
                                  "directory of them (what from_pretrained reads), matched to the model by name "

@@ -132,15 +132,18 @@ def _validate_model(cfg: Config) -> None:
         raise ConfigError(
             f"data.name = {d.name!r}: not usable with model.name = {m.name!r}; allowed: {', '.join(datasets)}"
         )
+    if m.name == "hf" and m.hf_config is None:
+        raise ConfigError("model.name = 'hf': a transformers causal LM of the family and architecture model.hf_config "
+                          "gives; set it (--hf-config MODEL/config.json)")
     if m.name in LANGUAGE_MODELS:
         for key in ("n_layer", "n_head", "d_model", "seq_len", "vocab_size", "n_kv_head", "d_ff"):
             _positive(f"model.{key}", getattr(m, key))
-        if m.d_model % m.n_head:
+        if m.d_model % m.n_head and m.name != "hf":  # `hf`: the family's sizes are its own to check
             raise ConfigError(f"model.d_model = {m.d_model}: must be divisible by model.n_head = {m.n_head}")
         if m.n_kv_head != m.n_head and m.name not in GROUPED_QUERY_MODELS:
             raise ConfigError(f"model.n_kv_head = {m.n_kv_head}: model.name = {m.name!r} has one key/value head per "
                               f"head (n_head = {m.n_head}); grouped-query attention: {', '.join(GROUPED_QUERY_MODELS)}")
-        if m.n_head % m.n_kv_head:
+        if m.n_head % m.n_kv_head and m.name != "hf":
             raise ConfigError(f"model.n_kv_head = {m.n_kv_head}: must divide model.n_head = {m.n_head}")
         if m.vocab_size < 256:
             raise ConfigError(f"model.vocab_size = {m.vocab_size}: must be >= 256 for byte-level data")
@@ -272,9 +275,9 @@ def _validate_experts(cfg: Config, world: int) -> None:
     """A gpt-moe's experts and routing, and how parallel.ep splits them over the world."""
     m, p = cfg.model, cfg.parallel
     _positive("parallel.ep", p.ep)
-    if m.head_dim is not None and m.name != "hf-qwen3-moe":
-        raise ConfigError(f"model.head_dim = {m.head_dim}: only hf-qwen3-moe's heads have a width of their own; "
-                          f"model.name = {m.name!r} has heads of d_model / n_head")
+    if m.head_dim is not None and m.name not in ("hf", "hf-qwen3-moe"):
+        raise ConfigError(f"model.head_dim = {m.head_dim}: only hf's and hf-qwen3-moe's heads have a width of their "
+                          f"own; model.name = {m.name!r} has heads of d_model / n_head")
     if m.head_dim is not None:
         _positive("model.head_dim", m.head_dim)
     if m.name in MOE_MODELS:
@@ -476,6 +479,9 @@ def _validate_context(cfg: Config, world: int) -> None:
                           f"{', '.join(CORPORA)}")
     if p.cp == 1:
         return
+    if m.name == "hf":
+        raise ConfigError(f"parallel.cp = {p.cp}: context parallel feeds each rank's positions to the module its "
+                          "family's parallel plan names; model.name = 'hf' has no plan yet (docs/huggingface.md)")
     if world % p.cp:
         raise ConfigError(f"parallel.cp = {p.cp}: must divide the world size {world} (launch.nproc x launch.nnodes)")
     if p.cp_mode == "ring" and m.seq_len % (2 * p.cp):

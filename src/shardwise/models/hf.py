@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from shardwise.config.schema import HF_MODELS, HF_SIZE_ALIASES, HF_SIZE_KEYS, ModelConfig
+from shardwise.config.schema import HF_FAMILY_SIZES, HF_MODELS, HF_SIZE_NAMES, ModelConfig
 
 
 def decoder_layer_class(model: nn.Module) -> str | None:
@@ -51,29 +51,49 @@ class CausalLM(nn.Module):
 
 
 def build_causal_lm(cfg: ModelConfig) -> CausalLM:
-    """A randomly initialised Llama (`hf-llama`), Qwen2 (`hf-qwen2`), GPT-2 (`hf-gpt2`), Mixtral
-    (`hf-mixtral`) or Qwen3-MoE (`hf-qwen3-moe`) of the config's (resolved) sizes, from the current
-    torch seed: the family's defaults, or with `model.hf_config` that file's architecture. Dropout
-    is off, as in shardwise's GPT: ranks would draw different masks than one device does."""
+    """A randomly initialised transformers causal LM, from the current torch seed: for `hf` the
+    family and architecture model.hf_config gives; for shardwise's own families (`hf-llama`, ...) of
+    the config's (resolved) sizes, with model.hf_config that file's architecture otherwise. Dropout (and a
+    router's jitter) is off, as in shardwise's GPT: ranks would draw different masks than one device does."""
     try:
         import transformers
     except ImportError:
         raise ImportError(f"model.name = {cfg.name!r} needs transformers: pip install 'shardwise[hf]'") from None
-    families = {"hf-llama": transformers.LlamaConfig, "hf-qwen2": transformers.Qwen2Config,
-                "hf-gpt2": transformers.GPT2Config, "hf-mixtral": transformers.MixtralConfig,
-                "hf-qwen3-moe": transformers.Qwen3MoeConfig, "hf-deepseek-v3": transformers.DeepseekV3Config}
-    if cfg.name not in families:
+    if cfg.name not in HF_MODELS:
         raise ValueError(f"model.name = {cfg.name!r}: not a Hugging Face model; allowed: {', '.join(HF_MODELS)}")
     values = json.loads(Path(cfg.hf_config).read_text()) if cfg.hf_config else {}
     # The dtype the file was saved in is not the one training stores: the precision decides that.
-    values = {k: v for k, v in values.items() if k not in ("torch_dtype", "dtype", "model_type")}
-    sizes = {theirs: getattr(cfg, ours) for ours, theirs in HF_SIZE_KEYS[cfg.name].items()}
-    context = HF_SIZE_KEYS[cfg.name]["seq_len"]
-    if values.get(context) is not None:  # the model's context is the file's; model.seq_len, the window, at most it
-        del sizes[context]
-    aliases = {alias for size in sizes for alias in HF_SIZE_ALIASES.get(size, ())}  # the sizes set here win
-    values = {k: v for k, v in values.items() if k not in aliases}
-    no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0) if cfg.name == "hf-gpt2" else \
-        dict(attention_dropout=0.0)
-    config = families[cfg.name](**{**values, **sizes, **no_dropout, "bos_token_id": None, "eos_token_id": None})
+    values = {k: v for k, v in values.items() if k not in ("torch_dtype", "dtype")}
+    if cfg.name == "hf":
+        config = transformers.AutoConfig.for_model(**values)
+    else:
+        config = _sized_config(transformers.CONFIG_MAPPING[FAMILY_TYPES[cfg.name]], values, cfg)
+    for key, value in config.to_dict().items():  # dropout, and the noise some routers add while training
+        if isinstance(value, float) and ("dropout" in key or key.endswith("_pdrop") or "jitter" in key):
+            setattr(config, key, 0.0)
+    config.bos_token_id = config.eos_token_id = None  # generation's; a small vocabulary may not hold them
     return CausalLM(transformers.AutoModelForCausalLM.from_config(config))
+
+
+# shardwise's own transformers families -> transformers' model_type
+FAMILY_TYPES = {"hf-llama": "llama", "hf-qwen2": "qwen2", "hf-gpt2": "gpt2", "hf-mixtral": "mixtral",
+                "hf-qwen3-moe": "qwen3_moe", "hf-deepseek-v3": "deepseek_v3"}
+
+
+def _sized_config(config_class: type, values: dict, cfg: ModelConfig) -> object:
+    """`config_class` of the file's `values` and of `cfg`'s sizes, each given to the class under its
+    own name for it (its attribute_map's target of the standard name, or a synonym the class has:
+    GPT-2's n_inner), so that what the class derives from them (head widths, layer lists) follows.
+    The model's context stays the file's where it sets one: model.seq_len is the window within it."""
+    renamed, default = config_class.attribute_map, config_class()
+    sizes = {}
+    for ours in HF_FAMILY_SIZES[cfg.name]:
+        names = [renamed.get(n, n) for n in HF_SIZE_NAMES[ours]]
+        # the first the class has; else the standard name, which a model reads as an extra (Qwen3-MoE's head_dim)
+        attribute = next((n for n in names if hasattr(default, n)), names[0])
+        keys = {k for k in values if renamed.get(k, k) == attribute}  # the file's names for it
+        if ours == "seq_len" and any(values[k] is not None for k in keys):
+            continue
+        values = {k: v for k, v in values.items() if k not in keys}
+        sizes[attribute] = getattr(cfg, ours)
+    return config_class(**{k: v for k, v in values.items() if k != "model_type"}, **sizes)
