@@ -26,6 +26,7 @@ from shardwise.config.schema import (
     ConfigError,
     ModelConfig,
 )
+from shardwise.config.transformers_file import read_transformers_config
 from shardwise.config.validate import validate
 
 
@@ -134,7 +135,7 @@ def read_hf_config(path: str) -> tuple[str, dict[str, tuple[str, int]]]:
     or of a model_type transformers does not build as a causal LM."""
     key = f"model.hf_config = {path!r}"
     try:
-        values = json.loads(Path(path).read_text())
+        values = read_transformers_config(path)
     except FileNotFoundError:
         raise ConfigError(f"{key}: no such file; give the path of a transformers config.json") from None
     except (OSError, ValueError) as exc:

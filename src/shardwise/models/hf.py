@@ -17,14 +17,13 @@ architecture: tied embeddings, biases, RoPE), randomly initialised from the torc
 
 from __future__ import annotations
 
-import json
 from collections import Counter
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from shardwise.config.schema import HF_FAMILY_SIZES, HF_MODELS, HF_SIZE_NAMES, ModelConfig
+from shardwise.config.transformers_file import read_transformers_config
 
 
 def decoder_layer_class(model: nn.Module) -> str | None:
@@ -61,18 +60,25 @@ def build_causal_lm(cfg: ModelConfig) -> CausalLM:
         raise ImportError(f"model.name = {cfg.name!r} needs transformers: pip install 'shardwise[hf]'") from None
     if cfg.name not in HF_MODELS:
         raise ValueError(f"model.name = {cfg.name!r}: not a Hugging Face model; allowed: {', '.join(HF_MODELS)}")
-    values = json.loads(Path(cfg.hf_config).read_text()) if cfg.hf_config else {}
+    values = read_transformers_config(cfg.hf_config) if cfg.hf_config else {}
     # The dtype the file was saved in is not the one training stores: the precision decides that.
     values = {k: v for k, v in values.items() if k not in ("torch_dtype", "dtype")}
     if cfg.name == "hf":
         config = transformers.AutoConfig.for_model(**values)
     else:
         config = _sized_config(transformers.CONFIG_MAPPING[FAMILY_TYPES[cfg.name]], values, cfg)
-    for key, value in config.to_dict().items():  # dropout, and the noise some routers add while training
+    _without_noise(config)
+    return CausalLM(transformers.AutoModelForCausalLM.from_config(config))
+
+
+def _without_noise(config: object) -> None:
+    """Dropout, and the noise some routers add while training, off in `config` and in the configs
+    it holds (a multimodal model's text model's)."""
+    for key, value in vars(config).items():
         if isinstance(value, float) and ("dropout" in key or key.endswith("_pdrop") or "jitter" in key):
             setattr(config, key, 0.0)
-    config.bos_token_id = config.eos_token_id = None  # generation's; a small vocabulary may not hold them
-    return CausalLM(transformers.AutoModelForCausalLM.from_config(config))
+        elif hasattr(value, "attribute_map") and hasattr(value, "to_dict"):  # a sub-config
+            _without_noise(value)
 
 
 # shardwise's own transformers families -> transformers' model_type
@@ -96,4 +102,6 @@ def _sized_config(config_class: type, values: dict, cfg: ModelConfig) -> object:
             continue
         values = {k: v for k, v in values.items() if k not in keys}
         sizes[attribute] = getattr(cfg, ours)
-    return config_class(**{k: v for k, v in values.items() if k != "model_type"}, **sizes)
+    values = {k: v for k, v in values.items() if k not in ("model_type", "bos_token_id", "eos_token_id")}
+    # generation's tokens, which a preset's vocabulary of 256 may not hold
+    return config_class(**values, **sizes, bos_token_id=None, eos_token_id=None)
