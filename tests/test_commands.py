@@ -227,7 +227,7 @@ PRINTED = printed_lines()
 
 def command(line: str) -> list[str]:
     """The line as ROWS says it runs: placeholders filled, flags added, `shardwise` the installed one."""
-    row = ROWS.get(line, Row()) if line not in SETUP else Row()
+    row = ROWS.get(line, Row())
     text = SETUP.get(line, line)
     for printed, run in row.fill.items():  # whole words: RUN's N is not N
         text = re.sub(rf"(?<!\w){re.escape(printed)}(?!\w)", run, text)

@@ -168,7 +168,7 @@ class Run:
         if not isinstance(model, nn.Module):
             model = build_on_meta(model, "run.prepare")
         names = ModelNames.of(model)
-        self._weights_layout = final_layout(model)
+        self._weights_layout = final_layout(model, names.layout)
         if lora is not None and lora.rank > 0:
             self.strategy.lora = lora
         wrapped = self.strategy.wrap(model)

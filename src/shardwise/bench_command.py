@@ -83,9 +83,10 @@ def run(args: argparse.Namespace) -> int:
     if root is None:
         raise ConfigError("the benches run from a checkout of the shardwise repository (bench/ beside src/, after "
                           "`make setup`); this shardwise is an installed copy without them")
-    chosen = benches()[args.name]
+    every = benches()
+    chosen = every[args.name]
     if args.quick and chosen.quick is None:
-        quick = [name for name, other in benches().items() if other.quick is not None]
+        quick = [name for name, other in every.items() if other.quick is not None]
         raise ConfigError(f"--quick: bench {args.name} has no short form; these have: {', '.join(quick)}")
     if args.nproc is not None and args.name != "hardware":
         raise ConfigError(f"--nproc {args.nproc}: only `bench hardware` takes a world size; "
@@ -106,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
     # from it, or started with its sys.path) and in every process a bench starts (PYTHONPATH).
     sys.path.insert(0, str(root))
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
-    entry = [chosen.module, *flags(args, chosen)]
+    entry = [chosen.module, *flags(args, chosen, root)]
     if chosen.ranks == 0:  # a driver that launches its own jobs
         return subprocess.run([sys.executable, "-m", *entry]).returncode
     try:
@@ -117,15 +118,15 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def flags(args: argparse.Namespace, chosen: Any) -> list[str]:
-    """What `shardwise bench` passes the bench's module: where its result goes (bench/results/NAME.json,
-    which a quick run leaves alone: it measures nothing worth keeping), its steps, then the flags the
-    user gave."""
+def flags(args: argparse.Namespace, chosen: Any, root: Path) -> list[str]:
+    """What `shardwise bench` passes the bench's module: where its result goes (the checkout `root`'s
+    bench/results/NAME.json, which a quick run leaves alone: it measures nothing worth keeping), its
+    steps, then the flags the user gave."""
     passed = []
     if args.quick:
         passed += chosen.quick
     else:
-        passed += ["--json", str(checkout() / "bench" / "results" / f"{args.name}.json")]
+        passed += ["--json", str(root / "bench" / "results" / f"{args.name}.json")]
         own_steps = ("scale", "gpu", "gpu-scale", "faults", "crash")  # benches with their own default steps
         if args.steps is None and args.name not in own_steps:
             passed += ["--steps", "12"]

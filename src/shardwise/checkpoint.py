@@ -532,11 +532,13 @@ def write_model(cfg: Config, model: torch.nn.Module, out: Path, tensor: Callable
     from tqdm import tqdm
 
     from shardwise.hf_files import config_json, write_model_files
+    from shardwise.hub_layout import HubLayout
     from shardwise.weights_file import WeightsLayout, WeightsWriter
 
     directory = out.suffix != ".safetensors"
     state = model.state_dict(keep_vars=True)
-    layout = WeightsLayout.transformers(model) if directory else WeightsLayout.of(model, tied_copies=tied_copies)
+    layout = WeightsLayout.transformers(model, HubLayout.of(model)) if directory else \
+        WeightsLayout.of(model, tied_copies=tied_copies)
     total = sum(state[name].nbytes for name in layout.names())
     with WeightsWriter(out / "model.safetensors" if directory else out, layout) as writer, \
             tqdm(total=total, unit="B", unit_scale=True, disable=not progress, desc=what) as bar:

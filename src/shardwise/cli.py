@@ -10,7 +10,7 @@ from pathlib import Path
 
 from shardwise import bench_command
 from shardwise.config.load import hf_config_overrides, load_config
-from shardwise.config.schema import HF_MODELS, PRECISIONS, Config, ConfigError
+from shardwise.config.schema import PRECISIONS, Config, ConfigError
 from shardwise.planner.candidates import POLICIES, default_precisions
 from shardwise.recompute import parse_policy
 from shardwise.strategies.registry import NAMES, spec
@@ -160,7 +160,8 @@ def _check_before_launch(cfg: Config) -> None:
 
         _check_writable(f"train.checkpoint_every = {cfg.train.checkpoint_every}: its directory",
                         checkpoint_dir(Path(cfg.run.out)))
-    if cfg.model.weights is not None or cfg.lora.rank > 0 or cfg.model.name in HF_MODELS:
+    # `hf`, a family of no table of ours: whether transformers builds it, and its checkpoints' layout
+    if cfg.model.weights is not None or cfg.lora.rank > 0 or cfg.model.name == "hf":
         from shardwise.hub_layout import HubLayout, UnsupportedLayout
         from shardwise.lora import LoraError, apply_lora
         from shardwise.materialise import init_context
@@ -172,7 +173,7 @@ def _check_before_launch(cfg: Config) -> None:
             with init_context():
                 model = build_model(cfg.model)
         except Exception as error:  # transformers' own refusal of a family it cannot build here (a kernel missing)
-            if cfg.model.name not in HF_MODELS:
+            if cfg.model.name != "hf":
                 raise
             raise ConfigError(f"model.hf_config = {cfg.model.hf_config!r}: transformers cannot build it "
                               f"({type(error).__name__}: {error})") from None

@@ -109,7 +109,7 @@ class Trainer:
         self.flops_per_sample = flops_per_sample(model)
         self.seq_len = cfg.model.seq_len if cfg.model.name in LANGUAGE_MODELS else None
         self.names = ModelNames.of(model)  # what a weights file may call its tensors
-        self.weights_layout = final_layout(model)  # what the final weights file holds
+        self.weights_layout = final_layout(model, self.names.layout)  # what the final weights file holds
         # An hf-* model's run directory is a transformers model directory: its config.json, as built.
         self.model_config = config_json(model, cfg.model.hf_config) if cfg.model.name in HF_MODELS else None
         self.strategy: Strategy = make_strategy(cfg.parallel, ctx, cfg.train.seed, cfg.train.compile, cfg.lora)

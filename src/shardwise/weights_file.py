@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from shardwise.hub_layout import HubLayout, Piece, model_type
+from shardwise.hub_layout import HubLayout, Piece
 from shardwise.lora import merged
 from shardwise.memory import return_free_memory
 
@@ -92,14 +92,14 @@ class WeightsLayout:
         return cls(_in_file_order(entries), dict(sorted(tied.items())))
 
     @classmethod
-    def transformers(cls, model: nn.Module) -> WeightsLayout:
+    def transformers(cls, model: nn.Module, hub: HubLayout) -> WeightsLayout:
         """The layout `save_pretrained` writes for a transformers `model`, or for the one
-        shardwise's hf-* wrapper holds as `lm` (whose names the entries' `name` keep)."""
+        shardwise's hf-* wrapper holds as `lm` (whose names the entries' `name` keep); `hub`: its
+        family's (`HubLayout.of(model)`)."""
         inner, prefix = (model.lm, "lm.") if isinstance(getattr(model, "lm", None), nn.Module) else (model, "")
-        layout = HubLayout.of(model)
         entries = []
         for each, tensor in _named_once(inner.state_dict(keep_vars=True)):
-            held = layout.pieces(each[0], tuple(tensor.shape))
+            held = hub.pieces(each[0], tuple(tensor.shape))
             name = prefix + each[0]
             entries += [Entry(p.key, name, p.shape, tensor.dtype, p) for p in held] if held else \
                 [Entry(each[0], name, tuple(tensor.shape), tensor.dtype)]
@@ -190,10 +190,11 @@ class WeightsWriter:
             self.discard()
 
 
-def final_layout(model: nn.Module) -> WeightsLayout:
-    """The layout of a model's final weights: `save_pretrained`'s for a transformers model (what
-    `from_pretrained` loads beside its config.json), else `save_model`'s."""
-    return WeightsLayout.transformers(model) if model_type(model) is not None else WeightsLayout.of(model)
+def final_layout(model: nn.Module, hub: HubLayout | None) -> WeightsLayout:
+    """The layout of a model's final weights: `save_pretrained`'s for a transformers model (`hub`, its
+    family's Hub layout, what `ModelNames.of` found; what `from_pretrained` loads beside its
+    config.json), else (`hub` None) `save_model`'s."""
+    return WeightsLayout.transformers(model, hub) if hub is not None else WeightsLayout.of(model)
 
 
 def save_weights(strategy: Strategy, layout: WeightsLayout, path: Path) -> None:
