@@ -53,7 +53,8 @@ BENCHES = {
     # one killed worker: restart from a checkpoint (sync, async) against healing
     "faults": Bench("bench.faults", 0, None),
     # the whole job SIGKILLed 20 times in and between async saves: every resume exact
-    "crash": Bench("bench.crash", 0, ("--steps", "20", "--kills", "1")),
+    # (30 steps: a kill aimed at a millisecond's phase that misses it, on a loaded machine, has two saves left)
+    "crash": Bench("bench.crash", 0, ("--steps", "30", "--kills", "1")),
     # the largest GPT each strategy trains in a memory budget, as whole jobs
     "scale": Bench("bench.scale", 0, None),
     # your own corpus: preparation, reads against a step, RSS at 1 MiB and 1 GiB

@@ -329,8 +329,7 @@ def kill_plan(steps: int, kills: int, rng: random.Random) -> list[Kill]:
     first, last = EVERY + 1, steps - 2 * EVERY
     stretch = (last - first) // kills
     if stretch < 2:
-        raise SystemExit(f"bench crash: {kills} kills need at least {2 * kills + 3 * EVERY + 1} steps, not {steps} "
-                         "(`shardwise bench crash` passes --steps 12 unless told: give it --steps 200)")
+        raise SystemExit(f"bench crash: {kills} kills need at least {2 * kills + 3 * EVERY + 1} steps, not {steps}")
     kinds = ["save"] * (kills - kills // 2) + ["between"] * (kills // 2)
     rng.shuffle(kinds)
     plan = []

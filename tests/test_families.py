@@ -1,10 +1,10 @@
 """Every causal-LM family of the pinned transformers (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) trains under
 fsdp on 2 ranks as under single: each built tiny from its own config class (2 blocks, width 64, a
-vocabulary of 512, 4 experts), from its config.json through model.name = 'hf' (or the family of
-shardwise's that builds it), 3 steps of SGD on the same global batches. A family the pre-launch check
-refuses is refused (ConfigError, naming why); one that cannot be built small on the CPU, or trains
-only on inputs other than token ids, is excluded, with its reason. None may differ silently, and the
-table of every family is printed."""
+vocabulary of 512, 4 experts, Mamba-2 and Gated DeltaNet mixers of 4 heads), from its config.json
+through model.name = 'hf' (or the family of shardwise's that builds it), 3 steps of SGD on the same
+global batches. A family the pre-launch check refuses is refused (ConfigError, naming why); one that
+cannot be built small on the CPU, or trains only on inputs other than token ids, is excluded, with
+its reason. None may differ silently, and the table of every family is printed."""
 
 from __future__ import annotations
 
@@ -28,7 +28,13 @@ TINY = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_atte
             q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, rotary_dim=8,
             decoder_layers=2, encoder_layers=2, d_model=64, decoder_ffn_dim=128, encoder_ffn_dim=128,
             decoder_attention_heads=4, encoder_attention_heads=4, n_layer=2, n_embd=64, n_head=4,
-            num_layers=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+            num_layers=2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+            # state-space and linear-attention mixers (Mamba-2's, Gated DeltaNet's): their heads times their
+            # width twice the model's, a small state, and chunks of the sequence's length (the defaults'
+            # 128 heads and chunks of 256 make a block of 8192 channels, padded 16-fold)
+            mamba_n_heads=4, mamba_d_head=32, mamba_num_heads=4, mamba_head_dim=32, mamba_d_ssm=128,
+            mamba_d_state=16, ssm_state_size=16, mamba_chunk_size=16, chunk_size=16, n_groups=1,
+            linear_num_key_heads=4, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)
 STEPS = 3
 LARGEST = 3_000_000  # parameters: a family its tiny sizes leave larger is not small on the CPU
 
@@ -184,4 +190,4 @@ def test_every_causal_lm_family_trains_under_fsdp_as_under_single_or_is_refused_
     assert not [f for f, (o, _) in table.items() if o == "differs"], "families that differ silently"
     assert all(why.startswith(REASONS) for o, why in table.values() if o == "excluded")
     assert {f for f, (o, _) in table.items() if o == "fails"} <= KNOWN_FAILURES
-    assert counts["equal"] >= 145
+    assert counts["equal"] >= 147
