@@ -115,6 +115,18 @@ def on_2_ranks(ctx: DistContext, checkpoint: Path) -> dict[str, dict]:
     with pytest.raises(ConfigError) as info:
         sw.setup("single")
     results["single-error"] = str(info.value)
+    # What `shardwise train` refuses before launch, the API refuses once it knows the facts: the mesh
+    # at setup, a micro-batch the pipeline cannot split evenly at its first batch (it trained 1.8e-3
+    # off single from step 1, silently).
+    with pytest.raises(ConfigError) as info:
+        sw.setup("tensor", tp=2, dp=2)
+    results["mesh-error"] = str(info.value)
+    run = sw.setup("pipeline", micro_batches=2)
+    run.prepare(GPT(GPTConfig(2, 2, 32, SEQ_LEN, 256)), sgd)
+    tokens = torch.zeros(3, SEQ_LEN, dtype=torch.long)
+    with pytest.raises(ConfigError) as info:
+        run.forward_backward([(tokens, tokens)], loss_fn)
+    results["micro-batch-error"] = str(info.value)
     return results
 
 
@@ -225,6 +237,9 @@ def test_errors_name_the_bad_value(two_ranks):
     with pytest.raises(RuntimeError, match="grad_accum = 2 already defers"):
         run.no_sync()
     assert "strategy = 'single' runs on one process, but torchrun started 2" in two_ranks["single-error"]
+    assert two_ranks["mesh-error"] == ("parallel.dp x pp x tp = 2 x 1 x 2 = 4: must equal the world size 2 (the "
+                                       "processes torchrun started); give dp = 1")
+    assert two_ranks["micro-batch-error"].startswith("parallel.pipeline.micro_batches = 2: must divide the 3 samples")
 
 
 def test_the_loader_collates_map_style_datasets_and_gives_each_rank_its_slice():

@@ -67,6 +67,16 @@ def gpt_70b_on_64_h100s(workspace: Path) -> None:
     assert not any(c["fits"] for c in found["candidates"] if c["strategy"] == "ddp")
 
 
+def qwen3_30b_on_64_h100s(workspace: Path) -> None:
+    """Qwen3-30B-A3B on 8 nodes of 8 H100s: its published total and active parameters, and expert
+    parallel among the candidates, all-to-alls in their steps."""
+    found = plan(workspace, "qwen3-30b-a3b.json")
+    assert found["model"]["params_total"] == pytest.approx(30.5e9, rel=0.005)
+    assert found["model"]["params_active"] == pytest.approx(3.3e9, rel=0.02)  # published to 2 digits
+    split = [c for c in found["candidates"] if c["ep"] > 1]
+    assert split and all(c["step_time"]["all_to_all_s"] > 0 for c in split)
+
+
 def lora_llama_3_8b_on_one_24_gb_gpu(workspace: Path) -> None:
     best = plan(workspace, "lora-llama-3-8b.json")["recommended"]
     assert best["precision"] == "bf16-true" and best["micro_batch"] >= 1
@@ -108,7 +118,8 @@ ROWS: dict[str, Row] = {
     "shardwise plan configs/gpt-70b.toml --nodes 8 --gpus-per-node 8 --device h100-sxm":
         Row(add="--json gpt-70b.json", check=gpt_70b_on_64_h100s),
     "shardwise plan configs/llama-3-8b.toml --nproc 8 --device h100-sxm": Row(),
-    "shardwise plan configs/qwen3-30b-a3b.toml --nodes 8 --device h100-sxm": Row(),
+    "shardwise plan configs/qwen3-30b-a3b.toml --nodes 8 --device h100-sxm":
+        Row(add="--json qwen3-30b-a3b.json", check=qwen3_30b_on_64_h100s),
     # docs/bench.md
     "shardwise bench NAME [--steps N] [--json FILE]":
         Row({"NAME": "ddp", "[--steps N]": "", "[--json FILE]": "--json ddp.json"}, "--quick"),

@@ -762,17 +762,13 @@ def test_split_models_with_expert_or_context_parallel_are_planned_as_they_hold_a
 
 def test_moe_plans_count_experts_and_propose_ep_and_shipped_configs_plan():
     # The shipped Mixtral-8x7B and Qwen3-30B-A3B shapes: their published total and active
-    # parameters; Qwen3's plan on 8 nodes of 8 H100s has ep among its candidates, all-to-alls in
-    # their steps.
+    # parameters (Qwen3's plan on 8 nodes of 8 H100s, a line docs/planner.md prints, is
+    # test_commands' to check: ep among its candidates, all-to-alls in their steps).
     published = {"mixtral-8x7b": (46.7e9, 12.9e9), "qwen3-30b-a3b": (30.5e9, 3.3e9)}
     for name, (total, active) in published.items():
         facts = model_facts(model_shape(load_config(CONFIGS / f"{name}.toml").model))
         assert facts.params_total == pytest.approx(total, rel=0.005), name
         assert facts.active_total == pytest.approx(active, rel=0.02), name  # published to 2 digits
-    plan = make_plan(load_config(CONFIGS / "qwen3-30b-a3b.toml"), 64, load_profile("h100"), nodes=8)
-    assert (plan.params_total, plan.params_active) == (facts.params_total, facts.active_total)
-    split = [e for e in plan.ranked if e.candidate.ep > 1]
-    assert split and all(e.step.all_to_all_s > 0 for e in split)
     # Qwen3-30B-A3B: with the experts split over ep 8, zero2 holds 1/8 of them whole (not all),
     # fsdp gathers only the dense layers and its experts' shards (less communication), and an ep
     # beyond a node of 8 pays the inter-node link for its all-to-alls.

@@ -69,3 +69,20 @@ def test_no_module_level_mutable_state():
                           if isinstance(t, ast.Name) and not t.id.isupper() and not t.id.startswith("__")}
         found |= {f"{where}:{name}" for node in ast.walk(tree) if isinstance(node, ast.Global) for name in node.names}
     assert found == NAMED_BY_RPC
+
+
+def test_no_strategy_is_made_inside_another():
+    """A strategy only composes libraries (issue 69): sharding pipeline stages composes the sharding
+    library over the stages' modules (parallel/sharded_model.py), not a strategy object held inside
+    the pipeline. So no module of strategies/ calls a Strategy subclass by name (classes.py makes
+    the configured one through the registry)."""
+    trees = {p: ast.parse(p.read_text()) for p in sorted((PACKAGE / "strategies").glob("*.py"))}
+    bases = {node.name: {b.id for b in node.bases if isinstance(b, ast.Name)}
+             for tree in trees.values() for node in ast.walk(tree) if isinstance(node, ast.ClassDef)}
+    strategies = {"Strategy"}
+    while grown := {name for name, of in bases.items() if of & strategies} - strategies:
+        strategies |= grown
+    assert {"ShardedDataParallel", "Pipeline", "TensorParallel", "DDP"} <= strategies  # it finds them
+    made = {f"{p.name}: {name.id}" for p, tree in trees.items() for node in ast.walk(tree) if isinstance(node, ast.Call)
+            for name in ast.walk(node.func) if isinstance(name, ast.Name) and name.id in strategies}
+    assert made == set()

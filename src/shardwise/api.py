@@ -54,6 +54,7 @@ from shardwise.dist import DistContext, init_distributed, seed_everything, shutd
 from shardwise.materialise import build_on_meta
 from shardwise.strategies.base import LossFn, OptimizerFactory
 from shardwise.strategies.classes import make_strategy
+from shardwise.strategies.mesh import check_mesh_fits
 from shardwise.strategies.registry import spec
 from shardwise.trainer import optimizer_step
 from shardwise.weights import ModelNames, load_weights
@@ -106,6 +107,8 @@ def setup(strategy: str, precision: str = "fp32", recompute: str = "none", *, gr
     if not one_process and not ctx.distributed:
         raise ConfigError(f"shardwise.setup: strategy = {strategy!r} needs the process group torchrun sets up; "
                           "start the script with torchrun --nproc-per-node N (or use strategy = 'single')")
+    if ctx.distributed and not one_process and not spec(strategy).parameter_servers:
+        check_mesh_fits(cfg.parallel, ctx.world_size, api=True)  # as `shardwise train` checks it before launch
     seed_everything(seed)
     return Run(cfg, ctx, grad_accum)
 

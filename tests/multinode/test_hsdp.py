@@ -54,7 +54,7 @@ def two_nodes_of_two(ctx: DistContext, root: Path) -> dict:
     planned = Trainer(PLANNED.config(cfg_for(root / "planned", "hsdp", ctx.world_size, *RUN), ctx.world_size), ctx)
     planned.train_step(0)
     return {"straight": optimizer_tensors(straight), "resumed": optimizer_tensors(resumed), "shards": shards,
-            "group_size": straight.strategy.world,
+            "group_size": straight.strategy.sharded.world,
             "memory": planned.strategy.memory(planned.activation_bytes).as_dict()}
 
 

@@ -479,9 +479,8 @@ def split_sequence_around(blocks: list[nn.Module], tp: TensorParallelGroup) -> N
 
 
 class BlockSplitter:
-    """Splits a model's blocks over the tp ranks one at a time, as a plan lays them out: for a
-    strategy that makes each block real, splits it and keeps its part before the next (tensor and
-    pipeline through `parallelize_blocks`; fsdp, which shards each split block as a unit)."""
+    """Splits a model's blocks over the tp ranks one at a time, as a plan lays them out
+    (`parallelize_blocks`' state between its blocks)."""
 
     def __init__(self, plan: ParallelPlan, tp: TensorParallelGroup, sequence_parallel: bool) -> None:
         self.plan, self.tp, self.sequence_parallel = plan, tp, sequence_parallel
@@ -516,8 +515,11 @@ def parallelize_blocks(blocks: list[nn.Module], plan: ParallelPlan, tp: TensorPa
                        ) -> tuple[dict[int, TensorShard], list[nn.Parameter]]:
     """Split every region of `blocks` (consecutive blocks of a model, or of one pipeline stage) over
     the tp ranks as `plan` lays them out, in place; under sequence parallel, split the sequence before
-    the first block and gather it after the last. Each block is split inside `materialised(block)`
-    where given (a meta-built model's block made real for its split, the whole freed after). Returns
+    the first block and gather it after the last. The one function that applies the tp split: `tensor`,
+    `pipeline` and the sharded strategies compose through it, and the planner splits shapes with it.
+    Each block is split inside `materialised(block)` where given: what a composer does around the
+    split (a meta-built model's block made real for it and the whole freed after; fsdp's unit
+    sharded once split), so a rank holds one whole block at a time. Returns
     how each new parameter is split (by id), and the blocks' parameters every rank holds whole whose
     gradients are partial over tp (`BlockSplitter.finish`)."""
     splitter = BlockSplitter(plan, tp, sequence_parallel)

@@ -57,11 +57,7 @@ def check_model_split(cfg: Config, world: int) -> None:
         raise ConfigError(f"parallel.block = {p.block!r}: {p.strategy} cuts and splits the {plan.family} plan's "
                           f"blocks ({', '.join(plan.blocks)}); another unit would cut inside a block. Leave "
                           "parallel.block unset")
-    if dp * p.cp * pp * tp != world:
-        sizes, product = (f"dp x cp x pp x tp = {dp} x {p.cp} x {pp} x {tp}" if p.cp > 1
-                          else f"dp x pp x tp = {dp} x {pp} x {tp}"), dp * p.cp * pp * tp
-        raise ConfigError(f"parallel.{sizes} = {product}: must equal the world size {world} "
-                          f"(launch.nproc x launch.nnodes); e.g. --nproc {product}")
+    check_mesh_fits(p, world)
     for key in ("n_head", "n_kv_head", "d_ff"):
         if getattr(m, key) % tp:
             raise ConfigError(
@@ -75,6 +71,22 @@ def check_model_split(cfg: Config, world: int) -> None:
         of = f"model.seq_len / parallel.cp = {m.seq_len // p.cp}" if p.cp > 1 else f"model.seq_len = {m.seq_len}"
         raise ConfigError(f"parallel.sequence_parallel = true: parallel.tp = {tp} must divide {of}; each tp rank "
                           "holds an equal part of the sequence")
+
+
+def check_mesh_fits(p: ParallelConfig, world: int, api: bool = False) -> None:
+    """The dp x cp x pp x tp mesh holds every rank of the world: `shardwise train`'s (launch.nproc x
+    launch.nnodes), or under the Python API (`api`) the processes torchrun started."""
+    dp, pp, tp = p.mesh_shape(world)
+    split = p.cp * pp * tp
+    if dp * split == world:
+        return
+    sizes = f"dp x cp x pp x tp = {dp} x {p.cp} x {pp} x {tp}" if p.cp > 1 else f"dp x pp x tp = {dp} x {pp} x {tp}"
+    if not api:
+        where, remedy = "launch.nproc x launch.nnodes", f"e.g. --nproc {dp * split}"
+    else:
+        where = "the processes torchrun started"
+        remedy = f"give dp = {world // split}" if world % split == 0 else f"start {dp * split} processes"
+    raise ConfigError(f"parallel.{sizes} = {dp * split}: must equal the world size {world} ({where}); {remedy}")
 
 
 class MeshStrategy(DeferrableSync):

@@ -20,12 +20,12 @@ fp16's inf check see them all.
 **Data parallel over the stages** is the strategy's name's flavour, composed after the cut and
 tp: `pipeline`'s replicas average their gradients after the schedule (mesh.py's one packed
 all-reduce); under `zero1`, `zero2`, `fsdp` and `hsdp` with `parallel.pp > 1`, each rank's stages
-are sharded over their stage's data-parallel (and context-parallel) ranks by fsdp.py's units (a
-unit per block, one for the rest of the stage; a block's experts, already cut to this rank's share,
-over the stage's ranks holding the same ones; hsdp within a node, averaged across nodes). A
-stage's parameters are used by every micro-batch, forward and backward (a split backward's W long
-after its B), so the sharding acts around the whole schedule, not around each use, as
-torchtitan's FSDP x PP does:
+are sharded over their stage's data-parallel (and context-parallel) ranks by
+parallel/sharded_model.py, the library fsdp composes over a whole model: a unit per block, one for
+the rest of the stage; a block's experts, already cut to this rank's share, over the stage's ranks
+holding the same ones; hsdp within a node, averaged across nodes. A stage's parameters are used
+by every micro-batch, forward and backward (a split backward's W long after its B), so the
+sharding acts around the whole schedule, not around each use, as torchtitan's FSDP x PP does:
 
 - before the schedule, fsdp gathers every unit of the rank's stages (the next unit's all-gather in
   flight while one is copied out) and keeps them for the step: gathering them per micro-batch
@@ -58,17 +58,18 @@ from torch import nn
 from shardwise.config.schema import Config, ConfigError, ParallelConfig, PipelineConfig
 from shardwise.dist import DistContext, world_timeout
 from shardwise.gradients import clip_grad_norm_, local_grads
+from shardwise.materialise import Materialiser
 from shardwise.memory import MemoryBreakdown
 from shardwise.models import moe
 from shardwise.parallel.experts import balance_routers
 from shardwise.parallel.pipeline.runner import Activations, PipelineModule, PipelineRun
 from shardwise.parallel.pipeline.schedules import SCHEDULES, ScheduleError, build, check_micro_batches, virtual_stages
 from shardwise.parallel.pipeline.stages import Stage, balanced_split, block_costs, separate, stage_holds
+from shardwise.parallel.sharded_model import ShardedModel
 from shardwise.parallel.tensor import TensorParallelGroup, parallelize_blocks
-from shardwise.state_view import ShardedSplitView
+from shardwise.state_view import ShardedSplitView, ShardedView
 from shardwise.strategies.base import LossFn, OptimizerFactory, routing_groups
-from shardwise.strategies.fsdp import ShardedDataParallel
-from shardwise.strategies.hsdp import HSDP
+from shardwise.strategies.fsdp import make_sharding
 from shardwise.strategies.mesh import MeshStrategy
 from shardwise.strategies.registry import spec
 
@@ -135,11 +136,10 @@ class Pipeline(MeshStrategy):
         self.timeline: list[tuple[str, int, int, float, float]] = []  # the last step's, all its runs
         self.window = (0.0, 0.0)  # the last step's forward_backward: perf_counter start and end
         self._tied: tuple[list[nn.Parameter], Group] | None = None  # see _tie_first_and_last
-        # The sharded flavour of data parallel over the stages (see the module's docstring), on the same
-        # mesh: fsdp.py's units (hsdp.py's: sharded within a node, replicated across); None: replicated.
-        self.sharded: ShardedDataParallel | None = None
+        # The sharded flavour of data parallel over the stages (see the module's docstring): the stages'
+        # units (within a node under hsdp, replicated across), made by wrap; None: replicated.
+        self.sharded: ShardedModel | None = None
         if spec(cfg.strategy).shards_split_model:
-            self.sharded = (HSDP if spec(cfg.strategy).across_nodes else ShardedDataParallel)(ctx, cfg, self.mesh)
             self.view = ShardedSplitView(self)
 
     @property
@@ -186,22 +186,29 @@ class Pipeline(MeshStrategy):
         self._tie_first_and_last(tied)
         self.module = PipelineModule(self.stages, self.schedule, self.pp_rank, self.pp_group, self.activations,
                                      vocab_size)
-        if self.sharded is not None:
+        if spec(self.cfg.strategy).shards_split_model:
             self._shard_stages(part)
         return self.module
 
     def _shard_stages(self, part: nn.ModuleList) -> None:
-        """This rank's stages (real, split over tp already) sharded into fsdp.py's units, gathered
-        before the pipeline's forward (evaluation's too) and freed after it; a stage sends its
+        """This rank's stages (real, split over tp already, their experts cut to this rank's share)
+        sharded into units (parallel/sharded_model.py), a unit per block and one for the rest, with
+        no hooks: gathered before the pipeline's forward (evaluation's too) and freed after it;
+        around a step's schedule, `forward_backward` gathers and reduce-scatters. A stage sends its
         activations in the working dtype the units gather in (mixed precision's compute dtype)."""
-        self.sharded.experts = self.experts  # this rank's share of each stage's experts, cut as it was made
-        self.sharded.shard_stages(part, self.cfg.block, dict(self.view.held_parameters()), self.view.full,
-                                  self.tensor_shards, self.tp_partial)
-        self.view.sharded = self.sharded.view
-        working = self.sharded.sharding.working_dtype
-        self.activations = self.module.activations = Activations(self.activations.width, working, self.ctx.device)
-        self.module.register_forward_pre_hook(lambda m, args: self.sharded.gather_units())
-        self.module.register_forward_hook(lambda m, args, out: self.sharded.free_units())
+        self.sharded = ShardedModel(part, self.ctx, self.mesh, make_sharding(self.cfg, self.precision, self.ctx.device),
+                                    spec(self.cfg.strategy).across_nodes, self.experts)
+        grouping = Materialiser(part, self.cfg.block, self.seed)
+        for group in grouping.groups:
+            self.sharded.add(group.block, grouping.parameters(group))
+        self.sharded.tensor_shards, self.sharded.tp_partial = self.tensor_shards, self.tp_partial
+        self.view.sharded = ShardedView(self.sharded, dict(self.view.held_parameters()), self.view.full)
+        sharding = self.sharded.sharding
+        sharding.peak_gathered_bytes = sharding.gathered_bytes
+        self.activations = self.module.activations = Activations(self.activations.width, sharding.working_dtype,
+                                                                  self.ctx.device)
+        self.module.register_forward_pre_hook(lambda m, args: self.sharded.gather_all())
+        self.module.register_forward_hook(lambda m, args, out: self.sharded.free_all())
 
     def _tie_first_and_last(self, shared: list[nn.Parameter]) -> None:
         """For parameters the first and the last stage both hold (an embedding tied to the head):
@@ -223,7 +230,7 @@ class Pipeline(MeshStrategy):
             self.duplicates = {id(p) for p in shared}
 
     def local_parameters(self) -> list[nn.Parameter]:
-        return self.sharded.local_parameters() if self.sharded is not None else list(self.module.parameters())
+        return self.sharded.shards() if self.sharded is not None else list(self.module.parameters())
 
     def optimizer(self, make: OptimizerFactory) -> torch.optim.Optimizer:
         self.optim = self.sharded.optimizer(make) if self.sharded is not None else super().optimizer(make)
@@ -240,6 +247,10 @@ class Pipeline(MeshStrategy):
         if self.sharded is not None:  # fsdp's full parameters for all the micro-batches; zero1's gradient buffers
             self.sharded.begin_step()
         for batch in micro_batches:
+            if len(batch[0]) % self.micro_batches:  # `shardwise train` checks train.micro_batch before launch
+                raise ConfigError(f"parallel.pipeline.micro_batches = {self.micro_batches}: must divide the "
+                                  f"{len(batch[0])} samples of each batch this rank runs through the pipeline (its "
+                                  "micro-batch); unequal parts would weigh their samples unequally")
             # Under context parallel each of a stage's cp ranks runs the schedule on its tokens, its
             # attention over the group (the context stays open through the backward's recomputation).
             with self.context.split(batch) as (inputs, targets):
@@ -264,8 +275,8 @@ class Pipeline(MeshStrategy):
         """Replicated: mesh.py's average; sharded: every unit's gradients reduce-scattered."""
         if self.sharded is None:
             super().synchronize_gradients()
-        else:
-            self.sharded.end_step()
+        else:  # every unit's gradients reduce-scattered; fsdp's full parameters freed
+            self.sharded.finish_backward(sync=True)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Sharded, a shard counts where its parameter would in a replicated pipeline (a tp shard on

@@ -62,7 +62,7 @@ SPECS: dict[str, StrategySpec] = {spec.name: spec for spec in (
     StrategySpec("fsdp", "fsdp", "ShardedDataParallel", zero_stage=3, planned=True, offloads=True,
                  context_parallel=True),
     StrategySpec("fsdp-native", "native", "NativeFSDP", zero_stage=3, native=True, context_parallel=True),
-    StrategySpec("hsdp", "hsdp", "HSDP", zero_stage=3, across_nodes=True, planned=True),
+    StrategySpec("hsdp", "fsdp", "ShardedDataParallel", zero_stage=3, across_nodes=True, planned=True),
     StrategySpec("pipeline", "pipeline", "Pipeline", mesh_dim="pp", zero_stage=None, pipelined=True, planned=True,
                  context_parallel=True),
     StrategySpec("model-parallel", "pipeline", "ModelParallel", mesh_dim="pp", zero_stage=None, planned=True),
