@@ -31,12 +31,12 @@ from torch.distributed.tensor.parallel import parallelize_module
 from bench.common import BenchArgs, StepFn, alternate, bench_config, bench_main
 from bench.tensor import MODELS, describe, dtensor_plan, initial_model
 from shardwise.config.schema import Config
-from shardwise.config.validate import validate
 from shardwise.dist import DistContext
 from shardwise.memory import optimizer_state_tensors, storage_bytes
 from shardwise.models import loss_fn
 from shardwise.models.plans import locate
 from shardwise.trainer import Trainer, optimizer_factory
+from shardwise.validate import validate
 
 DP, TP = 2, 2
 

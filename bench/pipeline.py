@@ -52,7 +52,6 @@ from torch.distributed.pipelining import (
 from bench.common import StepFn, alternate, bench_config, write_json
 from bench.tensor import describe
 from shardwise.config.schema import Config, LaunchConfig
-from shardwise.config.validate import validate
 from shardwise.dist import DistContext, init_distributed, leave_process, seed_everything, shutdown_distributed
 from shardwise.memory import ActivationCounter
 from shardwise.models import build_model, loss_fn
@@ -61,6 +60,7 @@ from shardwise.parallel.pipeline.schedules import BW, ScheduleError, check_micro
 from shardwise.parallel.pipeline.simulate import Costs, simulate
 from shardwise.parallel.pipeline.stages import Stage, separate
 from shardwise.trainer import Trainer, optimizer_factory
+from shardwise.validate import validate
 
 STAGES = (2, 4)
 MICRO_BATCHES = (4, 8, 16)

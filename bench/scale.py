@@ -35,13 +35,13 @@ from typing import Any
 from bench import bench_env
 from bench.common import write_json
 from shardwise.config.load import load_config
+from shardwise.config.registry import spec
 from shardwise.config.schema import Config
 from shardwise.launch import process_stat
 from shardwise.planner.candidates import Candidate
 from shardwise.planner.memory_model import predict_memory
 from shardwise.planner.model import model_facts, model_shape
 from shardwise.planner.phases import predict_phases, predict_setup_bytes
-from shardwise.strategies.registry import spec
 
 STRATEGIES = ("single", "ddp", "zero2", "fsdp", "fsdp-native")
 OPTIMIZERS = ("sgd", "adamw")

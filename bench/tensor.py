@@ -28,7 +28,6 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from bench.common import BenchArgs, StepFn, alternate, bench_config, bench_main
 from shardwise.config.schema import Config
-from shardwise.config.validate import validate
 from shardwise.dist import DistContext
 from shardwise.materialise import Materialiser, init_context
 from shardwise.memory import storage_bytes
@@ -36,6 +35,7 @@ from shardwise.models import build_model, loss_fn
 from shardwise.models.plans import locate
 from shardwise.parallel.tensor import TensorShard
 from shardwise.trainer import Trainer, optimizer_factory
+from shardwise.validate import validate
 
 # The Llama: gpt small's sizes with 2 key/value heads for its 6 heads.
 MODELS = {"gpt": (), "llama": ("model.name=hf-llama", "model.n_kv_head=2")}

@@ -96,7 +96,7 @@ def test_the_cuda_tests_name_strategies_that_exist():
     # tests/gpu runs only on a lent GPU: a strategy renamed here would otherwise be found there
     from gpu.test_cuda import WORLD_ONE
 
-    from shardwise.config.validate import STRATEGIES
+    from shardwise.validate import STRATEGIES
 
     assert set(WORLD_ONE) <= set(STRATEGIES)
 

@@ -23,6 +23,14 @@ def error_for(tmp_path: Path, toml: str = "", overrides: tuple[str, ...] = (), f
     return message
 
 
+def test_the_schemas_schedules_are_the_pipelines():
+    """The schema names the schedules without importing the pipeline library (config/ imports no parallelism)."""
+    from shardwise.config.schema import SCHEDULES
+    from shardwise.parallel.pipeline.schedules import SCHEDULES as BUILT
+
+    assert SCHEDULES == tuple(BUILT)
+
+
 def test_defaults_are_valid_and_fill_the_gpt_preset():
     cfg = load_config()
     assert cfg.model.n_layer == 2 and cfg.model.d_model == 64 and cfg.model.vocab_size == 256

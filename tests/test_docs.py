@@ -14,8 +14,8 @@ import pytest
 
 from shardwise import docs
 from shardwise.cli import main
+from shardwise.config.registry import NAMES as STRATEGIES
 from shardwise.config.schema import tables
-from shardwise.strategies.registry import NAMES as STRATEGIES
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = sorted([REPO / "README.md", *(REPO / "docs").rglob("*.md")])

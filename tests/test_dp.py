@@ -10,11 +10,11 @@ from helpers import CONFIGS, SGD, assert_same_training, losses, train_in_process
 
 from shardwise.config.load import load_config
 from shardwise.config.schema import ConfigError
-from shardwise.config.validate import validate
 from shardwise.dist import DistContext
 from shardwise.models import build_model
 from shardwise.precision import make_precision
 from shardwise.strategies.dp import DataParallel
+from shardwise.validate import validate
 
 BASE = ["train.steps=20", "train.eval_every=10", "train.eval_batches=1"]
 

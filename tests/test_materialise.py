@@ -17,6 +17,7 @@ from torch import nn
 
 import shardwise as sw
 from shardwise.config.load import load_config
+from shardwise.config.registry import SPECS
 from shardwise.config.schema import Config
 from shardwise.dist import DistContext, init_distributed
 from shardwise.materialise import Materialiser, build_on_meta, init_context
@@ -26,7 +27,6 @@ from shardwise.planner.candidates import Candidate
 from shardwise.planner.phases import predict_setup_bytes
 from shardwise.strategies.classes import make_strategy
 from shardwise.strategies.param_server import server_parameters
-from shardwise.strategies.registry import SPECS
 from shardwise.weights import WeightsError
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # before transformers is first imported, here and in every rank
@@ -185,6 +185,14 @@ def test_a_module_no_init_covers_is_named_and_a_half_meta_model_refused():
         model = nn.Sequential(nn.Linear(3, 3), Gain())
     with pytest.raises(ValueError, match=r"1\.gain was not initialised by its module's init \(Gain has no"):
         Materialiser(model, None, 0).materialise_all(torch.device("cpu"), None)
+    # The same found before any worker starts, on small stand-ins, the model still on meta; a model
+    # whose every tensor an init reaches passes, GPT-2 124M's sizes too (its embeddings cut)
+    with pytest.raises(ValueError, match=r"1\.gain was not initialised by its module's init \(Gain has no"):
+        Materialiser(model, None, 0).check_initialisable()
+    assert all(t.is_meta for t in model.parameters())
+    with init_context():
+        large = build_model(load_config(None, ["model.preset=gpt2-124m"]).model)
+    Materialiser(large, "Block", 0).check_initialisable()
     half = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3, device="meta"))
     run = sw.setup("single")
     with pytest.raises(ValueError, match=r"partly on the meta device \(1\.weight.*partly real \(0\.weight"):

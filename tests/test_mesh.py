@@ -10,6 +10,7 @@ from distributed import run_ranks
 from shardwise.config.schema import ParallelConfig
 from shardwise.dist import DistContext
 from shardwise.parallel.dims import FLATTENED, MESH_DIMS, Mesh, MeshShape
+from shardwise.strategies.base import mesh_of
 
 
 @pytest.mark.parametrize(("settings", "world", "node", "shape"), [
@@ -22,7 +23,7 @@ from shardwise.parallel.dims import FLATTENED, MESH_DIMS, Mesh, MeshShape
     ({"strategy": "tensor", "cp": 2}, 8, None, MeshShape(cp=2, tp=4)),
 ], ids=["ddp", "fsdp", "zero2-cp", "hsdp", "tensor-dp", "pipeline-tp", "tensor-cp"])
 def test_each_strategy_gets_its_mesh_from_the_config(settings, world, node, shape):
-    assert ParallelConfig(**settings).mesh(world, node) == shape
+    assert mesh_of(ParallelConfig(**settings), world, node) == shape
 
 
 def coordinates(rank: int, shape: MeshShape) -> dict[str, int]:

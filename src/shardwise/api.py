@@ -47,16 +47,16 @@ from torch.utils.data import default_collate
 
 from shardwise.checkpoint import load_checkpoint, save_checkpoint
 from shardwise.config.load import apply_section
+from shardwise.config.registry import spec
 from shardwise.config.schema import MOVED_KEYS, Config, ConfigError, LoraConfig
-from shardwise.config.validate import validate_parallel
 from shardwise.data import Dataset, GlobalBatchSampler
 from shardwise.dist import DistContext, init_distributed, seed_everything, shutdown_distributed
 from shardwise.materialise import build_on_meta
 from shardwise.strategies.base import LossFn, OptimizerFactory
 from shardwise.strategies.classes import make_strategy
 from shardwise.strategies.mesh import check_mesh_fits
-from shardwise.strategies.registry import spec
 from shardwise.trainer import optimizer_step
+from shardwise.validate import validate_parallel
 from shardwise.weights import ModelNames, load_weights
 from shardwise.weights_file import final_layout, save_weights
 

@@ -10,10 +10,10 @@ from pathlib import Path
 
 from shardwise import bench_command
 from shardwise.config.load import hf_config_overrides, load_config
+from shardwise.config.registry import NAMES, spec
 from shardwise.config.schema import PRECISIONS, Config, ConfigError
 from shardwise.planner.candidates import POLICIES, default_precisions
 from shardwise.recompute import parse_policy
-from shardwise.strategies.registry import NAMES, spec
 
 
 def _add_train_parser(commands: argparse._SubParsersAction) -> None:
@@ -164,8 +164,9 @@ def _check_before_launch(cfg: Config) -> None:
     if cfg.model.weights is not None or cfg.lora.rank > 0 or cfg.model.name == "hf":
         from shardwise.hub_layout import HubLayout, UnsupportedLayout
         from shardwise.lora import LoraError, apply_lora
-        from shardwise.materialise import init_context
+        from shardwise.materialise import Materialiser, check_one_device_kind, init_context
         from shardwise.models import build_model
+        from shardwise.models.hf import decoder_layer_class
         from shardwise.nf4 import QuantizeError, check_shape
         from shardwise.weights import WeightsError, check_weights
 
@@ -177,6 +178,13 @@ def _check_before_launch(cfg: Config) -> None:
                 raise
             raise ConfigError(f"model.hf_config = {cfg.model.hf_config!r}: transformers cannot build it "
                               f"({type(error).__name__}: {error})") from None
+        if cfg.model.name == "hf" and cfg.model.weights is None:  # made from scratch: every tensor initialised
+            try:
+                check_one_device_kind(model, f"model.hf_config = {cfg.model.hf_config!r}")
+                Materialiser(model, decoder_layer_class(model), cfg.train.seed).check_initialisable()
+            except ValueError as error:
+                raise ConfigError(f"model.hf_config = {cfg.model.hf_config!r}: shardwise cannot initialise it from "
+                                  f"scratch ({error}); start from its pretrained weights (model.weights)") from None
         try:
             HubLayout.of(model)  # a family whose checkpoints cannot be read and written a part at a time
             if cfg.model.weights is not None:

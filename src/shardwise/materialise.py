@@ -303,6 +303,37 @@ class Materialiser:
             for slot, tensor in saved:
                 slot.set(tensor)
 
+    def check_initialisable(self) -> None:
+        """ValueError naming a tensor `materialise` would find no init for (the one it raises once a
+        worker makes the model real), found on the CPU in a moment: each group as `initial_values`
+        initialises it (one block of each make: blocks alike are initialised alike), its tensors
+        NaN-filled stand-ins (`_stand_in`). An init that cannot take a stand-in (an index past a
+        cut shape) tells nothing and is passed over: only a tensor certainly left as it was is named."""
+        seen: set[tuple[str, ...]] = set()
+        for group in self.groups:
+            make = tuple(f"{name.rpartition('.')[2]}:{type(module).__name__}" for name, module in group.modules)
+            if make in seen:
+                continue
+            seen.add(make)
+            values = {name: self._stand_in(name) for name in group.names}
+            try:
+                with self._installed(group, values), torch.no_grad():
+                    for name, module in group.modules:
+                        self._initialisers[id(module)](module, name)
+            except Exception:  # noqa: BLE001 - an init that needs the real shapes: nothing known
+                continue
+            for name, value in values.items():
+                if value.is_floating_point() and _has_nan(value):
+                    raise ValueError(self._not_initialised(name))
+
+    def _stand_in(self, name: str) -> torch.Tensor:
+        """Tensor `name` blank on the CPU, whole up to 2**20 elements (an init may compare its shape
+        with its neighbours'), else cut to at most 8 along each dimension."""
+        like = self.meta[name]
+        shape = like.shape if like.numel() <= 2**20 else tuple(min(size, 8) for size in like.shape)
+        fill = math.nan if like.is_floating_point() or like.is_complex() else 0
+        return torch.full(shape, fill, dtype=like.dtype)
+
     def _not_initialised(self, name: str) -> str:
         slot = self.slots[name][0]
         module = type(slot.module).__name__

@@ -20,9 +20,9 @@ import torch.nn.functional as F
 
 from shardwise.config.load import load_config
 from shardwise.config.schema import Config, ConfigError
-from shardwise.config.validate import validate
 from shardwise.data.prepare import BYTES, Tokenizer
 from shardwise.models import build_model
+from shardwise.validate import validate
 
 WEIGHTS = "model.safetensors"
 

@@ -16,6 +16,7 @@ from torch import nn
 
 from shardwise.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from shardwise.checkpoint_async import AsyncCheckpointer
+from shardwise.config.registry import spec
 from shardwise.config.schema import HF_MODELS, LANGUAGE_MODELS, Config, TrainConfig
 from shardwise.data import Dataset, DocumentWindows, GlobalBatchSampler, make_datasets
 from shardwise.dist import DistContext, seed_everything
@@ -43,7 +44,6 @@ from shardwise.replicas import (
 )
 from shardwise.strategies.base import OptimizerFactory, Strategy
 from shardwise.strategies.classes import make_strategy
-from shardwise.strategies.registry import spec
 from shardwise.trackers import Trackers
 from shardwise.weights import ModelNames, load_weights
 from shardwise.weights_file import final_layout, save_weights

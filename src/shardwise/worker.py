@@ -15,14 +15,14 @@ from pathlib import Path
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from shardwise.config.load import load_config
-from shardwise.config.validate import validate
+from shardwise.config.registry import spec
 from shardwise.dist import init_distributed, leave_process, name_worker, restart_count, shutdown_distributed
 from shardwise.metrics import format_summary
 from shardwise.replicas import replica_group
 from shardwise.stalls import explain, is_collective_failure
 from shardwise.strategies import param_server
-from shardwise.strategies.registry import spec
 from shardwise.trainer import Trainer, optimizer_factory
+from shardwise.validate import validate
 
 
 @record

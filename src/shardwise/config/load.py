@@ -27,7 +27,7 @@ from shardwise.config.schema import (
     ModelConfig,
 )
 from shardwise.config.transformers_file import read_transformers_config
-from shardwise.config.validate import validate
+from shardwise.validate import validate
 
 
 def _allowed_types(annotation: Any) -> tuple[type, ...]:

@@ -12,12 +12,11 @@ from typing import Any
 import tomli_w
 
 from shardwise.atomic_file import write_whole
-from shardwise.parallel.dims import MeshShape
-from shardwise.parallel.pipeline.schedules import SCHEDULES as PIPELINE_SCHEDULES
-from shardwise.strategies.registry import NAMES as STRATEGIES
-from shardwise.strategies.registry import spec
+from shardwise.config.registry import NAMES as STRATEGIES
+from shardwise.config.registry import spec
 
-SCHEDULES = tuple(PIPELINE_SCHEDULES)
+# parallel/pipeline/schedules.py's, by name (the config imports no parallelism; tests/test_config.py holds them equal)
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zbv", "dualpipev")
 PS_MODES = ("sync", "async")
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
 REDUCE_DTYPES = ("fp32", "bf16")
@@ -350,20 +349,6 @@ class ParallelConfig:
     ddp: DDPConfig = field(default_factory=DDPConfig)
     sharding: ShardingConfig = field(default_factory=ShardingConfig)
     param_server: ParamServerConfig = field(default_factory=ParamServerConfig)
-
-    def mesh(self, world_size: int, node_size: int | None = None) -> MeshShape:
-        """The run's device mesh (parallel/dims.py): `mesh_shape`'s dp split into the replicas that average
-        their gradients and the ranks the sharded strategies split a replica's state over: all of
-        dp under zero1, zero2, fsdp and fsdp-native; hsdp's dp ranks within a node of `node_size`
-        ranks (default: the whole world); none under the strategies that replicate."""
-        dp, pp, tp = self.mesh_shape(world_size)
-        chosen = spec(self.strategy)
-        shard = 1
-        if chosen.zero_stage:
-            shard = dp
-            if chosen.across_nodes:
-                shard = max(1, min(dp, (node_size or world_size) // (self.cp * pp * tp)))
-        return MeshShape(dp // shard, shard, self.cp, pp, tp, ep=self.ep)
 
     def mesh_shape(self, world_size: int) -> tuple[int, int, int]:
         """(dp, pp, tp): the device mesh's sizes, unset ones filled in as described above (each of

@@ -1,6 +1,6 @@
 """The ways to train a config on a world of ranks: strategy, mesh, precision, recomputation and
 micro-batch. A candidate exists only if `shardwise train` would accept it: each is checked by the
-same `config.validate` that runs before training starts."""
+same validate.py that runs before training starts."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import TypeVar
 
+from shardwise.config.registry import SPECS, StrategySpec, spec
 from shardwise.config.schema import CP_MODES, EP_STRATEGIES, MOE_MODELS, Config, ConfigError
-from shardwise.config.validate import check_fixed, validate, validate_varied
-from shardwise.strategies.registry import SPECS, StrategySpec, spec
+from shardwise.validate import check_fixed, validate, validate_varied
 
 # bf16-true only when asked for: it trains differently (updates below a weight's bf16 spacing are
 # lost), not just faster, so it is no drop-in choice to recommend.

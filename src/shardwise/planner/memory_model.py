@@ -58,6 +58,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from shardwise.config.registry import SPECS
 from shardwise.config.schema import Config
 from shardwise.lora import Adapter
 from shardwise.models.cross_entropy import chunk_rows
@@ -80,7 +81,6 @@ from shardwise.planner.model import (
 )
 from shardwise.precision import Precision, make_precision
 from shardwise.recompute import parse_policy
-from shardwise.strategies.registry import SPECS
 
 DEFAULT_MARGIN = 0.10  # allocator fragmentation and the optimizer step's temporaries
 UNITS_IN_FLIGHT = 2  # unit-sized collective buffers at once: a unit's gradients and their packed copy, or 2 gathers

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.compile import BlockCompiler
+from shardwise.config.registry import spec
 from shardwise.config.schema import DEFAULT_BLOCK, Config, LoraConfig, ParallelConfig
 from shardwise.dist import DistContext
 from shardwise.gradients import clip_grad_norm_, local_grads
@@ -24,12 +25,11 @@ from shardwise.models.hf import decoder_layer_class
 from shardwise.models.plans import find_positions
 from shardwise.nf4 import quantize_layers
 from shardwise.parallel.context.split import ContextParallel
-from shardwise.parallel.dims import Mesh, node_size
+from shardwise.parallel.dims import Mesh, MeshShape, node_size
 from shardwise.parallel.experts import ExpertParallel, balance_routers
 from shardwise.precision import LossScaler, make_precision
 from shardwise.recompute import apply_recompute
 from shardwise.state_view import StateView
-from shardwise.strategies.registry import spec
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (outputs, targets) -> mean loss
@@ -88,7 +88,7 @@ class Strategy:
         # here; a strategy that splits or shards the model makes the view of its layout in `wrap`.
         self.view: StateView = StateView(self)
         if mesh is None and ctx.distributed and not spec(cfg.strategy).parameter_servers:
-            self.mesh = Mesh.of(ctx, cfg.mesh(ctx.world_size, node_size(ctx.world_size)))
+            self.mesh = Mesh.of(ctx, mesh_of(cfg, ctx.world_size, node_size(ctx.world_size)))
         # Which share of the global batch this rank reads (its place on the mesh's dp ranks), of how
         # many: ranks that split one model between them (pipeline stages, tensor shards) or its
         # sequences (context parallel) read the same share.
@@ -98,7 +98,7 @@ class Strategy:
     @classmethod
     def check_config(cls, cfg: Config, world: int) -> None:
         """Raise ConfigError for what only this strategy refuses, before any worker starts
-        (config.validate has checked everything else)."""
+        (validate.py has checked everything else)."""
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """Return the module the trainer calls forward on."""
@@ -201,6 +201,21 @@ class Strategy:
 
     def memory(self, activations: int) -> MemoryBreakdown:
         return count_memory(self.local_parameters(), self.optim, activations, self.ctx.device)
+
+
+def mesh_of(p: ParallelConfig, world_size: int, node_size: int | None = None) -> MeshShape:
+    """The run's device mesh (parallel/dims.py): `p.mesh_shape`'s dp split into the replicas that average
+    their gradients and the ranks the sharded strategies split a replica's state over: all of
+    dp under zero1, zero2, fsdp and fsdp-native; hsdp's dp ranks within a node of `node_size`
+    ranks (default: the whole world); none under the strategies that replicate."""
+    dp, pp, tp = p.mesh_shape(world_size)
+    chosen = spec(p.strategy)
+    shard = 1
+    if chosen.zero_stage:
+        shard = dp
+        if chosen.across_nodes:
+            shard = max(1, min(dp, (node_size or world_size) // (p.cp * pp * tp)))
+    return MeshShape(dp // shard, shard, p.cp, pp, tp, ep=p.ep)
 
 
 def block_class(model: nn.Module, block: str) -> str:

@@ -7,10 +7,10 @@ from __future__ import annotations
 import importlib
 
 from shardwise.compile import BlockCompiler
+from shardwise.config.registry import spec
 from shardwise.config.schema import LoraConfig, ParallelConfig
 from shardwise.dist import DistContext
 from shardwise.strategies.base import Strategy
-from shardwise.strategies.registry import spec
 
 
 def strategy_class(name: str, pp: int = 1) -> type[Strategy]:

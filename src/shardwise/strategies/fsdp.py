@@ -24,6 +24,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from shardwise.config.registry import spec
 from shardwise.config.schema import Config, ConfigError, ParallelConfig
 from shardwise.dist import DistContext, broadcast_from_rank0
 from shardwise.materialise import Group, Materialiser
@@ -38,7 +39,6 @@ from shardwise.precision import Precision
 from shardwise.state_view import ShardedView
 from shardwise.strategies.base import HookedStrategy, OptimizerFactory, on_grad_accumulated
 from shardwise.strategies.mesh import check_model_split
-from shardwise.strategies.registry import spec
 from shardwise.strategies.sync_batchnorm import convert_sync_batchnorm
 
 

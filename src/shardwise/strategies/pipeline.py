@@ -55,6 +55,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardwise.config.registry import spec
 from shardwise.config.schema import Config, ConfigError, ParallelConfig, PipelineConfig
 from shardwise.dist import DistContext, world_timeout
 from shardwise.gradients import clip_grad_norm_, local_grads
@@ -71,7 +72,6 @@ from shardwise.state_view import ShardedSplitView, ShardedView
 from shardwise.strategies.base import LossFn, OptimizerFactory, routing_groups
 from shardwise.strategies.fsdp import make_sharding
 from shardwise.strategies.mesh import MeshStrategy
-from shardwise.strategies.registry import spec
 
 Group = dist.ProcessGroup
 

@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from shardwise.config.registry import SPECS, spec
 from shardwise.config.schema import (
     ALL_REDUCES,
     BACKENDS,
@@ -42,8 +43,8 @@ from shardwise.config.schema import (
 )
 from shardwise.parallel.pipeline.schedules import ScheduleError, virtual_stages
 from shardwise.recompute import parse_policy
+from shardwise.strategies.base import mesh_of
 from shardwise.strategies.classes import strategy_class
-from shardwise.strategies.registry import SPECS, spec
 
 
 def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -316,7 +317,7 @@ def _validate_experts(cfg: Config, world: int) -> None:
                           f"divide dp = {dp} (world size {world}); e.g. --nproc {p.ep}")
     over, among = dp // p.ep, f"dp / ep = {dp // p.ep}"
     if spec(p.strategy).across_nodes:  # hsdp: an expert's shards stay within a node, as the rest's do
-        shard = p.mesh(world, cfg.launch.nproc).dp_shard
+        shard = mesh_of(p, world, cfg.launch.nproc).dp_shard
         if shard % p.ep:
             raise ConfigError(f"parallel.ep = {p.ep}: {p.strategy} shards within a node, over its {shard} "
                               "data-parallel ranks, and an expert group must lie within them too; ep must divide "

@@ -1,9 +1,9 @@
 """Every strategy, one line each: its name, where it lives, and the facts config validation, the
 CLI, the worker, the Python API and the planner need to know of it.
 
-This module imports nothing of shardwise, so the config's schema can read it; a strategy's class
-(and the config checks only it makes, `Strategy.check_config`) is classes.py's to import, from
-`module`, when asked for.
+This module imports nothing of shardwise, so the config's schema can read it (config/ imports no
+strategy); a strategy's class (and the config checks only it makes, `Strategy.check_config`) is
+strategies/classes.py's to import, from `module`, when asked for.
 Adding a strategy: its module, its test, its docs page and one line in `SPECS`.
 """
 
