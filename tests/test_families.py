@@ -146,16 +146,30 @@ def fsdp_runs(ctx: DistContext, configs: dict[str, Config]) -> dict[str, tuple]:
 
 
 @pytest.fixture(scope="module")
-def table(tmp_path_factory) -> dict[str, tuple[str, str]]:
-    """family -> (result, why): 'equal', 'refused' (before launch), 'excluded' (REASONS), 'fails' (raised
-    after launch, where it should have been refused before) or 'differs' (trained, not as single)."""
+def tiny_configs(tmp_path_factory) -> dict[str, Path | Excluded]:
+    """Every causal-LM family's tiny config.json, or why it is excluded."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    root = tmp_path_factory.mktemp("families")
-    result, configs, single = {}, {}, {}
+    root = tmp_path_factory.mktemp("configs")
+    found: dict[str, Path | Excluded] = {}
     for family in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
         try:
-            path = tiny_family(family, root / "configs")
+            found[family] = tiny_family(family, root)
+        except Excluded as why:
+            found[family] = why
+    return found
+
+
+@pytest.fixture(scope="module")
+def table(tiny_configs, tmp_path_factory) -> dict[str, tuple[str, str]]:
+    """family -> (result, why): 'equal', 'refused' (before launch), 'excluded' (REASONS), 'fails' (raised
+    after launch, where it should have been refused before) or 'differs' (trained, not as single)."""
+    root = tmp_path_factory.mktemp("families")
+    result, configs, single = {}, {}, {}
+    for family, path in tiny_configs.items():
+        try:
+            if isinstance(path, Excluded):
+                raise path
             configs[family] = family_config(path, root / family / "fsdp", "fsdp", 2)
             single_cfg = family_config(path, root / family / "single", "single", 1)
         except Excluded as why:
@@ -203,3 +217,30 @@ def test_every_causal_lm_family_trains_under_fsdp_as_under_single_or_is_refused_
     assert all(why.startswith(REASONS) for o, why in table.values() if o == "excluded")
     assert not [f for f, (o, _) in table.items() if o == "fails"], "families the pre-launch check let through"
     assert counts["equal"] >= 161 and counts["refused"] <= 10
+
+
+@pytest.mark.slow
+def test_the_planner_plans_every_family_or_refuses_it_in_one_line(tiny_configs, capsys):
+    """`shardwise plan --hf-config` of each family (issue 69, step 5): a plan, or a PlanError (or
+    ConfigError) naming why, never a traceback. Refused: the families whose forward fake tensors cannot
+    follow, or that run a block more than once a pass."""
+    from shardwise.planner import PlanError, load_profile, make_plan
+
+    cpu, planned, refused = load_profile("cpu"), [], {}
+    for family, path in tiny_configs.items():
+        if isinstance(path, Excluded):
+            continue
+        try:
+            cfg = load_config(None, [*hf_config_overrides(str(path)), "model.seq_len=16", "parallel.strategy=ddp",
+                                     "launch.nproc=2"])
+            plan = make_plan(cfg, 2, cpu, precisions=("fp32",), policies=("none",))
+        except (PlanError, ConfigError) as why:
+            refused[family] = str(why)
+            continue
+        assert plan.recommended is not None and plan.params_total > 0, family
+        planned.append(family)
+    with capsys.disabled():
+        print(f"\nthe planner: {len(planned)} families planned, {len(refused)} refused:")
+        for family, why in refused.items():
+            print(f"  {family:28} {why[-150:]}")
+    assert len(planned) >= 155 and len(refused) <= 16

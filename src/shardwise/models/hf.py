@@ -29,12 +29,17 @@ from shardwise.config.transformers_file import read_transformers_config
 def decoder_layer_class(model: nn.Module) -> str | None:
     """The class name of the model's repeated layer: of the classes any of its modules declares in
     `_no_split_modules`, the one with the most instances (BERT declares its embeddings and its
-    layer; the layer repeats). None if no module declares any."""
+    layer; the layer repeats). A family that declares none (CTRL, Marian, RoFormer): the class of the
+    entries of its ModuleList of one class that holds the most parameters (its layers). None if
+    neither finds one."""
     declared = {name for module in model.modules() for name in getattr(module, "_no_split_modules", None) or ()}
     counts = Counter(type(m).__name__ for m in model.modules() if type(m).__name__ in declared)
-    if not counts:
+    if counts:
+        return max(sorted(counts), key=counts.__getitem__)
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) and len({type(e) for e in m}) == 1]
+    if not lists:
         return None
-    return max(sorted(counts), key=counts.__getitem__)
+    return type(max(lists, key=lambda layers: sum(p.numel() for p in layers.parameters()))[0]).__name__
 
 
 class CausalLM(nn.Module):
@@ -103,5 +108,8 @@ def _sized_config(config_class: type, values: dict, cfg: ModelConfig) -> object:
         values = {k: v for k, v in values.items() if k not in keys}
         sizes[attribute] = getattr(cfg, ours)
     values = {k: v for k, v in values.items() if k not in ("model_type", "bos_token_id", "eos_token_id")}
+    for key in ("layer_types", "mlp_layer_types"):  # per-layer kinds: the first n_layer of them
+        if isinstance(values.get(key), list) and len(values[key]) > cfg.n_layer:
+            values[key] = values[key][:cfg.n_layer]
     # generation's tokens, which a preset's vocabulary of 256 may not hold
     return config_class(**values, **sizes, bos_token_id=None, eos_token_id=None)

@@ -140,6 +140,8 @@ def model_shape(cfg: ModelConfig, lora: LoraConfig | None = None) -> ModelShape:
                         "sizes")
     experts = {key: getattr(cfg, key) for key in ("n_experts", "top_k", "d_expert", "router_score", "balance",
                                                    "shared_expert")} if cfg.name in MOE_MODELS else {}
+    if cfg.name == "hf":  # any family: the expert counts its config file names (the rest is the model's own)
+        experts = {key: getattr(cfg, key) for key in ("n_experts", "top_k") if getattr(cfg, key) is not None}
     adapters = {"lora_rank": lora.rank, "lora_targets": None if lora.targets is None else tuple(lora.targets),
                 "lora_train": tuple(lora.train or ()), "lora_quantize": lora.quantize} \
         if lora is not None and lora.rank > 0 else {}
@@ -209,9 +211,9 @@ class ModelFacts:
     def block_active(self) -> int:
         """One block's parameters a token computes with: in an MoE layer, its `top_k` experts of
         `n_experts` (of the whole layer, wherever its experts are)."""
-        if not self.experts.count:
-            return self.block.numel
         n, k = self.shape.n_experts, self.shape.top_k
+        if not self.experts.count or n is None or k is None:  # dense, or a family whose routing we do not know
+            return self.block.numel
         return self.dense.numel + self.experts.numel * self.ep * k // n
 
     @property
@@ -435,6 +437,22 @@ def _trace(key: TraceKey, n_layer: int, policy: str, batches: tuple[int, ...],
     hidden = max(shape.d_ff, (shape.d_expert or 0) * (shape.n_experts or 1))
     real = not ops and shape.lora_quantize == "none" and \
         fits_real_trace(shape.vocab_size, shape.d_model, hidden, max(batches) * shape.seq_len)
+    try:
+        return _traced(key, n_layer, policy, batches, ops, real)
+    except PlanError:
+        raise
+    except Exception as error:
+        if shape.name != "hf":
+            raise
+        # any family: one whose construction or forward fake tensors cannot follow (a data-dependent
+        # shape, a module that swaps its own tensors) is refused by name, not a traceback
+        raise PlanError(f"model.hf_config = {shape.hf_config!r}: the planner cannot trace the family's model on fake "
+                        f"tensors ({type(error).__name__}: {str(error).splitlines()[0][:200]})") from None
+
+
+def _traced(key: TraceKey, n_layer: int, policy: str, batches: tuple[int, ...], ops: bool,
+            real: bool) -> list[Marks[int]]:
+    shape = key.local_shape
     with contextlib.nullcontext() if real else FakeTensorMode(allow_non_fake_inputs=True), \
             torch.random.fork_rng(devices=[]), one_sequence_per_row(shape.name), one_loss_chunk():
         model = shape.build(n_layer)
@@ -593,5 +611,8 @@ class ForwardOps:
 def forward_ops(shape: ModelShape) -> ForwardOps:
     """Traced on fake tensors at two blocks; the count depends on neither batch nor width."""
     (marks,) = _trace(TraceKey(shape, torch.float32), 2, "none", (2,), ops=True)
+    if len(marks.ends) != 2:  # a family whose forward runs its layers otherwise than once each, in order
+        raise PlanError(f"model.hf_config = {shape.hf_config!r}: the traced forward of 2 blocks ran a block "
+                        f"{len(marks.ends)} times (the planner counts a block's work as one pass through each)")
     block = marks.ends[1] - marks.ends[0]
     return ForwardOps(block, marks.total - 2 * block)
