@@ -52,6 +52,7 @@ from shardwise.config.schema import MOVED_KEYS, Config, ConfigError, LoraConfig
 from shardwise.data import Dataset, GlobalBatchSampler
 from shardwise.dist import DistContext, init_distributed, seed_everything, shutdown_distributed
 from shardwise.materialise import build_on_meta
+from shardwise.models.plans import PlanError
 from shardwise.strategies.base import LossFn, OptimizerFactory
 from shardwise.strategies.classes import make_strategy
 from shardwise.strategies.mesh import check_mesh_fits
@@ -174,7 +175,10 @@ class Run:
         self._weights_layout = final_layout(model, names.layout)
         if lora is not None and lora.rank > 0:
             self.strategy.lora = lora
-        wrapped = self.strategy.wrap(model)
+        try:
+            wrapped = self.strategy.wrap(model)
+        except PlanError as error:  # the model does not split as the mesh asks: what `shardwise train` refuses first
+            raise ConfigError(f"run.prepare: {error}") from None
         self.optimizer = self.strategy.optimizer(make_optimizer)
         if weights is not None:
             load_weights(self.strategy, weights, names)
