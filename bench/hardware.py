@@ -28,7 +28,7 @@ from bench.common import BenchArgs, bench_main
 from shardwise.dist import DistContext
 from shardwise.parallel.comm import all_gather_single, reduce_scatter_single
 from shardwise.planner.devices import DeviceProfile
-from shardwise.planner.model import OpCounter
+from shardwise.planner.traces import OpCounter
 
 MATMUL_SIZES = {"fp32": 512, "bf16": 512, "fp16": 128}  # fp16 has no CPU matmul units: small, or it takes minutes
 COLLECTIVE_BYTES = 32 * 2**20

@@ -19,11 +19,12 @@ from shardwise.config.schema import Config, ConfigError
 from shardwise.dist import DistContext
 from shardwise.models import build_model
 from shardwise.planner import PlanError, load_profile, make_plan
-from shardwise.planner import model as planner_model
+from shardwise.planner import traces as planner_traces
 from shardwise.planner.candidates import Candidate
 from shardwise.planner.memory_model import ZERO_STAGES, predict_memory, zero_textbook_bytes
-from shardwise.planner.model import ModelShape, TraceKey, _trace, model_facts, model_shape, saved_bytes
+from shardwise.planner.model import ModelShape, model_facts, model_shape
 from shardwise.planner.timing import predict_step_time
+from shardwise.planner.traces import TraceKey, _trace, saved_bytes
 from shardwise.trainer import Trainer
 
 SIZES = {  # name -> (n_layer, n_head, d_model, seq_len, vocab_size)
@@ -144,10 +145,10 @@ def test_saved_bytes_over_8_and_16_context_parallel_ranks_are_read_off_a_line_th
     keys = [TraceKey(shape, torch.float32, None, 1, False, 8), TraceKey(shape, torch.float32, None, 1, False, 16),
             TraceKey(shape, torch.float32, torch.bfloat16, 2, True, 8)]  # autocast, tensor and sequence parallel
     traced_cps = []
-    real_trace = planner_model._trace
-    monkeypatch.setattr(planner_model, "_trace", lambda key, *args, **kw: traced_cps.append(key.cp) or
+    real_trace = planner_traces._trace
+    monkeypatch.setattr(planner_traces, "_trace", lambda key, *args, **kw: traced_cps.append(key.cp) or
                         real_trace(key, *args, **kw))
-    planner_model._affine.cache_clear()
+    planner_traces._affine.cache_clear()
     for key in keys:
         saved = saved_bytes(key)
         for policy in ("none", "every:2", "selective"):

@@ -171,7 +171,7 @@ class TensorParallelGroup:
 class ShapesOnly(TensorParallelGroup):
     """Rank 0 of `size` tp ranks, alone: each collective returns what it would, in shape and dtype,
     without the others' values. What the planner traces a rank's forward through, on fake tensors,
-    to count what it saves for backward (planner/model.py)."""
+    to count what it saves for backward (planner/traces.py)."""
 
     def __init__(self, size: int) -> None:
         self.group, self.rank, self.size = None, 0, size

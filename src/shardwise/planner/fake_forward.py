@@ -1,4 +1,4 @@
-"""What a forward on fake tensors needs to run the real model code (planner/model.py's trace): the
+"""What a forward on fake tensors needs to run the real model code (planner/traces.py's trace): the
 decisions a model takes by looking at data, which fake tensors do not have, taken as a real run
 on shardwise's batches takes them; and which traces are small enough for real tensors."""
 

@@ -30,7 +30,7 @@ the 12 sharded from stage 1, the gradients' 2 from stage 2, the parameters' 2 fr
 Context parallel (`cp` > 1) splits the tokens, not the model: a rank saves what a forward over
 seq_len / cp tokens saves (ring attention keeps what `scaled_dot_product_attention` keeps for its
 tokens: q, k, v, output, log-sum-exp; all-to-all attention one more copy of the output), so the
-trace is of the model at that length (over 8 or more ranks read off a line: model._affine); the
+trace is of the model at that length (over 8 or more ranks read off a line: traces._affine); the
 sharded strategies shard over all dp x cp ranks.
 
 Beyond the counted categories the prediction adds `buffers` (communication buffers and
@@ -70,15 +70,14 @@ from shardwise.planner.model import (
     ModelFacts,
     ModelShape,
     Tensors,
-    TraceKey,
     meta_model,
     model_blocks,
     model_facts,
     model_shape,
     rank_facts,
-    saved_bytes,
     stage_bounds,
 )
+from shardwise.planner.traces import TraceKey, saved_bytes
 from shardwise.precision import Precision, make_precision
 from shardwise.recompute import parse_policy
 

@@ -69,12 +69,11 @@ from shardwise.planner.memory_model import (
 from shardwise.planner.model import (
     ModelFacts,
     ModelShape,
-    forward_ops,
     model_shape,
     rank_facts,
-    saved_bytes,
     stage_bounds,
 )
+from shardwise.planner.traces import forward_ops, saved_bytes
 from shardwise.precision import make_precision
 from shardwise.recompute import parse_policy
 
