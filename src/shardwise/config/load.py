@@ -160,7 +160,10 @@ def read_hf_config(path: str) -> tuple[str, dict[str, tuple[str, int]]]:
         for standard in HF_SIZE_NAMES[ours]:
             theirs = renamed.get(standard, standard)
             in_file = next((k for k in values if renamed.get(k, k) == theirs), None)
-            value = getattr(config, standard, None)
+            try:
+                value = getattr(config, standard, None)
+            except Exception:  # noqa: BLE001 - a size that varies by layer (Gemma 4's head_dim): none whole
+                value = None
             if isinstance(value, int) and not isinstance(value, bool) and (in_file or name == "hf"):
                 sizes[ours] = (in_file or theirs, value)
                 break
