@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Generic, TypeVar
@@ -90,6 +91,22 @@ class Marks(Generic[Size]):
     total: Size
 
 
+@contextlib.contextmanager
+def _refused_if_untraceable(shape: ModelShape) -> Iterator[None]:
+    """Any family (`hf`): one whose construction or forward fake tensors cannot follow (a
+    data-dependent shape, a module that swaps its own tensors) is a PlanError naming why, not a
+    traceback. Shardwise's own families raise as they are."""
+    try:
+        yield
+    except PlanError:
+        raise
+    except Exception as error:
+        if shape.name != "hf":
+            raise
+        raise PlanError(f"model.hf_config = {shape.hf_config!r}: the planner cannot trace the family's model on fake "
+                        f"tensors ({type(error).__name__}: {str(error).splitlines()[0][:200]})") from None
+
+
 def _trace(key: TraceKey, n_layer: int, policy: str, batches: tuple[int, ...],
            ops: bool = False) -> list[Marks[int]]:
     """The bytes saved for backward (with `ops`, the operators dispatched) by one forward and loss
@@ -101,24 +118,9 @@ def _trace(key: TraceKey, n_layer: int, policy: str, batches: tuple[int, ...],
     hidden = max(shape.d_ff, (shape.d_expert or 0) * (shape.n_experts or 1))
     real = not ops and shape.lora_quantize == "none" and \
         fits_real_trace(shape.vocab_size, shape.d_model, hidden, max(batches) * shape.seq_len)
-    try:
-        return _traced(key, n_layer, policy, batches, ops, real)
-    except PlanError:
-        raise
-    except Exception as error:
-        if shape.name != "hf":
-            raise
-        # any family: one whose construction or forward fake tensors cannot follow (a data-dependent
-        # shape, a module that swaps its own tensors) is refused by name, not a traceback
-        raise PlanError(f"model.hf_config = {shape.hf_config!r}: the planner cannot trace the family's model on fake "
-                        f"tensors ({type(error).__name__}: {str(error).splitlines()[0][:200]})") from None
-
-
-def _traced(key: TraceKey, n_layer: int, policy: str, batches: tuple[int, ...], ops: bool,
-            real: bool) -> list[Marks[int]]:
-    shape = key.local_shape
-    with contextlib.nullcontext() if real else FakeTensorMode(allow_non_fake_inputs=True), \
-            torch.random.fork_rng(devices=[]), one_sequence_per_row(shape.name), one_loss_chunk():
+    fake = contextlib.nullcontext() if real else FakeTensorMode(allow_non_fake_inputs=True)
+    with _refused_if_untraceable(shape), fake, torch.random.fork_rng(devices=[]), one_sequence_per_row(shape.name), \
+            one_loss_chunk():
         model = shape.build(n_layer)
         for param in model.parameters():  # as the strategies do (Module.to cannot swap fake tensors)
             frozen = not param.requires_grad and key.frozen_dtype is not None

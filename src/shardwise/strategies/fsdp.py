@@ -35,19 +35,23 @@ from shardwise.parallel.dims import Mesh, node_size
 from shardwise.parallel.shard import GatherHooks, Sharding, Unit
 from shardwise.parallel.sharded_model import ShardedModel
 from shardwise.parallel.tensor import TensorParallelGroup, parallelize_blocks
-from shardwise.precision import Precision
 from shardwise.state_view import ShardedView
-from shardwise.strategies.base import HookedStrategy, OptimizerFactory, on_grad_accumulated
+from shardwise.strategies.base import HookedStrategy, OptimizerFactory, Strategy, on_grad_accumulated
 from shardwise.strategies.mesh import check_model_split
 from shardwise.strategies.sync_batchnorm import convert_sync_batchnorm
 
 
-def make_sharding(cfg: ParallelConfig, precision: Precision, device: torch.device) -> Sharding:
-    """The unit sharding `cfg` asks for: its strategy's ZeRO stage, in `precision`'s dtypes, with
-    parallel.sharding's offload, prefetch and resharding after forward."""
-    return Sharding(spec(cfg.strategy).zero_stage, device, precision.param_dtype,
-                    precision.compute_dtype if precision.mixed else precision.param_dtype, precision.reduce_dtype,
-                    cfg.sharding.offload == "optimizer", cfg.sharding.prefetch, cfg.sharding.reshard_after_forward)
+def sharded_model(strategy: Strategy, module: nn.Module) -> ShardedModel:
+    """`module`'s units to be sharded as `strategy`'s config asks (the whole model's under fsdp, a
+    pipeline rank's stages' under the sharded pipeline): its ZeRO stage, in its precision's dtypes,
+    with parallel.sharding's offload, prefetch and resharding after forward; within a node where
+    it replicates across nodes (hsdp); its experts as expert parallel cut them."""
+    cfg, precision, device = strategy.cfg, strategy.precision, strategy.ctx.device
+    sharding = Sharding(spec(cfg.strategy).zero_stage, device, precision.param_dtype,
+                        precision.compute_dtype if precision.mixed else precision.param_dtype, precision.reduce_dtype,
+                        cfg.sharding.offload == "optimizer", cfg.sharding.prefetch, cfg.sharding.reshard_after_forward)
+    return ShardedModel(module, strategy.ctx, strategy.mesh, sharding, spec(cfg.strategy).across_nodes,
+                        strategy.experts)
 
 
 class ShardedDataParallel(HookedStrategy):
@@ -85,9 +89,7 @@ class ShardedDataParallel(HookedStrategy):
         scalars = [name for name, p in self.module.named_parameters() if p.dim() == 0]
         if scalars:
             raise ValueError(f"{self.cfg.strategy}: parameters {', '.join(scalars)} are 0-dim; sharding splits dim 0")
-        self.sharded = ShardedModel(self.module, self.ctx, self.mesh, make_sharding(self.cfg, self.precision,
-                                                                                   self.ctx.device),
-                                    spec(self.cfg.strategy).across_nodes, self.experts)
+        self.sharded = sharded_model(self, self.module)
         if self.materialiser is None:  # an ordinary model: rank 0's values (meta-built ones agree by construction)
             broadcast_from_rank0([*(p for p in self.module.parameters() if not self.sharded.is_expert(p)),
                                   *self.module.buffers()])

@@ -70,7 +70,7 @@ from shardwise.parallel.sharded_model import ShardedModel
 from shardwise.parallel.tensor import TensorParallelGroup, parallelize_blocks
 from shardwise.state_view import ShardedSplitView, ShardedView
 from shardwise.strategies.base import LossFn, OptimizerFactory, routing_groups
-from shardwise.strategies.fsdp import make_sharding
+from shardwise.strategies.fsdp import sharded_model
 from shardwise.strategies.mesh import MeshStrategy
 
 Group = dist.ProcessGroup
@@ -196,8 +196,7 @@ class Pipeline(MeshStrategy):
         no hooks: gathered before the pipeline's forward (evaluation's too) and freed after it;
         around a step's schedule, `forward_backward` gathers and reduce-scatters. A stage sends its
         activations in the working dtype the units gather in (mixed precision's compute dtype)."""
-        self.sharded = ShardedModel(part, self.ctx, self.mesh, make_sharding(self.cfg, self.precision, self.ctx.device),
-                                    spec(self.cfg.strategy).across_nodes, self.experts)
+        self.sharded = sharded_model(self, part)
         grouping = Materialiser(part, self.cfg.block, self.seed)
         for group in grouping.groups:
             self.sharded.add(group.block, grouping.parameters(group))
