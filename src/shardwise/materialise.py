@@ -208,14 +208,22 @@ class Materialiser:
         """The group's tensors, whole, on `device`, initialised, in their dtypes as built; the model
         is left as it was (its slots hold what they held)."""
         values = {name: self._blank(name, device) for name in group.names}
+        self._initialise(group, values, device)
+        self._check_initialised(values)
+        return values
+
+    def _initialise(self, group: Group, values: dict[str, torch.Tensor], device: torch.device) -> None:
+        """Run the group's inits on `values`, installed in its slots (each module's seeded by its name)."""
         with self._installed(group, values):
             for name, module in group.modules:
                 with seeded(seed_for(self.seed, name), device), torch.no_grad():
                     self._initialisers[id(module)](module, name)
+
+    def _check_initialised(self, values: dict[str, torch.Tensor]) -> None:
+        """ValueError naming the first of `values` an init left blank (NaN)."""
         for name, value in values.items():
             if value.is_floating_point() and _has_nan(value):
                 raise ValueError(self._not_initialised(name))
-        return values
 
     def materialise(self, group: Group, device: torch.device, dtype: torch.dtype | None,
                     initialise: bool = True, names: Collection[str] | None = None) -> None:
@@ -317,14 +325,10 @@ class Materialiser:
             seen.add(make)
             values = {name: self._stand_in(name) for name in group.names}
             try:
-                with self._installed(group, values), torch.no_grad():
-                    for name, module in group.modules:
-                        self._initialisers[id(module)](module, name)
+                self._initialise(group, values, torch.device("cpu"))
             except Exception:  # noqa: BLE001 - an init that needs the real shapes: nothing known
                 continue
-            for name, value in values.items():
-                if value.is_floating_point() and _has_nan(value):
-                    raise ValueError(self._not_initialised(name))
+            self._check_initialised(values)
 
     def _stand_in(self, name: str) -> torch.Tensor:
         """Tensor `name` blank on the CPU, whole up to 2**20 elements (an init may compare its shape
