@@ -114,10 +114,8 @@ ROWS: dict[str, Row] = {
     "shardwise export runs/lora runs/lora-peft": Row(after=(LORA_RUN,)),
     "shardwise train configs/lora-chat.toml": Row(add=STEPS, after=("make demo",)),
     "shardwise report runs/gpt-tiny runs/fsdp": Row(after=(TINY, FSDP)),
-    "shardwise plan configs/gpt-tiny.toml --nproc 2": Row(),
     "shardwise plan configs/gpt-70b.toml --nodes 8 --gpus-per-node 8 --device h100-sxm":
         Row(add="--json gpt-70b.json", check=gpt_70b_on_64_h100s),
-    "shardwise plan configs/llama-3-8b.toml --nproc 8 --device h100-sxm": Row(),
     "shardwise plan configs/qwen3-30b-a3b.toml --nodes 8 --device h100-sxm":
         Row(add="--json qwen3-30b-a3b.json", check=qwen3_30b_on_64_h100s),
     # docs/bench.md
