@@ -25,10 +25,23 @@ def test_no_module_over_600_lines_and_no_class_over_300():
 
 
 def test_the_strategy_interface_has_at_most_12_methods_besides_its_constructor():
+    """What the trainer calls: at most 12 public methods. Besides them, the steps of `wrap`, the one
+    composition order, which a strategy overrides (protected: only `wrap` calls them)."""
     tree = ast.parse((PACKAGE / "strategies" / "base.py").read_text())
     strategy = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Strategy")
     methods = [f.name for f in strategy.body if isinstance(f, ast.FunctionDef) and f.name != "__init__"]
-    assert "wrap" in methods and len(methods) <= 12, methods
+    public = [name for name in methods if not name.startswith("_")]
+    assert "wrap" in public and len(public) <= 12, public
+    assert [name for name in methods if name.startswith("_")] == ["_cut", "_split", "_distribute"]
+
+
+def test_every_strategy_is_composed_by_the_one_order():
+    """No strategy has a `wrap` of its own: each is composed by Strategy.wrap's order (settle, cut,
+    split, compile and recompute, replicate or shard), overriding its steps."""
+    own = [f"{path.relative_to(PACKAGE)}:{node.name}" for path, tree in modules().items()
+           if path.parent.name == "strategies" for node in ast.walk(tree) if isinstance(node, ast.ClassDef)
+           and node.name != "Strategy" and any(isinstance(f, ast.FunctionDef) and f.name == "wrap" for f in node.body)]
+    assert own == []
 
 
 def test_no_two_modules_of_the_package_share_a_name():

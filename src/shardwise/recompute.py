@@ -143,21 +143,35 @@ class RecomputedOnce:
 def apply_recompute(model: nn.Module, policy: str, block_class: str, once: bool = False) -> list[nn.Module]:
     """Checkpoint the blocks `policy` chooses (modules of class `block_class`); return them. With
     `once`, for a split backward (`blocks` and `every:K` only): each forward recomputed at most once."""
+    chosen = recomputed_blocks(model, policy, block_class)
+    checkpoint_blocks(chosen, policy, once)
+    return chosen
+
+
+def recomputed_blocks(model: nn.Module, policy: str, block_class: str) -> list[nn.Module]:
+    """The blocks `policy` chooses of `model`'s modules of class `block_class` (every K-th of the
+    whole model's, counted before a pipeline cuts it)."""
     kind, every = parse_policy(policy)
     if kind == "none":
         return []
-    if once and kind == "selective":
-        raise ValueError("parallel.recompute = 'selective' does not compose with a split backward; use blocks")
     blocks = [m for m in model.modules() if type(m).__name__ == block_class]
     if not blocks:
         raise ValueError(f"parallel.recompute = {policy!r}: the model has no {block_class!r} modules to recompute")
-    chosen = blocks[::every]
-    for block in chosen:
+    return blocks[::every]
+
+
+def checkpoint_blocks(blocks: list[nn.Module], policy: str, once: bool = False) -> None:
+    """Recompute each of `blocks`' forward in backward, as `policy` says (`blocks`, `every:K`: the
+    whole block; `selective`: what lies between its matmuls, whose outputs are kept); with `once`, at
+    most once per forward."""
+    kind, _ = parse_policy(policy)
+    if once and kind == "selective":
+        raise ValueError("parallel.recompute = 'selective' does not compose with a split backward; use blocks")
+    for block in blocks:
         if once:
             block.forward = functools.wraps(block.forward)(functools.partial(RecomputedOnce.call, block.forward))
         else:
             block.forward = _checkpointed(block.forward, selective=kind == "selective")
-    return chosen
 
 
 # Elements saved per position and unit of width (s*b*h) by one of our GPT's blocks, in fp32.

@@ -28,7 +28,7 @@ from shardwise.parallel.context.split import ContextParallel
 from shardwise.parallel.dims import Mesh, MeshShape, node_size
 from shardwise.parallel.experts import ExpertParallel, balance_routers
 from shardwise.precision import LossScaler, make_precision
-from shardwise.recompute import apply_recompute
+from shardwise.recompute import checkpoint_blocks, recomputed_blocks
 from shardwise.state_view import StateView
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -100,33 +100,55 @@ class Strategy:
         """Raise ConfigError for what only this strategy refuses, before any worker starts
         (validate.py has checked everything else)."""
 
-    def wrap(self, model: nn.Module) -> nn.Module:
-        """Return the module the trainer calls forward on."""
-        raise NotImplementedError
+    # Whether `prepare` makes a meta-built model real whole (and splits its experts): a strategy that
+    # keeps less makes real only what it keeps, block by block, in `_split`.
+    materialises_whole = True
 
     # Whether a forward's saved tensors are unpacked by more than one backward call (a split
     # backward's B and W): recomputed blocks then recompute once for both (recompute.py).
     recompute_once = False
 
-    def prepare(self, model: nn.Module, materialise: bool = True) -> nn.Module:
-        """What every strategy's `wrap` does first: settle the model's block class, compile each block
-        under train.compile (compile.py), checkpoint the blocks `parallel.recompute` chooses, split
-        sequences over the context-parallel group (the model's positions become global ones), and put
-        the model on this rank's device in the parameters' storage dtype. A meta-built model
-        (shardwise.init_context()) is materialised there whole, every tensor initialised as `single`
-        initialises it (materialise.py); a strategy that keeps less passes `materialise=False` and
-        materialises what it keeps from `self.materialiser` itself (the model then stays on meta, in the
-        storage dtype). Under expert parallel (`parallel.ep`), a materialised model then keeps only this
-        rank's experts; a strategy that materialises parts itself splits their experts
-        (`self.experts.split`)."""
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """Compose this strategy over `model`, in the one order every strategy is composed in, and
+        return the module the trainer calls forward on (docs/architecture.md):
+
+        1. settle (`prepare`): the block class, LoRA adapters, the context-parallel split of the
+           sequence, which experts this rank keeps; the model on this rank's device, or left on meta;
+        2. cut (`_cut`): a pipeline's stages, this rank's kept and the rest dropped;
+        3. split (`_split`): block by block, a meta-built block made real, its experts cut to this
+           rank's, split over tp (and sp) by parallel/tensor.py's `parallelize_blocks`, and under
+           the sharded strategies sharded as a unit: a rank holds one whole block at a time;
+        4. compile the blocks this rank holds (train.compile), then recompute those
+           parallel.recompute chooses of the whole model's (the checkpoint around the compiled block);
+        5. replicate or shard (`_distribute`): what makes the ranks one model (rank 0's values,
+           gradient buckets and their hooks, the units' gathers, a pipeline's schedule).
+
+        Each strategy differs only in the steps it overrides."""
+        model = self.prepare(model)
+        recomputed = recomputed_blocks(model, self.cfg.recompute, self.cfg.block)  # every K-th of the whole model's
+        part = self._cut(model)
+        self._split(part)
+        if self.compiler is not None:
+            self.compiler.compile_blocks(part, self.cfg.block)
+        held = {id(module) for module in part.modules()}
+        checkpoint_blocks([block for block in recomputed if id(block) in held], self.cfg.recompute,
+                          self.recompute_once)
+        return self._distribute(part)
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        """`wrap`'s first step: settle the model's block class, add LoRA adapters, split sequences
+        over the context-parallel group (the model's positions become global ones), note which
+        experts this rank keeps under expert parallel (`parallel.ep`), and put the model on this
+        rank's device in the parameters' storage dtype. A meta-built model (shardwise.init_context())
+        is materialised there whole, every tensor initialised as `single` initialises it
+        (materialise.py), and its experts cut to this rank's; a strategy that keeps less
+        (`materialises_whole` false) materialises what it keeps from `self.materialiser` in `_split`
+        (the model then stays on meta, in the storage dtype)."""
         self.cfg = dataclasses.replace(self.cfg, block=block_class(model, self.cfg.block))
         if self.lora is not None:
             adapted = apply_lora(model, self.lora.rank, self.lora.alpha, self.lora.dropout, self.lora.targets,
                                  self.seed, self.lora.train)
             self.nf4_layers = adapted if self.lora.quantize == "nf4" else []
-        if self.compiler is not None:
-            self.compiler.compile_blocks(model, self.cfg.block)
-        apply_recompute(model, self.cfg.recompute, self.cfg.block, once=self.recompute_once)
         self.context = ContextParallel(self.cfg.cp_mode, self.mesh.group("cp") if self.cfg.cp > 1 else None)
         if self.cfg.cp > 1:
             self.context.feed_positions(*find_positions(model))
@@ -136,13 +158,27 @@ class Strategy:
             model.to(self.ctx.device, self.precision.param_dtype)
         else:
             self.materialiser = Materialiser(model, self.cfg.block, self.seed)
-            if not materialise:
+            if not self.materialises_whole:
                 return model.to(dtype=self.precision.param_dtype)
             self.materialiser.materialise_all(self.ctx.device, self.precision.param_dtype)
         quantize_layers(model, self.nf4_layers, self.precision.compute_dtype)
         if self.experts is not None:
             self.experts.split(model)
         return model
+
+    def _cut(self, model: nn.Module) -> nn.Module:
+        """`wrap`'s second step: the part of `model` this rank keeps (a pipeline's stages; here all of it)."""
+        return model
+
+    def _split(self, part: nn.Module) -> None:
+        """`wrap`'s third step: this rank's part split block by block (here the model is whole, made
+        real by `prepare`)."""
+
+    def _distribute(self, part: nn.Module) -> nn.Module:
+        """`wrap`'s last step: `part` made one model with the other ranks' (here there are none); sets
+        `self.module` and returns the module the trainer calls forward on."""
+        self.module = part
+        return part
 
     def optimizer(self, make: OptimizerFactory) -> torch.optim.Optimizer:
         """The optimizer over what this rank holds and trains (under LoRA, the adapters alone)."""

@@ -31,10 +31,11 @@ from shardwise.strategies.sync_batchnorm import convert_sync_batchnorm
 
 
 class DDP(HookedStrategy):
-    def wrap(self, model: nn.Module) -> nn.Module:
-        if self.cfg.sync_batchnorm:
-            model = convert_sync_batchnorm(model)
-        self.module = self.prepare(model)
+    def prepare(self, model: nn.Module) -> nn.Module:
+        return super().prepare(convert_sync_batchnorm(model) if self.cfg.sync_batchnorm else model)
+
+    def _distribute(self, part: nn.Module) -> nn.Module:
+        self.module = part
         experts = self.experts
         broadcast_from_rank0([*(p for p in self.module.parameters() if not (experts and experts.is_expert(p))),
                               *self.module.buffers()])

@@ -115,6 +115,6 @@ class DataParallel(Strategy):
         else:
             self.devices = [ctx.device] * cfg.replicas
 
-    def wrap(self, model: nn.Module) -> nn.Module:
-        self.module = self.prepare(model)
-        return Replicated(self.module, self.devices, self.precision)
+    def _distribute(self, part: nn.Module) -> nn.Module:
+        self.module = part
+        return Replicated(part, self.devices, self.precision)

@@ -76,16 +76,19 @@ class ShardedDataParallel(HookedStrategy):
                              "the same --nproc")
         super().__init__(ctx, cfg, mesh)
         self.stage = spec(cfg.strategy).zero_stage
-        self.sharded: ShardedModel | None = None  # the model's units, made by wrap
-
-    def wrap(self, model: nn.Module) -> nn.Module:
-        if self.cfg.sync_batchnorm:
-            model = convert_sync_batchnorm(model)
+        self.tp = self.mesh.size("tp") if self.mesh is not None else 1  # no mesh: one process without a group
         # zero1 and zero2 keep the full parameters: a meta-built model is materialised whole; fsdp
         # materialises it one unit at a time (_make_units), as all of them do over tensor parallel,
         # which splits each block as it is made.
-        tp = self.mesh.size("tp") if self.mesh is not None else 1  # no mesh: one process without a group
-        self.module = self.prepare(model, materialise=self.stage < 3 and tp == 1)
+        self.materialises_whole = self.stage < 3 and self.tp == 1
+        self.sharded: ShardedModel | None = None  # the model's units, made by wrap
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        return super().prepare(convert_sync_batchnorm(model) if self.cfg.sync_batchnorm else model)
+
+    def _split(self, model: nn.Module) -> None:
+        """Each block made real, split over tp and sharded as a unit, in turn (`_make_units`)."""
+        self.module = model
         scalars = [name for name, p in self.module.named_parameters() if p.dim() == 0]
         if scalars:
             raise ValueError(f"{self.cfg.strategy}: parameters {', '.join(scalars)} are 0-dim; sharding splits dim 0")
@@ -97,16 +100,20 @@ class ShardedDataParallel(HookedStrategy):
                 self.experts.broadcast()
         # Over tp: the plain model's state (on meta), noted before the split, for the view
         full = {name: t.detach().to("meta") for name, t in self.module.state_dict(keep_vars=True).items()} \
-            if tp > 1 else {}
-        blocks = self._make_units(tp)
+            if self.tp > 1 else {}
+        self.block_units = self._make_units(self.tp)  # for _distribute's gather hooks
         self.setup_peak_bytes = self.sharded.setup_peak_bytes
         self.view = ShardedView(self.sharded, dict(self.module.named_parameters()), full)
+
+    def _distribute(self, model: nn.Module) -> nn.Module:
+        """The units' hooks: each gradient reduce-scattered as backward makes it; under fsdp each
+        block's unit gathered before its forward and backward and freed after."""
         for unit in self.sharded.sharding.units:
             for param in unit.params if not unit.frozen else []:
                 on_grad_accumulated(param, self._on_grad_ready)
         self._init_backward_state()
         if self.stage == 3:
-            GatherHooks(self.sharded.sharding, self.module, blocks)
+            GatherHooks(self.sharded.sharding, self.module, self.block_units)
             self.sharded.sharding.peak_gathered_bytes = 0  # the peak counts from the first step
         return self.module
 

@@ -90,6 +90,10 @@ def check_mesh_fits(p: ParallelConfig, world: int, api: bool = False) -> None:
 
 
 class MeshStrategy(DeferrableSync):
+    # A meta-built model stays on meta through `prepare`: only what this rank keeps is made real, each
+    # block as it is split (`materialised`).
+    materialises_whole = False
+
     @classmethod
     def check_config(cls, cfg: Config, world: int) -> None:
         """The dp x pp x tp mesh fits the world, and the model splits the way it asks."""

@@ -39,12 +39,13 @@ class NativeDDP(NativeStrategy):
                 "constructor under TORCH_DISTRIBUTED_DEBUG=DETAIL; debug with --strategy ddp, the same algorithm"
             )
 
-    def wrap(self, model: nn.Module) -> nn.Module:
-        if self.cfg.sync_batchnorm:
-            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        self.module = model = self.prepare(model)
+    def prepare(self, model: nn.Module) -> nn.Module:
+        return super().prepare(nn.SyncBatchNorm.convert_sync_batchnorm(model) if self.cfg.sync_batchnorm else model)
+
+    def _distribute(self, part: nn.Module) -> nn.Module:
+        self.module = part
         self.ddp = DistributedDataParallel(
-            model,
+            part,
             device_ids=[self.ctx.device.index] if self.ctx.device.type == "cuda" else None,
             bucket_cap_mb=self.cfg.ddp.bucket_mb,
             find_unused_parameters=self.cfg.ddp.find_unused_parameters,
@@ -61,8 +62,9 @@ class NativeFSDP(NativeStrategy):
     model takes FSDP2's own path: sharded on the meta device, `to_empty` allocates this rank's
     shards, then each unit's initial values are made whole once and each rank copies its shard."""
 
-    def wrap(self, model: nn.Module) -> nn.Module:
-        model = self.prepare(model, materialise=False)
+    materialises_whole = False  # fully_shard on meta, then each rank's shards allocated and initialised
+
+    def _distribute(self, model: nn.Module) -> nn.Module:
         # Mixed precision gathers parameters in the compute dtype (bf16-true stores them so already).
         policy = MixedPrecisionPolicy(param_dtype=self.precision.compute_dtype if self.precision.mixed else None,
                                       reduce_dtype=self.precision.reduce_dtype)

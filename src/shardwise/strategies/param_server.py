@@ -352,8 +352,8 @@ class ParamServer(Strategy):
         # A worker's share of the global batch: its rank among the workers (their group's).
         self.data_rank, self.data_size = ctx.rank, ctx.world_size
 
-    def wrap(self, model: nn.Module) -> nn.Module:
-        self.module = self.prepare(model)
+    def _distribute(self, part: nn.Module) -> nn.Module:
+        self.module = part
         params = list(self.module.parameters())
         servers = self.cfg.param_server.servers
         self.shards = [server_share(params, servers, index) for index in range(servers)]

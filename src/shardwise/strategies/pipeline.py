@@ -146,10 +146,9 @@ class Pipeline(MeshStrategy):
     def recompute_once(self) -> bool:
         return self.schedule.splits_backward
 
-    def wrap(self, model: nn.Module) -> nn.Module:
-        # A meta-built model stays on meta until the stage is cut out of it: then only the stage's
-        # blocks (each split as soon as it is real under tp) and what it keeps outside them are made real.
-        model = self.prepare(model, materialise=False)
+    def _cut(self, model: nn.Module) -> nn.Module:
+        """This rank's stages (a model each, copies of one tree sharing the modules they keep), the
+        other stages' modules dropped; a meta-built model still on meta."""
         located = self.locate(model)
         self.has_moe = bool(moe.moe_layers(model))  # before the cut: a stage may hold none of them
         layout = self.schedule.layout
@@ -162,30 +161,40 @@ class Pipeline(MeshStrategy):
         first, last = list(located.first.values()), list(located.last.values())
         embedding = first[0]
         self.activations = Activations(embedding.embedding_dim, embedding.weight.dtype, self.ctx.device)
-        vocab_size = located.head.weight.shape[0]
+        self.vocab_size = located.head.weight.shape[0]
+        self.ends = (first, last)  # the modules at either end, before the cut: a tie between them is summed
         mine = layout.stages_of(self.pp_rank)
         models = [located, *(separate(located) for _ in mine[1:])]  # copies before the first stage is cut
         # From here the other stages' modules are out of the model: their parameters are freed.
         self.stages = {s: Stage(each, *self.stage_blocks[s], first=s == 0, last=s == layout.stages - 1)
                        for s, each in zip(mine, models, strict=True)}
         self.first_blocks = {s: blocks[self.stage_blocks[s][0]] for s in mine}
-        # This rank's part: its stages' models (copies of one tree, sharing the modules they keep).
-        part = nn.ModuleList(stage.model for stage in self.stages.values())
-        mine_blocks = [block for s in mine for block in blocks[slice(*self.stage_blocks[s])]]
+        self.plan = located.plan
+        self.mine_blocks = [block for s in mine for block in blocks[slice(*self.stage_blocks[s])]]
+        return nn.ModuleList(stage.model for stage in self.stages.values())
+
+    def _split(self, part: nn.ModuleList) -> None:
+        """The stages' blocks made real one by one (a meta-built model) and, under tp, each split as
+        soon as it is real; then what the stages keep outside their blocks."""
         self.materialise_outside_blocks(part)
         if self.tp > 1:
             self.tensor_shards, self.tp_partial = parallelize_blocks(
-                mine_blocks, located.plan, TensorParallelGroup(self.tp_group), self.cfg.sequence_parallel,
+                self.mine_blocks, self.plan, TensorParallelGroup(self.tp_group), self.cfg.sequence_parallel,
                 functools.partial(self.materialised, part))
         else:
-            self.materialise_whole(part, mine_blocks)
-        # After materialising (it installs new parameters, in the removed modules too, a tie kept).
-        first_params = {id(p) for m in first for p in m.parameters()}
-        tied = [p for m in last for p in m.parameters() if id(p) in first_params]
+            self.materialise_whole(part, self.mine_blocks)
         self.view.record_local_state(*part)
-        self._tie_first_and_last(tied)
+
+    def _distribute(self, part: nn.ModuleList) -> nn.Module:
+        """The stages joined by the schedule (activations sent between ranks), an embedding tied to the
+        head summed between the two stages that hold it, and under the sharded strategies the stages
+        sharded over the dp ranks."""
+        # After materialising (it installs new parameters, in the removed modules too, a tie kept).
+        first, last = self.ends
+        first_params = {id(p) for m in first for p in m.parameters()}
+        self._tie_first_and_last([p for m in last for p in m.parameters() if id(p) in first_params])
         self.module = PipelineModule(self.stages, self.schedule, self.pp_rank, self.pp_group, self.activations,
-                                     vocab_size)
+                                     self.vocab_size)
         if spec(self.cfg.strategy).shards_split_model:
             self._shard_stages(part)
         return self.module
@@ -254,7 +263,7 @@ class Pipeline(MeshStrategy):
             # attention over the group (the context stays open through the backward's recomputation).
             with self.context.split(batch) as (inputs, targets):
                 run = PipelineRun(self.schedule, self.pp_rank, self.stages, self.first_blocks, self.pp_group,
-                                  self.activations, self._split(inputs), self._split(targets), loss_fn,
+                                  self.activations, self._micro_batches(inputs), self._micro_batches(targets), loss_fn,
                                   accum * self.micro_batches, self.precision, self.scaler)
                 run.run()
             loss_sum += run.loss_sum / self.micro_batches
@@ -329,7 +338,7 @@ class Pipeline(MeshStrategy):
                                  for kind, i, s, start, end in rank["intervals"]]
         return ranks
 
-    def _split(self, batch: torch.Tensor) -> list[torch.Tensor]:
+    def _micro_batches(self, batch: torch.Tensor) -> list[torch.Tensor]:
         # Copies, not views of one storage: a micro-batch's saved inputs are freed (and counted) with it.
         return [part.clone() for part in batch.chunk(self.micro_batches)]
 

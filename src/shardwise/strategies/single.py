@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-from torch import nn
-
 from shardwise.strategies.base import Strategy
 
 
 class Single(Strategy):
-    def wrap(self, model: nn.Module) -> nn.Module:
-        self.module = self.prepare(model)
-        return self.module
+    """Every step of `Strategy.wrap` as the base class takes it: the whole model, on one device."""

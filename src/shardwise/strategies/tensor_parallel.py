@@ -24,9 +24,9 @@ class TensorParallel(MeshStrategy):
         if tp < 2:
             raise ConfigError(f"parallel.tp = {tp}: tensor parallel needs at least 2 ranks per model")
 
-    def wrap(self, model: nn.Module) -> nn.Module:
-        # A meta-built model is made real here block by block, each split as soon as it is real.
-        model = self.prepare(model, materialise=False)
+    def _split(self, model: nn.Module) -> None:
+        """Every block split over tp as the plan lays it out; a meta-built model made real block by
+        block, each split as soon as it is real."""
         located = self.locate(model)
         self.view.record_layout(model, [{id(t) for t in model.state_dict(keep_vars=True).values()}])
         self.materialise_outside_blocks(model)
@@ -34,5 +34,3 @@ class TensorParallel(MeshStrategy):
             located.blocks, located.plan, TensorParallelGroup(self.tp_group), self.cfg.sequence_parallel,
             functools.partial(self.materialised, model))
         self.view.record_local_state(model)
-        self.module = model
-        return model
