@@ -1,8 +1,9 @@
 """Every causal-LM family of the pinned transformers (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) trains under
-fsdp on 2 ranks as under single: each built tiny from its own config class (2 blocks, width 64, a
-vocabulary of 512, 4 experts, Mamba-2 and Gated DeltaNet mixers of 4 heads), from its config.json
-through model.name = 'hf' (or the family of shardwise's that builds it), 3 steps of SGD on the same
-global batches. A family the pre-launch check refuses is refused (ConfigError, naming why); one that
+fsdp on 2 ranks as under single, and every one with a tp plan under tensor on 2 ranks: each built
+tiny from its own config class (2 blocks, width 64, a vocabulary of 512, 4 experts, Mamba-2 and
+Gated DeltaNet mixers of 4 heads), from its config.json through model.name = 'hf' (or the family
+of shardwise's that builds it), 3 steps of SGD on the same global batches (single's run once,
+shared). A family the pre-launch check refuses is refused (ConfigError, naming why); one that
 cannot be built small on the CPU, or trains only on inputs other than token ids, is excluded, with
 its reason. None may differ silently, and the table of every family is printed."""
 
@@ -147,17 +148,20 @@ def family_config(path: Path, out: Path, strategy: str, world: int) -> Config:
     return cfg
 
 
-def trained(cfg: Config, ctx: DistContext) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Every step's loss, and the final weights (whole, on rank 0)."""
+def trained(cfg: Config, ctx: DistContext) -> tuple[list[float], dict[str, torch.Tensor], dict[str, int]]:
+    """Every step's loss, the final weights (whole, on rank 0), and the bytes this rank holds of each
+    parameter tensor parallel split (by the plain model's name)."""
     from shardwise.trainer import Trainer
 
     trainer = Trainer(cfg, ctx)
     losses = [trainer.run_step(step) for step in range(STEPS)]
-    return losses, trainer.strategy.view.full_state_dict()
+    shards = getattr(trainer.strategy, "tensor_shards", {})
+    split = {name: p.nbytes for name, p in trainer.strategy.module.named_parameters() if id(p) in shards}
+    return losses, trainer.strategy.view.full_state_dict(), split
 
 
-def fsdp_runs(ctx: DistContext, configs: dict[str, Config]) -> dict[str, tuple]:
-    """Each family's fsdp run on these ranks: its losses and weights, or the error that stopped it."""
+def runs(ctx: DistContext, configs: dict[str, Config]) -> dict[str, tuple]:
+    """Each family's run on these ranks: what `trained` returns, or the error that stopped it."""
     out = {}
     for family, cfg in configs.items():
         try:
@@ -183,38 +187,50 @@ def tiny_configs(tmp_path_factory) -> dict[str, Path | Excluded]:
 
 
 @pytest.fixture(scope="module")
-def table(tiny_configs, tmp_path_factory) -> dict[str, tuple[str, str]]:
-    """family -> (result, why): 'equal', 'refused' (before launch), 'excluded' (REASONS), 'fails' (raised
-    after launch, where it should have been refused before) or 'differs' (trained, not as single)."""
-    root = tmp_path_factory.mktemp("families")
-    result, configs, single = {}, {}, {}
+def singles(tiny_configs, tmp_path_factory) -> dict[str, tuple | tuple[str, str]]:
+    """family -> its run under single (losses, weights), or why there is none: ('excluded', REASONS),
+    ('refused', before launch) or ('fails', after)."""
+    root = tmp_path_factory.mktemp("single")
+    found = {}
     for family, path in tiny_configs.items():
-        try:
-            if isinstance(path, Excluded):
-                raise path
-            configs[family] = family_config(path, root / family / "fsdp", "fsdp", 2)
-            single_cfg = family_config(path, root / family / "single", "single", 1)
-        except Excluded as why:
-            result[family] = ("excluded", str(why))
+        if isinstance(path, Excluded):
+            found[family] = ("excluded", str(path))
             continue
+        try:
+            cfg = family_config(path, root / family, "single", 1)
         except ConfigError as why:
-            result[family] = ("refused", str(why))
-            configs.pop(family, None)
+            found[family] = ("refused", str(why))
             continue
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # as every rank computes: the thread count changes the order of sums
         try:
-            single[family] = trained(single_cfg, DistContext(0, 1, 0, torch.device("cpu"), "gloo"))
+            found[family] = trained(cfg, DistContext(0, 1, 0, torch.device("cpu"), "gloo"))[:2]
         except Exception as error:  # noqa: BLE001 - after launch: a failure of shardwise's, reported
-            result[family] = ("fails", f"under single: {type(error).__name__}: {str(error)[:200]}")
-            del configs[family]
+            found[family] = ("fails", f"under single: {type(error).__name__}: {str(error)[:200]}")
         finally:
             torch.set_num_threads(threads)
-    for family, got in run_ranks(fsdp_runs, 2, configs, timeout=900)[0].items():
-        if isinstance(got, str):
-            result[family] = ("fails", f"under fsdp: {got}")
+    return found
+
+
+def against_single(strategy: str, world: int, families: list[str], tiny_configs: dict, singles: dict,
+                   root: Path) -> tuple[dict[str, tuple[str, str]], dict[str, dict[str, int]]]:
+    """family -> (result, why) under `strategy` on `world` ranks: 'equal', 'refused' (before launch),
+    'excluded' (REASONS), 'fails' (raised after launch, where it should have been refused before) or
+    'differs' (trained, not as single); and each equal family's split bytes on rank 0 by name."""
+    result, configs, split = {}, {}, {}
+    for family in families:
+        if len(singles[family]) == 2 and isinstance(singles[family][0], str):
+            result[family] = singles[family]
             continue
-        (losses, weights), (want_losses, want_weights) = got, single[family]
+        try:
+            configs[family] = family_config(tiny_configs[family], root / family, strategy, world)
+        except ConfigError as why:
+            result[family] = ("refused", str(why))
+    for family, got in run_ranks(runs, world, configs, timeout=900)[0].items():
+        if isinstance(got, str):
+            result[family] = ("fails", f"under {strategy}: {got}")
+            continue
+        (losses, weights, split[family]), (want_losses, want_weights) = got, singles[family]
         try:
             torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-5, atol=0)
             assert weights.keys() == want_weights.keys()
@@ -223,22 +239,58 @@ def table(tiny_configs, tmp_path_factory) -> dict[str, tuple[str, str]]:
             result[family] = ("equal", f"losses {losses[0]:.4f} .. {losses[-1]:.4f}")
         except AssertionError as error:
             result[family] = ("differs", str(error).splitlines()[0][:200])
-    return result
+    return result, split
+
+
+def print_table(table: dict[str, tuple[str, str]], what: str) -> dict[str, int]:
+    print(f"\n{len(table)} causal-LM families of transformers {what} against single:")
+    for family, (outcome, why) in sorted(table.items(), key=lambda item: (item[1][0], item[0])):
+        print(f"  {family:28} {outcome:9} {why}")
+    counts = {outcome: sum(o == outcome for o, _ in table.values())
+              for outcome in ("equal", "refused", "excluded", "fails", "differs")}
+    print(json.dumps(counts))
+    return counts
+
+
+@pytest.fixture(scope="module")
+def table(tiny_configs, singles, tmp_path_factory) -> dict[str, tuple[str, str]]:
+    return against_single("fsdp", 2, list(tiny_configs), tiny_configs, singles, tmp_path_factory.mktemp("fsdp"))[0]
 
 
 @pytest.mark.slow
 def test_every_causal_lm_family_trains_under_fsdp_as_under_single_or_is_refused_or_excluded(table, capsys):
     with capsys.disabled():
-        print(f"\n{len(table)} causal-LM families of transformers under fsdp on 2 ranks against single:")
-        for family, (outcome, why) in sorted(table.items(), key=lambda item: (item[1][0], item[0])):
-            print(f"  {family:28} {outcome:9} {why}")
-    counts = {outcome: sum(o == outcome for o, _ in table.values())
-              for outcome in ("equal", "refused", "excluded", "fails", "differs")}
-    print(json.dumps(counts))
+        counts = print_table(table, "under fsdp on 2 ranks")
     assert not [f for f, (o, _) in table.items() if o == "differs"], "families that differ silently"
     assert all(why.startswith(REASONS) for o, why in table.values() if o == "excluded")
     assert not [f for f, (o, _) in table.items() if o == "fails"], "families the pre-launch check let through"
     assert counts["equal"] >= 168 and counts["refused"] <= 12
+
+
+@pytest.mark.slow
+def test_every_family_with_a_tp_plan_splits_under_tensor_as_its_plan_says_or_is_refused(tiny_configs, singles,
+                                                                                        tmp_path_factory, capsys):
+    """Issue 69, step 2: each family whose transformers config declares a base_model_tp_plan, under
+    `tensor` on 2 ranks split as that plan says, trains as under single; or the pre-launch check
+    refuses it, naming the family, the layer and the style. Each tp rank holds half of every
+    parameter the plan splits (bytes counted)."""
+    import transformers
+
+    planned = [f for f in tiny_configs if getattr(transformers.CONFIG_MAPPING[f], "base_model_tp_plan", None)]
+    result, split = against_single("tensor", 2, planned, tiny_configs, singles, tmp_path_factory.mktemp("tensor"))
+    with capsys.disabled():
+        counts = print_table(result, "with a tp plan, under tensor on 2 ranks")
+    assert len(planned) == 116
+    assert not [f for f, (o, _) in result.items() if o == "differs"], "families that differ silently"
+    assert not [f for f, (o, _) in result.items() if o == "fails"], "families the pre-launch check let through"
+    assert all(why.startswith(REASONS) for o, why in result.values() if o == "excluded")
+    for family, (outcome, why) in result.items():
+        if outcome == "refused":  # in one line, naming what it refuses
+            assert "\n" not in why and family in why or "model_type" in why, (family, why)
+        if outcome == "equal":  # the split happened: half of each split tensor on this rank
+            weights = singles[family][1]
+            assert split[family] and all(2 * n == weights[name].nbytes for name, n in split[family].items()), family
+    assert counts["equal"] >= 58
 
 
 @pytest.mark.slow

@@ -276,7 +276,8 @@ def test_dp2_pp2_tp2_matches_single_device_on_8_ranks_for_every_family(tmp_path,
      "parallel.block = 'LlamaMLP': pipeline cuts and splits the llama plan's blocks"),
     (("model.name=cnn", "data.name=digits", "parallel.strategy=pipeline", "launch.nproc=2"),
      "model.name = 'cnn' has none (plans exist for gpt, hf-llama, hf-qwen2, hf-gpt2, gpt-moe, hf-mixtral, "
-     "hf-qwen3-moe). A plan names the class of its repeated block"),
+     "hf-qwen3-moe, and every transformers family that declares one, model.name = 'hf'). A plan names the class of "
+     "its repeated block"),
 ])
 def test_a_split_the_model_cannot_take_is_refused_before_launch(overrides, message):
     with pytest.raises(ConfigError) as error:

@@ -167,6 +167,7 @@ def _check_before_launch(cfg: Config) -> None:
         from shardwise.materialise import Materialiser, check_one_device_kind, init_context
         from shardwise.models import build_model
         from shardwise.models.hf import decoder_layer_class
+        from shardwise.models.plans import PlanError, locate
         from shardwise.nf4 import QuantizeError, check_shape
         from shardwise.weights import WeightsError, check_weights
 
@@ -185,6 +186,11 @@ def _check_before_launch(cfg: Config) -> None:
             except ValueError as error:
                 raise ConfigError(f"model.hf_config = {cfg.model.hf_config!r}: shardwise cannot initialise it from "
                                   f"scratch ({error}); start from its pretrained weights (model.weights)") from None
+        if max(cfg.parallel.mesh_shape(cfg.world_size)[1:]) > 1:  # its plan fits the model built (not just its file)
+            try:
+                locate(model)
+            except PlanError as error:
+                raise ConfigError(f"parallel.strategy = {cfg.parallel.strategy!r}: {error}") from None
         try:
             HubLayout.of(model)  # a family whose checkpoints cannot be read and written a part at a time
             if cfg.model.weights is not None:

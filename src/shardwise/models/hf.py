@@ -17,6 +17,7 @@ architecture: tied embeddings, biases, RoPE), randomly initialised from the torc
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 
 import torch
@@ -65,15 +66,41 @@ def build_causal_lm(cfg: ModelConfig) -> CausalLM:
         raise ImportError(f"model.name = {cfg.name!r} needs transformers: pip install 'shardwise[hf]'") from None
     if cfg.name not in HF_MODELS:
         raise ValueError(f"model.name = {cfg.name!r}: not a Hugging Face model; allowed: {', '.join(HF_MODELS)}")
+    config = transformers_config(cfg)
+    _without_noise(config)
+    return CausalLM(transformers.AutoModelForCausalLM.from_config(config))
+
+
+def transformers_config(cfg: ModelConfig) -> object:
+    """The transformers config `build_causal_lm` builds from: for `hf` model.hf_config's, for
+    shardwise's own families their config class of the resolved sizes."""
+    import transformers
+
     values = read_transformers_config(cfg.hf_config) if cfg.hf_config else {}
     # The dtype the file was saved in is not the one training stores: the precision decides that.
     values = {k: v for k, v in values.items() if k not in ("torch_dtype", "dtype")}
     if cfg.name == "hf":
-        config = transformers.AutoConfig.for_model(**values)
-    else:
-        config = _sized_config(transformers.CONFIG_MAPPING[FAMILY_TYPES[cfg.name]], values, cfg)
-    _without_noise(config)
-    return CausalLM(transformers.AutoModelForCausalLM.from_config(config))
+        return transformers.AutoConfig.for_model(**values)
+    return _sized_config(transformers.CONFIG_MAPPING[FAMILY_TYPES[cfg.name]], values, cfg)
+
+
+def tp_plan_of(cfg: ModelConfig) -> tuple[str, dict[str, str]]:
+    """The family of a transformers model and the tensor parallel plan its config declares (empty
+    where it declares none), read without building the model: once per file, for the planner
+    checks it for each of thousands of candidates."""
+    family, plan = _tp_plan_of(cfg.name, cfg.hf_config)
+    return family, dict(plan)
+
+
+@functools.cache
+def _tp_plan_of(name: str, hf_config: str | None) -> tuple[str, tuple[tuple[str, str], ...]]:
+    import transformers
+
+    # a family of shardwise's: its plan does not depend on its sizes
+    config = transformers.AutoConfig.for_model(**read_transformers_config(hf_config)) if name == "hf" \
+        else transformers.CONFIG_MAPPING[FAMILY_TYPES[name]]()
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return text.model_type, tuple((getattr(text, "base_model_tp_plan", None) or {}).items())
 
 
 def _without_noise(config: object) -> None:

@@ -79,6 +79,15 @@ class ParallelPlan:
     last_stage: tuple[str, ...]
     weights_in_out: bool = False
     positions: Positions | None = None  # unset: context parallel cannot split this family's sequences
+    # transformers' plans name patterns: a block splits the regions it has (a MoE layer has no dense
+    # MLP's), where a plan written here expects every region in every block
+    where_present: bool = False
+    # the transformers model_types a plan written here splits, in place of their own plans
+    model_types: tuple[str, ...] = ()
+
+    def regions_in(self, block: nn.Module) -> tuple[Region, ...]:
+        """The regions `block` splits: all of them, or (`where_present`) those it has."""
+        return tuple(r for r in self.regions if _has_region(block, r)) if self.where_present else self.regions
 
 
 GPT = ParallelPlan(
@@ -108,6 +117,7 @@ LLAMA = ParallelPlan(
     first_stage=("embed_tokens",),
     last_stage=("norm", "lm_head"),
     positions=Positions("rotary_emb", "position_ids"),  # transformers calls it rotary_emb(x, position_ids=...)
+    model_types=("llama", "mistral", "qwen2"),
 )
 
 # GPT-2's attention splits its fused qkv by `split_size`, which must then be this rank's width.
@@ -124,6 +134,7 @@ GPT2 = ParallelPlan(
     last_stage=("ln_f", "lm_head"),
     weights_in_out=True,
     positions=Positions("wpe", 0),
+    model_types=("gpt2",),
 )
 
 # gpt-moe: the GPT's blocks with a Mixture-of-Experts layer for the MLP. Tensor parallel splits their
@@ -149,6 +160,7 @@ MIXTRAL = ParallelPlan(
     first_stage=LLAMA.first_stage,
     last_stage=LLAMA.last_stage,
     positions=LLAMA.positions,
+    model_types=("mixtral", "qwen3_moe"),
 )
 
 PLANS: tuple[ParallelPlan, ...] = (GPT, LLAMA, GPT2, GPT_MOE, MIXTRAL)  # shipped, the first found for a model first
@@ -163,18 +175,160 @@ class PlanError(ValueError):
     """A model has no plan, or does not fit its plan; the message says what is missing."""
 
 
+# transformers' own plans, read as ours: a family's `base_model_tp_plan` (a pattern naming layers
+# under its layers' list -> a style) and `base_model_pp_plan` (the base model's modules in order:
+# embeddings, the layers' list, the final norm).
+#
+# A block's layers are grouped by the module that holds them (its attention, its MLP). A group of
+# column-parallel layers (`colwise`; `packed_colwise`: several projections in one layer, gate and up,
+# each split on its own) and one row-parallel layer (`rowwise`) is a region, as a plan written here
+# declares one. Beside them:
+# - `replicated_with_grad_allreduce` inside a region (Qwen3's and Gemma 3's per-head q and k norms):
+#   whole on every tp rank, its gradient summed over them, as every whole parameter of a region's is;
+# - `moe_tp_experts`, and the styles of the layers under it: the experts kept whole on every tp rank,
+#   as shardwise's own MoE plans keep them (expert parallel splits them);
+# - `embedding_rowwise` and `replicate`, outside the blocks: the embedding kept whole on every tp
+#   rank, as shardwise's own plans keep embeddings.
+# Any other style, or a group that is not one region, is refused by `regions_of`, before any worker
+# starts where the config names the family: a PlanError naming the family, the layer and its style.
+
+COLUMN_STYLES = {"colwise": 1, "packed_colwise": 2}  # -> the projections a layer computes at once
+ROW_STYLE = "rowwise"
+WHOLE_IN_REGION = "replicated_with_grad_allreduce"
+EXPERTS = "moe_tp_experts"
+WHOLE_OUTSIDE = ("embedding_rowwise", "replicate")
+
+
+@dataclass(frozen=True)
+class Group:
+    """The layers of one module of a block, and their styles: a region once it checks."""
+
+    module: str  # relative to the block
+    columns: tuple[Column, ...]
+    row: str | None
+
+
+def regions_of(family: str, tp_plan: dict[str, str]) -> tuple[Group, ...]:
+    """`tp_plan`'s regions, each a module of the block with its column and row layers; PlanError
+    naming the family, the layer and its style for what shardwise does not split."""
+    columns: dict[str, list[Column]] = {}
+    rows: dict[str, list[str]] = {}
+    experts = [key for key, style in tp_plan.items() if style == EXPERTS]
+    for key, style in tp_plan.items():
+        listed, star, inner = key.partition(".*.")
+        if not star:
+            if style in WHOLE_OUTSIDE:
+                continue
+            raise PlanError(f"{family}: tensor parallel style {style!r} of {key!r} (outside the blocks) is not one "
+                            f"shardwise applies; it keeps {', '.join(WHOLE_OUTSIDE)} layers whole")
+        if style == EXPERTS or any(key.startswith(f"{expert}.") for expert in experts):
+            continue  # kept whole on every tp rank
+        module, _, layer = inner.rpartition(".")
+        if style in COLUMN_STYLES:
+            columns.setdefault(module, []).append(Column(layer, COLUMN_STYLES[style]))
+        elif style == ROW_STYLE:
+            rows.setdefault(module, []).append(layer)
+        elif style != WHOLE_IN_REGION:
+            raise PlanError(f"{family}: tensor parallel style {style!r} of {key!r} is not one shardwise splits "
+                            f"yet (it splits {', '.join(COLUMN_STYLES)}, {ROW_STYLE} and {WHOLE_IN_REGION}, and "
+                            f"keeps {EXPERTS} whole)")
+    groups = []
+    for module in sorted(columns.keys() | rows.keys()):
+        row = rows.get(module, [])
+        if len(row) != 1 or not columns.get(module):
+            raise PlanError(f"{family}: the tensor parallel plan's layers in {module or 'the block'!r} are "
+                            f"{len(columns.get(module, []))} column-parallel and {len(row)} row-parallel; shardwise "
+                            "splits a module whose input enters column-parallel layers and whose output leaves one "
+                            "row-parallel layer")
+        if not module:
+            raise PlanError(f"{family}: the tensor parallel plan splits layers of the block itself; shardwise splits "
+                            "modules within it (its attention, its MLP)")
+        groups.append(Group(module, tuple(columns[module]), row[0]))
+    if not groups:
+        raise PlanError(f"{family}: its tensor parallel plan splits nothing inside its layers "
+                        f"({', '.join(f'{key}: {style}' for key, style in tp_plan.items()) or 'it declares none'})")
+    return tuple(groups)
+
+
+def transformers_model(model: nn.Module) -> nn.Module | None:
+    """The transformers model in `model` (shardwise's CausalLM holds one), or None."""
+    return next((m for m in model.modules() if hasattr(m, "base_model_prefix") and hasattr(m, "config")), None)
+
+
+def plan_from_transformers(model: nn.Module) -> ParallelPlan:
+    """The plan `model`'s transformers family declares; PlanError where it declares none or declares
+    what shardwise does not split."""
+    lm = transformers_model(model)
+    if lm is None:
+        raise PlanError(f"{type(model).__name__} is no transformers model")
+    config = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
+    family = config.model_type
+    groups = regions_of(family, getattr(config, "base_model_tp_plan", None) or {})
+    listed = {key.partition(".*.")[0] for key in config.base_model_tp_plan if ".*." in key}
+    lists = [(name, m) for name, m in lm.named_modules() if isinstance(m, nn.ModuleList) and len(m)
+             and name.rpartition(".")[2] in listed]
+    if len(lists) != 1:
+        raise PlanError(f"{family}: its tensor parallel plan names the layers of {', '.join(sorted(listed))}, found "
+                        f"{len(lists)} times; shardwise splits the blocks of one list of layers")
+    path, layers = lists[0]
+    block = type(layers[0]).__name__
+    regions = []
+    for group in groups:
+        region = Region(group.module, group.columns, group.row)
+        modules = [b.get_submodule(group.module) for b in layers if _has_region(b, region)]
+        if not modules:  # a pattern for layers this model has none of (its dense MLPs, all its layers MoE)
+            continue
+        attention = all(hasattr(getattr(m, "config", None), "num_attention_heads") and "attention" in
+                        type(m).__name__.lower() for m in modules)
+        kv = attention and all(hasattr(m.config, "num_key_value_heads") for m in modules)
+        regions.append(Region(group.module, group.columns, group.row, heads="config.num_attention_heads"
+                              if attention else None, kv_heads="config.num_key_value_heads" if kv else None))
+    if not regions:
+        raise PlanError(f"{family}: none of its {block}s has the modules its tensor parallel plan splits "
+                        f"({', '.join(g.module for g in groups)})")
+    base_path = path.rpartition(".")[0]
+    first, last = _stages(lm, lm.get_submodule(base_path), base_path, path.rpartition(".")[2], config)
+    in_out = any(type(m).__name__ == "Conv1D" for b in layers for r in regions if _has_region(b, r)
+                 for m in [b.get_submodule(f"{r.module}.{c.name}") for c in r.columns])
+    return ParallelPlan(family=family, models=("hf",), blocks=(block,), regions=tuple(regions), first_stage=first,
+                        last_stage=last, weights_in_out=in_out, where_present=True)
+
+
+def _stages(lm: nn.Module, base: nn.Module, base_path: str, layers: str,
+            config: object) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The modules outside the blocks that the first pipeline stage holds (the embeddings) and the
+    last (the final norm, then the head): in the order of the family's pp plan where it declares one,
+    then the other modules of the base model outside its layers that hold parameters (embeddings
+    first, the rest last); the head last of all."""
+    prefix = f"{base_path}." if base_path else ""
+    holders = [name for name, m in base.named_children() if name != layers and any(True for _ in m.parameters())]
+    named = [name for name in getattr(config, "base_model_pp_plan", None) or {} if name in (*holders, layers)]
+    before = named[:named.index(layers)] if layers in named else []
+    first = [*before, *(n for n in holders if n not in named and isinstance(getattr(base, n), nn.Embedding))]
+    last = [n for n in (*named, *holders) if n not in first and n != layers]
+    output = lm.get_output_embeddings()
+    head = [name for name, m in lm.named_modules() if m is output and m is not None and name]
+    return tuple(prefix + n for n in dict.fromkeys(first)), tuple(prefix + n for n in dict.fromkeys(last)) + tuple(head)
+
+
 def plan_for_name(model_name: str) -> ParallelPlan | None:
     """The plan for the config's `model.name`, or None."""
     return next((plan for plan in PLANS if model_name in plan.models), None)
 
 
 def plan_for(model: nn.Module) -> ParallelPlan:
-    """The model's own plan (its `parallel_plan` attribute, for your own family), or else the shipped
-    plan whose block class the model holds and whose regions its first block has (the GPT and gpt-moe
-    share a block class); PlanError naming what a plan needs if none."""
+    """The model's own plan (its `parallel_plan` attribute, for your own family); for a transformers
+    model the plan written here for its model_type, else the one its family declares
+    (`plan_from_transformers`); else the shipped plan whose block class the model holds and whose
+    regions its first block has (the GPT and gpt-moe share a block class); PlanError naming what a
+    plan needs if none."""
     own = getattr(model, "parallel_plan", None)
     if isinstance(own, ParallelPlan):
         return own
+    lm = transformers_model(model)
+    if lm is not None:
+        model_type = (lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config).model_type
+        return next((plan for plan in PLANS if model_type in plan.model_types), None) or plan_from_transformers(model)
     for plan in PLANS:
         block = next((m for m in model.modules() if type(m).__name__ in plan.blocks), None)
         if block is not None and all(_has_region(block, region) for region in plan.regions):

@@ -489,7 +489,7 @@ class BlockSplitter:
 
     def split(self, block: nn.Module) -> None:
         """Split every region of `block` in place (its layers replaced by this rank's shards)."""
-        for region in self.plan.regions:
+        for region in self.plan.regions_in(block):
             self.shards |= split_region(block.get_submodule(region.module), region, self.plan, self.tp,
                                         self.sequence_parallel)
         self.blocks.append(block)
@@ -504,7 +504,7 @@ class BlockSplitter:
         if self.sequence_parallel:
             split_sequence_around(self.blocks, self.tp)
             return [p for block in self.blocks for p in block.parameters() if id(p) not in self.shards]
-        return [p for block in self.blocks for region in self.plan.regions
+        return [p for block in self.blocks for region in self.plan.regions_in(block)
                 for name, p in block.get_submodule(region.module).named_parameters()
                 if id(p) not in self.shards and (not name.startswith(f"{region.row}.") or name.endswith(".lora.B"))]
 

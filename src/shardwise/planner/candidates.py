@@ -46,6 +46,13 @@ class Candidate:
         return spec(self.strategy)
 
     @property
+    def mesh(self) -> str:
+        """Its strategy and mesh, as the refused meshes are named."""
+        context = f" cp{self.cp} {self.cp_mode}" if self.cp > 1 else ""
+        experts = f" ep{self.ep}" if self.ep > 1 else ""
+        return f"{self.strategy} dp{self.dp} pp{self.pp} tp{self.tp}{context}{experts}"
+
+    @property
     def label(self) -> str:
         mesh = f"dp{self.dp}" + (f" pp{self.pp}" if self.pp > 1 else "") + (f" tp{self.tp}" if self.tp > 1 else "")
         mesh += f" cp{self.cp} {self.cp_mode}" if self.cp > 1 else ""
@@ -184,8 +191,7 @@ def enumerate_candidates(base: Config, world: int, precisions: tuple[str, ...] =
                             continue
                         found.append(candidate)
         if len(found) == mesh_found and first_error:
-            refused[f"{strategy} dp{dp} pp{pp} tp{tp}" + (f" cp{cp} {cp_mode}" if cp > 1 else "")
-                    + (f" ep{ep}" if ep > 1 else "")] = first_error
+            refused[candidate.mesh] = first_error
     return found, refused
 
 

@@ -25,7 +25,7 @@ from torch import nn
 
 from shardwise.config.schema import DEFAULT_BLOCK, LANGUAGE_MODELS, MOE_MODELS, LoraConfig, ModelConfig
 from shardwise.lora import apply_lora
-from shardwise.models import build_model
+from shardwise.models import build_model, plans
 from shardwise.models.hf import decoder_layer_class
 from shardwise.models.moe import moe_layers, their_experts
 from shardwise.models.plans import locate
@@ -310,6 +310,18 @@ def model_facts(shape: ModelShape, part: str = "all") -> ModelFacts:
     if part == "trainable" and not shape.lora_rank:  # every parameter trains: the same facts, cached once
         return model_facts(shape)
     return _split_facts(shape, meta_model(shape, 1), part)
+
+
+@functools.cache
+def split_refusal(shape: ModelShape) -> str | None:
+    """Why the model-splitting strategies (tensor, pipeline, the sharded ones over tp or stages)
+    cannot split a model of `shape` as its family's plan lays it out (a transformers family whose
+    model holds more than its plan names: a vision tower beside its layers), or None."""
+    try:
+        locate(meta_model(shape, 2))
+    except plans.PlanError as error:
+        return str(error)
+    return None
 
 
 def parallelize_for_planning(model: nn.Module, tp: int, sequence_parallel: bool = False) -> None:

@@ -32,7 +32,7 @@ from shardwise.config.schema import PRECISIONS, Config, ConfigError
 from shardwise.planner.candidates import DEFAULT_PRECISIONS, POLICIES, Candidate, enumerate_candidates
 from shardwise.planner.devices import DeviceProfile
 from shardwise.planner.memory_model import DEFAULT_MARGIN, RankMemory, dtype_bytes, predict_memory
-from shardwise.planner.model import PlanError, model_facts, model_shape
+from shardwise.planner.model import ModelShape, PlanError, model_facts, model_shape, split_refusal
 from shardwise.planner.timing import StepTime, compute_dtype, predict_step_time, step_time_bounds
 from shardwise.precision import make_precision
 
@@ -145,6 +145,7 @@ def make_plan(cfg: Config, world: int, device: DeviceProfile, *, nodes: int = 1,
     device = dataclasses.replace(device, gpus_per_node=world // nodes)
     limit = memory_limit(device, memory_gb)
     candidates, refused = enumerate_candidates(cfg, world, precisions, policies, micro_batches, nodes)
+    candidates = _splittable(candidates, refused, model_shape(cfg.model, cfg.lora))
     if not candidates:
         reasons = "\n".join(f"  {mesh}: {why}" for mesh, why in refused.items())
         raise PlanError(f"no candidate can train this config on {world} ranks; each way of using them is refused:\n"
@@ -162,6 +163,18 @@ def make_plan(cfg: Config, world: int, device: DeviceProfile, *, nodes: int = 1,
     if max_batch:
         plan.max_batch = largest_micro_batches(cfg, world, device, limit, margin, precisions, policies, nodes)
     return plan
+
+
+def _splittable(candidates: list[Candidate], refused: dict[str, str], shape: ModelShape) -> list[Candidate]:
+    """`candidates` less those that split the model (tp or pp > 1) where its plan does not fit it,
+    each such mesh among the `refused` with why (what the worker's plan check would raise)."""
+    split = [c for c in candidates if c.tp > 1 or c.pp > 1]
+    why = split_refusal(shape) if split else None
+    if why is None:
+        return candidates
+    for c in split:
+        refused.setdefault(c.mesh, why)
+    return [c for c in candidates if not (c.tp > 1 or c.pp > 1)]
 
 
 def _figures(e: Evaluated) -> tuple:

@@ -28,12 +28,13 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from shardwise.config.schema import DEFAULT_BLOCK, Config, ConfigError, ParallelConfig
+from shardwise.config.schema import DEFAULT_BLOCK, HF_MODELS, Config, ConfigError, ParallelConfig
 from shardwise.dist import DistContext
 from shardwise.gradients import clip_grad_norm_
 from shardwise.materialise import named_tensors
 from shardwise.memory import local_tensor, return_free_memory
-from shardwise.models.plans import NEEDS, PLANS, Located, PlanError, locate, plan_for_name
+from shardwise.models.hf import tp_plan_of
+from shardwise.models.plans import NEEDS, PLANS, Located, PlanError, locate, plan_for_name, regions_of
 from shardwise.parallel.comm import all_reduce_packed
 from shardwise.parallel.tensor import TensorShard
 from shardwise.state_view import SplitView
@@ -48,12 +49,15 @@ def check_model_split(cfg: Config, world: int) -> None:
     m, p = cfg.model, cfg.parallel
     dp, pp, tp = p.mesh_shape(world)
     plan = plan_for_name(m.name)
-    if plan is None:
+    if plan is None and m.name in HF_MODELS:  # a transformers family's own plan, as transformers declares it
+        _check_transformers_plan(cfg, pp)
+    elif plan is None:
         covered = ", ".join(name for each in PLANS for name in each.models)
         raise ConfigError(f"parallel.strategy = {p.strategy!r}: splits a model as its family's parallel plan says; "
-                          f"model.name = {m.name!r} has none (plans exist for {covered}). A plan names {NEEDS} "
+                          f"model.name = {m.name!r} has none (plans exist for {covered}, and every transformers "
+                          f"family that declares one, model.name = 'hf'). A plan names {NEEDS} "
                           "(docs/model-families.md)")
-    if p.block != DEFAULT_BLOCK and p.block not in plan.blocks:
+    if plan is not None and p.block != DEFAULT_BLOCK and p.block not in plan.blocks:
         raise ConfigError(f"parallel.block = {p.block!r}: {p.strategy} cuts and splits the {plan.family} plan's "
                           f"blocks ({', '.join(plan.blocks)}); another unit would cut inside a block. Leave "
                           "parallel.block unset")
@@ -71,6 +75,26 @@ def check_model_split(cfg: Config, world: int) -> None:
         of = f"model.seq_len / parallel.cp = {m.seq_len // p.cp}" if p.cp > 1 else f"model.seq_len = {m.seq_len}"
         raise ConfigError(f"parallel.sequence_parallel = true: parallel.tp = {tp} must divide {of}; each tp rank "
                           "holds an equal part of the sequence")
+
+
+def _check_transformers_plan(cfg: Config, pp: int) -> None:
+    """A transformers family of no plan of ours declares a tensor parallel plan shardwise applies
+    (models/plans.py's `regions_of`), and is not cut into pipeline stages: not yet (its
+    base_model_pp_plan, issue 69's third step). Its layer list and modules are checked once the
+    model is built (cli.py, before launch)."""
+    p = cfg.parallel
+    family, tp_plan = tp_plan_of(cfg.model)
+    if pp > 1:
+        raise ConfigError(f"parallel.pp = {pp}: shardwise does not cut a transformers family of no plan of its own "
+                          f"({family!r}) into pipeline stages yet; train it under fsdp, or split it over tp "
+                          "(--strategy tensor, or fsdp --tp)")
+    if not tp_plan:
+        raise ConfigError(f"parallel.strategy = {p.strategy!r}: splits a model as its family's parallel plan says; "
+                          f"model.hf_config's family {family!r} declares no base_model_tp_plan in transformers")
+    try:
+        regions_of(family, tp_plan)
+    except PlanError as error:
+        raise ConfigError(f"parallel.strategy = {p.strategy!r}: {error}") from None
 
 
 def check_mesh_fits(p: ParallelConfig, world: int, api: bool = False) -> None:
