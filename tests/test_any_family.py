@@ -2,8 +2,8 @@
 shardwise's: Qwen3, Gemma 3 and Phi-3, each saved by `save_pretrained` as a user would bring it, under
 fsdp on 2 processes as under single, the run's directory a model `from_pretrained` loads with no key
 missing or left over and the run's own logits; split over tp as its own transformers plan says
-(Qwen3 under fsdp x tp 2 on 4 processes, Gemma 3 under tensor on 2); and what cannot work yet is
-refused before launch, in one line."""
+(Qwen3 under fsdp x tp 2 on 4 processes, Gemma 3 and Phi-3 under tensor on 2); and what cannot work
+yet is refused before launch, in one line."""
 
 from __future__ import annotations
 
@@ -42,9 +42,11 @@ def tiny_config(model_type: str):
 
 FAMILIES = ("qwen3", "gemma3_text", "phi3")
 # Runs split over tp as the family's own base_model_tp_plan says (Qwen3's and Gemma 3's per-head q and
-# k norms whole on each rank, their gradients summed over tp)
+# k norms whole on each rank, their gradients summed over tp; Phi-3's fused projections split on their
+# own, their outputs gathered and attention computed whole between them)
 SPLIT = {("qwen3", "fsdp-tp2"): ("--strategy", "fsdp", "--nproc", "4", "--tp", "2"),
-         ("gemma3_text", "tensor"): ("--strategy", "tensor", "--nproc", "2", "--tp", "2")}
+         ("gemma3_text", "tensor"): ("--strategy", "tensor", "--nproc", "2", "--tp", "2"),
+         ("phi3", "tensor"): ("--strategy", "tensor", "--nproc", "2", "--tp", "2")}
 
 
 @pytest.fixture(scope="module")
@@ -120,9 +122,11 @@ def test_the_run_directory_loads_in_transformers_with_no_key_missing_and_the_run
 
 
 @pytest.mark.parametrize("family, flags, words", [
-    # Phi-3's plan gathers its fused projections' outputs: a style shardwise does not split yet
-    ("phi3", ["--strategy", "tensor", "--nproc", "2", "--tp", "2"],
-     "phi3: tensor parallel style 'colwise_gather_output' of 'layers.*.self_attn.qkv_proj' is not one"),
+    # Phi-3's plan gathers its fused projections' outputs, which take the whole sequence
+    ("phi3", ["--strategy", "tensor", "--nproc", "2", "--tp", "2", "--set", "parallel.sequence_parallel=true"],
+     "phi3's plan splits 'self_attn.qkv_proj' on its own, which takes its whole input; sequence parallel does not"),
+    ("phi3", ["--strategy", "tensor", "--nproc", "2", "--tp", "2", "--set", "lora.rank=4"],
+     "lora.targets: lm.model.layers.0.self_attn.o_proj is split over tp on its own (its family's plan)"),
     ("qwen3", ["--strategy", "fsdp", "--nproc", "2", "--set", "parallel.cp=2"], "model.name = 'hf' has no plan yet"),
 ])
 def test_what_needs_a_plan_is_refused_before_launch_in_one_line(pretrained, tmp_path, capsys, family, flags, words):

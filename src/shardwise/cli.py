@@ -186,11 +186,13 @@ def _check_before_launch(cfg: Config) -> None:
             except ValueError as error:
                 raise ConfigError(f"model.hf_config = {cfg.model.hf_config!r}: shardwise cannot initialise it from "
                                   f"scratch ({error}); start from its pretrained weights (model.weights)") from None
+        alone: tuple[str, ...] = ()  # layers tensor parallel splits on their own, which take no adapters
         if max(cfg.parallel.mesh_shape(cfg.world_size)[1:]) > 1:  # its plan fits the model built (not just its file)
             try:
-                locate(model)
+                plan = locate(model).plan
             except PlanError as error:
                 raise ConfigError(f"parallel.strategy = {cfg.parallel.strategy!r}: {error}") from None
+            alone = plan.gathered + plan.split_input if cfg.parallel.mesh_shape(cfg.world_size)[2] > 1 else ()
         try:
             HubLayout.of(model)  # a family whose checkpoints cannot be read and written a part at a time
             if cfg.model.weights is not None:
@@ -201,6 +203,10 @@ def _check_before_launch(cfg: Config) -> None:
                 if cfg.lora.quantize == "nf4":
                     for name in adapted:
                         check_shape(name, model.get_submodule(name).in_features)
+                split_alone = [name for name in adapted if any(name.endswith(f".{layer}") for layer in alone)]
+                if split_alone:
+                    raise LoraError(f"lora.targets: {split_alone[0]} is split over tp on its own (its family's plan), "
+                                    "which shardwise does not do with adapters yet; leave it out of lora.targets")
         except (WeightsError, LoraError, QuantizeError, UnsupportedLayout) as error:
             raise ConfigError(str(error)) from None
     if cfg.run.resume:

@@ -63,11 +63,13 @@ def _add_update(layer: nn.Module, args: tuple, output: torch.Tensor) -> torch.Te
 def default_targets(model: nn.Module) -> tuple[str, ...]:
     """The attention and MLP projections of the model's family, relative to a block: every column-
     and row-parallel layer of its parallel plan's regions (models/plans.py), or for a transformers
-    family without one the linear layers of its blocks that its own tensor-parallel plan
+    family without one of ours the linear layers of its blocks that its own tensor-parallel plan
     (`base_model_tp_plan`) splits, else every linear layer of its blocks."""
     try:
         plan = plan_for(model)
     except PlanError:
+        plan = None
+    if plan is None or plan.where_present:  # no plan, or transformers' own
         found = transformers_split_layers(model) or block_linear_layers(model)
         if found:
             return found

@@ -84,6 +84,11 @@ class ParallelPlan:
     where_present: bool = False
     # the transformers model_types a plan written here splits, in place of their own plans
     model_types: tuple[str, ...] = ()
+    # layers outside the regions (paths within a block) split on their own, every rank's input and
+    # output whole: `gathered` split along their output features and gathered after, `split_input`
+    # along their input features, each rank taking its slice of the input, the partial outputs summed
+    gathered: tuple[str, ...] = ()
+    split_input: tuple[str, ...] = ()
 
     def regions_in(self, block: nn.Module) -> tuple[Region, ...]:
         """The regions `block` splits: all of them, or (`where_present`) those it has."""
@@ -182,18 +187,21 @@ class PlanError(ValueError):
 # A block's layers are grouped by the module that holds them (its attention, its MLP). A group of
 # column-parallel layers (`colwise`; `packed_colwise`: several projections in one layer, gate and up,
 # each split on its own) and one row-parallel layer (`rowwise`) is a region, as a plan written here
-# declares one. Beside them:
+# declares one. A layer whose output is gathered (`colwise_gather_output`) or whose input every rank
+# holds whole and slices (`rowwise_split_input`) is split on its own, in a module of no region's
+# (OLMo 2's and Phi-3's attention, computed whole on every rank between them). Beside them:
 # - `replicated_with_grad_allreduce` inside a region (Qwen3's and Gemma 3's per-head q and k norms):
 #   whole on every tp rank, its gradient summed over them, as every whole parameter of a region's is;
 # - `moe_tp_experts`, and the styles of the layers under it: the experts kept whole on every tp rank,
 #   as shardwise's own MoE plans keep them (expert parallel splits them);
 # - `embedding_rowwise` and `replicate`, outside the blocks: the embedding kept whole on every tp
 #   rank, as shardwise's own plans keep embeddings.
-# Any other style, or a group that is not one region, is refused by `regions_of`, before any worker
+# Any other style, or a group that is not one region, is refused by `read_tp_plan`, before any worker
 # starts where the config names the family: a PlanError naming the family, the layer and its style.
 
 COLUMN_STYLES = {"colwise": 1, "packed_colwise": 2}  # -> the projections a layer computes at once
 ROW_STYLE = "rowwise"
+GATHERED, SPLIT_INPUT = "colwise_gather_output", "rowwise_split_input"
 WHOLE_IN_REGION = "replicated_with_grad_allreduce"
 EXPERTS = "moe_tp_experts"
 WHOLE_OUTSIDE = ("embedding_rowwise", "replicate")
@@ -208,11 +216,22 @@ class Group:
     row: str | None
 
 
-def regions_of(family: str, tp_plan: dict[str, str]) -> tuple[Group, ...]:
-    """`tp_plan`'s regions, each a module of the block with its column and row layers; PlanError
-    naming the family, the layer and its style for what shardwise does not split."""
+@dataclass(frozen=True)
+class TpLayout:
+    """What a transformers tp plan splits in a block: its regions, and the layers split on their own."""
+
+    groups: tuple[Group, ...]
+    gathered: tuple[str, ...]
+    split_input: tuple[str, ...]
+
+
+def read_tp_plan(family: str, tp_plan: dict[str, str]) -> TpLayout:
+    """`tp_plan`'s regions, each a module of the block with its column and row layers, and its layers
+    split on their own; PlanError naming the family, the layer and its style for what shardwise does
+    not split."""
     columns: dict[str, list[Column]] = {}
     rows: dict[str, list[str]] = {}
+    alone: dict[str, list[str]] = {GATHERED: [], SPLIT_INPUT: []}
     experts = [key for key, style in tp_plan.items() if style == EXPERTS]
     for key, style in tp_plan.items():
         listed, star, inner = key.partition(".*.")
@@ -228,10 +247,12 @@ def regions_of(family: str, tp_plan: dict[str, str]) -> tuple[Group, ...]:
             columns.setdefault(module, []).append(Column(layer, COLUMN_STYLES[style]))
         elif style == ROW_STYLE:
             rows.setdefault(module, []).append(layer)
+        elif style in alone:
+            alone[style].append(inner)
         elif style != WHOLE_IN_REGION:
             raise PlanError(f"{family}: tensor parallel style {style!r} of {key!r} is not one shardwise splits "
-                            f"yet (it splits {', '.join(COLUMN_STYLES)}, {ROW_STYLE} and {WHOLE_IN_REGION}, and "
-                            f"keeps {EXPERTS} whole)")
+                            f"yet (it splits {', '.join(COLUMN_STYLES)}, {ROW_STYLE}, {GATHERED}, {SPLIT_INPUT} and "
+                            f"{WHOLE_IN_REGION}, and keeps {EXPERTS} whole)")
     groups = []
     for module in sorted(columns.keys() | rows.keys()):
         row = rows.get(module, [])
@@ -243,11 +264,15 @@ def regions_of(family: str, tp_plan: dict[str, str]) -> tuple[Group, ...]:
         if not module:
             raise PlanError(f"{family}: the tensor parallel plan splits layers of the block itself; shardwise splits "
                             "modules within it (its attention, its MLP)")
+        inside = [name for name in alone[GATHERED] + alone[SPLIT_INPUT] if name.startswith(f"{module}.")]
+        if inside:  # its input is the region's, whose gradient the region already sums over tp
+            raise PlanError(f"{family}: {inside[0]!r} is split on its own inside the region {module!r}; shardwise "
+                            "splits a layer on its own only outside the regions")
         groups.append(Group(module, tuple(columns[module]), row[0]))
-    if not groups:
+    if not groups and not alone[GATHERED] + alone[SPLIT_INPUT]:
         raise PlanError(f"{family}: its tensor parallel plan splits nothing inside its layers "
                         f"({', '.join(f'{key}: {style}' for key, style in tp_plan.items()) or 'it declares none'})")
-    return tuple(groups)
+    return TpLayout(tuple(groups), tuple(alone[GATHERED]), tuple(alone[SPLIT_INPUT]))
 
 
 def transformers_model(model: nn.Module) -> nn.Module | None:
@@ -263,7 +288,7 @@ def plan_from_transformers(model: nn.Module) -> ParallelPlan:
         raise PlanError(f"{type(model).__name__} is no transformers model")
     config = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
     family = config.model_type
-    groups = regions_of(family, getattr(config, "base_model_tp_plan", None) or {})
+    layout = read_tp_plan(family, getattr(config, "base_model_tp_plan", None) or {})
     listed = {key.partition(".*.")[0] for key in config.base_model_tp_plan if ".*." in key}
     lists = [(name, m) for name, m in lm.named_modules() if isinstance(m, nn.ModuleList) and len(m)
              and name.rpartition(".")[2] in listed]
@@ -273,7 +298,7 @@ def plan_from_transformers(model: nn.Module) -> ParallelPlan:
     path, layers = lists[0]
     block = type(layers[0]).__name__
     regions = []
-    for group in groups:
+    for group in layout.groups:
         region = Region(group.module, group.columns, group.row)
         modules = [b.get_submodule(group.module) for b in layers if _has_region(b, region)]
         if not modules:  # a pattern for layers this model has none of (its dense MLPs, all its layers MoE)
@@ -283,15 +308,17 @@ def plan_from_transformers(model: nn.Module) -> ParallelPlan:
         kv = attention and all(hasattr(m.config, "num_key_value_heads") for m in modules)
         regions.append(Region(group.module, group.columns, group.row, heads="config.num_attention_heads"
                               if attention else None, kv_heads="config.num_key_value_heads" if kv else None))
-    if not regions:
-        raise PlanError(f"{family}: none of its {block}s has the modules its tensor parallel plan splits "
-                        f"({', '.join(g.module for g in groups)})")
+    gathered, split_input = ([name for name in names if any(has_module(b, name) for b in layers)]
+                              for names in (layout.gathered, layout.split_input))
+    if not regions and not gathered + split_input:
+        raise PlanError(f"{family}: none of its {block}s has the modules its tensor parallel plan splits")
     base_path = path.rpartition(".")[0]
     first, last = _stages(lm, lm.get_submodule(base_path), base_path, path.rpartition(".")[2], config)
     in_out = any(type(m).__name__ == "Conv1D" for b in layers for r in regions if _has_region(b, r)
                  for m in [b.get_submodule(f"{r.module}.{c.name}") for c in r.columns])
     return ParallelPlan(family=family, models=("hf",), blocks=(block,), regions=tuple(regions), first_stage=first,
-                        last_stage=last, weights_in_out=in_out, where_present=True)
+                        last_stage=last, weights_in_out=in_out, where_present=True, gathered=tuple(gathered),
+                        split_input=tuple(split_input))
 
 
 def _stages(lm: nn.Module, base: nn.Module, base_path: str, layers: str,
@@ -339,14 +366,17 @@ def plan_for(model: nn.Module) -> ParallelPlan:
                     "as its `parallel_plan` attribute")
 
 
-def _has_region(block: nn.Module, region: Region) -> bool:
+def has_module(block: nn.Module, name: str) -> bool:
+    """Whether `block` has a module at path `name`."""
     try:
-        module = block.get_submodule(region.module)
-        for name in (*(c.name for c in region.columns), region.row):
-            module.get_submodule(name)
+        block.get_submodule(name)
     except AttributeError:
         return False
     return True
+
+
+def _has_region(block: nn.Module, region: Region) -> bool:
+    return all(has_module(block, f"{region.module}.{name}") for name in (*(c.name for c in region.columns), region.row))
 
 
 def matches(name: str, pattern: str) -> bool:

@@ -59,7 +59,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.memory import exact_storage
-from shardwise.models.plans import ParallelPlan, PlanError, Region
+from shardwise.models.plans import ParallelPlan, PlanError, Region, has_module
 from shardwise.parallel.comm import all_gather_single, reduce_scatter_single
 from shardwise.parallel.module_input import module_input, with_input
 
@@ -138,8 +138,9 @@ class TensorShard:
 
 class TensorParallelGroup:
     """The tp ranks a model replica's blocks are split over, and the collectives the split needs:
-    sums of partial results, and for sequence parallel, [batch, seq, width] activations split along
-    seq (each rank a consecutive part of it)."""
+    sums of partial results, and activations split along a dimension, each rank a consecutive part
+    of it: for sequence parallel [batch, seq, width] along seq, for a layer that gathers its output
+    features (or splits its input's) along the last."""
 
     def __init__(self, group: dist.ProcessGroup) -> None:
         self.group = group
@@ -150,11 +151,11 @@ class TensorParallelGroup:
         dist.all_reduce(x, group=self.group)
         return x
 
-    def gather_sequence(self, x: torch.Tensor) -> torch.Tensor:
-        """The whole sequence from every rank's part of it."""
+    def gather(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """The whole of dimension `dim` (the sequence by default) from every rank's part of it."""
         parts = x.new_empty((self.size * x.shape[0], *x.shape[1:]))  # Gloo takes the parts concatenated on dim 0
         all_gather_single(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts.chunk(self.size), dim=1)
+        return torch.cat(parts.chunk(self.size), dim=dim)
 
     def reduce_scatter_sequence(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's part of the sequence of the sum of every rank's `x`."""
@@ -163,9 +164,9 @@ class TensorParallelGroup:
         reduce_scatter_single(out, parts, group=self.group)
         return out
 
-    def sequence_part(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's part of the sequence, a copy."""
-        return x.chunk(self.size, dim=1)[self.rank].contiguous()
+    def part(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's part of dimension `dim` (the sequence by default), a copy."""
+        return x.chunk(self.size, dim=dim)[self.rank].contiguous()
 
 
 class ShapesOnly(TensorParallelGroup):
@@ -179,8 +180,8 @@ class ShapesOnly(TensorParallelGroup):
     def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
         return x
 
-    def gather_sequence(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([x] * self.size, dim=1)
+    def gather(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        return torch.cat([x] * self.size, dim=dim)
 
     def reduce_scatter_sequence(self, x: torch.Tensor) -> torch.Tensor:
         return x.new_empty((x.shape[0], x.shape[1] // self.size, *x.shape[2:])).copy_(x.chunk(self.size, dim=1)[0])
@@ -221,31 +222,33 @@ def reduce_from_tp(x: torch.Tensor, tp: TensorParallelGroup) -> torch.Tensor:
 
 # --- sequence parallel ----------------------------------------------------------------------------
 
-class SplitSequence(torch.autograd.Function):
-    """This rank's part of the sequence forward; all-gather of the gradient backward."""
+class SplitAlong(torch.autograd.Function):
+    """This rank's part of dimension `dim` forward (of the sequence; of a layer's input features);
+    all-gather of the gradient backward."""
 
     @staticmethod
-    def forward(ctx: Ctx, x: torch.Tensor, tp: TensorParallelGroup) -> torch.Tensor:
-        ctx.tp = tp
-        return tp.sequence_part(x)
+    def forward(ctx: Ctx, x: torch.Tensor, tp: TensorParallelGroup, dim: int) -> torch.Tensor:
+        ctx.tp, ctx.dim = tp, dim
+        return tp.part(x, dim)
 
     @staticmethod
-    def backward(ctx: Ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return ctx.tp.gather_sequence(grad), None
+    def backward(ctx: Ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return ctx.tp.gather(grad, ctx.dim), None, None
 
 
-class GatherSequence(torch.autograd.Function):
-    """All-gather of the sequence forward; backward, this rank's part of the gradient, which every
-    rank has whole (what follows is replicated)."""
-
-    @staticmethod
-    def forward(ctx: Ctx, x: torch.Tensor, tp: TensorParallelGroup) -> torch.Tensor:
-        ctx.tp = tp
-        return tp.gather_sequence(x)
+class GatherAlong(torch.autograd.Function):
+    """All-gather of dimension `dim` forward (of the sequence; of a layer's output features);
+    backward, this rank's part of the gradient, which every rank has whole (what follows is
+    replicated)."""
 
     @staticmethod
-    def backward(ctx: Ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return ctx.tp.sequence_part(grad), None
+    def forward(ctx: Ctx, x: torch.Tensor, tp: TensorParallelGroup, dim: int) -> torch.Tensor:
+        ctx.tp, ctx.dim = tp, dim
+        return tp.gather(x, dim)
+
+    @staticmethod
+    def backward(ctx: Ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return ctx.tp.part(grad, ctx.dim), None, None
 
 
 class EnterRegion(torch.autograd.Function):
@@ -256,7 +259,7 @@ class EnterRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Ctx, x: torch.Tensor, region: TensorParallelRegion) -> torch.Tensor:
         ctx.region = region
-        return region.tp.gather_sequence(x)
+        return region.tp.gather(x)
 
     @staticmethod
     def backward(ctx: Ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -275,7 +278,7 @@ class LeaveRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return ctx.tp.gather_sequence(grad), None
+        return ctx.tp.gather(grad), None
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, in_out: bool) -> torch.Tensor:
@@ -302,7 +305,7 @@ class ColumnOverSequence(torch.autograd.Function):
         local, weight = ctx.saved_tensors
         region = ctx.layer.region
         if region.regathered is None or region.regathered[0] is not local:
-            region.regathered = (local, region.tp.gather_sequence(local))
+            region.regathered = (local, region.tp.gather(local))
         # In the forward's compute dtype, each gradient cast back to its tensor's, as autocast's matmul.
         x, w = region.regathered[1].to(ctx.dtype).flatten(0, -2), weight.to(ctx.dtype)
         g = grad.to(ctx.dtype)
@@ -397,6 +400,58 @@ class RowParallelLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+class GatheredColumnLinear(nn.Module):
+    """`layer` with its output features split over the tp ranks and gathered after (transformers'
+    `colwise_gather_output`): every rank gets the whole output; the input, the same on every rank,
+    has its gradient summed over them (each rank's is its features' share)."""
+
+    def __init__(self, layer: nn.Module, tp: TensorParallelGroup, in_out: bool) -> None:
+        super().__init__()
+        self.tp, self.in_out = tp, in_out
+        self.shards = {"weight": TensorShard(1 if in_out else 0), "bias": TensorShard(0)}
+        self.weight = _split(layer.weight, self.shards["weight"], tp.rank, tp.size)
+        bias = layer.bias
+        self.bias = None if bias is None else _split(bias, self.shards["bias"], tp.rank, tp.size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return GatherAlong.apply(linear(copy_to_tp(x, self.tp), self.weight, self.bias, self.in_out), self.tp, -1)
+
+
+class SplitInputRowLinear(nn.Module):
+    """`layer` with its input features split over the tp ranks, each taking its slice of an input
+    every rank holds whole (transformers' `rowwise_split_input`): the partial outputs summed, the
+    bias added after; the input's gradient gathered whole on every rank."""
+
+    def __init__(self, layer: nn.Module, tp: TensorParallelGroup, in_out: bool) -> None:
+        super().__init__()
+        self.tp, self.in_out = tp, in_out
+        self.shards = {"weight": TensorShard(0 if in_out else 1)}
+        self.weight = _split(layer.weight, self.shards["weight"], tp.rank, tp.size)
+        bias = layer.bias
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = reduce_from_tp(linear(SplitAlong.apply(x, self.tp, -1), self.weight, None, self.in_out), self.tp)
+        return y if self.bias is None else y + self.bias
+
+
+def split_alone(block: nn.Module, name: str, plan: ParallelPlan, tp: TensorParallelGroup) -> dict[int, TensorShard]:
+    """Split `block`'s layer `name`, one of the plan's layers split on their own (`gathered`,
+    `split_input`), in place. Returns how each new parameter is split, by id."""
+    layer, in_out = block.get_submodule(name), plan.weights_in_out
+    if getattr(layer, "lora", None) is not None:
+        raise PlanError(f"{plan.family}: {name} carries LoRA adapters; shardwise does not split adapters on a layer "
+                        "split on its own yet (leave it out of lora.targets)")
+    gathered = name in plan.gathered
+    width = layer.weight.shape[(1 if in_out else 0) if gathered else (0 if in_out else 1)]
+    if width % tp.size:
+        raise PlanError(f"tensor parallel over {tp.size} ranks: must divide {name}'s {width} "
+                        f"{'output' if gathered else 'input'} features ({plan.family} plan)")
+    split = GatheredColumnLinear(layer, tp, in_out) if gathered else SplitInputRowLinear(layer, tp, in_out)
+    _put(block, name, split)
+    return {id(param): split.shards[key] for key, param in split.named_parameters() if key in split.shards}
+
+
 def _split(param: nn.Parameter, split: TensorShard, rank: int, size: int) -> nn.Parameter:
     """This rank's shard of `param`, a parameter that trains if `param` does (LoRA freezes the weights)."""
     return nn.Parameter(split.take(param.detach(), rank, size), requires_grad=param.requires_grad)
@@ -469,10 +524,10 @@ def split_sequence_around(blocks: list[nn.Module], tp: TensorParallelGroup) -> N
     sequence is gathered from the last."""
 
     def split(block: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return with_input(block, args, kwargs, SplitSequence.apply(module_input(block, args, kwargs), tp))
+        return with_input(block, args, kwargs, SplitAlong.apply(module_input(block, args, kwargs), tp, 1))
 
     def gather(block: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
-        return GatherSequence.apply(out, tp)
+        return GatherAlong.apply(out, tp, 1)
 
     blocks[0].register_forward_pre_hook(split, with_kwargs=True)
     blocks[-1].register_forward_hook(gather)
@@ -483,6 +538,9 @@ class BlockSplitter:
     (`parallelize_blocks`' state between its blocks)."""
 
     def __init__(self, plan: ParallelPlan, tp: TensorParallelGroup, sequence_parallel: bool) -> None:
+        if sequence_parallel and plan.gathered + plan.split_input:
+            raise PlanError(f"{plan.family}: sequence parallel does not compose with a layer split on its own "
+                            f"({(plan.gathered + plan.split_input)[0]}), which takes its whole input")
         self.plan, self.tp, self.sequence_parallel = plan, tp, sequence_parallel
         self.shards: dict[int, TensorShard] = {}  # how each new parameter is split, by id
         self.blocks: list[nn.Module] = []
@@ -492,6 +550,9 @@ class BlockSplitter:
         for region in self.plan.regions_in(block):
             self.shards |= split_region(block.get_submodule(region.module), region, self.plan, self.tp,
                                         self.sequence_parallel)
+        for name in self.plan.gathered + self.plan.split_input:
+            if not self.plan.where_present or has_module(block, name):
+                self.shards |= split_alone(block, name, self.plan, self.tp)
         self.blocks.append(block)
 
     def finish(self) -> list[nn.Parameter]:

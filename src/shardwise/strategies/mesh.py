@@ -34,7 +34,7 @@ from shardwise.gradients import clip_grad_norm_
 from shardwise.materialise import named_tensors
 from shardwise.memory import local_tensor, return_free_memory
 from shardwise.models.hf import tp_plan_of
-from shardwise.models.plans import NEEDS, PLANS, Located, PlanError, locate, plan_for_name, regions_of
+from shardwise.models.plans import NEEDS, PLANS, Located, PlanError, locate, plan_for_name, read_tp_plan
 from shardwise.parallel.comm import all_reduce_packed
 from shardwise.parallel.tensor import TensorShard
 from shardwise.state_view import SplitView
@@ -79,7 +79,7 @@ def check_model_split(cfg: Config, world: int) -> None:
 
 def _check_transformers_plan(cfg: Config, pp: int) -> None:
     """A transformers family of no plan of ours declares a tensor parallel plan shardwise applies
-    (models/plans.py's `regions_of`), and is not cut into pipeline stages: not yet (its
+    (models/plans.py's `read_tp_plan`), and is not cut into pipeline stages: not yet (its
     base_model_pp_plan, issue 69's third step). Its layer list and modules are checked once the
     model is built (cli.py, before launch)."""
     p = cfg.parallel
@@ -92,9 +92,13 @@ def _check_transformers_plan(cfg: Config, pp: int) -> None:
         raise ConfigError(f"parallel.strategy = {p.strategy!r}: splits a model as its family's parallel plan says; "
                           f"model.hf_config's family {family!r} declares no base_model_tp_plan in transformers")
     try:
-        regions_of(family, tp_plan)
+        layout = read_tp_plan(family, tp_plan)
     except PlanError as error:
         raise ConfigError(f"parallel.strategy = {p.strategy!r}: {error}") from None
+    alone = layout.gathered + layout.split_input
+    if p.sequence_parallel and alone:
+        raise ConfigError(f"parallel.sequence_parallel = true: {family}'s plan splits {alone[0]!r} on its own, which "
+                          "takes its whole input; sequence parallel does not compose with it yet")
 
 
 def check_mesh_fits(p: ParallelConfig, world: int, api: bool = False) -> None:
