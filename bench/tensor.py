@@ -33,7 +33,7 @@ from shardwise.materialise import Materialiser, init_context
 from shardwise.memory import storage_bytes
 from shardwise.models import build_model, loss_fn
 from shardwise.models.plans import locate
-from shardwise.parallel.tensor import TensorShard
+from shardwise.parallel.tensor_group import TensorShard
 from shardwise.trainer import Trainer, optimizer_factory
 from shardwise.validate import validate
 

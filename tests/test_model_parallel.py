@@ -26,7 +26,7 @@ from shardwise.config.load import load_config
 from shardwise.dist import DistContext
 from shardwise.models import build_model
 from shardwise.parallel.pipeline.stages import balanced_split
-from shardwise.parallel.tensor import TensorShard
+from shardwise.parallel.tensor_group import TensorShard
 from shardwise.trainer import Trainer
 
 STEPS = 10

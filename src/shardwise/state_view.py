@@ -34,7 +34,7 @@ from shardwise.parallel.comm import gather_in_place
 from shardwise.parallel.dims import Mesh
 from shardwise.parallel.experts import ExpertParallel
 from shardwise.parallel.shard import Sharding, real_rows
-from shardwise.parallel.tensor import TensorShard
+from shardwise.parallel.tensor_group import TensorShard
 
 
 class Holder(Protocol):

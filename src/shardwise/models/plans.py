@@ -33,6 +33,7 @@ family carries its plan as its `parallel_plan` attribute.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import functools
 from dataclasses import dataclass
@@ -70,6 +71,17 @@ class Positions:
 
 
 @dataclass(frozen=True)
+class StackedExperts:
+    """A module of experts that stacks each projection's weights in one 3-D parameter [experts, ., .]
+    (transformers' MoE experts): each split along the dimension of the experts' hidden features
+    (`dim` 1 or 2, as the family lays it out; `parts` halves such as gate and up, each split on its
+    own), so each tp rank computes every expert on its slice of them."""
+
+    module: str  # relative to the block
+    params: tuple[tuple[str, int, int], ...]  # (name, dim, parts)
+
+
+@dataclass(frozen=True)
 class ParallelPlan:
     family: str
     models: tuple[str, ...]  # the config's `model.name`s it splits
@@ -89,10 +101,17 @@ class ParallelPlan:
     # along their input features, each rank taking its slice of the input, the partial outputs summed
     gathered: tuple[str, ...] = ()
     split_input: tuple[str, ...] = ()
+    # modules of stacked experts split along their hidden features (`StackedExperts`)
+    experts: tuple[StackedExperts, ...] = ()
 
     def regions_in(self, block: nn.Module) -> tuple[Region, ...]:
-        """The regions `block` splits: all of them, or (`where_present`) those it has."""
-        return tuple(r for r in self.regions if _has_region(block, r)) if self.where_present else self.regions
+        """The regions `block` splits: all of them, or (`where_present`) those it has, each with the
+        columns it has (a latent attention's q_proj or its q_a_proj and q_b_proj, as configured)."""
+        if not self.where_present:
+            return self.regions
+        return tuple(dataclasses.replace(r, column=tuple(c for c in r.columns
+                                                         if has_module(block, f"{r.module}.{c.name}")))
+                     for r in self.regions if _has_region(block, r))
 
 
 GPT = ParallelPlan(
@@ -202,8 +221,17 @@ class PlanError(ValueError):
 COLUMN_STYLES = {"colwise": 1, "packed_colwise": 2}  # -> the projections a layer computes at once
 ROW_STYLE = "rowwise"
 GATHERED, SPLIT_INPUT = "colwise_gather_output", "rowwise_split_input"
-WHOLE_IN_REGION = "replicated_with_grad_allreduce"
+# a layer or parameter a region holds whole, its gradient summed over tp as every whole parameter of a
+# region's is: per-head norms, and multi-head latent attention's kv_a_proj_with_mqa, whose rotary part
+# reaches every rank's heads
+WHOLE_IN_REGION = ("replicated_with_grad_allreduce", "mla_kv_a_proj")
+# styles on a region's module itself: what transformers' DTensors need and a region does already
+ON_REGION = ("local_params", "all_reduce")
 EXPERTS = "moe_tp_experts"
+# a stacked expert parameter's style -> the dimension it splits and its parts: transformers names the
+# styles of 3-D weights by dimension (colwise: 1, rowwise: 2), whichever side the family keeps its
+# hidden features on
+STACKED_STYLES = {"colwise": (1, 1), "packed_colwise": (1, 2), "rowwise": (2, 1), "packed_rowwise": (2, 2)}
 WHOLE_OUTSIDE = ("embedding_rowwise", "replicate")
 
 
@@ -223,6 +251,7 @@ class TpLayout:
     groups: tuple[Group, ...]
     gathered: tuple[str, ...]
     split_input: tuple[str, ...]
+    experts: tuple[StackedExperts, ...]
 
 
 def read_tp_plan(family: str, tp_plan: dict[str, str]) -> TpLayout:
@@ -232,7 +261,9 @@ def read_tp_plan(family: str, tp_plan: dict[str, str]) -> TpLayout:
     columns: dict[str, list[Column]] = {}
     rows: dict[str, list[str]] = {}
     alone: dict[str, list[str]] = {GATHERED: [], SPLIT_INPUT: []}
-    experts = [key for key, style in tp_plan.items() if style == EXPERTS]
+    on_region: dict[str, str] = {}
+    expert_keys = [key for key, style in tp_plan.items() if style == EXPERTS]
+    stacked: dict[str, list[tuple[str, int, int]]] = {}  # an experts module -> its parameters' splits
     for key, style in tp_plan.items():
         listed, star, inner = key.partition(".*.")
         if not star:
@@ -240,19 +271,31 @@ def read_tp_plan(family: str, tp_plan: dict[str, str]) -> TpLayout:
                 continue
             raise PlanError(f"{family}: tensor parallel style {style!r} of {key!r} (outside the blocks) is not one "
                             f"shardwise applies; it keeps {', '.join(WHOLE_OUTSIDE)} layers whole")
-        if style == EXPERTS or any(key.startswith(f"{expert}.") for expert in experts):
-            continue  # kept whole on every tp rank
         module, _, layer = inner.rpartition(".")
+        if style == EXPERTS:
+            continue
+        if any(key.startswith(f"{expert}.") for expert in expert_keys):  # a stacked parameter of its experts
+            if style not in STACKED_STYLES:
+                raise PlanError(f"{family}: tensor parallel style {style!r} of {key!r}, in a module of experts, is not "
+                                f"one shardwise splits (it splits {', '.join(STACKED_STYLES)} there)")
+            stacked.setdefault(module, []).append((layer, *STACKED_STYLES[style]))
+            continue
         if style in COLUMN_STYLES:
             columns.setdefault(module, []).append(Column(layer, COLUMN_STYLES[style]))
         elif style == ROW_STYLE:
             rows.setdefault(module, []).append(layer)
         elif style in alone:
             alone[style].append(inner)
-        elif style != WHOLE_IN_REGION:
+        elif style in ON_REGION:
+            on_region[inner] = style
+        elif style not in WHOLE_IN_REGION:
             raise PlanError(f"{family}: tensor parallel style {style!r} of {key!r} is not one shardwise splits "
-                            f"yet (it splits {', '.join(COLUMN_STYLES)}, {ROW_STYLE}, {GATHERED}, {SPLIT_INPUT} and "
-                            f"{WHOLE_IN_REGION}, and keeps {EXPERTS} whole)")
+                            f"yet (it splits {', '.join(COLUMN_STYLES)}, {ROW_STYLE}, {GATHERED}, {SPLIT_INPUT}, "
+                            f"{', '.join(WHOLE_IN_REGION)} and {EXPERTS})")
+    for module, style in on_region.items():
+        if module not in rows:
+            raise PlanError(f"{family}: tensor parallel style {style!r} of {module!r}, which is no region (no "
+                            "row-parallel layer in it), is not one shardwise applies")
     groups = []
     for module in sorted(columns.keys() | rows.keys()):
         row = rows.get(module, [])
@@ -269,10 +312,11 @@ def read_tp_plan(family: str, tp_plan: dict[str, str]) -> TpLayout:
             raise PlanError(f"{family}: {inside[0]!r} is split on its own inside the region {module!r}; shardwise "
                             "splits a layer on its own only outside the regions")
         groups.append(Group(module, tuple(columns[module]), row[0]))
-    if not groups and not alone[GATHERED] + alone[SPLIT_INPUT]:
+    experts = tuple(StackedExperts(module, tuple(params)) for module, params in sorted(stacked.items()))
+    if not groups and not alone[GATHERED] + alone[SPLIT_INPUT] and not experts:
         raise PlanError(f"{family}: its tensor parallel plan splits nothing inside its layers "
                         f"({', '.join(f'{key}: {style}' for key, style in tp_plan.items()) or 'it declares none'})")
-    return TpLayout(tuple(groups), tuple(alone[GATHERED]), tuple(alone[SPLIT_INPUT]))
+    return TpLayout(tuple(groups), tuple(alone[GATHERED]), tuple(alone[SPLIT_INPUT]), experts)
 
 
 def transformers_model(model: nn.Module) -> nn.Module | None:
@@ -296,7 +340,8 @@ def plan_from_transformers(model: nn.Module) -> ParallelPlan:
         raise PlanError(f"{family}: its tensor parallel plan names the layers of {', '.join(sorted(listed))}, found "
                         f"{len(lists)} times; shardwise splits the blocks of one list of layers")
     path, layers = lists[0]
-    block = type(layers[0]).__name__
+    blocks = tuple(dict.fromkeys(type(layer).__name__ for layer in layers))  # a hybrid's kinds of layer
+    block = blocks[0]
     regions = []
     for group in layout.groups:
         region = Region(group.module, group.columns, group.row)
@@ -310,15 +355,21 @@ def plan_from_transformers(model: nn.Module) -> ParallelPlan:
                               if attention else None, kv_heads="config.num_key_value_heads" if kv else None))
     gathered, split_input = ([name for name in names if any(has_module(b, name) for b in layers)]
                               for names in (layout.gathered, layout.split_input))
-    if not regions and not gathered + split_input:
+    experts = []
+    for stacked in layout.experts:
+        held = [b.get_submodule(stacked.module) for b in layers if _has_experts(b, stacked)]
+        if held:
+            _check_stacked(family, held[0], stacked)
+            experts.append(stacked)
+    if not regions and not gathered + split_input and not experts:
         raise PlanError(f"{family}: none of its {block}s has the modules its tensor parallel plan splits")
     base_path = path.rpartition(".")[0]
     first, last = _stages(lm, lm.get_submodule(base_path), base_path, path.rpartition(".")[2], config)
-    in_out = any(type(m).__name__ == "Conv1D" for b in layers for r in regions if _has_region(b, r)
-                 for m in [b.get_submodule(f"{r.module}.{c.name}") for c in r.columns])
-    return ParallelPlan(family=family, models=("hf",), blocks=(block,), regions=tuple(regions), first_stage=first,
+    in_out = any(type(b.get_submodule(f"{r.module}.{r.row}")).__name__ == "Conv1D" for b in layers for r in regions
+                 if _has_region(b, r))
+    return ParallelPlan(family=family, models=("hf",), blocks=blocks, regions=tuple(regions), first_stage=first,
                         last_stage=last, weights_in_out=in_out, where_present=True, gathered=tuple(gathered),
-                        split_input=tuple(split_input))
+                        split_input=tuple(split_input), experts=tuple(experts))
 
 
 def _stages(lm: nn.Module, base: nn.Module, base_path: str, layers: str,
@@ -366,17 +417,54 @@ def plan_for(model: nn.Module) -> ParallelPlan:
                     "as its `parallel_plan` attribute")
 
 
+def _has_experts(block: nn.Module, stacked: StackedExperts) -> bool:
+    """Whether `block` has the module of stacked experts, with its parameters."""
+    module = block.get_submodule(stacked.module) if has_module(block, stacked.module) else None
+    return module is not None and all(isinstance(getattr(module, name, None), nn.Parameter)
+                                      for name, _, _ in stacked.params)
+
+
+def _check_stacked(family: str, module: nn.Module, stacked: StackedExperts) -> None:
+    """The module holds the plan's stacked parameters (and biases along their hidden features)
+    alone, every one 3-D with the same hidden features along the dimension it splits (so gate, up
+    and down are cut alike); PlanError naming what is not: another parameter, a bias added by every
+    rank before the sum (down's), another layout."""
+    hidden = set()
+    for name, dim, parts in stacked.params:
+        weight = getattr(module, name)
+        hidden.add(weight.shape[dim] // parts if weight.dim() == 3 else None)
+        bias = getattr(module, f"{name}_bias", None)
+        if bias is not None and bias.shape[-1] != weight.shape[dim]:
+            raise PlanError(f"{family}: the experts of {stacked.module!r} add {name}_bias after the sum over their "
+                            "hidden features; shardwise splits stacked experts whose biases are along them")
+    expected = {name for name, _, _ in stacked.params} | {f"{name}_bias" for name, _, _ in stacked.params}
+    extra = [key for key, _ in module.named_parameters(recurse=False) if key not in expected]
+    if extra or any(True for child in module.children() for _ in child.parameters()):
+        what = extra[0] if extra else "modules with parameters of their own"
+        raise PlanError(f"{family}: the experts of {stacked.module!r} hold {what} beside the parameters the tensor "
+                        "parallel plan splits; shardwise splits stacked experts that hold only those")
+    if len(hidden) != 1 or None in hidden:
+        shapes = ", ".join(f"{name} {tuple(getattr(module, name).shape)} along {d}" for name, d, _ in stacked.params)
+        raise PlanError(f"{family}: the experts of {stacked.module!r} do not split along one size of hidden features "
+                        f"as the tensor parallel plan says ({shapes})")
+
+
 def has_module(block: nn.Module, name: str) -> bool:
-    """Whether `block` has a module at path `name`."""
+    """Whether `block` has a module (or a parameter) at path `name`."""
+    owner, _, leaf = name.rpartition(".")
     try:
-        block.get_submodule(name)
+        module = block.get_submodule(owner)
+        return isinstance(getattr(module, leaf, None), nn.Parameter) or isinstance(module.get_submodule(leaf),
+                                                                                   nn.Module)
     except AttributeError:
         return False
-    return True
 
 
 def _has_region(block: nn.Module, region: Region) -> bool:
-    return all(has_module(block, f"{region.module}.{name}") for name in (*(c.name for c in region.columns), region.row))
+    """Whether `block` has `region`'s module, its row layer and a column of it (all of them unless
+    its plan's regions are `where_present`'s)."""
+    return has_module(block, f"{region.module}.{region.row}") and \
+        any(has_module(block, f"{region.module}.{c.name}") for c in region.columns)
 
 
 def matches(name: str, pattern: str) -> bool:

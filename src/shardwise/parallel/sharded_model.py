@@ -40,7 +40,7 @@ from shardwise.parallel.comm import all_reduce_packed
 from shardwise.parallel.dims import Mesh
 from shardwise.parallel.experts import ExpertParallel
 from shardwise.parallel.shard import ShardGroup, Sharding, Unit
-from shardwise.parallel.tensor import TensorShard
+from shardwise.parallel.tensor_group import TensorShard
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterable

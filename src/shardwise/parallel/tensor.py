@@ -50,205 +50,22 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from shardwise.memory import exact_storage
-from shardwise.models.plans import ParallelPlan, PlanError, Region, has_module
-from shardwise.parallel.comm import all_gather_single, reduce_scatter_single
+from shardwise.models.plans import ParallelPlan, PlanError, Region, StackedExperts, has_module
 from shardwise.parallel.module_input import module_input, with_input
-
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor
-
-Ctx = torch.autograd.function.FunctionCtx
-
-
-@dataclass(frozen=True)
-class TensorShard:
-    """How a tensor is split over the tp ranks: along `dim`, each of its `parts` (qkv's q, k and v)
-    split on its own, so a rank's shard holds the same heads of each part."""
-
-    dim: int
-    parts: int = 1
-
-    def take(self, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
-        """Rank `rank`'s shard of `full`, a copy."""
-        return torch.cat([part.chunk(size, self.dim)[rank] for part in full.chunk(self.parts, self.dim)], self.dim)
-
-    def join(self, shards: list[torch.Tensor]) -> torch.Tensor:
-        """The full tensor from every rank's shard, in rank order (one copy: each part's pieces in
-        rank order, part after part)."""
-        per_rank = [shard.chunk(self.parts, self.dim) for shard in shards]
-        return torch.cat([parts[j] for j in range(self.parts) for parts in per_rank], self.dim)
-
-    def pieces(self, rows: torch.Tensor, start: int, full: torch.Size, rank: int, size: int,
-               ) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
-        """`rows`, rows [start, start + len(rows)) of rank `rank`'s shard of a tensor shaped `full`
-        (what a sharded strategy keeps of it: fsdp over tensor parallel), as the pieces of the full
-        tensor they are, each with its offset there. Split along dim 0, the rows may straddle two
-        parts (qkv's q and k); along another dim they are the full tensor's rows, each part's
-        columns a piece."""
-        pieces = []
-        stop = start + rows.shape[0]
-        part_size = full[self.dim] // self.parts  # of the full tensor
-        per_rank = part_size // size  # of a part, on one rank
-        for j in range(self.parts):
-            global_start = j * part_size + rank * per_rank
-            if self.dim == 0:
-                lo, hi = max(start, j * per_rank), min(stop, (j + 1) * per_rank)
-                if lo < hi:
-                    pieces.append((rows[lo - start : hi - start], (global_start + lo - j * per_rank,)
-                                   + (0,) * (len(full) - 1)))
-            elif stop > start:
-                offset = [0] * len(full)
-                offset[0], offset[self.dim] = start, global_start
-                pieces.append((rows.narrow(self.dim, j * per_rank, per_rank), tuple(offset)))
-        return pieces
-
-    def as_dtensor(self, shard: torch.Tensor, full: torch.Tensor, mesh: DeviceMesh) -> DTensor:
-        """This rank's `shard` as a DTensor, `Shard(dim)` over `mesh`, of a tensor shaped like
-        `full` (a meta tensor), sharing `shard`'s storage: what a checkpoint saves and loads in place.
-
-        A shard of several parts is as many pieces of the full tensor (qkv: rank r's rows of q, of k
-        and of v), not the one chunk `Shard(dim)` alone would place. Its local tensor is then a
-        LocalShardsWrapper, which tells DCP where each piece lies (torchrec's way of holding several
-        shards on one rank)."""
-        # Imported on first use: torch.distributed.tensor takes 0.6 s to import, which the planner,
-        # reading these strategies' layouts, need not pay.
-        from torch.distributed.tensor import DTensor, Shard
-        from torch.distributed.tensor._shards_wrapper import LocalShardsWrapper
-
-        local = shard
-        if self.parts > 1:
-            rank, part_size = mesh.get_local_rank(), full.shape[self.dim] // self.parts
-            pieces = [exact_storage(piece) for piece in shard.chunk(self.parts, self.dim)]
-            starts = [j * part_size + rank * piece.shape[self.dim] for j, piece in enumerate(pieces)]
-            offsets = [tuple(start if d == self.dim else 0 for d in range(full.dim())) for start in starts]
-            local = LocalShardsWrapper(pieces, offsets)
-        return DTensor.from_local(local, mesh, [Shard(self.dim)], run_check=False, shape=full.shape,
-                                  stride=full.stride())
-
-
-class TensorParallelGroup:
-    """The tp ranks a model replica's blocks are split over, and the collectives the split needs:
-    sums of partial results, and activations split along a dimension, each rank a consecutive part
-    of it: for sequence parallel [batch, seq, width] along seq, for a layer that gathers its output
-    features (or splits its input's) along the last."""
-
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
-        self.rank, self.size = dist.get_rank(group), dist.get_world_size(group)
-
-    def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
-        """`x` summed over the ranks, in place."""
-        dist.all_reduce(x, group=self.group)
-        return x
-
-    def gather(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        """The whole of dimension `dim` (the sequence by default) from every rank's part of it."""
-        parts = x.new_empty((self.size * x.shape[0], *x.shape[1:]))  # Gloo takes the parts concatenated on dim 0
-        all_gather_single(parts, x.contiguous(), group=self.group)
-        return torch.cat(parts.chunk(self.size), dim=dim)
-
-    def reduce_scatter_sequence(self, x: torch.Tensor) -> torch.Tensor:
-        """This rank's part of the sequence of the sum of every rank's `x`."""
-        parts = torch.cat(x.chunk(self.size, dim=1))  # rank r's part r-th along dim 0
-        out = x.new_empty((x.shape[0], *parts.shape[1:]))
-        reduce_scatter_single(out, parts, group=self.group)
-        return out
-
-    def part(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        """This rank's part of dimension `dim` (the sequence by default), a copy."""
-        return x.chunk(self.size, dim=dim)[self.rank].contiguous()
-
-
-class ShapesOnly(TensorParallelGroup):
-    """Rank 0 of `size` tp ranks, alone: each collective returns what it would, in shape and dtype,
-    without the others' values. What the planner traces a rank's forward through, on fake tensors,
-    to count what it saves for backward (planner/traces.py)."""
-
-    def __init__(self, size: int) -> None:
-        self.group, self.rank, self.size = None, 0, size
-
-    def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
-        return x
-
-    def gather(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        return torch.cat([x] * self.size, dim=dim)
-
-    def reduce_scatter_sequence(self, x: torch.Tensor) -> torch.Tensor:
-        return x.new_empty((x.shape[0], x.shape[1] // self.size, *x.shape[2:])).copy_(x.chunk(self.size, dim=1)[0])
-
-
-class CopyToTensorParallel(torch.autograd.Function):
-    """Identity forward; all-reduce (sum) of the gradient backward."""
-
-    @staticmethod
-    def forward(ctx: Ctx, x: torch.Tensor, tp: TensorParallelGroup) -> torch.Tensor:
-        ctx.tp = tp
-        return x
-
-    @staticmethod
-    def backward(ctx: Ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return ctx.tp.all_reduce_(grad.clone()), None  # clone: autograd may hand the gradient to others too
-
-
-class ReduceFromTensorParallel(torch.autograd.Function):
-    """All-reduce (sum) forward; identity backward."""
-
-    @staticmethod
-    def forward(ctx: Ctx, x: torch.Tensor, tp: TensorParallelGroup) -> torch.Tensor:
-        return tp.all_reduce_(x.clone())  # an input must not be changed in place
-
-    @staticmethod
-    def backward(ctx: Ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
-
-
-def copy_to_tp(x: torch.Tensor, tp: TensorParallelGroup) -> torch.Tensor:
-    return CopyToTensorParallel.apply(x, tp)
-
-
-def reduce_from_tp(x: torch.Tensor, tp: TensorParallelGroup) -> torch.Tensor:
-    return ReduceFromTensorParallel.apply(x, tp)
-
-
-# --- sequence parallel ----------------------------------------------------------------------------
-
-class SplitAlong(torch.autograd.Function):
-    """This rank's part of dimension `dim` forward (of the sequence; of a layer's input features);
-    all-gather of the gradient backward."""
-
-    @staticmethod
-    def forward(ctx: Ctx, x: torch.Tensor, tp: TensorParallelGroup, dim: int) -> torch.Tensor:
-        ctx.tp, ctx.dim = tp, dim
-        return tp.part(x, dim)
-
-    @staticmethod
-    def backward(ctx: Ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return ctx.tp.gather(grad, ctx.dim), None, None
-
-
-class GatherAlong(torch.autograd.Function):
-    """All-gather of dimension `dim` forward (of the sequence; of a layer's output features);
-    backward, this rank's part of the gradient, which every rank has whole (what follows is
-    replicated)."""
-
-    @staticmethod
-    def forward(ctx: Ctx, x: torch.Tensor, tp: TensorParallelGroup, dim: int) -> torch.Tensor:
-        ctx.tp, ctx.dim = tp, dim
-        return tp.gather(x, dim)
-
-    @staticmethod
-    def backward(ctx: Ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        return ctx.tp.part(grad, ctx.dim), None, None
+from shardwise.parallel.tensor_group import (
+    Ctx,
+    GatherAlong,
+    SplitAlong,
+    TensorParallelGroup,
+    TensorShard,
+    copy_to_tp,
+    reduce_from_tp,
+)
 
 
 class EnterRegion(torch.autograd.Function):
@@ -452,6 +269,36 @@ def split_alone(block: nn.Module, name: str, plan: ParallelPlan, tp: TensorParal
     return {id(param): split.shards[key] for key, param in split.named_parameters() if key in split.shards}
 
 
+def split_experts(module: nn.Module, stacked: StackedExperts, plan: ParallelPlan, tp: TensorParallelGroup
+                  ) -> dict[int, TensorShard]:
+    """Split a module of stacked experts (`plan.experts`) over the tp ranks, in place: each stacked
+    parameter (and its bias) along the experts' hidden features, so each rank computes every expert
+    on its slice of them, as a region computes its heads. Its floating-point inputs (the tokens,
+    their routing weights) enter as a region's does (`copy_to_tp`), its partial output is summed
+    (`reduce_from_tp`). Returns how each new parameter is split, by id."""
+    shards: dict[int, TensorShard] = {}
+    for name, dim, parts in stacked.params:
+        for key, split in ((name, TensorShard(dim, parts)), (f"{name}_bias", TensorShard(1, parts))):
+            param = getattr(module, key, None)
+            if param is None:
+                continue
+            if param.shape[split.dim] % (split.parts * tp.size):
+                raise PlanError(f"tensor parallel over {tp.size} ranks: must divide the {param.shape[split.dim]} "
+                                f"hidden features of {stacked.module}.{key} ({plan.family} plan)")
+            shard = _split(param, split, tp.rank, tp.size)
+            setattr(module, key, shard)
+            shards[id(shard)] = split
+
+    def enter(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        def each(x: object) -> object:
+            return copy_to_tp(x, tp) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+        return tuple(map(each, args)), {k: each(v) for k, v in kwargs.items()}
+
+    module.register_forward_pre_hook(enter, with_kwargs=True)
+    module.register_forward_hook(lambda module, args, out: reduce_from_tp(out, tp))
+    return shards
+
+
 def _split(param: nn.Parameter, split: TensorShard, rank: int, size: int) -> nn.Parameter:
     """This rank's shard of `param`, a parameter that trains if `param` does (LoRA freezes the weights)."""
     return nn.Parameter(split.take(param.detach(), rank, size), requires_grad=param.requires_grad)
@@ -501,7 +348,15 @@ def split_region(module: nn.Module, region: Region, plan: ParallelPlan, tp: Tens
     _check_heads(region, module, plan.family, size)
     entry = TensorParallelRegion(module, tp, sequence_parallel)
     splits: dict[str, ColumnParallelLinear | RowParallelLinear] = {}
+    shards: dict[int, TensorShard] = {}
     for column in region.columns:
+        param = getattr(module, column.name, None)
+        if isinstance(param, nn.Parameter):  # a bare per-head parameter (attention sinks): split as the heads
+            split = TensorShard(0, column.parts)
+            _check_width(param.shape[0] // column.parts, size, region, column.name, "entries", plan.family)
+            setattr(module, column.name, _split(param, split, tp.rank, size))
+            shards[id(getattr(module, column.name))] = split
+            continue
         layer = module.get_submodule(column.name)
         _check_width(layer.weight.shape[1 if in_out else 0] // column.parts, size, region, column.name,
                      "output features" + (f" per part (of {column.parts})" if column.parts > 1 else ""), plan.family)
@@ -515,8 +370,8 @@ def split_region(module: nn.Module, region: Region, plan: ParallelPlan, tp: Tens
         owner, _, leaf = attribute.rpartition(".")
         target = _attribute(module, owner) if owner else module
         setattr(target, leaf, getattr(target, leaf) // size)
-    return {id(param): split.shards[key] for split in splits.values()
-            for key, param in split.named_parameters() if key in split.shards}
+    return shards | {id(param): split.shards[key] for split in splits.values()
+                     for key, param in split.named_parameters() if key in split.shards}
 
 
 def split_sequence_around(blocks: list[nn.Module], tp: TensorParallelGroup) -> None:
@@ -538,9 +393,10 @@ class BlockSplitter:
     (`parallelize_blocks`' state between its blocks)."""
 
     def __init__(self, plan: ParallelPlan, tp: TensorParallelGroup, sequence_parallel: bool) -> None:
-        if sequence_parallel and plan.gathered + plan.split_input:
-            raise PlanError(f"{plan.family}: sequence parallel does not compose with a layer split on its own "
-                            f"({(plan.gathered + plan.split_input)[0]}), which takes its whole input")
+        alone = plan.gathered + plan.split_input + tuple(experts.module for experts in plan.experts)
+        if sequence_parallel and alone:
+            raise PlanError(f"{plan.family}: sequence parallel does not compose with {alone[0]} split on its own, "
+                            "which takes its whole input")
         self.plan, self.tp, self.sequence_parallel = plan, tp, sequence_parallel
         self.shards: dict[int, TensorShard] = {}  # how each new parameter is split, by id
         self.blocks: list[nn.Module] = []
@@ -553,6 +409,14 @@ class BlockSplitter:
         for name in self.plan.gathered + self.plan.split_input:
             if not self.plan.where_present or has_module(block, name):
                 self.shards |= split_alone(block, name, self.plan, self.tp)
+        regions = self.plan.regions_in(block)
+        for experts in self.plan.experts:
+            if not has_module(block, experts.module):
+                continue
+            if any(experts.module.startswith(f"{region.module}.") for region in regions):  # its input is the region's
+                raise PlanError(f"{self.plan.family}: the experts {experts.module} are inside a region; shardwise "
+                                "splits a module of experts only outside the regions")
+            self.shards |= split_experts(block.get_submodule(experts.module), experts, self.plan, self.tp)
         self.blocks.append(block)
 
     def finish(self) -> list[nn.Parameter]:

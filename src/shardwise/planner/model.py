@@ -31,7 +31,8 @@ from shardwise.models.moe import moe_layers, their_experts
 from shardwise.models.plans import locate
 from shardwise.parallel.pipeline.stages import balanced_split
 from shardwise.parallel.shard import sharded_shape
-from shardwise.parallel.tensor import ShapesOnly, parallelize_blocks
+from shardwise.parallel.tensor import parallelize_blocks
+from shardwise.parallel.tensor_group import ShapesOnly
 
 
 class PlanError(ValueError):

@@ -34,7 +34,8 @@ from shardwise.nf4 import quantize_layers
 from shardwise.parallel.dims import Mesh, node_size
 from shardwise.parallel.shard import GatherHooks, Sharding, Unit
 from shardwise.parallel.sharded_model import ShardedModel
-from shardwise.parallel.tensor import TensorParallelGroup, parallelize_blocks
+from shardwise.parallel.tensor import parallelize_blocks
+from shardwise.parallel.tensor_group import TensorParallelGroup
 from shardwise.state_view import ShardedView
 from shardwise.strategies.base import HookedStrategy, OptimizerFactory, Strategy, on_grad_accumulated
 from shardwise.strategies.mesh import check_model_split

@@ -36,7 +36,7 @@ from shardwise.memory import local_tensor, return_free_memory
 from shardwise.models.hf import tp_plan_of
 from shardwise.models.plans import NEEDS, PLANS, Located, PlanError, locate, plan_for_name, read_tp_plan
 from shardwise.parallel.comm import all_reduce_packed
-from shardwise.parallel.tensor import TensorShard
+from shardwise.parallel.tensor_group import TensorShard
 from shardwise.state_view import SplitView
 from shardwise.strategies.base import DeferrableSync
 
@@ -95,7 +95,7 @@ def _check_transformers_plan(cfg: Config, pp: int) -> None:
         layout = read_tp_plan(family, tp_plan)
     except PlanError as error:
         raise ConfigError(f"parallel.strategy = {p.strategy!r}: {error}") from None
-    alone = layout.gathered + layout.split_input
+    alone = layout.gathered + layout.split_input + tuple(group.module for group in layout.experts)
     if p.sequence_parallel and alone:
         raise ConfigError(f"parallel.sequence_parallel = true: {family}'s plan splits {alone[0]!r} on its own, which "
                           "takes its whole input; sequence parallel does not compose with it yet")
@@ -183,10 +183,10 @@ class MeshStrategy(DeferrableSync):
         of the experts, cut here); after, what `model` no longer holds of it is freed. So setup
         holds this rank's part of the blocks before it and one whole block. (A model that was real
         already had its experts split by `prepare`.)"""
-        if self.materialiser is None:
-            yield
+        group = next((g for g in self.materialiser.groups if g.block is block), None) if self.materialiser else None
+        if group is None:  # real already: an ordinary model, or a block of another class than parallel.block's
+            yield          # (a hybrid's other kind of layer, made real with what lies outside the blocks)
             return
-        group = next(g for g in self.materialiser.groups if g.block is block)
         self.materialiser.materialise(group, self.ctx.device, self.precision.param_dtype)
         self._note_setup_bytes(model)
         if self.experts is not None:  # this rank's share of the block's experts; the rest go with the whole

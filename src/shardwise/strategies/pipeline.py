@@ -67,7 +67,8 @@ from shardwise.parallel.pipeline.runner import Activations, PipelineModule, Pipe
 from shardwise.parallel.pipeline.schedules import SCHEDULES, ScheduleError, build, check_micro_batches, virtual_stages
 from shardwise.parallel.pipeline.stages import Stage, balanced_split, block_costs, separate, stage_holds
 from shardwise.parallel.sharded_model import ShardedModel
-from shardwise.parallel.tensor import TensorParallelGroup, parallelize_blocks
+from shardwise.parallel.tensor import parallelize_blocks
+from shardwise.parallel.tensor_group import TensorParallelGroup
 from shardwise.state_view import ShardedSplitView, ShardedView
 from shardwise.strategies.base import LossFn, OptimizerFactory, routing_groups
 from shardwise.strategies.fsdp import sharded_model

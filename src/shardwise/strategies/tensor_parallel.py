@@ -9,7 +9,8 @@ import functools
 from torch import nn
 
 from shardwise.config.schema import Config, ConfigError
-from shardwise.parallel.tensor import TensorParallelGroup, parallelize_blocks
+from shardwise.parallel.tensor import parallelize_blocks
+from shardwise.parallel.tensor_group import TensorParallelGroup
 from shardwise.strategies.mesh import MeshStrategy
 
 
