@@ -103,6 +103,9 @@ class ParallelPlan:
     split_input: tuple[str, ...] = ()
     # modules of stacked experts split along their hidden features (`StackedExperts`)
     experts: tuple[StackedExperts, ...] = ()
+    # embeddings outside the blocks (paths in the model) split along their vocabulary: each rank
+    # looks up the ids in its rows, the others' rows read as zeros, the results summed
+    vocabulary: tuple[str, ...] = ()
 
     def regions_in(self, block: nn.Module) -> tuple[Region, ...]:
         """The regions `block` splits: all of them, or (`where_present`) those it has, each with the
@@ -232,7 +235,8 @@ EXPERTS = "moe_tp_experts"
 # styles of 3-D weights by dimension (colwise: 1, rowwise: 2), whichever side the family keeps its
 # hidden features on
 STACKED_STYLES = {"colwise": (1, 1), "packed_colwise": (1, 2), "rowwise": (2, 1), "packed_rowwise": (2, 2)}
-WHOLE_OUTSIDE = ("embedding_rowwise", "replicate")
+VOCABULARY = "embedding_rowwise"  # an embedding outside the blocks, split along its vocabulary (rows)
+WHOLE_OUTSIDE = ("replicate",)
 
 
 @dataclass(frozen=True)
@@ -252,6 +256,7 @@ class TpLayout:
     gathered: tuple[str, ...]
     split_input: tuple[str, ...]
     experts: tuple[StackedExperts, ...]
+    vocabulary: tuple[str, ...]  # embeddings outside the blocks, relative to the base model
 
 
 def read_tp_plan(family: str, tp_plan: dict[str, str]) -> TpLayout:
@@ -262,15 +267,21 @@ def read_tp_plan(family: str, tp_plan: dict[str, str]) -> TpLayout:
     rows: dict[str, list[str]] = {}
     alone: dict[str, list[str]] = {GATHERED: [], SPLIT_INPUT: []}
     on_region: dict[str, str] = {}
+    vocabulary: list[str] = []
     expert_keys = [key for key, style in tp_plan.items() if style == EXPERTS]
     stacked: dict[str, list[tuple[str, int, int]]] = {}  # an experts module -> its parameters' splits
     for key, style in tp_plan.items():
         listed, star, inner = key.partition(".*.")
         if not star:
-            if style in WHOLE_OUTSIDE:
-                continue
-            raise PlanError(f"{family}: tensor parallel style {style!r} of {key!r} (outside the blocks) is not one "
-                            f"shardwise applies; it keeps {', '.join(WHOLE_OUTSIDE)} layers whole")
+            if style == VOCABULARY:
+                vocabulary.append(key)
+            elif style not in WHOLE_OUTSIDE:
+                raise PlanError(f"{family}: tensor parallel style {style!r} of {key!r} (outside the blocks) is not one "
+                                f"shardwise applies; it splits {VOCABULARY} and keeps {', '.join(WHOLE_OUTSIDE)} whole")
+            continue
+        if "*" in inner:
+            raise PlanError(f"{family}: the tensor parallel plan's {key!r} names modules under a second wildcard (a "
+                            "list within a block); shardwise splits modules at fixed paths within a block")
         module, _, layer = inner.rpartition(".")
         if style == EXPERTS:
             continue
@@ -313,10 +324,10 @@ def read_tp_plan(family: str, tp_plan: dict[str, str]) -> TpLayout:
                             "splits a layer on its own only outside the regions")
         groups.append(Group(module, tuple(columns[module]), row[0]))
     experts = tuple(StackedExperts(module, tuple(params)) for module, params in sorted(stacked.items()))
-    if not groups and not alone[GATHERED] + alone[SPLIT_INPUT] and not experts:
+    if not groups and not alone[GATHERED] + alone[SPLIT_INPUT] and not experts and not vocabulary:
         raise PlanError(f"{family}: its tensor parallel plan splits nothing inside its layers "
                         f"({', '.join(f'{key}: {style}' for key, style in tp_plan.items()) or 'it declares none'})")
-    return TpLayout(tuple(groups), tuple(alone[GATHERED]), tuple(alone[SPLIT_INPUT]), experts)
+    return TpLayout(tuple(groups), tuple(alone[GATHERED]), tuple(alone[SPLIT_INPUT]), experts, tuple(vocabulary))
 
 
 def transformers_model(model: nn.Module) -> nn.Module | None:
@@ -333,9 +344,15 @@ def plan_from_transformers(model: nn.Module) -> ParallelPlan:
     config = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
     family = config.model_type
     layout = read_tp_plan(family, getattr(config, "base_model_tp_plan", None) or {})
-    listed = {key.partition(".*.")[0] for key in config.base_model_tp_plan if ".*." in key}
+    # the layers' list the patterns name; for a plan that splits only an embedding, the pp plan's, else
+    # the list of one class that holds the most parameters
+    listed = {key.partition(".*.")[0] for key in config.base_model_tp_plan if ".*." in key} or \
+        set(getattr(config, "base_model_pp_plan", None) or ())
     lists = [(name, m) for name, m in lm.named_modules() if isinstance(m, nn.ModuleList) and len(m)
              and name.rpartition(".")[2] in listed]
+    if not listed:
+        lists = sorted(((name, m) for name, m in lm.named_modules() if isinstance(m, nn.ModuleList) and len(m)),
+                       key=lambda item: -sum(p.numel() for p in item[1].parameters()))[:1]
     if len(lists) != 1:
         raise PlanError(f"{family}: its tensor parallel plan names the layers of {', '.join(sorted(listed))}, found "
                         f"{len(lists)} times; shardwise splits the blocks of one list of layers")
@@ -361,15 +378,19 @@ def plan_from_transformers(model: nn.Module) -> ParallelPlan:
         if held:
             _check_stacked(family, held[0], stacked)
             experts.append(stacked)
-    if not regions and not gathered + split_input and not experts:
-        raise PlanError(f"{family}: none of its {block}s has the modules its tensor parallel plan splits")
     base_path = path.rpartition(".")[0]
+    prefix = f"{base_path}." if base_path else ""
+    vocabulary = [prefix + name for name in layout.vocabulary
+                  if has_module(lm, prefix + name) and type(lm.get_submodule(prefix + name)) is nn.Embedding]
+    if not regions and not gathered + split_input and not experts and not vocabulary:
+        raise PlanError(f"{family}: none of its {block}s has the modules its tensor parallel plan splits")
     first, last = _stages(lm, lm.get_submodule(base_path), base_path, path.rpartition(".")[2], config)
     in_out = any(type(b.get_submodule(f"{r.module}.{r.row}")).__name__ == "Conv1D" for b in layers for r in regions
                  if _has_region(b, r))
     return ParallelPlan(family=family, models=("hf",), blocks=blocks, regions=tuple(regions), first_stage=first,
                         last_stage=last, weights_in_out=in_out, where_present=True, gathered=tuple(gathered),
-                        split_input=tuple(split_input), experts=tuple(experts))
+                        split_input=tuple(split_input), experts=tuple(experts),
+                        vocabulary=tuple(vocabulary))
 
 
 def _stages(lm: nn.Module, base: nn.Module, base_path: str, layers: str,

@@ -55,7 +55,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from shardwise.models.plans import ParallelPlan, PlanError, Region, StackedExperts, has_module
+from shardwise.models.plans import ParallelPlan, PlanError, Region, StackedExperts, has_module, matches
 from shardwise.parallel.module_input import module_input, with_input
 from shardwise.parallel.tensor_group import (
     Ctx,
@@ -269,6 +269,56 @@ def split_alone(block: nn.Module, name: str, plan: ParallelPlan, tp: TensorParal
     return {id(param): split.shards[key] for key, param in split.named_parameters() if key in split.shards}
 
 
+class VocabParallelEmbedding(nn.Module):
+    """An embedding with its vocabulary (rows) split over the tp ranks (transformers'
+    `embedding_rowwise`, Megatron's vocabulary-parallel embedding): each rank looks up the ids in
+    its rows, the others' read as zeros, and the results are summed; each row's gradient stays on
+    the rank that holds it."""
+
+    def __init__(self, embedding: nn.Embedding, tp: TensorParallelGroup) -> None:
+        super().__init__()
+        self.tp, self.shards = tp, {"weight": TensorShard(0)}
+        rows = embedding.num_embeddings // tp.size
+        self.start, self.stop = tp.rank * rows, (tp.rank + 1) * rows
+        self.weight = _split(embedding.weight, self.shards["weight"], tp.rank, tp.size)
+        padding = embedding.padding_idx
+        self.padding_idx = padding - self.start if padding is not None and self.start <= padding < self.stop else None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.start) | (ids >= self.stop)
+        found = F.embedding(torch.where(outside, 0, ids - self.start), self.weight, self.padding_idx)
+        return reduce_from_tp(found.masked_fill(outside.unsqueeze(-1), 0), self.tp)
+
+
+def split_vocabulary(model: nn.Module, plan: ParallelPlan, tp: TensorParallelGroup) -> dict[int, TensorShard]:
+    """Split `model`'s embeddings the plan names (`vocabulary`) along their rows, in place; a head
+    tied to one (the same weight) becomes its column-parallel layer over the vocabulary, the logits
+    gathered, sharing the split weight. Returns how each new parameter is split, by id."""
+    shards: dict[int, TensorShard] = {}
+    named = dict(model.named_modules())
+    for pattern in plan.vocabulary:
+        name = next((n for n in named if n and matches(n, pattern)), None)
+        if name is None:
+            continue  # a pipeline stage without it
+        embedding = named[name]
+        if embedding.num_embeddings % tp.size or embedding.max_norm is not None or embedding.sparse:
+            raise PlanError(f"{plan.family}: {name} ({embedding.num_embeddings} rows) does not split over {tp.size} "
+                            "tp ranks along its vocabulary (rows not divisible, or max_norm or sparse set)")
+        split = VocabParallelEmbedding(embedding, tp)
+        tied = [(n, m) for n, m in named.items()
+                if m is not embedding and getattr(m, "weight", None) is embedding.weight]
+        _put(model, name, split)
+        shards[id(split.weight)] = split.shards["weight"]
+        for head_name, head in tied:
+            if type(head) is not nn.Linear or head.bias is not None:
+                raise PlanError(f"{plan.family}: {head_name} shares {name}'s weight but is no nn.Linear without a "
+                                "bias; shardwise splits a tied head as a column-parallel layer over the vocabulary")
+            gathered = GatheredColumnLinear(head, tp, in_out=False)
+            gathered.weight = split.weight  # the tie kept: one shard, both uses
+            _put(model, head_name, gathered)
+    return shards
+
+
 def split_experts(module: nn.Module, stacked: StackedExperts, plan: ParallelPlan, tp: TensorParallelGroup
                   ) -> dict[int, TensorShard]:
     """Split a module of stacked experts (`plan.experts`) over the tp ranks, in place: each stacked
@@ -437,17 +487,20 @@ class BlockSplitter:
 def parallelize_blocks(blocks: list[nn.Module], plan: ParallelPlan, tp: TensorParallelGroup,
                        sequence_parallel: bool,
                        materialised: Callable[[nn.Module], AbstractContextManager] | None = None,
-                       ) -> tuple[dict[int, TensorShard], list[nn.Parameter]]:
+                       model: nn.Module | None = None) -> tuple[dict[int, TensorShard], list[nn.Parameter]]:
     """Split every region of `blocks` (consecutive blocks of a model, or of one pipeline stage) over
     the tp ranks as `plan` lays them out, in place; under sequence parallel, split the sequence before
     the first block and gather it after the last. The one function that applies the tp split: `tensor`,
     `pipeline` and the sharded strategies compose through it, and the planner splits shapes with it.
     Each block is split inside `materialised(block)` where given: what a composer does around the
     split (a meta-built model's block made real for it and the whole freed after; fsdp's unit
-    sharded once split), so a rank holds one whole block at a time. Returns
-    how each new parameter is split (by id), and the blocks' parameters every rank holds whole whose
-    gradients are partial over tp (`BlockSplitter.finish`)."""
+    sharded once split), so a rank holds one whole block at a time. Given the `model` (real outside
+    the blocks), its embeddings the plan splits along their vocabulary are split first
+    (`split_vocabulary`). Returns how each new parameter is split (by id), and the blocks'
+    parameters every rank holds whole whose gradients are partial over tp (`BlockSplitter.finish`)."""
     splitter = BlockSplitter(plan, tp, sequence_parallel)
+    if model is not None:
+        splitter.shards |= split_vocabulary(model, plan, tp)
     for block in blocks:
         with materialised(block) if materialised is not None else nullcontext():
             splitter.split(block)

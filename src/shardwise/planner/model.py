@@ -330,7 +330,7 @@ def parallelize_for_planning(model: nn.Module, tp: int, sequence_parallel: bool 
     own code of tensor parallel (parallel/tensor.py) as the model family's parallel plan lays it out, its
     collectives answering with the shapes they would (`ShapesOnly`)."""
     located = locate(model)
-    parallelize_blocks(located.blocks, located.plan, ShapesOnly(tp), sequence_parallel)
+    parallelize_blocks(located.blocks, located.plan, ShapesOnly(tp), sequence_parallel, model=model)
 
 
 @functools.cache

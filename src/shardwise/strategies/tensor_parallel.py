@@ -33,5 +33,5 @@ class TensorParallel(MeshStrategy):
         self.materialise_outside_blocks(model)
         self.tensor_shards, self.tp_partial = parallelize_blocks(
             located.blocks, located.plan, TensorParallelGroup(self.tp_group), self.cfg.sequence_parallel,
-            functools.partial(self.materialised, model))
+            functools.partial(self.materialised, model), model)
         self.view.record_local_state(model)
