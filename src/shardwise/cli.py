@@ -187,12 +187,13 @@ def _check_before_launch(cfg: Config) -> None:
                 raise ConfigError(f"model.hf_config = {cfg.model.hf_config!r}: shardwise cannot initialise it from "
                                   f"scratch ({error}); start from its pretrained weights (model.weights)") from None
         alone: tuple[str, ...] = ()  # layers tensor parallel splits on their own, which take no adapters
-        if max(cfg.parallel.mesh_shape(cfg.world_size)[1:]) > 1:  # its plan fits the model built (not just its file)
+        _, pp, tp = cfg.parallel.mesh_shape(cfg.world_size)
+        if pp > 1 or tp > 1:  # its plan fits the model built (not just its file)
             try:
                 plan = locate(model).plan
             except PlanError as error:
                 raise ConfigError(f"parallel.strategy = {cfg.parallel.strategy!r}: {error}") from None
-            alone = plan.gathered + plan.split_input if cfg.parallel.mesh_shape(cfg.world_size)[2] > 1 else ()
+            alone = plan.gathered + plan.split_input if tp > 1 else ()
         try:
             HubLayout.of(model)  # a family whose checkpoints cannot be read and written a part at a time
             if cfg.model.weights is not None:

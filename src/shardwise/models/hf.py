@@ -25,6 +25,7 @@ from torch import nn
 
 from shardwise.config.schema import HF_FAMILY_SIZES, HF_MODELS, HF_SIZE_NAMES, ModelConfig
 from shardwise.config.transformers_file import read_transformers_config
+from shardwise.models.plans import largest_layer_list, text_config
 
 
 def decoder_layer_class(model: nn.Module) -> str | None:
@@ -37,10 +38,8 @@ def decoder_layer_class(model: nn.Module) -> str | None:
     counts = Counter(type(m).__name__ for m in model.modules() if type(m).__name__ in declared)
     if counts:
         return max(sorted(counts), key=counts.__getitem__)
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) and len({type(e) for e in m}) == 1]
-    if not lists:
-        return None
-    return type(max(lists, key=lambda layers: sum(p.numel() for p in layers.parameters()))[0]).__name__
+    found = largest_layer_list(model)
+    return type(found[1][0]).__name__ if found else None
 
 
 class CausalLM(nn.Module):
@@ -99,7 +98,7 @@ def _tp_plan_of(name: str, hf_config: str | None) -> tuple[str, tuple[tuple[str,
     # a family of shardwise's: its plan does not depend on its sizes
     config = transformers.AutoConfig.for_model(**read_transformers_config(hf_config)) if name == "hf" \
         else transformers.CONFIG_MAPPING[FAMILY_TYPES[name]]()
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     return text.model_type, tuple((getattr(text, "base_model_tp_plan", None) or {}).items())
 
 

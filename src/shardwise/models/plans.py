@@ -212,12 +212,13 @@ class PlanError(ValueError):
 # declares one. A layer whose output is gathered (`colwise_gather_output`) or whose input every rank
 # holds whole and slices (`rowwise_split_input`) is split on its own, in a module of no region's
 # (OLMo 2's and Phi-3's attention, computed whole on every rank between them). Beside them:
-# - `replicated_with_grad_allreduce` inside a region (Qwen3's and Gemma 3's per-head q and k norms):
-#   whole on every tp rank, its gradient summed over them, as every whole parameter of a region's is;
-# - `moe_tp_experts`, and the styles of the layers under it: the experts kept whole on every tp rank,
-#   as shardwise's own MoE plans keep them (expert parallel splits them);
-# - `embedding_rowwise` and `replicate`, outside the blocks: the embedding kept whole on every tp
-#   rank, as shardwise's own plans keep embeddings.
+# - `replicated_with_grad_allreduce` and `mla_kv_a_proj` inside a region: whole on every tp rank,
+#   their gradients summed over them, as every whole parameter of a region's is;
+# - `local_params` and `all_reduce` on a region's module: nothing more than a region does;
+# - `moe_tp_experts`: a module of stacked experts, its 3-D parameters split along the experts'
+#   hidden features by the dimension their styles name (`StackedExperts`);
+# - `embedding_rowwise`, outside the blocks: the embedding split along its vocabulary; `replicate`:
+#   kept whole.
 # Any other style, or a group that is not one region, is refused by `read_tp_plan`, before any worker
 # starts where the config names the family: a PlanError naming the family, the layer and its style.
 
@@ -260,9 +261,9 @@ class TpLayout:
 
 
 def read_tp_plan(family: str, tp_plan: dict[str, str]) -> TpLayout:
-    """`tp_plan`'s regions, each a module of the block with its column and row layers, and its layers
-    split on their own; PlanError naming the family, the layer and its style for what shardwise does
-    not split."""
+    """`tp_plan`'s regions, each a module of the block with its column and row layers; its layers split
+    on their own, its stacked experts and its embeddings split along their vocabulary; PlanError
+    naming the family, the layer and its style for what shardwise does not split."""
     columns: dict[str, list[Column]] = {}
     rows: dict[str, list[str]] = {}
     alone: dict[str, list[str]] = {GATHERED: [], SPLIT_INPUT: []}
@@ -330,6 +331,19 @@ def read_tp_plan(family: str, tp_plan: dict[str, str]) -> TpLayout:
     return TpLayout(tuple(groups), tuple(alone[GATHERED]), tuple(alone[SPLIT_INPUT]), experts, tuple(vocabulary))
 
 
+def largest_layer_list(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
+    """The nn.ModuleList of layers of one class that holds the most parameters, and its name: a
+    model's layers where nothing names them. None if it has none."""
+    lists = [(name, m) for name, m in model.named_modules()
+             if isinstance(m, nn.ModuleList) and len(m) and len({type(entry) for entry in m}) == 1]
+    return max(lists, key=lambda item: sum(p.numel() for p in item[1].parameters()), default=None)
+
+
+def text_config(config: object) -> object:
+    """A transformers config's text model's (a multimodal family's language model's), or itself."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def transformers_model(model: nn.Module) -> nn.Module | None:
     """The transformers model in `model` (shardwise's CausalLM holds one), or None."""
     return next((m for m in model.modules() if hasattr(m, "base_model_prefix") and hasattr(m, "config")), None)
@@ -341,18 +355,17 @@ def plan_from_transformers(model: nn.Module) -> ParallelPlan:
     lm = transformers_model(model)
     if lm is None:
         raise PlanError(f"{type(model).__name__} is no transformers model")
-    config = lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config
+    config = text_config(lm.config)
     family = config.model_type
     layout = read_tp_plan(family, getattr(config, "base_model_tp_plan", None) or {})
     # the layers' list the patterns name; for a plan that splits only an embedding, the pp plan's, else
-    # the list of one class that holds the most parameters
+    # the largest list of layers
     listed = {key.partition(".*.")[0] for key in config.base_model_tp_plan if ".*." in key} or \
         set(getattr(config, "base_model_pp_plan", None) or ())
     lists = [(name, m) for name, m in lm.named_modules() if isinstance(m, nn.ModuleList) and len(m)
              and name.rpartition(".")[2] in listed]
     if not listed:
-        lists = sorted(((name, m) for name, m in lm.named_modules() if isinstance(m, nn.ModuleList) and len(m)),
-                       key=lambda item: -sum(p.numel() for p in item[1].parameters()))[:1]
+        lists = [found] if (found := largest_layer_list(lm)) else []
     if len(lists) != 1:
         raise PlanError(f"{family}: its tensor parallel plan names the layers of {', '.join(sorted(listed))}, found "
                         f"{len(lists)} times; shardwise splits the blocks of one list of layers")
@@ -426,7 +439,7 @@ def plan_for(model: nn.Module) -> ParallelPlan:
         return own
     lm = transformers_model(model)
     if lm is not None:
-        model_type = (lm.config.get_text_config() if hasattr(lm.config, "get_text_config") else lm.config).model_type
+        model_type = text_config(lm.config).model_type
         return next((plan for plan in PLANS if model_type in plan.model_types), None) or plan_from_transformers(model)
     for plan in PLANS:
         block = next((m for m in model.modules() if type(m).__name__ in plan.blocks), None)

@@ -266,7 +266,7 @@ def split_alone(block: nn.Module, name: str, plan: ParallelPlan, tp: TensorParal
                         f"{'output' if gathered else 'input'} features ({plan.family} plan)")
     split = GatheredColumnLinear(layer, tp, in_out) if gathered else SplitInputRowLinear(layer, tp, in_out)
     _put(block, name, split)
-    return {id(param): split.shards[key] for key, param in split.named_parameters() if key in split.shards}
+    return _shards_of(split)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -308,7 +308,7 @@ def split_vocabulary(model: nn.Module, plan: ParallelPlan, tp: TensorParallelGro
         tied = [(n, m) for n, m in named.items()
                 if m is not embedding and getattr(m, "weight", None) is embedding.weight]
         _put(model, name, split)
-        shards[id(split.weight)] = split.shards["weight"]
+        shards |= _shards_of(split)
         for head_name, head in tied:
             if type(head) is not nn.Linear or head.bias is not None:
                 raise PlanError(f"{plan.family}: {head_name} shares {name}'s weight but is no nn.Linear without a "
@@ -335,9 +335,7 @@ def split_experts(module: nn.Module, stacked: StackedExperts, plan: ParallelPlan
             if param.shape[split.dim] % (split.parts * tp.size):
                 raise PlanError(f"tensor parallel over {tp.size} ranks: must divide the {param.shape[split.dim]} "
                                 f"hidden features of {stacked.module}.{key} ({plan.family} plan)")
-            shard = _split(param, split, tp.rank, tp.size)
-            setattr(module, key, shard)
-            shards[id(shard)] = split
+            shards |= _split_in_place(module, key, split, tp)
 
     def enter(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         def each(x: object) -> object:
@@ -347,6 +345,19 @@ def split_experts(module: nn.Module, stacked: StackedExperts, plan: ParallelPlan
     module.register_forward_pre_hook(enter, with_kwargs=True)
     module.register_forward_hook(lambda module, args, out: reduce_from_tp(out, tp))
     return shards
+
+
+def _split_in_place(module: nn.Module, key: str, split: TensorShard, tp: TensorParallelGroup
+                    ) -> dict[int, TensorShard]:
+    """`module`'s parameter `key` replaced by this rank's shard of it; how the shard is split, by id."""
+    shard = _split(getattr(module, key), split, tp.rank, tp.size)
+    setattr(module, key, shard)
+    return {id(shard): split}
+
+
+def _shards_of(layer: nn.Module) -> dict[int, TensorShard]:
+    """How each split parameter of a layer made here (its `shards`, by name) is split, by id."""
+    return {id(param): layer.shards[key] for key, param in layer.named_parameters() if key in layer.shards}
 
 
 def _split(param: nn.Parameter, split: TensorShard, rank: int, size: int) -> nn.Parameter:
@@ -402,10 +413,8 @@ def split_region(module: nn.Module, region: Region, plan: ParallelPlan, tp: Tens
     for column in region.columns:
         param = getattr(module, column.name, None)
         if isinstance(param, nn.Parameter):  # a bare per-head parameter (attention sinks): split as the heads
-            split = TensorShard(0, column.parts)
             _check_width(param.shape[0] // column.parts, size, region, column.name, "entries", plan.family)
-            setattr(module, column.name, _split(param, split, tp.rank, size))
-            shards[id(getattr(module, column.name))] = split
+            shards |= _split_in_place(module, column.name, TensorShard(0, column.parts), tp)
             continue
         layer = module.get_submodule(column.name)
         _check_width(layer.weight.shape[1 if in_out else 0] // column.parts, size, region, column.name,
@@ -420,8 +429,9 @@ def split_region(module: nn.Module, region: Region, plan: ParallelPlan, tp: Tens
         owner, _, leaf = attribute.rpartition(".")
         target = _attribute(module, owner) if owner else module
         setattr(target, leaf, getattr(target, leaf) // size)
-    return shards | {id(param): split.shards[key] for split in splits.values()
-                     for key, param in split.named_parameters() if key in split.shards}
+    for split in splits.values():
+        shards |= _shards_of(split)
+    return shards
 
 
 def split_sequence_around(blocks: list[nn.Module], tp: TensorParallelGroup) -> None:
