@@ -165,11 +165,27 @@ def test_the_gpt_is_initialised_as_gpt2_whatever_the_group_order():
 # --- bad models -----------------------------------------------------------------------------
 
 class Gain(nn.Module):
-    """A module with a parameter and no init of its own."""
+    """A module with a parameter and no init of its own, built with an argument."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(width))
+
+
+class Scale(nn.Module):
+    """A module with no init of its own, built without arguments: its constructor's constants."""
+
+    def __init__(self, start: float = 0.5) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.full((3,), start))
+
+
+class Blank(nn.Module):
+    """Built without arguments, its parameter's memory left as it was found."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.gain = nn.Parameter(torch.ones(3))
+        self.blank = nn.Parameter(torch.empty(3))
 
 
 def test_a_factory_that_builds_real_tensors_is_refused_naming_the_tensor():
@@ -182,7 +198,7 @@ def test_a_factory_that_builds_real_tensors_is_refused_naming_the_tensor():
 
 def test_a_module_no_init_covers_is_named_and_a_half_meta_model_refused():
     with init_context():
-        model = nn.Sequential(nn.Linear(3, 3), Gain())
+        model = nn.Sequential(nn.Linear(3, 3), Gain(3))
     with pytest.raises(ValueError, match=r"1\.gain was not initialised by its module's init \(Gain has no"):
         Materialiser(model, None, 0).materialise_all(torch.device("cpu"), None)
     # The same found before any worker starts, on small stand-ins, the model still on meta; a model
@@ -193,6 +209,14 @@ def test_a_module_no_init_covers_is_named_and_a_half_meta_model_refused():
     with init_context():
         large = build_model(load_config(None, ["model.preset=gpt2-124m"]).model)
     Materialiser(large, "Block", 0).check_initialisable()
+    # A module its class builds without arguments takes its constructor's values (Apertus' xIELU's
+    # constants), but not memory its constructor left uninitialised
+    with init_context():
+        scaled, blank = nn.Sequential(nn.Linear(3, 3), Scale()), nn.Sequential(nn.Linear(3, 3), Blank())
+    Materialiser(scaled, None, 0).materialise_all(torch.device("cpu"), None)
+    assert scaled[1].scale.tolist() == [0.5] * 3
+    with pytest.raises(ValueError, match=r"1\.blank was not initialised by its module's init \(Blank has no"):
+        Materialiser(blank, None, 0).materialise_all(torch.device("cpu"), None)
     half = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3, device="meta"))
     run = sw.setup("single")
     with pytest.raises(ValueError, match=r"partly on the meta device \(1\.weight.*partly real \(0\.weight"):

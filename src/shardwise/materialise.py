@@ -24,12 +24,14 @@ model, in the group of the first unit that holds it (the root if none does), as 
 from __future__ import annotations
 
 import hashlib
+import inspect
 import math
 from collections.abc import Callable, Collection, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
 import torch
+import torch.utils.deterministic as deterministic_mode
 from torch import nn
 
 from shardwise.memory import return_free_memory
@@ -183,7 +185,8 @@ class Materialiser:
     def _find_initialisers(self) -> dict[int, Callable[[nn.Module, str], None]]:
         """For each module, its init: that of the innermost model around it (itself included) that
         initialises its modules (a transformers model's `_init_weights`, a shardwise model's
-        `init_module`), else its own `reset_parameters`."""
+        `init_module`), else its own `reset_parameters`; for a module its class builds without
+        arguments, then its constructor's values for what that init left blank (`_then_defaults`)."""
         found: dict[int, Callable[[nn.Module, str], None]] = {}
 
         def visit(module: nn.Module, prefix: str, owner: Callable[[nn.Module, str], None] | None) -> None:
@@ -191,7 +194,8 @@ class Materialiser:
                 owner = _relative(module.init_module, prefix)
             elif callable(getattr(module, "_init_weights", None)):
                 owner = _ignoring_name(module._init_weights)
-            found.setdefault(id(module), owner or _reset)
+            init = owner or _reset
+            found.setdefault(id(module), _then_defaults(init) if _built_without_arguments(module) else init)
             for name, child in module.named_children():
                 visit(child, f"{prefix}.{name}" if prefix else name, owner)
 
@@ -353,6 +357,50 @@ def _relative(init: Callable[[nn.Module, str], None], prefix: str) -> Callable[[
 
 def _ignoring_name(init: Callable[[nn.Module], None]) -> Callable[[nn.Module, str], None]:
     return lambda module, name: init(module)
+
+
+def _built_without_arguments(module: nn.Module) -> bool:
+    """Whether `module` holds tensors of its own and its class takes no argument it must be given."""
+    if not any(t is not None for t in (*module._parameters.values(), *module._buffers.values())):
+        return False
+    try:
+        parameters = list(inspect.signature(type(module).__init__).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return False
+    return all(p.default is not p.empty or p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in parameters)
+
+
+def _then_defaults(init: Callable[[nn.Module, str], None]) -> Callable[[nn.Module, str], None]:
+    """`init`, then the module's own tensors it left blank (NaN) as a fresh instance of the module's
+    class holds them: constants its constructor computes and no init rewrites (Apertus' xIELU
+    activation's learned scales)."""
+    def run(module: nn.Module, name: str) -> None:
+        init(module, name)
+        own = {**module._parameters, **module._buffers}
+        blank = [key for key, t in own.items() if t is not None and t.is_floating_point() and _has_nan(t)]
+        if blank:
+            fresh = _built_blank(type(module))
+            for key in blank:
+                value = getattr(fresh, key, None)
+                if isinstance(value, torch.Tensor) and value.shape == own[key].shape:
+                    own[key].copy_(value)
+    return run
+
+
+def _built_blank(module_class: type[nn.Module]) -> nn.Module:
+    """An instance of `module_class`, built without arguments, on the CPU, whatever memory its
+    constructor leaves uninitialised (torch.empty's) filled with NaN: no value it did not compute."""
+    deterministic, warn_only = torch.are_deterministic_algorithms_enabled(), \
+        torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = deterministic_mode.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    deterministic_mode.fill_uninitialized_memory = True
+    try:
+        with torch.device("cpu"):
+            return module_class()
+    finally:
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+        deterministic_mode.fill_uninitialized_memory = fill
 
 
 def _reset(module: nn.Module, name: str) -> None:
