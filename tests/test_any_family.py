@@ -1,9 +1,8 @@
 """Any transformers causal LM trains through `shardwise train --hf-config`, with no family table of
-shardwise's: Qwen3, Gemma 3 and Phi-3, each saved by `save_pretrained` as a user would bring it, under
-fsdp on 2 processes as under single, the run's directory a model `from_pretrained` loads with no key
-missing or left over and the run's own logits; split over tp as its own transformers plan says
-(Qwen3 under fsdp x tp 2 on 4 processes, Gemma 3 and Phi-3 under tensor on 2); and what cannot work
-yet is refused before launch, in one line."""
+shardwise's: Qwen3, Gemma 3 and Phi-3, each saved by `save_pretrained` as a user would bring it,
+split as its own transformers plans say (fsdp x tp 2 on 4 processes; 2 pipeline stages) as under
+single, each run's directory a model `from_pretrained` loads with no key missing or left over and
+the run's own logits; and what cannot work yet is refused before launch, in one line."""
 
 from __future__ import annotations
 
@@ -41,12 +40,21 @@ def tiny_config(model_type: str):
 
 
 FAMILIES = ("qwen3", "gemma3_text", "phi3")
-# Runs split over tp as the family's own base_model_tp_plan says (Qwen3's and Gemma 3's per-head q and
-# k norms whole on each rank, their gradients summed over tp; Phi-3's fused projections split on their
-# own, their outputs gathered and attention computed whole between them)
-SPLIT = {("qwen3", "fsdp-tp2"): ("--strategy", "fsdp", "--nproc", "4", "--tp", "2"),
-         ("gemma3_text", "tensor"): ("--strategy", "tensor", "--nproc", "2", "--tp", "2"),
-         ("phi3", "tensor"): ("--strategy", "tensor", "--nproc", "2", "--tp", "2")}
+# Each family split over tp as its own base_model_tp_plan says, under fsdp x tp 2 on 4 processes
+# (Qwen3's and Gemma 3's per-head q and k norms whole on each rank, their gradients summed over tp;
+# Phi-3's fused projections split on their own, their outputs gathered and attention computed whole
+# between them), and cut into 2 pipeline stages as its base_model_pp_plan says: Qwen3's sharded by
+# fsdp, Gemma 3's on 1F1B, Phi-3's on ZB-H1 (its backward split in two).
+RUNS = ("fsdp-tp2", "pp2")
+FLAGS = {"fsdp-tp2": ("--strategy", "fsdp", "--nproc", "4", "--tp", "2"),
+         ("qwen3", "pp2"): ("--strategy", "fsdp", "--nproc", "2", "--pp", "2"),
+         ("gemma3_text", "pp2"): ("--strategy", "pipeline", "--nproc", "2"),
+         ("phi3", "pp2"): ("--strategy", "pipeline", "--nproc", "2", "--set", "parallel.pipeline.schedule=zb-h1")}
+
+
+def flags(family: str, run: str) -> tuple[str, ...]:
+    return (*FLAGS.get(run, ()), *FLAGS.get((family, run), ()), *(("--set", "parallel.pipeline.micro_batches=2")
+                                                                   if run == "pp2" else ()))
 
 
 @pytest.fixture(scope="module")
@@ -71,15 +79,13 @@ def train_args(directory: Path, out: Path, *more: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def runs(pretrained, tmp_path_factory) -> dict[tuple[str, str], Path]:
-    """Each family under fsdp on 2 processes through the command (all three at once: most of each is
-    starting up), and under single in this process from the config the command builds."""
+    """Each family's RUNS through the command (all at once: most of each is starting up), and under
+    single in this process from the config the command builds."""
     root = tmp_path_factory.mktemp("runs")
-    out = {(family, run): root / family / run for family in FAMILIES for run in ("fsdp", "single")}
-    flags = {(family, "fsdp"): ("--strategy", "fsdp", "--nproc", "2") for family in FAMILIES} | SPLIT
-    out |= {run: root / run[0] / run[1] for run in SPLIT}
+    out = {(family, run): root / family / run for family in FAMILIES for run in (*RUNS, "single")}
     commands = [subprocess.Popen([sys.executable, "-m", "shardwise.cli", *train_args(
-        pretrained[run[0]], out[run], *flags[run])], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        text=True) for run in flags]
+        pretrained[family], out[family, run], *flags(family, run))], cwd=REPO, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True) for family in FAMILIES for run in RUNS]
     for command in commands:
         _, err = command.communicate(timeout=300)
         assert command.returncode == 0, err
@@ -89,8 +95,8 @@ def runs(pretrained, tmp_path_factory) -> dict[tuple[str, str], Path]:
     return out
 
 
-@pytest.mark.parametrize("family, run", [*((family, "fsdp") for family in FAMILIES), *SPLIT])
-def test_a_family_of_no_table_of_ours_trains_under_fsdp_and_split_by_its_own_plan_as_under_single(runs, family, run):
+@pytest.mark.parametrize("family, run", [(family, run) for family in FAMILIES for run in RUNS])
+def test_a_family_of_no_table_of_ours_trains_split_by_its_own_plans_as_under_single(runs, family, run):
     ours_records, single = (read_records(runs[family, name]) for name in (run, "single"))
     assert [r["step"] for r in ours_records] == list(range(1, STEPS + 1))
     for ours, theirs in zip(ours_records, single, strict=True):
@@ -102,12 +108,12 @@ def test_a_family_of_no_table_of_ours_trains_under_fsdp_and_split_by_its_own_pla
         torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family, run", [(family, run) for family in FAMILIES for run in RUNS])
 def test_the_run_directory_loads_in_transformers_with_no_key_missing_and_the_runs_logits(runs, pretrained, tmp_path,
-                                                                                         family):
+                                                                                         family, run):
     from transformers import AutoModelForCausalLM
 
-    directory = runs[family, "fsdp"]
+    directory = runs[family, run]
     loaded, info = AutoModelForCausalLM.from_pretrained(directory, output_loading_info=True)
     assert info == {"missing_keys": set(), "unexpected_keys": set(), "mismatched_keys": set(), "error_msgs": []}
     consolidate(directory, tmp_path / "state.safetensors")  # what the run trained, as shardwise holds it
@@ -170,3 +176,42 @@ def test_lora_on_a_family_without_a_plan_of_ours_targets_its_own_projections(mod
     assert default_targets(model) == targets
     adapted = apply_lora(model, 4, 8.0, 0.0, None, seed=0)
     assert len(adapted) == 2 * len(targets)  # 2 blocks
+
+
+@pytest.mark.parametrize("model_type, sizes", [
+    ("sarvam_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)),  # q, k, v by their rows
+    ("hrm_text", {}),  # gate and up, and attention's gate, q, k and v: equal chunks
+])
+def test_a_family_whose_hub_checkpoints_fuse_projections_reads_and_writes_them(tmp_path, model_type, sizes):
+    """Sarvam-MoE's checkpoints hold q, k and v as one `query_key_value`, HRM's gate and up as one
+    `gate_up_proj` (transformers' Split and Chunk as it loads them): each model tensor is read from
+    its rows there, and the run's weights file holds them fused again, as `save_pretrained` does."""
+    import transformers
+
+    from shardwise.dist import init_distributed
+    from shardwise.trainer import Trainer
+    from shardwise.weights import load_weights
+
+    torch.manual_seed(0)
+    pretrained = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(
+        model_type, **TINY, **sizes))
+    pretrained.save_pretrained(tmp_path / "pretrained")
+    args = cli.parser().parse_args(train_args(tmp_path / "pretrained", tmp_path / "run", "--strategy", "single"))
+    cfg = cli._train_config(args)
+    cli._check_before_launch(cfg)
+    threads = torch.get_num_threads()
+    try:
+        trainer = Trainer(cfg, init_distributed(threads_per_rank=1))
+        load_weights(trainer.strategy, cfg.model.weights, trainer.names)
+        state = trainer.strategy.view.full_state_dict()
+        for key, value in pretrained.state_dict().items():
+            torch.testing.assert_close(state[f"lm.{key}"], value, rtol=0, atol=0, msg=key)
+        trainer.fit()
+    finally:
+        torch.set_num_threads(threads)
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "run", output_loading_info=True)
+    assert info == {"missing_keys": set(), "unexpected_keys": set(), "mismatched_keys": set(), "error_msgs": []}
+    loaded.save_pretrained(tmp_path / "again")
+    written, again = (tmp_path / name / "model.safetensors" for name in ("run", "again"))
+    assert written.read_bytes() == again.read_bytes()
+    assert not torch.equal(loaded.lm_head.weight, pretrained.lm_head.weight)  # it trained

@@ -1,5 +1,6 @@
 """Every causal-LM family of the pinned transformers (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) trains under
-fsdp on 2 ranks as under single, and every one with a tp plan under tensor on 2 ranks: each built
+fsdp on 2 ranks as under single, every one with a tp plan under tensor on 2 ranks, and every one
+with a pp plan under pipeline on 2 ranks (a stage each): each built
 tiny from its own config class (2 blocks, width 64, a vocabulary of 512, 4 experts, Mamba-2 and
 Gated DeltaNet mixers of 4 heads), from its config.json through model.name = 'hf' (or the family
 of shardwise's that builds it), 3 steps of SGD on the same global batches (single's run once,
@@ -138,26 +139,31 @@ def tiny_family(model_type: str, root: Path) -> Path:
 
 def family_config(path: Path, out: Path, strategy: str, world: int) -> Config:
     """`shardwise train --hf-config PATH` as this test trains it, checked as the command checks it
-    before launch (ConfigError where it refuses)."""
+    before launch (ConfigError where it refuses); a pipeline of one micro-batch per sample."""
     cfg = load_config(None, [*hf_config_overrides(str(path)), "model.seq_len=16", "data.name=synthetic-tokens",
                              f"parallel.strategy={strategy}", f"launch.nproc={world}", "train.global_batch=4",
                              "train.micro_batch=2", f"train.steps={STEPS}", "train.optimizer=sgd", "train.lr=0.1",
                              "train.weight_decay=0", "train.warmup_steps=0", "train.bad_step=off",
-                             f"run.out={out}"])
+                             f"run.out={out}", "parallel.pipeline.micro_batches=2"])
     cli._check_before_launch(cfg)
     return cfg
 
 
-def trained(cfg: Config, ctx: DistContext) -> tuple[list[float], dict[str, torch.Tensor], dict[str, int]]:
-    """Every step's loss, the final weights (whole, on rank 0), and the bytes this rank holds of each
-    parameter tensor parallel split (by the plain model's name)."""
+def trained(cfg: Config, ctx: DistContext) -> tuple[list[float], dict[str, torch.Tensor], dict[str, int],
+                                                     list[dict[str, int]]]:
+    """Every step's loss, the final weights (whole, on rank 0), the bytes this rank holds of each
+    parameter tensor parallel split (by the plain model's name), and each rank's parameters by name
+    (their elements; a pipeline's copy of a tied weight a stage before it holds left out)."""
     from shardwise.trainer import Trainer
 
     trainer = Trainer(cfg, ctx)
     losses = [trainer.run_step(step) for step in range(STEPS)]
-    shards = getattr(trainer.strategy, "tensor_shards", {})
-    split = {name: p.nbytes for name, p in trainer.strategy.module.named_parameters() if id(p) in shards}
-    return losses, trainer.strategy.view.full_state_dict(), split
+    strategy = trainer.strategy
+    shards, copies = getattr(strategy, "tensor_shards", {}), getattr(strategy, "duplicates", set())
+    split = {name: p.nbytes for name, p in strategy.module.named_parameters() if id(p) in shards}
+    held = ctx.all_gather_object({name: p.numel() for name, p in strategy.view.named_parameters()
+                                  if id(p) not in copies})
+    return losses, strategy.view.full_state_dict(), split, held
 
 
 def runs(ctx: DistContext, configs: dict[str, Config]) -> dict[str, tuple]:
@@ -188,7 +194,7 @@ def tiny_configs(tmp_path_factory) -> dict[str, Path | Excluded]:
 
 @pytest.fixture(scope="module")
 def singles(tiny_configs, tmp_path_factory) -> dict[str, tuple | tuple[str, str]]:
-    """family -> its run under single (losses, weights), or why there is none: ('excluded', REASONS),
+    """family -> its run under single (losses, weights, parameters), or why there is none: ('excluded', REASONS),
     ('refused', before launch) or ('fails', after)."""
     root = tmp_path_factory.mktemp("single")
     found = {}
@@ -204,7 +210,8 @@ def singles(tiny_configs, tmp_path_factory) -> dict[str, tuple | tuple[str, str]
         threads = torch.get_num_threads()
         torch.set_num_threads(1)  # as every rank computes: the thread count changes the order of sums
         try:
-            found[family] = trained(cfg, DistContext(0, 1, 0, torch.device("cpu"), "gloo"))[:2]
+            losses, weights, _, held = trained(cfg, DistContext(0, 1, 0, torch.device("cpu"), "gloo"))
+            found[family] = losses, weights, held[0]
         except Exception as error:  # noqa: BLE001 - after launch: a failure of shardwise's, reported
             found[family] = ("fails", f"under single: {type(error).__name__}: {str(error)[:200]}")
         finally:
@@ -213,13 +220,14 @@ def singles(tiny_configs, tmp_path_factory) -> dict[str, tuple | tuple[str, str]
 
 
 def against_single(strategy: str, world: int, families: list[str], tiny_configs: dict, singles: dict,
-                   root: Path) -> tuple[dict[str, tuple[str, str]], dict[str, dict[str, int]]]:
+                   root: Path) -> tuple[dict[str, tuple[str, str]], dict[str, tuple[dict[str, int], list]]]:
     """family -> (result, why) under `strategy` on `world` ranks: 'equal', 'refused' (before launch),
     'excluded' (REASONS), 'fails' (raised after launch, where it should have been refused before) or
-    'differs' (trained, not as single); and each equal family's split bytes on rank 0 by name."""
+    'differs' (trained, not as single); and each equal family's split bytes on rank 0 by name and
+    every rank's parameters (`trained`)."""
     result, configs, split = {}, {}, {}
     for family in families:
-        if len(singles[family]) == 2 and isinstance(singles[family][0], str):
+        if isinstance(singles[family][0], str):
             result[family] = singles[family]
             continue
         try:
@@ -230,7 +238,7 @@ def against_single(strategy: str, world: int, families: list[str], tiny_configs:
         if isinstance(got, str):
             result[family] = ("fails", f"under {strategy}: {got}")
             continue
-        (losses, weights, split[family]), (want_losses, want_weights) = got, singles[family]
+        (losses, weights, *split[family]), (want_losses, want_weights, _) = got, singles[family]
         try:
             torch.testing.assert_close(torch.tensor(losses), torch.tensor(want_losses), rtol=1e-5, atol=0)
             assert weights.keys() == want_weights.keys()
@@ -252,6 +260,31 @@ def print_table(table: dict[str, tuple[str, str]], what: str) -> dict[str, int]:
     return counts
 
 
+def assert_none_silent(result: dict[str, tuple[str, str]]) -> None:
+    """No family differs silently or fails after launch; each excluded one says why, and each
+    refused one is refused in one line naming it."""
+    assert not [f for f, (o, _) in result.items() if o == "differs"], "families that differ silently"
+    assert not [f for f, (o, _) in result.items() if o == "fails"], "families the pre-launch check let through"
+    assert all(why.startswith(REASONS) for o, why in result.values() if o == "excluded")
+    for family, (outcome, why) in result.items():
+        if outcome == "refused":
+            assert "\n" not in why and (family in why or "model_type" in why), (family, why)
+
+
+def every_planned(plan: str, strategy: str, tiny_configs: dict, singles: dict, tmp_path_factory: pytest.TempPathFactory,
+                  capsys: pytest.CaptureFixture) -> tuple[list[str], dict, dict, dict[str, int]]:
+    """Every family whose config class declares `plan`, under `strategy` on 2 ranks against single:
+    the families, `against_single`'s two results (checked: `assert_none_silent`) and the counts."""
+    import transformers
+
+    planned = [f for f in tiny_configs if getattr(transformers.CONFIG_MAPPING[f], plan, None)]
+    result, held = against_single(strategy, 2, planned, tiny_configs, singles, tmp_path_factory.mktemp(strategy))
+    with capsys.disabled():
+        counts = print_table(result, f"with a {plan}, under {strategy} on 2 ranks")
+    assert_none_silent(result)
+    return planned, result, held, counts
+
+
 @pytest.fixture(scope="module")
 def table(tiny_configs, singles, tmp_path_factory) -> dict[str, tuple[str, str]]:
     return against_single("fsdp", 2, list(tiny_configs), tiny_configs, singles, tmp_path_factory.mktemp("fsdp"))[0]
@@ -261,10 +294,8 @@ def table(tiny_configs, singles, tmp_path_factory) -> dict[str, tuple[str, str]]
 def test_every_causal_lm_family_trains_under_fsdp_as_under_single_or_is_refused_or_excluded(table, capsys):
     with capsys.disabled():
         counts = print_table(table, "under fsdp on 2 ranks")
-    assert not [f for f, (o, _) in table.items() if o == "differs"], "families that differ silently"
-    assert all(why.startswith(REASONS) for o, why in table.values() if o == "excluded")
-    assert not [f for f, (o, _) in table.items() if o == "fails"], "families the pre-launch check let through"
-    assert counts["equal"] >= 168 and counts["refused"] <= 12
+    assert_none_silent(table)
+    assert counts["equal"] >= 174 and counts["refused"] <= 6
 
 
 @pytest.mark.slow
@@ -274,23 +305,35 @@ def test_every_family_with_a_tp_plan_splits_under_tensor_as_its_plan_says_or_is_
     `tensor` on 2 ranks split as that plan says, trains as under single; or the pre-launch check
     refuses it, naming the family, the layer and the style. Each tp rank holds half of every
     parameter the plan splits (bytes counted)."""
-    import transformers
-
-    planned = [f for f in tiny_configs if getattr(transformers.CONFIG_MAPPING[f], "base_model_tp_plan", None)]
-    result, split = against_single("tensor", 2, planned, tiny_configs, singles, tmp_path_factory.mktemp("tensor"))
-    with capsys.disabled():
-        counts = print_table(result, "with a tp plan, under tensor on 2 ranks")
+    planned, result, split, counts = every_planned("base_model_tp_plan", "tensor", tiny_configs, singles,
+                                                   tmp_path_factory, capsys)
     assert len(planned) == 116
-    assert not [f for f, (o, _) in result.items() if o == "differs"], "families that differ silently"
-    assert not [f for f, (o, _) in result.items() if o == "fails"], "families the pre-launch check let through"
-    assert all(why.startswith(REASONS) for o, why in result.values() if o == "excluded")
-    for family, (outcome, why) in result.items():
-        if outcome == "refused":  # in one line, naming what it refuses
-            assert "\n" not in why and family in why or "model_type" in why, (family, why)
+    for family, (outcome, _) in result.items():
         if outcome == "equal":  # the split happened: half of each split tensor on this rank
             weights = singles[family][1]
-            assert split[family] and all(2 * n == weights[name].nbytes for name, n in split[family].items()), family
-    assert counts["equal"] >= 99
+            held = split[family][0]
+            assert held and all(2 * n == weights[name].nbytes for name, n in held.items()), family
+    assert counts["equal"] >= 103
+
+
+@pytest.mark.slow
+def test_every_family_with_a_pp_plan_cuts_into_stages_under_pipeline_or_is_refused(tiny_configs, singles,
+                                                                                   tmp_path_factory, capsys):
+    """Issue 69, step 3: each family whose transformers config declares a base_model_pp_plan, cut
+    into two stages (one block each, the embeddings on the first, the final norm and the head on
+    the last) under `pipeline` on 2 ranks, 2 micro-batches of 1F1B, trains as under single; or the
+    pre-launch check refuses it in one line. Each rank holds its stage's parameters only: the two
+    ranks' are the single model's, split between them (a tied head's copy aside)."""
+    planned, result, held, counts = every_planned("base_model_pp_plan", "pipeline", tiny_configs, singles,
+                                                  tmp_path_factory, capsys)
+    assert len(planned) == 92
+    for family, (outcome, _) in result.items():
+        if outcome == "equal":  # each rank holds its stage's parameters, the two ranks the whole model's
+            stages, whole = held[family][1], singles[family][2]
+            assert all(stage and stage.keys() < whole.keys() for stage in stages), family
+            assert not stages[0].keys() & stages[1].keys(), family
+            assert {**stages[0], **stages[1]} == whole, family
+    assert counts["equal"] >= 81
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ from pathlib import Path
 from shardwise import bench_command
 from shardwise.config.load import hf_config_overrides, load_config
 from shardwise.config.registry import NAMES, spec
-from shardwise.config.schema import PRECISIONS, Config, ConfigError
+from shardwise.config.schema import HF_MODELS, PRECISIONS, Config, ConfigError
 from shardwise.planner.candidates import POLICIES, default_precisions
 from shardwise.recompute import parse_policy
 
@@ -147,6 +147,29 @@ def _check_writable(what: str, directory: Path) -> None:
         raise ConfigError(f"{what} {str(directory)!r} cannot be written: no write permission on {existing}")
 
 
+def _check_stage_boundaries(cfg: Config) -> None:
+    """Where the model's pipeline stages would meet, it passes activations alone (stages.py's
+    `check_stage_boundaries`), seen in a forward of two of its blocks on fake tensors; PlanError."""
+    import torch
+
+    from shardwise.models.hf import tp_plan_of
+    from shardwise.models.plans import PlanError, locate, plan_for
+    from shardwise.parallel.pipeline.stages import check_stage_boundaries
+    from shardwise.planner.fake_forward import fake_model
+
+    try:
+        with fake_model(cfg.model, 2) as model:
+            check_stage_boundaries(locate(model, plan_for(model, split=False)),
+                                   torch.zeros(1, cfg.model.seq_len, dtype=torch.long))
+    except PlanError:
+        raise
+    except Exception as error:  # noqa: BLE001 - the forward of a family fake tensors cannot follow
+        family = tp_plan_of(cfg.model)[0] if cfg.model.name in HF_MODELS else cfg.model.name
+        raise PlanError(f"{family}: shardwise cannot check where its pipeline stages would meet, on "
+                        f"fake tensors ({type(error).__name__}: {str(error).splitlines()[0][:160]}); train it under "
+                        "fsdp, or split it over tp") from None
+
+
 def _check_before_launch(cfg: Config) -> None:
     """What would otherwise fail inside every worker, after a cluster's start-up: pretrained weights
     that do not fit the model (read from the files' headers against the model built on the meta
@@ -167,7 +190,7 @@ def _check_before_launch(cfg: Config) -> None:
         from shardwise.materialise import Materialiser, check_one_device_kind, init_context
         from shardwise.models import build_model
         from shardwise.models.hf import decoder_layer_class
-        from shardwise.models.plans import PlanError, locate
+        from shardwise.models.plans import PlanError, locate, plan_for
         from shardwise.nf4 import QuantizeError, check_shape
         from shardwise.weights import WeightsError, check_weights
 
@@ -190,7 +213,9 @@ def _check_before_launch(cfg: Config) -> None:
         _, pp, tp = cfg.parallel.mesh_shape(cfg.world_size)
         if pp > 1 or tp > 1:  # its plan fits the model built (not just its file)
             try:
-                plan = locate(model).plan
+                plan = locate(model, plan_for(model, split=tp > 1)).plan
+                if pp > 1:
+                    _check_stage_boundaries(cfg)
             except PlanError as error:
                 raise ConfigError(f"parallel.strategy = {cfg.parallel.strategy!r}: {error}") from None
             alone = plan.gathered + plan.split_input if tp > 1 else ()

@@ -23,6 +23,7 @@ interleave) cannot be read or written a part at a time: `HubLayout.of` refuses s
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,16 +39,21 @@ class UnsupportedLayout(ValueError):
 class Piece:
     """One of the Hub's tensors, and the part of a model tensor it holds: from `offsets`, of
     `sizes` (both in the model tensor's dimensions); `expert`: the part is one expert's, which the
-    file holds without the experts' dimension."""
+    file holds without the experts' dimension. `rows`: the other way round, the Hub's tensor holds
+    the whole model tensor and others (a fused projection): its first row there, and the Hub
+    tensor's rows."""
 
     key: str
     offsets: tuple[int, ...]
     sizes: tuple[int, ...]
     expert: bool = False
+    rows: tuple[int, int] | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """Its shape in the file."""
+        """The Hub tensor's shape in the file."""
+        if self.rows is not None:
+            return (self.rows[1], *self.sizes[1:])
         return self.sizes[1:] if self.expert else self.sizes
 
     def of(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -70,6 +76,7 @@ class HubLayout:
     model_type: str
     renamings: tuple[Any, ...]  # transformers' WeightRenaming, reversed, in the order save_pretrained applies them
     converters: tuple[tuple[Any, Any], ...]  # (a WeightConverter as from_pretrained applies it, its reverse)
+    shapes: dict[str, tuple[int, ...]]  # the model's tensors' (a fused tensor's parts are its neighbours)
 
     @classmethod
     def of(cls, model: nn.Module) -> HubLayout | None:
@@ -85,10 +92,11 @@ class HubLayout:
         # What save_pretrained reverts, in its order: a model made here, not loaded, has no prefix to restore.
         forward = [t for t in get_model_conversion_mapping(inner, add_legacy=False) if not isinstance(t, PrefixChange)]
         pairs = [(t, t.reverse_transform()) for t in reversed(forward)]
+        shapes = {name: tuple(tensor.shape) for name, tensor in inner.state_dict(keep_vars=True).items()}
         layout = cls(kind, tuple(back for t, back in pairs if not isinstance(t, WeightConverter)),
-                     tuple((t, back) for t, back in pairs if isinstance(t, WeightConverter)))
-        for name, tensor in inner.state_dict(keep_vars=True).items():
-            layout.pieces(name, tuple(tensor.shape))
+                     tuple((t, back) for t, back in pairs if isinstance(t, WeightConverter)), shapes)
+        for name, shape in shapes.items():
+            layout.pieces(name, shape)
         return layout
 
     def pieces(self, name: str, shape: tuple[int, ...]) -> list[Piece]:
@@ -97,8 +105,8 @@ class HubLayout:
         for forward, back in self.converters:
             renamed, matched = back.rename_source_key(name)
             if matched is not None:
-                return [Piece(self._renamed(piece.key), piece.offsets, piece.sizes, piece.expert)
-                        for piece in self._parts(forward, back, name, renamed, shape)]
+                return [dataclasses.replace(piece, key=self._renamed(piece.key))
+                        for piece in self._parts(forward, back, name, renamed, matched, shape)]
         key = self._renamed(name)
         return [] if key == name else [Piece(key, (0,) * len(shape), shape)]
 
@@ -107,11 +115,16 @@ class HubLayout:
             key, _ = renaming.rename_source_key(key)
         return key
 
-    def _parts(self, forward: Any, back: Any, name: str, renamed: str, shape: tuple[int, ...]) -> list[Piece]:
+    def _parts(self, forward: Any, back: Any, name: str, renamed: str, matched: str,
+               shape: tuple[int, ...]) -> list[Piece]:
         """The parts a converter makes `name` of, named as the Hub does before the renamings: the
         experts' matrices of a stacked tensor (`*` in the Hub's names, the expert's index), and
-        equal slices of a concatenation (one of the Hub's names each, in order)."""
+        equal slices of a concatenation (one of the Hub's names each, in order); or the one Hub
+        tensor that holds it with its neighbours (`_fused`)."""
         ops = list(forward.operations)
+        if len(ops) == 1 and type(ops[0]).__name__ in ("Chunk", "Split") and ops[0].dim == 0 and \
+                getattr(ops[0], "num_shards_attribute", None) is None:
+            return [self._fused(back, name, renamed, matched, shape, equal=type(ops[0]).__name__ == "Chunk")]
         merged = bool(ops) and type(ops[0]).__name__ == "MergeModulelist" and ops[0].dim == 0
         rest = ops[1:] if merged else ops
         sources = back.target_patterns  # the Hub's names, `*` standing for an expert's index
@@ -121,7 +134,7 @@ class HubLayout:
             raise UnsupportedLayout(
                 f"model_type {self.model_type!r}: the Hub keeps {name} as transformers makes it with "
                 f"{' then '.join(type(op).__name__ for op in ops)}, which shardwise cannot read or write a part at "
-                "a time (it reads stacked experts and equal concatenated parts)")
+                "a time (it reads stacked experts, equal concatenated parts and projections fused along their rows)")
         names = [renamed.replace(sources[0], source, 1) for source in sources]
         dim = rest[0].dim if concatenated else None
         if dim is not None and shape[dim] % len(names):
@@ -139,3 +152,16 @@ class HubLayout:
                 key = each.replace("*", str(e)) if merged else each
                 pieces.append(Piece(key, tuple(offsets), tuple(sizes), expert=merged))
         return pieces
+
+    def _fused(self, back: Any, name: str, renamed: str, matched: str, shape: tuple[int, ...],
+               equal: bool) -> Piece:
+        """The Hub tensor `renamed` that holds model tensor `name` and its neighbours (the converter's
+        other parts: Sarvam's q, k and v in one `query_key_value`) one after another along their
+        rows, and where `name`'s rows sit in it."""
+        neighbours = [name.replace(matched, part, 1) for part in back.source_patterns]
+        shapes = [self.shapes.get(each) for each in neighbours]
+        if any(s is None or s[1:] != shape[1:] for s in shapes) or equal and len({s[0] for s in shapes}) > 1:
+            raise UnsupportedLayout(f"model_type {self.model_type!r}: the Hub keeps {name} in {renamed} with "
+                                    f"{', '.join(neighbours)}, whose shapes ({shapes}) do not stack along their rows")
+        first = sum(s[0] for s in shapes[:back.source_patterns.index(matched)])
+        return Piece(renamed, (0,) * len(shape), shape, rows=(first, sum(s[0] for s in shapes)))

@@ -272,6 +272,8 @@ class SafetensorsReader(HuggingFaceStorageReader):
             super()._process_read_request(f, req, planner)
             return
         slices = tuple(slice(o, o + n) for o, n in zip(req.storage_offsets, req.lengths, strict=True))
+        if piece.rows is not None:  # the model tensor's rows among its neighbours'
+            slices = (slice(slices[0].start + piece.rows[0], slices[0].stop + piece.rows[0]), *slices[1:])
         part = f.get_slice(piece.key)[slices[1:] if piece.expert else slices]
         target = planner.resolve_tensor(req).detach()
         target.copy_(part.reshape(target.shape))

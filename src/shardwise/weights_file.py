@@ -64,7 +64,20 @@ class Entry:
 
     @property
     def nbytes(self) -> int:
+        """The file tensor's bytes (a fused tensor's: all its entries')."""
         return self.dtype.itemsize * int(torch.Size(self.shape).numel())
+
+    @property
+    def within(self) -> int:
+        """Where its bytes start in the file tensor's: a fused tensor's part's at its first row."""
+        if self.piece is None or self.piece.rows is None:
+            return 0
+        return self.piece.rows[0] * self.nbytes // self.shape[0]
+
+    @property
+    def part_shape(self) -> tuple[int, ...]:
+        """What it is given of the model tensor: a fused tensor's part is a whole model tensor."""
+        return self.piece.sizes if self.piece is not None and self.piece.rows is not None else self.shape
 
     def of(self, tensor: torch.Tensor) -> torch.Tensor:
         """What this entry holds of the model's `tensor`."""
@@ -109,11 +122,15 @@ class WeightsLayout:
         """The model tensors the file holds, each once, in the file's order."""
         return list(dict.fromkeys(entry.name for entry in self.entries))
 
+    def tensors(self) -> list[Entry]:
+        """The file's tensors, each by its first entry (a fused tensor has one per model tensor)."""
+        return list({entry.key: entry for entry in reversed(self.entries)}.values())[::-1]
+
     def header(self) -> bytes:
         """The header length and the header, padded to 8 bytes, as safetensors writes them."""
         header: dict[str, object] = {"__metadata__": self.metadata} if self.metadata else {}
         start = 0
-        for entry in self.entries:
+        for entry in self.tensors():
             header[entry.key] = {"dtype": DTYPES[entry.dtype], "shape": list(entry.shape),
                                  "data_offsets": [start, start + entry.nbytes]}
             start += entry.nbytes
@@ -144,13 +161,15 @@ class WeightsWriter:
         self.path = Path(path)
         self.layout = layout
         self.tmp = self.path.with_name(f".{self.path.name}.tmp")
-        self.written: set[str] = set()
+        self.written: set[tuple[str, str]] = set()  # (key, model tensor) of each entry written
         header = layout.header()
         self.places: dict[str, list[tuple[Entry, int]]] = {}
-        start = len(header)
-        for entry in layout.entries:
-            self.places.setdefault(entry.name, []).append((entry, start))
+        starts, start = {}, len(header)
+        for entry in layout.tensors():
+            starts[entry.key] = start
             start += entry.nbytes
+        for entry in layout.entries:
+            self.places.setdefault(entry.name, []).append((entry, starts[entry.key] + entry.within))
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.file = open(self.tmp, "wb")
         self.file.write(header)
@@ -160,13 +179,13 @@ class WeightsWriter:
         entry that holds it, or part of it, at its place in the file."""
         for entry, start in self.places[name]:
             part = entry.of(tensor)
-            if tuple(part.shape) != entry.shape:
+            if tuple(part.shape) != entry.part_shape:
                 raise WeightsFileError(f"{entry.key}: got a tensor of shape {list(part.shape)}, the model's is "
-                                       f"{list(entry.shape)}")
+                                       f"{list(entry.part_shape)}")
             host = part.detach().to("cpu", entry.dtype).contiguous()
             self.file.seek(start)
             self.file.write(host.reshape(-1).view(torch.uint8).numpy().data)
-            self.written.add(entry.key)
+            self.written.add((entry.key, entry.name))
 
     def finish(self) -> None:
         if len(self.written) != len(self.layout.entries):

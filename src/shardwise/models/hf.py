@@ -87,19 +87,26 @@ def tp_plan_of(cfg: ModelConfig) -> tuple[str, dict[str, str]]:
     """The family of a transformers model and the tensor parallel plan its config declares (empty
     where it declares none), read without building the model: once per file, for the planner
     checks it for each of thousands of candidates."""
-    family, plan = _tp_plan_of(cfg.name, cfg.hf_config)
+    family, plan, _ = _plans_of(cfg.name, cfg.hf_config)
     return family, dict(plan)
 
 
+def pp_plan_of(cfg: ModelConfig) -> tuple[str, ...]:
+    """The modules a transformers model's pipeline plan names, in order (embeddings, the layers'
+    list, the final norm): empty where its config declares none."""
+    return _plans_of(cfg.name, cfg.hf_config)[2]
+
+
 @functools.cache
-def _tp_plan_of(name: str, hf_config: str | None) -> tuple[str, tuple[tuple[str, str], ...]]:
+def _plans_of(name: str, hf_config: str | None) -> tuple[str, tuple[tuple[str, str], ...], tuple[str, ...]]:
     import transformers
 
     # a family of shardwise's: its plan does not depend on its sizes
     config = transformers.AutoConfig.for_model(**read_transformers_config(hf_config)) if name == "hf" \
         else transformers.CONFIG_MAPPING[FAMILY_TYPES[name]]()
     text = text_config(config)
-    return text.model_type, tuple((getattr(text, "base_model_tp_plan", None) or {}).items())
+    return (text.model_type, tuple((getattr(text, "base_model_tp_plan", None) or {}).items()),
+            tuple(getattr(text, "base_model_pp_plan", None) or ()))
 
 
 def _without_noise(config: object) -> None:

@@ -349,26 +349,31 @@ def transformers_model(model: nn.Module) -> nn.Module | None:
     return next((m for m in model.modules() if hasattr(m, "base_model_prefix") and hasattr(m, "config")), None)
 
 
-def plan_from_transformers(model: nn.Module) -> ParallelPlan:
+def plan_from_transformers(model: nn.Module, split: bool = True) -> ParallelPlan:
     """The plan `model`'s transformers family declares; PlanError where it declares none or declares
-    what shardwise does not split."""
+    what shardwise does not split. Not `split` (no tp ranks: a pipeline's stages alone), its tp plan
+    is not read, only where its blocks and the modules outside them lie."""
     lm = transformers_model(model)
     if lm is None:
         raise PlanError(f"{type(model).__name__} is no transformers model")
     config = text_config(lm.config)
     family = config.model_type
-    layout = read_tp_plan(family, getattr(config, "base_model_tp_plan", None) or {})
-    # the layers' list the patterns name; for a plan that splits only an embedding, the pp plan's, else
-    # the largest list of layers
-    listed = {key.partition(".*.")[0] for key in config.base_model_tp_plan if ".*." in key} or \
-        set(getattr(config, "base_model_pp_plan", None) or ())
+    layout = read_tp_plan(family, getattr(config, "base_model_tp_plan", None) or {}) if split else \
+        TpLayout((), (), (), (), ())
+    # the layers' list the patterns name (cut into stages alone: the pp plan's); for a plan that splits
+    # only an embedding, the pp plan's, else the largest list of layers
+    named = {key.partition(".*.")[0] for key in config.base_model_tp_plan if ".*." in key}
+    staged = set(getattr(config, "base_model_pp_plan", None) or ())
+    listed = (named or staged) if split else (staged or named)
     lists = [(name, m) for name, m in lm.named_modules() if isinstance(m, nn.ModuleList) and len(m)
              and name.rpartition(".")[2] in listed]
     if not listed:
         lists = [found] if (found := largest_layer_list(lm)) else []
     if len(lists) != 1:
-        raise PlanError(f"{family}: its tensor parallel plan names the layers of {', '.join(sorted(listed))}, found "
-                        f"{len(lists)} times; shardwise splits the blocks of one list of layers")
+        found = ", ".join(name for name, _ in lists) or "none"
+        raise PlanError(f"{family}: the layers its {'tensor' if split else 'pipeline'} parallel plan names "
+                        f"({', '.join(sorted(listed))}) are {len(lists)} lists of the model ({found}); shardwise "
+                        "cuts and splits the blocks of one list of layers")
     path, layers = lists[0]
     blocks = tuple(dict.fromkeys(type(layer).__name__ for layer in layers))  # a hybrid's kinds of layer
     block = blocks[0]
@@ -395,7 +400,7 @@ def plan_from_transformers(model: nn.Module) -> ParallelPlan:
     prefix = f"{base_path}." if base_path else ""
     vocabulary = [prefix + name for name in layout.vocabulary
                   if has_module(lm, prefix + name) and type(lm.get_submodule(prefix + name)) is nn.Embedding]
-    if not regions and not gathered + split_input and not experts and not vocabulary:
+    if split and not regions and not gathered + split_input and not experts and not vocabulary:
         raise PlanError(f"{family}: none of its {block}s has the modules its tensor parallel plan splits")
     first, last = _stages(lm, lm.get_submodule(base_path), base_path, path.rpartition(".")[2], config)
     in_out = any(type(b.get_submodule(f"{r.module}.{r.row}")).__name__ == "Conv1D" for b in layers for r in regions
@@ -428,19 +433,21 @@ def plan_for_name(model_name: str) -> ParallelPlan | None:
     return next((plan for plan in PLANS if model_name in plan.models), None)
 
 
-def plan_for(model: nn.Module) -> ParallelPlan:
+def plan_for(model: nn.Module, split: bool = True) -> ParallelPlan:
     """The model's own plan (its `parallel_plan` attribute, for your own family); for a transformers
     model the plan written here for its model_type, else the one its family declares
     (`plan_from_transformers`); else the shipped plan whose block class the model holds and whose
     regions its first block has (the GPT and gpt-moe share a block class); PlanError naming what a
-    plan needs if none."""
+    plan needs if none. Not `split`: a transformers family's plan of its stages only (see
+    `plan_from_transformers`)."""
     own = getattr(model, "parallel_plan", None)
     if isinstance(own, ParallelPlan):
         return own
     lm = transformers_model(model)
     if lm is not None:
         model_type = text_config(lm.config).model_type
-        return next((plan for plan in PLANS if model_type in plan.model_types), None) or plan_from_transformers(model)
+        hand = next((plan for plan in PLANS if model_type in plan.model_types), None)
+        return hand or plan_from_transformers(model, split)
     for plan in PLANS:
         block = next((m for m in model.modules() if type(m).__name__ in plan.blocks), None)
         if block is not None and all(_has_region(block, region) for region in plan.regions):

@@ -5,15 +5,17 @@ on shardwise's batches takes them; and which traces are small enough for real te
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from unittest import mock
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 
-from shardwise.config.schema import HF_MODELS
-from shardwise.models import cross_entropy, moe
+from shardwise.config.schema import HF_MODELS, ModelConfig
+from shardwise.materialise import init_context
+from shardwise.models import build_model, cross_entropy, moe
 from shardwise.models.moe import their_experts
 
 REAL_TRACE_ELEMENTS = 1 << 22  # the most elements a trace on real tensors may hold (16 MiB of float32)
@@ -78,3 +80,31 @@ def one_loss_chunk() -> contextlib.AbstractContextManager:
     log-sum-exp) does not depend on the chunks, and a long sequence's trace would otherwise run
     the chunk loop dozens of times on fake tensors (93 chunks at Qwen3's 40,960 tokens)."""
     return mock.patch.object(cross_entropy, "CHUNK_ELEMENTS", 1 << 62)
+
+
+@contextlib.contextmanager
+def fake_model(cfg: ModelConfig, n_layer: int) -> Iterator[nn.Module]:
+    """`cfg`'s model with `n_layer` blocks on fake tensors, for the `with`: its forward runs on real
+    token ids, its decisions taken as above, without memory or initialisation. Built on the meta
+    device, then each tensor made a fake one on the CPU (what a fake tensor holds is a meta tensor):
+    a module that casts itself in its constructor (Inkling's convolutions) cannot swap fake
+    parameters there."""
+    with init_context():
+        model = build_model(dataclasses.replace(cfg, n_layer=n_layer))
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    made: dict[int, torch.Tensor] = {}  # a tied tensor stays one
+
+    def faked(tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) not in made:
+            made[id(tensor)] = FakeTensor(fake, tensor, torch.device("cpu"))
+            if isinstance(tensor, nn.Parameter):
+                made[id(tensor)] = nn.Parameter(made[id(tensor)], requires_grad=tensor.requires_grad)
+        return made[id(tensor)]
+
+    for module in model.modules():
+        for tensors in (module._parameters, module._buffers):
+            for key, tensor in tensors.items():
+                if tensor is not None:
+                    tensors[key] = faked(tensor)
+    with fake, one_sequence_per_row(cfg.name), balanced_routing(model):
+        yield model

@@ -33,8 +33,8 @@ from shardwise.dist import DistContext
 from shardwise.gradients import clip_grad_norm_
 from shardwise.materialise import named_tensors
 from shardwise.memory import local_tensor, return_free_memory
-from shardwise.models.hf import tp_plan_of
-from shardwise.models.plans import NEEDS, PLANS, Located, PlanError, locate, plan_for_name, read_tp_plan
+from shardwise.models.hf import pp_plan_of, tp_plan_of
+from shardwise.models.plans import NEEDS, PLANS, Located, PlanError, locate, plan_for, plan_for_name, read_tp_plan
 from shardwise.parallel.comm import all_reduce_packed
 from shardwise.parallel.tensor_group import TensorShard
 from shardwise.state_view import SplitView
@@ -50,7 +50,7 @@ def check_model_split(cfg: Config, world: int) -> None:
     dp, pp, tp = p.mesh_shape(world)
     plan = plan_for_name(m.name)
     if plan is None and m.name in HF_MODELS:  # a transformers family's own plan, as transformers declares it
-        _check_transformers_plan(cfg, pp)
+        _check_transformers_plan(cfg, pp, tp)
     elif plan is None:
         covered = ", ".join(name for each in PLANS for name in each.models)
         raise ConfigError(f"parallel.strategy = {p.strategy!r}: splits a model as its family's parallel plan says; "
@@ -77,17 +77,19 @@ def check_model_split(cfg: Config, world: int) -> None:
                           "holds an equal part of the sequence")
 
 
-def _check_transformers_plan(cfg: Config, pp: int) -> None:
-    """A transformers family of no plan of ours declares a tensor parallel plan shardwise applies
-    (models/plans.py's `read_tp_plan`), and is not cut into pipeline stages: not yet (its
-    base_model_pp_plan, issue 69's third step). Its layer list and modules are checked once the
-    model is built (cli.py, before launch)."""
+def _check_transformers_plan(cfg: Config, pp: int, tp: int) -> None:
+    """A transformers family of no plan of ours, cut into pipeline stages, declares where they lie
+    (its base_model_pp_plan); split over tp, it declares a tensor parallel plan shardwise applies
+    (models/plans.py's `read_tp_plan`). Its layer list and modules are checked once the model is
+    built (cli.py, before launch)."""
     p = cfg.parallel
     family, tp_plan = tp_plan_of(cfg.model)
-    if pp > 1:
-        raise ConfigError(f"parallel.pp = {pp}: shardwise does not cut a transformers family of no plan of its own "
-                          f"({family!r}) into pipeline stages yet; train it under fsdp, or split it over tp "
-                          "(--strategy tensor, or fsdp --tp)")
+    if pp > 1 and not pp_plan_of(cfg.model):
+        raise ConfigError(f"parallel.pp = {pp}: cuts a model into pipeline stages as its family's plan says; "
+                          f"model.hf_config's family {family!r} declares no base_model_pp_plan in transformers; "
+                          "train it under fsdp, or split it over tp (--strategy tensor, or fsdp --tp)")
+    if tp < 2:
+        return
     if not tp_plan:
         raise ConfigError(f"parallel.strategy = {p.strategy!r}: splits a model as its family's parallel plan says; "
                           f"model.hf_config's family {family!r} declares no base_model_tp_plan in transformers")
@@ -152,7 +154,7 @@ class MeshStrategy(DeferrableSync):
 
     def locate(self, model: nn.Module) -> Located:
         """The model's parallel plan, found in it; its block class must be the unit `prepare` settled."""
-        located = locate(model)
+        located = locate(model, plan_for(model, split=self.tp > 1))
         if self.cfg.block not in located.plan.blocks:
             raise PlanError(f"parallel.block = {self.cfg.block!r}: {self.cfg.strategy} cuts and splits the "
                             f"{located.plan.family} plan's blocks ({', '.join(located.plan.blocks)}); another unit "

@@ -21,9 +21,11 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
 
-from shardwise.models.plans import Located
-from shardwise.parallel.module_input import with_input
+from shardwise.models.plans import Located, PlanError
+from shardwise.parallel.module_input import module_input, with_input
 
 
 def balanced_split(sizes: list[int], stages: int) -> list[int]:
@@ -68,19 +70,18 @@ def stage_holds(located: Located, bounds: list[tuple[int, int]]) -> list[set[int
             | (last if s == len(bounds) - 1 else set()) for s, (start, stop) in enumerate(bounds)]
 
 
-class KeptLayers(nn.ModuleList):
-    """Some entries of a model's ModuleList of blocks under their own indices (`layers.5`), so that a
-    stage's state dict names them as the whole model's does; iterated, sliced and indexed by
-    position, as a model's forward uses its list."""
+class OtherStageBlock(nn.Module):
+    """Stands in, in a stage's list of blocks, for a block another stage holds: it hands its input
+    on. The list keeps every block's index, so that a model's forward that looks a block's kind up
+    by its place (`config.layer_types[i]` over `enumerate(self.layers)`) finds each block's own; a
+    later stage's stand-ins before its first block compute nothing that is kept."""
 
-    def __init__(self, blocks: dict[int, nn.Module]) -> None:
+    def __init__(self, block: nn.Module) -> None:
         super().__init__()
-        for index, block in blocks.items():
-            self.add_module(str(index), block)
+        self.input_of = functools.partial(module_input, block)
 
-    def __getitem__(self, idx: int | slice) -> nn.Module:
-        kept = list(self._modules.values())
-        return nn.ModuleList(kept[idx]) if isinstance(idx, slice) else kept[idx]
+    def forward(self, *args: object, **kwargs: object) -> torch.Tensor:
+        return self.input_of(args, kwargs)
 
 
 class EmptyEmbedding(nn.Module):
@@ -98,18 +99,24 @@ class EmptyEmbedding(nn.Module):
 
 class Stage(nn.Module):
     """One pipeline stage: the model itself, with the other stages' modules removed. It keeps its
-    blocks [start, stop) under their own names, the first stage's embeddings if it is the first and
+    blocks [start, stop) under their own names (the others' places held by `OtherStageBlock`s), the
+    first stage's embeddings if it is the first and
     the last stage's final norm and head if it is the last; the others' are replaced by stand-ins
     without parameters (`EmptyEmbedding`, identities). The model's own forward runs: the first
     stage's from token ids, a later stage's from activations, which enter at its first block in
-    place of what the stand-ins made; to logits on the last stage, to activations on the others."""
+    place of what the stand-ins made; to logits on the last stage. An earlier stage's forward ends
+    at its last block, whose output is what it sends on: what the model does after its blocks (a
+    scale or a soft cap of the logits) is the last stage's alone."""
 
     def __init__(self, located: Located, start: int, stop: int, first: bool, last: bool) -> None:
         super().__init__()
         self.model, self.first, self.last = located.model, first, last
         self._entering: torch.Tensor | None = None  # a later stage's activations, during its forward
+        self._leaving: list[torch.Tensor] = []  # an earlier stage's: its last block's output, in forward
+        self._last_block = None if last else located.blocks[stop - 1]
         blocks = located.blocks
-        located.replace(located.layers, KeptLayers({i: blocks[i] for i in range(start, stop)}))
+        located.replace(located.layers, nn.ModuleList([block if start <= i < stop else OtherStageBlock(block)
+                                                       for i, block in enumerate(blocks)]))
         if not first:
             for name, embedding in located.first.items():
                 located.replace(name, EmptyEmbedding(embedding))
@@ -117,6 +124,10 @@ class Stage(nn.Module):
         if not last:
             for name in located.last:
                 located.replace(name, nn.Identity())
+
+    def _leave(self, block: nn.Module, args: tuple, output: torch.Tensor | tuple) -> None:
+        self._leaving.append(output if isinstance(output, torch.Tensor) else output[0])
+        raise _StageEnd
 
     def _enter(self, block: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return with_input(block, args, kwargs, self._entering)
@@ -126,11 +137,22 @@ class Stage(nn.Module):
         A model returning an output object (transformers') gives its `logits`."""
         if not self.first:  # the embeddings' stand-ins need the token ids' shape only
             self._entering, x = x, torch.zeros(x.shape[:-1], dtype=torch.long, device=x.device)
+        # The last block's output once every other hook of it has run (sequence parallel's gather of the
+        # sequence): hooked for this forward only, after them
+        leaving = self._last_block.register_forward_hook(self._leave) if self._last_block is not None else None
         try:
             out = self.model(x)
+        except _StageEnd:
+            return self._leaving.pop()
         finally:
             self._entering = None
+            if leaving is not None:
+                leaving.remove()
         return out if isinstance(out, torch.Tensor) else out.logits
+
+
+class _StageEnd(Exception):
+    """Raised by an earlier stage's last block once it has its output: the forward stops there."""
 
 
 def separate(located: Located) -> Located:
@@ -151,3 +173,67 @@ def separate(located: Located) -> Located:
                 copies[prefix] = shallow(copies[parent]._modules[path[depth - 1]])
                 copies[parent]._modules[path[depth - 1]] = copies[prefix]
     return dataclasses.replace(located, model=copies[""], first=dict(located.first), last=dict(located.last))
+
+
+class _FromFirstStage(TorchFunctionMode):
+    """Follows, through a forward, which tensors are computed from what the first stage's modules
+    output (the embeddings): those a later stage has no values for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.derived: dict[int, torch.Tensor] = {}  # id -> the tensor, kept so that its id is not reused
+
+    def mark(self, outputs: object) -> None:
+        for tensor in tree_flatten(outputs)[0]:
+            if isinstance(tensor, torch.Tensor):
+                self.derived[id(tensor)] = tensor
+
+    def holds(self, value: object) -> bool:
+        return isinstance(value, torch.Tensor) and self.derived.get(id(value)) is value
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's protocol
+        out = func(*args, **(kwargs or {}))
+        if any(self.holds(value) for value in tree_flatten((args, kwargs))[0]):
+            self.mark(out)
+        return out
+
+
+def check_stage_boundaries(located: Located, tokens: torch.Tensor) -> None:
+    """What a cut between two blocks sends is all the later stage needs: one forward on `tokens`
+    (fake tensors do) finds each block taking activations shaped [batch, seq, width] (the first
+    embedding's width), returning a tensor of that shape, and taking nothing else computed from the
+    first stage's modules (a per-layer embedding, a second stream of activations between blocks),
+    which a later stage would have only as its stand-ins' zeros. PlanError naming the first that
+    does not."""
+    family, blocks = located.plan.family, located.blocks
+    width = next(iter(located.first.values())).embedding_dim
+    shape = (*tokens.shape, width)
+    follow, found = _FromFirstStage(), []
+
+    def entering(block: nn.Module, args: tuple, kwargs: dict) -> None:
+        hidden = module_input(block, args, kwargs)
+        others = [value for value in tree_flatten((args, kwargs))[0] if value is not hidden]
+        if not isinstance(hidden, torch.Tensor) or tuple(hidden.shape) != shape:
+            found.append(f"takes activations of shape {tuple(getattr(hidden, 'shape', ()))}, not [batch, seq, "
+                         f"width] = {shape}")
+        elif any(follow.holds(value) for value in others):
+            found.append("takes more than the activations from the blocks before it (a tensor computed from the "
+                         "embeddings: a per-layer input or a second stream)")
+
+    def leaving(block: nn.Module, args: tuple, output: object) -> None:
+        if not isinstance(output, torch.Tensor) or tuple(output.shape) != shape:
+            what = f"a {type(output).__name__}" if not isinstance(output, torch.Tensor) else tuple(output.shape)
+            found.append(f"returns {what}, not activations of shape {shape}")
+
+    hooks = [module.register_forward_hook(lambda m, args, out: follow.mark(out)) for module in located.first.values()]
+    hooks += [hook for block in blocks for hook in (block.register_forward_pre_hook(entering, with_kwargs=True),
+                                                    block.register_forward_hook(leaving))]
+    try:
+        with follow, torch.no_grad():
+            located.model(tokens)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    if found:
+        raise PlanError(f"{family}: its {type(blocks[0]).__name__} {found[0]}; a pipeline stage sends the next only "
+                        "its last block's activations")
