@@ -403,11 +403,14 @@ def plan_from_transformers(model: nn.Module, split: bool = True) -> ParallelPlan
     if split and not regions and not gathered + split_input and not experts and not vocabulary:
         raise PlanError(f"{family}: none of its {block}s has the modules its tensor parallel plan splits")
     first, last = _stages(lm, lm.get_submodule(base_path), base_path, path.rpartition(".")[2], config)
+    # the rotary embedding transformers' base models call with the tokens' positions (`position_ids=`)
+    rotary = f"{prefix}rotary_emb"
+    positions = Positions(rotary, "position_ids") if has_module(lm, rotary) else None
     in_out = any(type(b.get_submodule(f"{r.module}.{r.row}")).__name__ == "Conv1D" for b in layers for r in regions
                  if _has_region(b, r))
     return ParallelPlan(family=family, models=("hf",), blocks=blocks, regions=tuple(regions), first_stage=first,
-                        last_stage=last, weights_in_out=in_out, where_present=True, gathered=tuple(gathered),
-                        split_input=tuple(split_input), experts=tuple(experts),
+                        last_stage=last, weights_in_out=in_out, positions=positions, where_present=True,
+                        gathered=tuple(gathered), split_input=tuple(split_input), experts=tuple(experts),
                         vocabulary=tuple(vocabulary))
 
 
