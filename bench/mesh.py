@@ -29,7 +29,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 from bench.common import BenchArgs, StepFn, alternate, bench_config, bench_main
-from bench.tensor import MODELS, by_transformers_plan, describe, dtensor_plan, initial_model, plan_lines, plan_row
+from bench.tensor import MODELS, describe, dtensor_plan, initial_model
 from shardwise.config.schema import Config
 from shardwise.dist import DistContext
 from shardwise.memory import optimizer_state_tensors, storage_bytes
@@ -104,9 +104,6 @@ def run(ctx: DistContext, args: BenchArgs) -> dict[str, Any] | None:
         steps_of[f"{model}-fsdp-tp"] = our_step(trainers[model], mesh, losses[model]["ours"])
         steps_of[f"{model}-fsdp2-dtensor"] = native_step(trainers[model], natives[model], optimizers[model], mesh,
                                                          losses[model]["native"])
-    losses["llama-theirs"] = {"ours": []}
-    steps_of["llama-theirs-fsdp-tp"] = our_step(by_transformers_plan(trainers["llama"].cfg, ctx), mesh,
-                                                losses["llama-theirs"]["ours"])
     times = alternate(steps_of, steps, rounds)
     median = {name: statistics.median(t) for name, t in times.items()}
     held = {}
@@ -128,8 +125,6 @@ def run(ctx: DistContext, args: BenchArgs) -> dict[str, Any] | None:
                        "bytes_per_rank": held[model][1], "first_losses": losses[model]["native"][:3]},
             "ratio": median[ours] / median[native],
         }
-    rows["llama"]["transformers_plan"] = plan_row(times, "llama-theirs-fsdp-tp", "llama-fsdp-tp",
-                                                  losses["llama-theirs"])
     return {
         "bench": "mesh",
         "mesh": {"dp": DP, "tp": TP},
@@ -158,7 +153,7 @@ def format_result(result: dict[str, Any]) -> str:
         entry = result[model]
         lines += [f"  {entry['model']}", row("ours (fsdp, parallel.tp = 2)", entry["ours"]),
                   row("FSDP2 fully_shard x DTensor", entry["native"]),
-                  f"    ratio ours/native {entry['ratio']:.3f}", *plan_lines(entry)]
+                  f"    ratio ours/native {entry['ratio']:.3f}"]
     return "\n".join(lines)
 
 

@@ -20,7 +20,6 @@ import os
 import platform
 import statistics
 from typing import Any
-from unittest import mock
 
 import torch
 from torch import nn
@@ -32,7 +31,7 @@ from shardwise.config.schema import Config
 from shardwise.dist import DistContext
 from shardwise.materialise import Materialiser, init_context
 from shardwise.memory import storage_bytes
-from shardwise.models import build_model, loss_fn, plans
+from shardwise.models import build_model, loss_fn
 from shardwise.models.plans import locate
 from shardwise.parallel.tensor_group import TensorShard
 from shardwise.trainer import Trainer, optimizer_factory
@@ -61,32 +60,6 @@ def dtensor_plan(model: nn.Module, size: int) -> dict[str, ParallelStyle]:
                 plan[names[layer]] = ColwiseParallel()
             plan[names[module.get_submodule(region.row)]] = RowwiseParallel()
     return plan
-
-
-def by_transformers_plan(cfg: Config, ctx: DistContext) -> Trainer:
-    """Issue 69's A/B before the hand-written Llama plan goes: the trainer of `cfg`'s Llama split by
-    transformers' own base_model_tp_plan (plans.plan_from_transformers), the hand-written plan set
-    aside while it is built."""
-    with mock.patch.object(plans, "PLANS", tuple(p for p in plans.PLANS if p is not plans.LLAMA)):
-        trainer = Trainer(cfg, ctx)
-        assert plans.plan_for(trainer.strategy.module).models == ("hf",)  # transformers', not the hand-written one
-    return trainer
-
-
-def plan_row(times: dict[str, list[float]], theirs: str, hand: str, losses: dict[str, list[float]]) -> dict[str, Any]:
-    """The A/B's result: the step times by transformers' plan, and their median's ratio to the hand plan's."""
-    median = statistics.median(times[theirs])
-    return {"step_time_s": median, "step_times_s": times[theirs], "first_losses": losses["ours"][:3],
-            "ratio_to_hand_plan": median / statistics.median(times[hand])}
-
-
-def plan_lines(entry: dict[str, Any]) -> list[str]:
-    if "transformers_plan" not in entry:
-        return []
-    theirs = entry["transformers_plan"]
-    first = ", ".join(f"{loss:.5f}" for loss in theirs["first_losses"])
-    return [f"    ours by transformers' plan: median step {theirs['step_time_s'] * 1000:8.1f} ms, "
-            f"{theirs['ratio_to_hand_plan']:.3f} of the hand-written plan's   first losses {first}"]
 
 
 def initial_model(cfg: Config, device: torch.device) -> nn.Module:
@@ -150,9 +123,6 @@ def run(ctx: DistContext, args: BenchArgs) -> dict[str, Any] | None:
         losses[model] = {"ours": [], "native": []}
         steps_of[f"{model}-tensor"] = our_step(trainers[model], losses[model]["ours"])
         steps_of[f"{model}-dtensor"] = dtensor_step(trainers[model], natives[model], losses[model]["native"])
-    losses["llama-theirs"] = {"ours": []}
-    steps_of["llama-theirs-tensor"] = our_step(by_transformers_plan(trainers["llama"].cfg, ctx),
-                                               losses["llama-theirs"]["ours"])
     times = alternate(steps_of, steps, rounds)
     median = {name: statistics.median(t) for name, t in times.items()}
     param_bytes = {model: (trainers[model].strategy.memory(0).params, storage_bytes(natives[model].parameters()))
@@ -170,7 +140,6 @@ def run(ctx: DistContext, args: BenchArgs) -> dict[str, Any] | None:
                        "param_bytes_per_rank": param_bytes[model][1], "first_losses": losses[model]["native"][:3]},
             "ratio": median[ours] / median[native],
         }
-    rows["llama"]["transformers_plan"] = plan_row(times, "llama-theirs-tensor", "llama-tensor", losses["llama-theirs"])
     return {
         "bench": "tensor",
         "tp": ctx.world_size,
@@ -197,7 +166,6 @@ def format_result(result: dict[str, Any]) -> str:
         entry = result[model]
         lines += [f"  {entry['model']}", row("ours (tensor)", entry["ours"]),
                   row("DTensor parallelize_module", entry["native"]), f"    ratio ours/DTensor {entry['ratio']:.3f}"]
-        lines += plan_lines(entry)
     return "\n".join(lines)
 
 

@@ -273,10 +273,12 @@ def test_dp2_pp2_tp2_matches_single_device_on_8_ranks_for_every_family(tmp_path,
     (("model.name=hf-llama", "model.n_head=4", "model.d_ff=66", "parallel.strategy=tensor", "launch.nproc=4"),
      "parallel.tp = 4: must divide model.d_ff = 66"),
     (("model.name=hf-llama", "parallel.strategy=pipeline", "parallel.block=LlamaMLP", "launch.nproc=2"),
-     "parallel.block = 'LlamaMLP': pipeline cuts and splits the llama plan's blocks"),
+     "parallel.block = 'LlamaMLP': pipeline cuts and splits llama's blocks (of LlamaDecoderLayer)"),
+    (("model.name=hf-gpt2", "parallel.strategy=pipeline", "parallel.block=GPT2MLP", "launch.nproc=2"),
+     "parallel.block = 'GPT2MLP': pipeline cuts and splits the gpt2 plan's blocks (GPT2Block)"),
     (("model.name=cnn", "data.name=digits", "parallel.strategy=pipeline", "launch.nproc=2"),
-     "model.name = 'cnn' has none (plans exist for gpt, hf-llama, hf-qwen2, hf-gpt2, gpt-moe, hf-mixtral, "
-     "hf-qwen3-moe, and every transformers family that declares one, model.name = 'hf'). A plan names the class of "
+     "model.name = 'cnn' has none (plans exist for gpt, hf-gpt2, gpt-moe, hf-mixtral, hf-qwen3-moe, and every "
+     "transformers family that declares one: hf, hf-llama, hf-qwen2, hf-deepseek-v3). A plan names the class of "
      "its repeated block"),
 ])
 def test_a_split_the_model_cannot_take_is_refused_before_launch(overrides, message):

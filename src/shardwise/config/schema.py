@@ -24,7 +24,7 @@ OFFLOADS = ("none", "optimizer")
 ALL_REDUCES = ("backend", "ring")
 GRAD_COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 # transformers models (models/hf.py): `hf`, any causal-LM family, of model.hf_config's architecture; and
-# the families shardwise splits with plans of its own, of the GPT presets' sizes or of model.hf_config's
+# families shardwise sizes by the GPT presets (or model.hf_config)
 HF_MODELS = ("hf", "hf-llama", "hf-qwen2", "hf-gpt2", "hf-mixtral", "hf-qwen3-moe", "hf-deepseek-v3")
 # families whose key/value heads may be fewer than their heads
 GROUPED_QUERY_MODELS = ("hf", "hf-llama", "hf-qwen2", "hf-mixtral", "hf-qwen3-moe", "hf-deepseek-v3")
@@ -103,8 +103,8 @@ class ModelConfig:
                        "layer for each MLP, docs/strategies/moe.md), `hf` (a transformers causal LM of any family, "
                        "model.hf_config's), `hf-llama` / `hf-qwen2` / `hf-gpt2` / `hf-mixtral` / `hf-qwen3-moe` / "
                        "`hf-deepseek-v3` (a randomly initialised transformers Llama, Qwen2, GPT-2, Mixtral, "
-                       "Qwen3-MoE or DeepSeek-V3 of the preset's sizes, or of model.hf_config's: the families "
-                       "shardwise splits with plans of its own), `cnn` (with BatchNorm) or `mlp`", MODELS)
+                       "Qwen3-MoE or DeepSeek-V3 of the preset's sizes, or of model.hf_config's), `cnn` (with "
+                       "BatchNorm) or `mlp`", MODELS)
     preset: str = option("tiny", "GPT and hf-* size: `tiny` (2 blocks x width 64, 64-token context), `small` "
                          "(6 x 384, 256), `gpt2-124m` (12 x 768, 1024, vocabulary 50304); fills every size below "
                          "left unset", GPT_PRESETS)

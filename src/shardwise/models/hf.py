@@ -87,7 +87,7 @@ def tp_plan_of(cfg: ModelConfig) -> tuple[str, dict[str, str]]:
     """The family of a transformers model and the tensor parallel plan its config declares (empty
     where it declares none), read without building the model: once per file, for the planner
     checks it for each of thousands of candidates."""
-    family, plan, _ = _plans_of(cfg.name, cfg.hf_config)
+    family, plan, *_ = _plans_of(cfg.name, cfg.hf_config)
     return family, dict(plan)
 
 
@@ -97,16 +97,25 @@ def pp_plan_of(cfg: ModelConfig) -> tuple[str, ...]:
     return _plans_of(cfg.name, cfg.hf_config)[2]
 
 
+def unsplit_classes_of(cfg: ModelConfig) -> tuple[str, ...]:
+    """The classes a transformers model's causal-LM class declares must not be split
+    (`_no_split_modules`: its decoder layers among them), read without building the model."""
+    return _plans_of(cfg.name, cfg.hf_config)[3]
+
+
 @functools.cache
-def _plans_of(name: str, hf_config: str | None) -> tuple[str, tuple[tuple[str, str], ...], tuple[str, ...]]:
+def _plans_of(name: str, hf_config: str | None) -> tuple[str, tuple[tuple[str, str], ...], tuple[str, ...],
+                                                        tuple[str, ...]]:
     import transformers
 
     # a family of shardwise's: its plan does not depend on its sizes
     config = transformers.AutoConfig.for_model(**read_transformers_config(hf_config)) if name == "hf" \
         else transformers.CONFIG_MAPPING[FAMILY_TYPES[name]]()
     text = text_config(config)
+    model_class = transformers.MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
     return (text.model_type, tuple((getattr(text, "base_model_tp_plan", None) or {}).items()),
-            tuple(getattr(text, "base_model_pp_plan", None) or ()))
+            tuple(getattr(text, "base_model_pp_plan", None) or ()),
+            tuple(getattr(model_class, "_no_split_modules", None) or ()))
 
 
 def _without_noise(config: object) -> None:

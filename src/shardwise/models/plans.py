@@ -130,23 +130,6 @@ GPT = ParallelPlan(
     positions=Positions("pos_emb", 0),
 )
 
-# Llama, and the families that kept its module names: Mistral, Qwen2 (whose q, k and v have biases,
-# split with their rows).
-LLAMA = ParallelPlan(
-    family="llama",
-    models=("hf-llama", "hf-qwen2"),
-    blocks=("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer"),
-    regions=(
-        Region("self_attn", column=("q_proj", "k_proj", "v_proj"), row="o_proj",
-               heads="config.num_attention_heads", kv_heads="config.num_key_value_heads"),
-        Region("mlp", column=("gate_proj", "up_proj"), row="down_proj"),
-    ),
-    first_stage=("embed_tokens",),
-    last_stage=("norm", "lm_head"),
-    positions=Positions("rotary_emb", "position_ids"),  # transformers calls it rotary_emb(x, position_ids=...)
-    model_types=("llama", "mistral", "qwen2"),
-)
-
 # GPT-2's attention splits its fused qkv by `split_size`, which must then be this rank's width.
 GPT2 = ParallelPlan(
     family="gpt2",
@@ -178,19 +161,20 @@ GPT_MOE = ParallelPlan(
 
 # transformers' Mixtral and Qwen3-MoE: Llama's attention (Qwen3's per-head q and k norms whole on
 # every rank, as each rank's heads are whole), split over tp; the MoE layer whole on every tp rank, as
-# gpt-moe's.
+# gpt-moe's, its experts split by expert parallel (their own plans split the experts over tp).
 MIXTRAL = ParallelPlan(
     family="mixtral",
     models=("hf-mixtral", "hf-qwen3-moe"),
     blocks=("MixtralDecoderLayer", "Qwen3MoeDecoderLayer"),
-    regions=(LLAMA.regions[0],),
-    first_stage=LLAMA.first_stage,
-    last_stage=LLAMA.last_stage,
-    positions=LLAMA.positions,
+    regions=(Region("self_attn", column=("q_proj", "k_proj", "v_proj"), row="o_proj",
+                    heads="config.num_attention_heads", kv_heads="config.num_key_value_heads"),),
+    first_stage=("embed_tokens",),
+    last_stage=("norm", "lm_head"),
+    positions=Positions("rotary_emb", "position_ids"),  # transformers calls it rotary_emb(x, position_ids=...)
     model_types=("mixtral", "qwen3_moe"),
 )
 
-PLANS: tuple[ParallelPlan, ...] = (GPT, LLAMA, GPT2, GPT_MOE, MIXTRAL)  # shipped, the first found for a model first
+PLANS: tuple[ParallelPlan, ...] = (GPT, GPT2, GPT_MOE, MIXTRAL)  # shipped, the first found for a model first
 
 NEEDS = ("the class of its repeated block; per block, its tensor-parallel regions (a module whose input enters "
          "column-parallel layers and whose output leaves a row-parallel one, and for attention where its head "

@@ -33,7 +33,7 @@ from shardwise.dist import DistContext
 from shardwise.gradients import clip_grad_norm_
 from shardwise.materialise import named_tensors
 from shardwise.memory import local_tensor, return_free_memory
-from shardwise.models.hf import pp_plan_of, tp_plan_of
+from shardwise.models.hf import pp_plan_of, tp_plan_of, unsplit_classes_of
 from shardwise.models.plans import NEEDS, PLANS, Located, PlanError, locate, plan_for, plan_for_name, read_tp_plan
 from shardwise.parallel.comm import all_reduce_packed
 from shardwise.parallel.tensor_group import TensorShard
@@ -53,10 +53,10 @@ def check_model_split(cfg: Config, world: int) -> None:
         _check_transformers_plan(cfg, pp, tp)
     elif plan is None:
         covered = ", ".join(name for each in PLANS for name in each.models)
+        theirs = ", ".join(name for name in HF_MODELS if not plan_for_name(name))
         raise ConfigError(f"parallel.strategy = {p.strategy!r}: splits a model as its family's parallel plan says; "
                           f"model.name = {m.name!r} has none (plans exist for {covered}, and every transformers "
-                          f"family that declares one, model.name = 'hf'). A plan names {NEEDS} "
-                          "(docs/model-families.md)")
+                          f"family that declares one: {theirs}). A plan names {NEEDS} (docs/model-families.md)")
     if plan is not None and p.block != DEFAULT_BLOCK and p.block not in plan.blocks:
         raise ConfigError(f"parallel.block = {p.block!r}: {p.strategy} cuts and splits the {plan.family} plan's "
                           f"blocks ({', '.join(plan.blocks)}); another unit would cut inside a block. Leave "
@@ -84,6 +84,10 @@ def _check_transformers_plan(cfg: Config, pp: int, tp: int) -> None:
     built (cli.py, before launch)."""
     p = cfg.parallel
     family, tp_plan = tp_plan_of(cfg.model)
+    blocks = unsplit_classes_of(cfg.model)
+    if p.block != DEFAULT_BLOCK and blocks and p.block not in blocks:
+        raise ConfigError(f"parallel.block = {p.block!r}: {p.strategy} cuts and splits {family}'s blocks (of "
+                          f"{', '.join(blocks)}); another unit would cut inside a block. Leave parallel.block unset")
     if pp > 1 and not pp_plan_of(cfg.model):
         raise ConfigError(f"parallel.pp = {pp}: cuts a model into pipeline stages as its family's plan says; "
                           f"model.hf_config's family {family!r} declares no base_model_pp_plan in transformers; "

@@ -17,7 +17,7 @@ import copy
 import dataclasses
 import functools
 import itertools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -191,7 +191,7 @@ class _FromFirstStage(TorchFunctionMode):
     def holds(self, value: object) -> bool:
         return isinstance(value, torch.Tensor) and self.derived.get(id(value)) is value
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204 - torch's protocol
+    def __torch_function__(self, func: Callable, types: tuple, args: tuple = (), kwargs: dict | None = None) -> object:
         out = func(*args, **(kwargs or {}))
         if any(self.holds(value) for value in tree_flatten((args, kwargs))[0]):
             self.mark(out)
