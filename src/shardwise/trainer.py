@@ -34,6 +34,7 @@ from shardwise.memory import (
 )
 from shardwise.metrics import MetricsWriter, Progress, device_peak_flops, mfu
 from shardwise.models import build_model, flops_per_sample, loss_fn
+from shardwise.muon import Muon, muon_groups, split_for_muon
 from shardwise.replicas import (
     ReplicaGroups,
     load_replica_state,
@@ -49,12 +50,21 @@ from shardwise.weights import ModelNames, load_weights
 from shardwise.weights_file import final_layout, save_weights
 
 
-def optimizer_factory(cfg: TrainConfig) -> OptimizerFactory:
+def optimizer_factory(cfg: TrainConfig, strategy: Strategy | None = None) -> OptimizerFactory:
     """AdamW or SGD with momentum; weight decay on matrices and embeddings, not on biases or
-    norm scales (dim < 2)."""
+    norm scales (dim < 2). Muon (its model's split found now, in `strategy`'s wrapped model):
+    for the parameters muon.py's `split_for_muon` chooses, each matrix as its layout says, AdamW
+    for the rest."""
+    if cfg.optimizer == "muon":
+        takes, layouts = split_for_muon(strategy.module, strategy.view.named_parameters(), strategy.cfg.block,
+                                        cfg.muon.params, cfg.muon.whole_fused)
 
     def make(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
         params = [p for p in params if p.requires_grad]
+        if cfg.optimizer == "muon":
+            return Muon(muon_groups(params, takes, layouts, cfg.weight_decay), lr=cfg.lr,
+                        betas=(cfg.beta1, cfg.beta2), momentum=cfg.muon.momentum, ns_steps=cfg.muon.ns_steps,
+                        ns_dtype=cfg.muon.ns_dtype, adjust_lr=cfg.muon.adjust_lr)
         groups = [
             {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
@@ -123,7 +133,7 @@ class Trainer:
         with self.peaks("setup"):
             self.model = self.strategy.wrap(model)
         self.setup_rss = self.peaks.rss["setup"] - self.baseline_rss  # wrap's peak above the runtime's
-        self.optimizer = self.strategy.optimizer(optimizer_factory(cfg.train))
+        self.optimizer = self.strategy.optimizer(optimizer_factory(cfg.train, self.strategy))
         self.scaler = self.strategy.scaler
         self.skipped_steps = 0
         self.step = 0  # the step under way (0-based), for errors that happen inside it

@@ -164,8 +164,32 @@ def _validate_optimization(cfg: Config) -> None:
             raise ConfigError(f"train.{key} = {getattr(t, key)!r}: must be in [0, 1)")
     if t.min_lr > t.lr:
         raise ConfigError(f"train.min_lr = {t.min_lr!r}: must be <= train.lr = {t.lr!r}")
+    if t.optimizer == "muon":
+        _validate_muon(cfg)
     _positive("launch.max_restarts", launch.max_restarts, zero_ok=True)
     _positive("launch.shutdown_timeout_s", launch.shutdown_timeout_s, zero_ok=True)
+
+
+MUON_STRATEGIES = ("single", "dp", "ddp")  # hold every matrix whole on every rank; the rest: issue 70
+
+
+def _validate_muon(cfg: Config) -> None:
+    """Muon's keys, and what it composes with yet: whole matrices (single, dp, ddp), a language
+    model's blocks, no adapters, no fp16 loss scale."""
+    muon = cfg.train.muon
+    _positive("train.muon.ns_steps", muon.ns_steps)
+    if not 0 <= muon.momentum < 1:
+        raise ConfigError(f"train.muon.momentum = {muon.momentum!r}: must be in [0, 1)")
+    if cfg.parallel.strategy not in MUON_STRATEGIES:
+        raise ConfigError(f"train.optimizer = 'muon': not under parallel.strategy = {cfg.parallel.strategy!r} yet "
+                          f"(its matrices are sharded or split); use {', '.join(MUON_STRATEGIES)}, or adamw")
+    if cfg.model.name not in LANGUAGE_MODELS and muon.params is None:
+        raise ConfigError(f"train.optimizer = 'muon': steps the matrices of a language model's blocks; model.name = "
+                          f"{cfg.model.name!r} has none: name them in train.muon.params")
+    if cfg.lora.rank > 0:
+        raise ConfigError("train.optimizer = 'muon': not with LoRA adapters yet (lora.rank > 0); use adamw")
+    if cfg.parallel.precision == "fp16-mixed":
+        raise ConfigError("train.optimizer = 'muon': not with fp16's loss scaler yet; use bf16-mixed or fp32")
 
 
 def _validate_launch(cfg: Config) -> None:

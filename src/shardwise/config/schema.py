@@ -72,7 +72,7 @@ BALANCES = ("aux-loss", "bias", "none")
 EP_STRATEGIES = ("ddp", "zero1", "zero2", "fsdp", "hsdp", "tensor", "pipeline")
 MODELS = (*LANGUAGE_MODELS, "cnn", "mlp")
 GPT_PRESETS = ("tiny", "small", "gpt2-124m")
-OPTIMIZERS = ("adamw", "sgd")
+OPTIMIZERS = ("adamw", "sgd", "muon")
 CORPORA = ("shakespeare", "stdlib")  # the built-in text corpora (data/corpus.py)
 TEXT_DATASETS = (*CORPORA, "synthetic-tokens")
 IMAGE_DATASETS = ("digits", "synthetic-images")
@@ -186,11 +186,31 @@ class DataConfig:
 
 
 @dataclass
+class MuonConfig:
+    """`train.optimizer = "muon"`: Muon for the hidden weight matrices, AdamW (`train.beta1`,
+    `train.beta2`) for the rest (docs/muon.md)."""
+
+    params: list[str] | None = option(None, "name patterns (fnmatch, the plain model's names) of the matrices Muon "
+                                      "steps; unset: every matrix of the model's blocks (embeddings, head, norms and "
+                                      "biases take AdamW)")
+    adjust_lr: str = option("original", "torch.optim.Muon's `adjust_lr_fn` for a matrix of `rows` output and `cols` "
+                            "input features: `original` scales train.lr by sqrt(max(1, rows / cols)), "
+                            "`match_rms_adamw` by 0.2 sqrt(max(rows, cols)) (one lr for both halves)",
+                            ("original", "match_rms_adamw"))
+    momentum: float = option(0.95, "Muon's Nesterov momentum, in [0, 1)")
+    ns_steps: int = option(5, "Newton-Schulz iterations that orthogonalize each matrix's update")
+    ns_dtype: str = option("bf16", "the Newton-Schulz iterations' dtype: `bf16` as torch.optim.Muon, or `fp32`",
+                           ("bf16", "fp32"))
+    whole_fused: bool = option(False, "a fused projection (qkv, gate_up) orthogonalized whole, not part by part")
+
+
+@dataclass
 class TrainConfig:
     """The loop: steps, batch, optimizer, schedule, evaluation, checkpoints."""
 
     steps: int = option(100, "optimizer steps")
-    optimizer: str = option("adamw", "`adamw`, or `sgd` with `train.momentum`", OPTIMIZERS)
+    optimizer: str = option("adamw", "`adamw`, `sgd` with `train.momentum`, or `muon` (`[train.muon]`; AdamW for "
+                            "what it does not step)", OPTIMIZERS)
     global_batch: int = option(16, "samples per optimizer step, over all ranks")
     micro_batch: int = option(8, "samples per forward on one model replica (`pipeline`: per pipeline run, split "
                               "into `parallel.pipeline.micro_batches`); global_batch / (replicas x micro_batch) "
@@ -224,6 +244,7 @@ class TrainConfig:
                                     "flight (checkpoint_async.py); false: every rank waits for its files")
     compile: bool = option(False, "compile each block's forward with torch.compile (inductor), regionally: identical "
                            "blocks share one graph; compile time and graph count go in the summary (docs/compile.md)")
+    muon: MuonConfig = field(default_factory=MuonConfig)
 
 
 @dataclass
