@@ -1,6 +1,6 @@
 """`train.optimizer = "muon"` (issue 70, its first step): Muon for the blocks' matrices, AdamW for
 the rest, equal to torch.optim.Muon and torch.optim.AdamW on the same split under single, and under
-ddp on 2 ranks equal to single (Newton-Schulz in fp32 there, so that rounding cannot hide a wrong
+dp (2 replicas) and ddp on 2 ranks equal to single (Newton-Schulz in fp32 there, so that rounding cannot hide a wrong
 assembly); what it does not compose with yet is refused before launch."""
 
 from __future__ import annotations
@@ -74,18 +74,20 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("muon")
     fp32 = ("train.muon.ns_dtype=fp32",)
     train_in_process(cfg_for(root / "single", "single", 1, *fp32))
+    train_in_process(cfg_for(root / "dp", "dp", 1, *fp32))  # 2 replicas in threads of this process
     run_ranks(train_runs, 2, root, {"ddp": ("ddp", *fp32)}, cfg_for)
     return root
 
 
-def test_ddp_muon_equals_single(runs):
+@pytest.mark.parametrize("strategy", ["dp", "ddp"])
+def test_muon_under_data_parallel_equals_single(runs, strategy):
     """GPT-tiny, whose fused qkv is orthogonalized part by part: every step's loss within 1e-5
     relative, and the final weights within rtol 1e-5."""
-    got, want = (read_records(runs / name) for name in ("ddp", "single"))
+    got, want = (read_records(runs / name) for name in (strategy, "single"))
     assert len(got) == len(want) == STEPS
     for ours, theirs in zip(got, want, strict=True):
         assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
-    state, expected = (load_file(str(runs / name / "model.safetensors")) for name in ("ddp", "single"))
+    state, expected = (load_file(str(runs / name / "model.safetensors")) for name in (strategy, "single"))
     for key in expected:
         torch.testing.assert_close(state[key], expected[key], rtol=1e-5, atol=1e-6, msg=key)
 
