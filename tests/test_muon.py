@@ -113,6 +113,8 @@ def test_a_fused_matrix_is_orthogonalized_part_by_part_and_experts_one_by_one():
 @pytest.mark.parametrize("overrides, words", [
     (("parallel.strategy=fsdp", "launch.nproc=2"), "train.optimizer = 'muon': not under parallel.strategy = 'fsdp'"),
     (("lora.rank=4",), "not with LoRA adapters yet"),
+    (("parallel.strategy=ddp", "launch.nproc=2", "model.name=gpt-moe", "parallel.ep=2"),
+     "not with expert parallel yet (parallel.ep = 2)"),
     (("parallel.precision=fp16-mixed",), "not with fp16's loss scaler yet"),
     (("train.muon.ns_steps=0",), "train.muon.ns_steps = 0"),
     (("model.name=mlp", "data.name=digits"), "model.name = 'mlp' has none"),

@@ -174,8 +174,8 @@ MUON_STRATEGIES = ("single", "dp", "ddp")  # hold every matrix whole on every ra
 
 
 def _validate_muon(cfg: Config) -> None:
-    """Muon's keys, and what it composes with yet: whole matrices (single, dp, ddp), a language
-    model's blocks, no adapters, no fp16 loss scale."""
+    """Muon's keys, and what it composes with yet: whole matrices (single, dp, ddp), no expert
+    parallel, a language model's blocks, no adapters, no fp16 loss scale."""
     muon = cfg.train.muon
     _positive("train.muon.ns_steps", muon.ns_steps)
     if not 0 <= muon.momentum < 1:
@@ -186,6 +186,8 @@ def _validate_muon(cfg: Config) -> None:
     if cfg.model.name not in LANGUAGE_MODELS and muon.params is None:
         raise ConfigError(f"train.optimizer = 'muon': steps the matrices of a language model's blocks; model.name = "
                           f"{cfg.model.name!r} has none: name them in train.muon.params")
+    if cfg.parallel.ep > 1:
+        raise ConfigError(f"train.optimizer = 'muon': not with expert parallel yet (parallel.ep = {cfg.parallel.ep})")
     if cfg.lora.rank > 0:
         raise ConfigError("train.optimizer = 'muon': not with LoRA adapters yet (lora.rank > 0); use adamw")
     if cfg.parallel.precision == "fp16-mixed":
