@@ -1,7 +1,8 @@
 """`train.optimizer = "muon"` (issue 70, its first step): Muon for the blocks' matrices, AdamW for
 the rest, equal to torch.optim.Muon and torch.optim.AdamW on the same split under single, and under
-dp (2 replicas) and ddp on 2 ranks equal to single (Newton-Schulz in fp32 there, so that rounding cannot hide a wrong
-assembly); what it does not compose with yet is refused before launch."""
+dp (2 replicas), ddp and ddp-native on 2 ranks equal to single (Newton-Schulz in fp32 there, so
+that rounding cannot hide a wrong assembly); what it does not compose with yet is refused before
+launch."""
 
 from __future__ import annotations
 
@@ -75,11 +76,11 @@ def runs(tmp_path_factory):
     fp32 = ("train.muon.ns_dtype=fp32",)
     train_in_process(cfg_for(root / "single", "single", 1, *fp32))
     train_in_process(cfg_for(root / "dp", "dp", 1, *fp32))  # 2 replicas in threads of this process
-    run_ranks(train_runs, 2, root, {"ddp": ("ddp", *fp32)}, cfg_for)
+    run_ranks(train_runs, 2, root, {"ddp": ("ddp", *fp32), "ddp-native": ("ddp-native", *fp32)}, cfg_for)
     return root
 
 
-@pytest.mark.parametrize("strategy", ["dp", "ddp"])
+@pytest.mark.parametrize("strategy", ["dp", "ddp", "ddp-native"])
 def test_muon_under_data_parallel_equals_single(runs, strategy):
     """GPT-tiny, whose fused qkv is orthogonalized part by part: every step's loss within 1e-5
     relative, and the final weights within rtol 1e-5."""

@@ -170,11 +170,11 @@ def _validate_optimization(cfg: Config) -> None:
     _positive("launch.shutdown_timeout_s", launch.shutdown_timeout_s, zero_ok=True)
 
 
-MUON_STRATEGIES = ("single", "dp", "ddp")  # hold every matrix whole on every rank; the rest: issue 70
+MUON_STRATEGIES = ("single", "dp", "ddp", "ddp-native")  # every matrix whole on every rank; the rest: issue 70
 
 
 def _validate_muon(cfg: Config) -> None:
-    """Muon's keys, and what it composes with yet: whole matrices (single, dp, ddp), no expert
+    """Muon's keys, and what it composes with yet: whole matrices (single, dp, ddp, ddp-native), no expert
     parallel, a language model's blocks, no adapters, no fp16 loss scale."""
     muon = cfg.train.muon
     _positive("train.muon.ns_steps", muon.ns_steps)
