@@ -160,7 +160,11 @@ def test_a_group_restarted_after_the_others_ended_stops_rather_than_waiting_for_
     assert [r["step"] for r in records(tmp_path, 1)] == [1, 2, 3, 4, 5]  # killed as it began step 6
 
 
+# Alone (no other xdist worker's test beside it): both tests expect both groups to commit every step
+# from the first. In a CI run (f942447) with the other worker busy, one group of a job started after
+# the other had committed step 1 and healed in from it, so its records began at step 2.
 @pytest.mark.slow
+@pytest.mark.alone
 def test_a_bad_step_in_one_group_is_re_run_there_then_skipped_or_stopped_by_every_group(tmp_path, train):
     """Two ddp groups of one rank. Group 1's loss and gradients are NaN at step 3 once (transient:
     its re-run within the group is clean, and both groups commit the step) and at step 6 every time
@@ -226,6 +230,7 @@ def kill_job(job: subprocess.Popen) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.alone  # as the test above
 def test_replica_groups_killed_together_resume_from_their_checkpoints_bit_for_bit(tmp_path, train):
     """Two ddp groups of one rank, a checkpoint every 5 steps (written in the background): the whole
     job SIGKILLed once 12 steps are committed and the checkpoint of step 10 is complete, then run
