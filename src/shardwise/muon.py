@@ -134,21 +134,14 @@ def _matrices(tensor: torch.Tensor, layout: MatrixLayout) -> list[torch.Tensor]:
 
 def muon_groups(params: Iterable[nn.Parameter], takes_muon: set[int], layouts: dict[int, MatrixLayout],
                 weight_decay: float) -> list[dict]:
-    """The optimizer's groups of `params` (trainable): Muon's (ids in `takes_muon`), one group per
-    layout, weight decay on; AdamW's matrices and embeddings with weight decay, its vectors (norms,
-    biases) without, as `adamw` groups them."""
+    """Muon's groups of `params` (those whose ids are in `takes_muon`): one per layout, weight decay
+    on. The other parameters go in AdamW's groups, the caller's."""
     muon: dict[MatrixLayout, list[nn.Parameter]] = {}
-    decayed, plain = [], []
     for param in params:
-        if not param.requires_grad:
-            continue
         if id(param) in takes_muon:
             muon.setdefault(layouts.get(id(param), MatrixLayout()), []).append(param)
-        else:
-            (decayed if param.dim() >= 2 else plain).append(param)
-    return [*({"params": params, "muon": True, "layout": layout, "weight_decay": weight_decay}
-              for layout, params in muon.items()),
-            {"params": decayed, "weight_decay": weight_decay}, {"params": plain, "weight_decay": 0.0}]
+    return [{"params": params, "muon": True, "layout": layout, "weight_decay": weight_decay}
+            for layout, params in muon.items()]
 
 
 def selected(named: Iterable[tuple[str, nn.Parameter]], block_params: set[int], patterns: list[str] | None) -> set[int]:

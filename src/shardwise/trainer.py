@@ -59,16 +59,18 @@ def optimizer_factory(cfg: TrainConfig, strategy: Strategy | None = None) -> Opt
         takes, layouts = split_for_muon(strategy.module, strategy.view.named_parameters(), strategy.cfg.block,
                                         cfg.muon.params, cfg.muon.whole_fused)
 
+    def decayed(params: list[nn.Parameter]) -> list[dict]:
+        return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+                {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+
     def make(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
         params = [p for p in params if p.requires_grad]
-        if cfg.optimizer == "muon":
-            return Muon(muon_groups(params, takes, layouts, cfg.weight_decay), lr=cfg.lr,
+        if cfg.optimizer == "muon":  # AdamW's groups as adamw's, for what Muon does not step
+            rest = decayed([p for p in params if id(p) not in takes])
+            return Muon([*muon_groups(params, takes, layouts, cfg.weight_decay), *rest], lr=cfg.lr,
                         betas=(cfg.beta1, cfg.beta2), momentum=cfg.muon.momentum, ns_steps=cfg.muon.ns_steps,
                         ns_dtype=cfg.muon.ns_dtype, adjust_lr=cfg.muon.adjust_lr)
-        groups = [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ]
+        groups = decayed(params)
         if cfg.optimizer == "sgd":
             return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
         return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2))

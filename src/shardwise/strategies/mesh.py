@@ -57,9 +57,11 @@ def check_model_split(cfg: Config, world: int) -> None:
         raise ConfigError(f"parallel.strategy = {p.strategy!r}: splits a model as its family's parallel plan says; "
                           f"model.name = {m.name!r} has none (plans exist for {covered}, and every transformers "
                           f"family that declares one: {theirs}). A plan names {NEEDS} (docs/model-families.md)")
-    if plan is not None and p.block != DEFAULT_BLOCK and p.block not in plan.blocks:
-        raise ConfigError(f"parallel.block = {p.block!r}: {p.strategy} cuts and splits the {plan.family} plan's "
-                          f"blocks ({', '.join(plan.blocks)}); another unit would cut inside a block. Leave "
+    # a plan of ours names its blocks; a transformers family's are among its `_no_split_modules`
+    family, blocks = (plan.family, plan.blocks) if plan is not None else (tp_plan_of(m)[0], unsplit_classes_of(m))
+    if p.block != DEFAULT_BLOCK and blocks and p.block not in blocks:
+        raise ConfigError(f"parallel.block = {p.block!r}: {p.strategy} cuts and splits the {family} plan's "
+                          f"blocks ({', '.join(blocks)}); another unit would cut inside a block. Leave "
                           "parallel.block unset")
     check_mesh_fits(p, world)
     for key in ("n_head", "n_kv_head", "d_ff"):
@@ -84,10 +86,6 @@ def _check_transformers_plan(cfg: Config, pp: int, tp: int) -> None:
     built (cli.py, before launch)."""
     p = cfg.parallel
     family, tp_plan = tp_plan_of(cfg.model)
-    blocks = unsplit_classes_of(cfg.model)
-    if p.block != DEFAULT_BLOCK and blocks and p.block not in blocks:
-        raise ConfigError(f"parallel.block = {p.block!r}: {p.strategy} cuts and splits {family}'s blocks (of "
-                          f"{', '.join(blocks)}); another unit would cut inside a block. Leave parallel.block unset")
     if pp > 1 and not pp_plan_of(cfg.model):
         raise ConfigError(f"parallel.pp = {pp}: cuts a model into pipeline stages as its family's plan says; "
                           f"model.hf_config's family {family!r} declares no base_model_pp_plan in transformers; "
