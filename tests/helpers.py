@@ -154,8 +154,15 @@ def assert_same_training(run: Path, reference: Path, steps: int, weights: bool =
         assert optimizers == {"sgd"}, f"weights compared after {optimizers}: train parity runs with SGD"
         state, expected = load_file(str(run / "model.safetensors")), load_file(str(reference / "model.safetensors"))
         assert state.keys() == expected.keys()
-        for key in expected:
-            torch.testing.assert_close(state[key], expected[key], rtol=1e-5, atol=1e-6, msg=key)
+        assert_states_close(state, expected, rtol=1e-5, atol=1e-6)
+
+
+def assert_states_close(got: dict, want: dict, rtol: float, atol: float, prefix: str = "") -> None:
+    """Every tensor of `want` in `got` (under `prefix`) within the tolerance; a failure names the
+    tensor and keeps torch's mismatch numbers, which CI's log is all there is to read."""
+    for key, value in want.items():
+        torch.testing.assert_close(got[prefix + key], value, rtol=rtol, atol=atol,
+                                   msg=lambda message, key=key: f"{key}: {message}")
 
 
 def assert_matches_single(run: Path, single: Path, steps: int) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import REPO, read_records, train_in_process
+from helpers import REPO, assert_states_close, read_records, train_in_process
 from safetensors.torch import load_file
 
 from shardwise import cli
@@ -104,8 +104,7 @@ def test_a_family_of_no_table_of_ours_trains_split_by_its_own_plans_as_under_sin
     assert load_config(runs[family, run] / "config.toml").model.name == "hf"  # no family of ours
     got, want = (load_file(str(runs[family, name] / "model.safetensors")) for name in (run, "single"))
     assert got.keys() == want.keys()
-    for key in want:
-        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=key)
+    assert_states_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("family, run", [(family, run) for family in FAMILIES for run in RUNS])
@@ -204,8 +203,7 @@ def test_a_family_whose_hub_checkpoints_fuse_projections_reads_and_writes_them(t
         trainer = Trainer(cfg, init_distributed(threads_per_rank=1))
         load_weights(trainer.strategy, cfg.model.weights, trainer.names)
         state = trainer.strategy.view.full_state_dict()
-        for key, value in pretrained.state_dict().items():
-            torch.testing.assert_close(state[f"lm.{key}"], value, rtol=0, atol=0, msg=key)
+        assert_states_close(state, pretrained.state_dict(), rtol=0, atol=0, prefix="lm.")
         trainer.fit()
     finally:
         torch.set_num_threads(threads)

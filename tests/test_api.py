@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from distributed import run_ranks
-from helpers import REPO
+from helpers import REPO, assert_states_close
 from safetensors.torch import load_file
 
 import shardwise as sw
@@ -89,8 +89,7 @@ def assert_same_training(got: dict, want: dict, rtol: float = 1e-5) -> None:
     worst = max(abs(a - b) / b for a, b in zip(got["losses"], want["losses"], strict=True))
     assert worst <= rtol, f"losses differ by {worst:.2e} relative"
     assert got["state"].keys() == want["state"].keys()
-    for key, value in want["state"].items():
-        torch.testing.assert_close(got["state"][key], value, rtol=rtol, atol=1e-6, msg=key)
+    assert_states_close(got["state"], want["state"], rtol=rtol, atol=1e-6)
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ from helpers import (
     SGD,
     Crash,
     assert_same_training,
+    assert_states_close,
     crash_at,
     gpt_tiny,
     in_process,
@@ -191,8 +192,7 @@ def assert_resumed_as_straight(resumed: Path, straight: Path) -> None:
     for step, (a, b) in enumerate(zip(got, want[SAVED_AT:], strict=True)):
         assert abs(a - b) <= 1e-5 * b, step + SAVED_AT + 1
     weights, expected = (load_file(str(run / "model.safetensors")) for run in (resumed, straight))
-    for key in expected:
-        torch.testing.assert_close(weights[key], expected[key], rtol=1e-5, atol=1e-6, msg=key)
+    assert_states_close(weights, expected, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", ["fsdp-tp2", "fsdp-pp2-tp2"])
@@ -268,8 +268,7 @@ def test_a_checkpoint_of_fsdp_over_tensor_parallel_reshards_to_a_pipeline_and_ba
     for step, loss in got.items():
         assert abs(loss - want[step]) <= 1e-5 * want[step], step
     resumed, straight = (load_file(str(run / "model.safetensors")) for run in (tmp_path, root / "fsdp-tp2"))
-    for key in straight:
-        torch.testing.assert_close(resumed[key], straight[key], rtol=1e-5, atol=1e-6, msg=key)
+    assert_states_close(resumed, straight, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("overrides, message", [

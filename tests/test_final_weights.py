@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from distributed import run_ranks
-from helpers import CONFIGS, SGD, train_in_process
+from helpers import CONFIGS, SGD, assert_states_close, train_in_process
 from safetensors.torch import load_file, save_model
 from torch import nn
 
@@ -121,8 +121,7 @@ def test_final_weights_are_singles_byte_for_byte_under_fsdp_and_pipeline_and_wit
     assert (tmp_path / "tensor" / "model.safetensors").read_bytes() == gathered
     got, want = (load_file(str(tmp_path / run / "model.safetensors")) for run in ("tensor", "single-llama"))
     assert got.keys() == want.keys()
-    for key in want:
-        torch.testing.assert_close(got[key], want[key], rtol=1e-5, atol=1e-6, msg=key)
+    assert_states_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 # --- memory at the end of a run ----------------------------------------------------------------

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from distributed import run_ranks
-from helpers import CONFIGS, assert_same_training, read_records, train_in_process
+from helpers import CONFIGS, assert_same_training, assert_states_close, read_records, train_in_process
 from safetensors.torch import load_file
 from torch.distributed.fsdp import FSDPModule
 
@@ -126,8 +126,7 @@ def assert_matches(got: dict, single: dict) -> None:
     worst = max(abs(a - b) / b for a, b in zip(got["losses"], single["losses"], strict=True))
     assert len(got["losses"]) == STEPS and worst <= 1e-5, f"losses differ by {worst:.2e} relative"
     assert got["state"].keys() == single["state"].keys()
-    for key, value in single["state"].items():
-        torch.testing.assert_close(got["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+    assert_states_close(got["state"], single["state"], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("strategy", [*STRATEGIES, "fsdp-recompute"])

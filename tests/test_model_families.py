@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from distributed import run_ranks
-from helpers import CONFIGS, SGD, assert_same_training, gpt_tiny, read_records, train_in_process
+from helpers import CONFIGS, SGD, assert_same_training, assert_states_close, gpt_tiny, read_records, train_in_process
 
 import shardwise as sw
 from shardwise.config.load import load_config
@@ -220,8 +220,7 @@ def test_python_api_splits_a_transformers_llama_as_one_device_trains_it(api, str
     worst = max(abs(a - b) / b for a, b in zip(got["losses"], single["losses"], strict=True))
     assert worst <= 1e-5, f"losses differ by {worst:.2e} relative"
     assert got["state"].keys() == single["state"].keys()
-    for key, value in single["state"].items():
-        torch.testing.assert_close(got["state"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+    assert_states_close(got["state"], single["state"], rtol=1e-5, atol=1e-6)
 
 
 def test_python_api_refuses_a_split_the_model_does_not_allow_naming_what_it_needs(api):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from distributed import run_ranks
-from helpers import gpt_tiny, read_records, train_in_process, train_runs
+from helpers import assert_states_close, gpt_tiny, read_records, train_in_process, train_runs
 from safetensors.torch import load_file
 
 from shardwise.config.load import load_config
@@ -65,8 +65,7 @@ def test_single_muon_equals_torchs_muon_and_adamw_on_the_same_split(tmp_path):
         torch.set_num_threads(threads)
     got, want = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("ours", "theirs"))
     assert got.keys() == want.keys()
-    for key in want:
-        torch.testing.assert_close(got[key], want[key], rtol=1e-6, atol=0, msg=key)
+    assert_states_close(got, want, rtol=1e-6, atol=0)
     assert read_records(tmp_path / "ours", "summary")[0]["optimizer"] == "muon"
 
 
@@ -83,14 +82,17 @@ def runs(tmp_path_factory):
 @pytest.mark.parametrize("strategy", ["dp", "ddp", "ddp-native"])
 def test_muon_under_data_parallel_equals_single(runs, strategy):
     """GPT-tiny, whose fused qkv is orthogonalized part by part: every step's loss within 1e-5
-    relative, and the final weights within rtol 1e-5."""
+    relative, and the final weights within 2e-5. Why that much: the replicas' gradients are summed
+    in another order (1e-7 relative), and Newton-Schulz multiplies a direction of small singular
+    value by up to 3.4445**5 ~ 484, so after 10 steps weights differ by about 1e-6 (1.3e-6 seen
+    under dp, whose replicas run in threads); one step moves an element by lr/sqrt(64) = 2.5e-3,
+    and orthogonalizing the fused qkv whole instead moves the weights by 4e-2."""
     got, want = (read_records(runs / name) for name in (strategy, "single"))
     assert len(got) == len(want) == STEPS
     for ours, theirs in zip(got, want, strict=True):
         assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
     state, expected = (load_file(str(runs / name / "model.safetensors")) for name in (strategy, "single"))
-    for key in expected:
-        torch.testing.assert_close(state[key], expected[key], rtol=1e-5, atol=1e-6, msg=key)
+    assert_states_close(state, expected, rtol=1e-5, atol=2e-5)
 
 
 def test_a_fused_matrix_is_orthogonalized_part_by_part_and_experts_one_by_one():
@@ -143,8 +145,7 @@ def test_a_muon_run_resumes_from_its_checkpoint_exactly(tmp_path):
     train_in_process(config(tmp_path / "resumed", 3))
     train_in_process(config(tmp_path / "resumed", 6, "run.resume=true"))
     got, want = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("resumed", "straight"))
-    for key in want:
-        torch.testing.assert_close(got[key], want[key], rtol=0, atol=0, msg=key)
+    assert_states_close(got, want, rtol=0, atol=0)
     resumed = read_records(tmp_path / "resumed")
     assert [r["step"] for r in resumed] == list(range(1, 7))  # steps 4..6 after the load, none again
     assert [r["loss"] for r in resumed] == [r["loss"] for r in read_records(tmp_path / "straight")]
