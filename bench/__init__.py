@@ -40,7 +40,9 @@ BENCHES = {
     "loss": Bench("bench.loss", 1, None),
     "pipeline": Bench("bench.pipeline", 0, None),  # a driver: one world of 2 ranks, one of 4
     "tensor": Bench("bench.tensor", 2, ONE_STEP),
-    "lora": Bench("bench.lora", 2, ONE_STEP),  # LoRA under our fsdp against peft's under FSDP2
+    "lora": Bench("bench.lora", 2, ONE_STEP),
+    # Muon under fsdp (an owner a matrix) against ddp's, AdamW's, every rank gathering all, DeepSpeed's
+    "muon": Bench("bench.muon", 2, ONE_STEP),  # LoRA under our fsdp against peft's under FSDP2
     "mesh": Bench("bench.mesh", 4, ONE_STEP),  # fsdp x tp against FSDP2 x DTensor on a 2 x 2 mesh
     "collectives": Bench("bench.collectives", 2, None),  # 1 KiB to 256 MiB, and 200 steps of each compression
     "checkpoint": Bench("bench.checkpoint", 2, ONE_STEP),

@@ -6,17 +6,22 @@ launch."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+import torch.distributed as dist
 from distributed import run_ranks
 from helpers import assert_states_close, gpt_tiny, read_records, train_in_process, train_runs
 from safetensors.torch import load_file
+from torch import nn
 
 from shardwise.config.load import load_config
 from shardwise.config.schema import ConfigError
 from shardwise.dist import init_distributed
 from shardwise.muon import MatrixLayout, orthogonalized
 from shardwise.trainer import Trainer
+from shardwise.validate import MUON_STRATEGIES
 
 STEPS = 10
 MUON = ("train.optimizer=muon", "train.lr=0.02", "train.min_lr=0.02", "train.warmup_steps=0", "train.grad_clip=0",
@@ -75,13 +80,26 @@ def runs(tmp_path_factory):
     fp32 = ("train.muon.ns_dtype=fp32",)
     train_in_process(cfg_for(root / "single", "single", 1, *fp32))
     train_in_process(cfg_for(root / "dp", "dp", 1, *fp32))  # 2 replicas in threads of this process
-    run_ranks(train_runs, 2, root, {"ddp": ("ddp", *fp32), "ddp-native": ("ddp-native", *fp32)}, cfg_for)
+    run_ranks(train_runs, 2, root, {name: (name, *fp32) for name in ("ddp", "ddp-native", "zero1", "zero2", "fsdp")},
+              cfg_for)
+    run_ranks(hsdp_runs, 4, root)
     return root
 
 
-@pytest.mark.parametrize("strategy", ["dp", "ddp", "ddp-native"])
+def hsdp_runs(ctx, root) -> None:
+    """hsdp on 2 "nodes" of 2 processes (as tests/multinode/test_hsdp.py runs it)."""
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    try:
+        Trainer(cfg_for(root / "hsdp", "hsdp", ctx.world_size, "train.muon.ns_dtype=fp32", "train.micro_batch=2"),
+                ctx).fit()
+    finally:
+        os.environ["LOCAL_WORLD_SIZE"] = str(ctx.world_size)
+
+
+@pytest.mark.parametrize("strategy", ["dp", "ddp", "ddp-native", "zero1", "zero2", "fsdp", "hsdp"])
 def test_muon_under_data_parallel_equals_single(runs, strategy):
-    """GPT-tiny, whose fused qkv is orthogonalized part by part: every step's loss within 1e-5
+    """GPT-tiny, whose fused qkv is orthogonalized part by part (under ZeRO by the matrix's owner
+    rank, from every rank's rows of it): every step's loss within 1e-5
     relative, and the final weights within 2e-5. Why that much: the replicas' gradients are summed
     in another order (1e-7 relative), and Newton-Schulz multiplies a direction of small singular
     value by up to 3.4445**5 ~ 484, so after 10 steps weights differ by about 1e-6 (1.3e-6 seen
@@ -114,7 +132,11 @@ def test_a_fused_matrix_is_orthogonalized_part_by_part_and_experts_one_by_one():
 
 
 @pytest.mark.parametrize("overrides, words", [
-    (("parallel.strategy=fsdp", "launch.nproc=2"), "train.optimizer = 'muon': not under parallel.strategy = 'fsdp'"),
+    (("parallel.strategy=fsdp-native", "launch.nproc=2"),
+     "train.optimizer = 'muon': not under parallel.strategy = 'fsdp-native'"),
+    (("parallel.strategy=fsdp", "launch.nproc=2", "parallel.tp=2"), "not with parallel.tp = 2 yet"),
+    (("parallel.strategy=zero2", "launch.nproc=2", "parallel.sharding.offload=optimizer"),
+     "not with parallel.sharding.offload = 'optimizer'"),
     (("lora.rank=4",), "not with LoRA adapters yet"),
     (("parallel.strategy=ddp", "launch.nproc=2", "model.name=gpt-moe", "parallel.ep=2"),
      "not with expert parallel yet (parallel.ep = 2)"),
@@ -128,11 +150,30 @@ def test_what_muon_does_not_compose_with_yet_is_refused_before_launch(tmp_path, 
     assert words in str(error.value) and "\n" not in str(error.value)
 
 
-def test_the_planner_refuses_muon_in_one_line(tmp_path):
+@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "fsdp"])
+def test_the_planner_predicts_muons_optimizer_bytes_to_the_byte(runs, strategy):
+    """A momentum for each matrix of the blocks (its padded shard under ZeRO), AdamW's two moments
+    and step for the rest: what the run's summary counted, predicted exactly."""
+    from shardwise.planner.candidates import Candidate
+    from shardwise.planner.memory_model import predict_memory
+
+    candidate = Candidate(strategy, 2, 1, 1, "fp32", "none", 4)
+    (predicted,) = predict_memory(candidate, candidate.config(cfg_for(runs / "plan", strategy, 2), 2))
+    (summary,) = read_records(runs / strategy, "summary")
+    assert summary["memory"]["optimizer"] == predicted.optimizer
+    adamw = predict_memory(candidate, candidate.config(cfg_for(runs / "plan", strategy, 2,
+                                                               "train.optimizer=adamw"), 2))[0].optimizer
+    assert predicted.optimizer < adamw  # a matrix's one momentum against AdamW's two moments
+
+
+def test_the_planner_plans_muon_and_refuses_named_parameters_in_one_line(tmp_path):
     from shardwise.planner import PlanError, load_profile, make_plan
 
-    with pytest.raises(PlanError, match="train.optimizer = 'muon': the planner does not count Muon's state"):
-        make_plan(cfg_for(tmp_path, "ddp", 2), 2, load_profile("cpu"))
+    plan = make_plan(cfg_for(tmp_path, "ddp", 2), 2, load_profile("cpu"))
+    assert plan.recommended is not None and plan.recommended.candidate.strategy in MUON_STRATEGIES
+    assert any("train.optimizer = 'muon'" in why for why in plan.refused.values())  # the tensor and pipeline meshes
+    with pytest.raises(PlanError, match=r"train.muon.params = \['blocks.\*'\]: the planner counts Muon's default"):
+        make_plan(cfg_for(tmp_path, "ddp", 2, "train.muon.params=['blocks.*']"), 2, load_profile("cpu"))
 
 
 def test_a_muon_run_resumes_from_its_checkpoint_exactly(tmp_path):
@@ -149,3 +190,52 @@ def test_a_muon_run_resumes_from_its_checkpoint_exactly(tmp_path):
     resumed = read_records(tmp_path / "resumed")
     assert [r["step"] for r in resumed] == list(range(1, 7))  # steps 4..6 after the load, none again
     assert [r["loss"] for r in resumed] == [r["loss"] for r in read_records(tmp_path / "straight")]
+
+
+def exchange_against_local(ctx, dtype: torch.dtype) -> None:
+    """ShardedMatrices against LocalMatrices on the same whole values: parameters whose rows do not
+    divide by the ranks (padded shards), an expert stack folded to be split within its experts, and
+    a function of the whole value; every rank's rows of every result bit for bit."""
+    from shardwise.parallel.shard import ShardGroup, Sharding
+    from shardwise.parallel.whole_matrices import LocalMatrices, ShardedMatrices
+
+    torch.manual_seed(0)
+    dense = [nn.Parameter(torch.randn(shape)) for shape in ((5, 4), (8, 6), (3, 7), (6, 6))]
+    experts = [nn.Parameter(torch.randn(1, 6, 4))]
+    group, world, rank = dist.group.WORLD, ctx.world_size, ctx.rank
+    sharding = Sharding(3, torch.device("cpu"), torch.float32, torch.float32, torch.float32)
+    sharding.add(ShardGroup(group, world, rank, None, ()), [nn.Parameter(p.detach().clone()) for p in dense])
+    sharding.add(ShardGroup(group, world, rank, None, (), experts=True),
+                 [nn.Parameter(p.detach().clone()) for p in experts])
+    shards = sharding.shards()
+    wholes = [*dense, *experts]
+
+    def function(index: int, whole: torch.Tensor) -> torch.Tensor:
+        return whole * whole.square().sum() + index
+
+    sharded = ShardedMatrices(sharding)
+    got, want = {}, {}
+    sharded.apply(shards, lambda i: shards[i].detach() * 2, function, dtype, got.__setitem__)  # shard-shaped values
+    LocalMatrices().apply(wholes, lambda i: (wholes[i].detach() * 2).to(dtype), function, dtype, want.__setitem__)
+    assert sorted(got) == sorted(want) == list(range(len(wholes)))
+    for index, shard in enumerate(shards):
+        ours, theirs = got[index], want[index]
+        rows, shape = sharding.split_of(sharded.whole_of(shard))
+        padded = torch.zeros(world * rows, *shape[1:], dtype=dtype)
+        padded[: shape[0]] = theirs.reshape(shape)
+        assert ours.dtype == dtype and ours.shape == shard.shape
+        assert torch.equal(ours, padded[rank * rows : (rank + 1) * rows])
+    assert sharding.bytes_moved > 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_owner_rank_computes_each_whole_matrix_and_every_rank_gets_its_rows(dtype):
+    run_ranks(exchange_against_local, 2, dtype)
+
+
+def test_owners_take_the_heaviest_matrices_first_each_to_the_least_loaded_rank():
+    from shardwise.parallel.whole_matrices import owners
+
+    # 5 to rank 0; 3 to rank 1; 3 to rank 1 again (3 < 5); 1 to rank 0 (5 < 6)
+    assert owners([1.0, 5.0, 3.0, 3.0], 2) == [0, 0, 1, 1]
+    assert owners([2.0, 2.0], 4) == [0, 1]

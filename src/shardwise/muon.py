@@ -32,6 +32,8 @@ import torch
 from torch import nn
 from torch.optim.adam import adam
 
+from shardwise.parallel.whole_matrices import WholeMatrices
+
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # torch.optim.Muon's quintic (Keller Jordan's)
 NS_EPS = 1e-7  # torch.optim.Muon's floor of the norm it divides by
 NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -68,42 +70,61 @@ class MatrixLayout:
     part_dim: int = 0
     in_out: bool = False
 
+    def matrix_shape(self, shape: torch.Size) -> tuple[int, int]:
+        """(output features, input features) of each matrix a parameter of `shape` holds."""
+        matrix = list(shape[1:] if self.experts else shape)
+        matrix[self.part_dim] //= self.parts
+        rows, cols = matrix
+        return (cols, rows) if self.in_out else (rows, cols)
+
 
 class Muon(torch.optim.Optimizer):
-    """Muon's groups (`muon: True`, each with its `layout`) and AdamW's, stepped as one optimizer."""
+    """Muon's groups (`muon: True`, each with its `layout`) and AdamW's, stepped as one optimizer.
+    `matrices` says how the tensors it steps on are parts of whole matrices (parallel/whole_matrices.py:
+    whole on this rank, or ZeRO's shards, orthogonalized by an owner rank); Newton-Schulz's steps
+    and dtype are the optimizer's, not a group's: the whole step orthogonalizes in one exchange."""
 
     def __init__(self, groups: list[dict], lr: float, betas: tuple[float, float], momentum: float, ns_steps: int,
-                 ns_dtype: str, adjust_lr: str) -> None:
+                 ns_dtype: str, adjust_lr: str, matrices: WholeMatrices) -> None:
         defaults = {"lr": lr, "betas": betas, "eps": 1e-8, "weight_decay": 0.0, "momentum": momentum,
-                    "ns_steps": ns_steps, "ns_dtype": ns_dtype, "adjust_lr": adjust_lr, "muon": False,
-                    "layout": MatrixLayout()}
+                    "adjust_lr": adjust_lr, "muon": False, "layout": MatrixLayout()}
         super().__init__(groups, defaults)
+        self.ns_steps, self.ns_dtype, self.matrices = ns_steps, NS_DTYPES[ns_dtype], matrices
 
     @torch.no_grad()
     def step(self, closure: None = None) -> None:
+        self._muon_step([group for group in self.param_groups if group["muon"]])
         for group in self.param_groups:
-            if group["muon"]:
-                self._muon_step(group)
-            else:
+            if not group["muon"]:
                 self._adamw_step(group)
 
-    def _muon_step(self, group: dict) -> None:
-        layout: MatrixLayout = group["layout"]
-        momentum, dtype = group["momentum"], NS_DTYPES[group["ns_dtype"]]
-        for param in group["params"]:
-            if param.grad is None:
-                continue
+    def _muon_step(self, groups: list[dict]) -> None:
+        """Momentum, Nesterov's update and weight decay on what this rank holds; the update's
+        orthogonalization on the whole matrices (`matrices`), this rank's part of it added."""
+        stepped = [(param, group) for group in groups for param in group["params"] if param.grad is not None]
+
+        def update(index: int) -> torch.Tensor:
+            param, group = stepped[index]
             state = self.state[param]
             if not state:
                 state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
             buffer = state["momentum_buffer"]
-            buffer.lerp_(param.grad, 1 - momentum)
-            update = param.grad.lerp(buffer, momentum)  # Nesterov's, as torch's
+            buffer.lerp_(param.grad, 1 - group["momentum"])
+            return param.grad.lerp(buffer, group["momentum"])  # Nesterov's, as torch's
+
+        def orthogonal(index: int, whole: torch.Tensor) -> torch.Tensor:
+            layout, result = stepped[index][1]["layout"], torch.empty_like(whole)
+            for out, matrix in zip(_matrices(result, layout), _matrices(whole, layout), strict=True):
+                out.copy_(orthogonalized(matrix, self.ns_steps, self.ns_dtype))
+            return result
+
+        def step(index: int, orthogonalized_update: torch.Tensor) -> None:
+            param, group = stepped[index]
+            rows, cols = group["layout"].matrix_shape(self.matrices.whole_of(param).shape)
             param.mul_(1 - group["lr"] * group["weight_decay"])
-            for matrix, step in zip(_matrices(param, layout), _matrices(update, layout), strict=True):
-                rows, cols = reversed(step.shape) if layout.in_out else step.shape
-                matrix.add_(orthogonalized(step, group["ns_steps"], dtype),
-                            alpha=-group["lr"] * lr_scale(rows, cols, group["adjust_lr"]))
+            param.add_(orthogonalized_update, alpha=-group["lr"] * lr_scale(rows, cols, group["adjust_lr"]))
+
+        self.matrices.apply([param for param, _ in stepped], update, orthogonal, self.ns_dtype, step)
 
     def _adamw_step(self, group: dict) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
@@ -133,13 +154,14 @@ def _matrices(tensor: torch.Tensor, layout: MatrixLayout) -> list[torch.Tensor]:
 
 
 def muon_groups(params: Iterable[nn.Parameter], takes_muon: set[int], layouts: dict[int, MatrixLayout],
-                weight_decay: float) -> list[dict]:
-    """Muon's groups of `params` (those whose ids are in `takes_muon`): one per layout, weight decay
-    on. The other parameters go in AdamW's groups, the caller's."""
+                weight_decay: float, matrices: WholeMatrices) -> list[dict]:
+    """Muon's groups of `params` (those of the whole parameters whose ids are in `takes_muon`): one
+    per layout, weight decay on. The other parameters go in AdamW's groups, the caller's."""
     muon: dict[MatrixLayout, list[nn.Parameter]] = {}
     for param in params:
-        if id(param) in takes_muon:
-            muon.setdefault(layouts.get(id(param), MatrixLayout()), []).append(param)
+        whole = id(matrices.whole_of(param))
+        if whole in takes_muon:
+            muon.setdefault(layouts.get(whole, MatrixLayout()), []).append(param)
     return [{"params": params, "muon": True, "layout": layout, "weight_decay": weight_decay}
             for layout, params in muon.items()]
 

@@ -35,6 +35,7 @@ from shardwise.parallel.dims import Mesh
 from shardwise.parallel.experts import ExpertParallel
 from shardwise.parallel.shard import Sharding, real_rows
 from shardwise.parallel.tensor_group import TensorShard
+from shardwise.parallel.whole_matrices import LocalMatrices, ShardedMatrices, WholeMatrices
 
 
 class Holder(Protocol):
@@ -72,6 +73,11 @@ class StateView:
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         """The parameters (or shards) this rank holds by the model's names (a tied weight under its first)."""
         return list(self.owner.module.named_parameters())
+
+    def whole_matrices(self) -> WholeMatrices:
+        """How the tensors this rank's optimizer steps on are parts of the model's parameters, for
+        an optimizer that computes on whole matrices (Muon): here each is whole."""
+        return LocalMatrices()
 
     def named_buffers(self) -> list[tuple[str, torch.Tensor]]:
         """The buffers this rank holds that are the model's state, by the model's names."""
@@ -269,6 +275,10 @@ class ShardedView(StateView):
         sharding = self.owner.sharding
         return [(name, sharding.shard_of(param) if sharding.holds(param) else param)
                 for name, param in self.owner.module.named_parameters()]
+
+    def whole_matrices(self) -> ShardedMatrices:
+        """Each shard's matrix assembled whole by its owner rank (parallel/whole_matrices.py)."""
+        return ShardedMatrices(self.owner.sharding)
 
     def as_global(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """Over tensor parallel, a tp shard's rows are pieces of the whole tensor wherever its

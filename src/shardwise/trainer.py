@@ -53,11 +53,13 @@ from shardwise.weights_file import final_layout, save_weights
 def optimizer_factory(cfg: TrainConfig, strategy: Strategy | None = None) -> OptimizerFactory:
     """AdamW or SGD with momentum; weight decay on matrices and embeddings, not on biases or
     norm scales (dim < 2). Muon (its model's split found now, in `strategy`'s wrapped model):
-    for the parameters muon.py's `split_for_muon` chooses, each matrix as its layout says, AdamW
-    for the rest."""
+    for the parameters muon.py's `split_for_muon` chooses, each matrix as its layout says, whole
+    where `strategy.view.whole_matrices()` assembles it, AdamW for the rest."""
     if cfg.optimizer == "muon":
-        takes, layouts = split_for_muon(strategy.module, strategy.view.named_parameters(), strategy.cfg.block,
-                                        cfg.muon.params, cfg.muon.whole_fused)
+        matrices = strategy.view.whole_matrices()
+        named = [(name, matrices.whole_of(p)) for name, p in strategy.view.named_parameters()]
+        takes, layouts = split_for_muon(strategy.module, named, strategy.cfg.block, cfg.muon.params,
+                                        cfg.muon.whole_fused)
 
     def decayed(params: list[nn.Parameter]) -> list[dict]:
         return [{"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
@@ -66,10 +68,10 @@ def optimizer_factory(cfg: TrainConfig, strategy: Strategy | None = None) -> Opt
     def make(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
         params = [p for p in params if p.requires_grad]
         if cfg.optimizer == "muon":  # AdamW's groups as adamw's, for what Muon does not step
-            rest = decayed([p for p in params if id(p) not in takes])
-            return Muon([*muon_groups(params, takes, layouts, cfg.weight_decay), *rest], lr=cfg.lr,
+            rest = decayed([p for p in params if id(matrices.whole_of(p)) not in takes])
+            return Muon([*muon_groups(params, takes, layouts, cfg.weight_decay, matrices), *rest], lr=cfg.lr,
                         betas=(cfg.beta1, cfg.beta2), momentum=cfg.muon.momentum, ns_steps=cfg.muon.ns_steps,
-                        ns_dtype=cfg.muon.ns_dtype, adjust_lr=cfg.muon.adjust_lr)
+                        ns_dtype=cfg.muon.ns_dtype, adjust_lr=cfg.muon.adjust_lr, matrices=matrices)
         groups = decayed(params)
         if cfg.optimizer == "sgd":
             return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)

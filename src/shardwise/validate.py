@@ -122,6 +122,8 @@ def _validate(cfg: Config, world: int, fixed: bool, varied: bool) -> None:
         _positive("parallel.param_server.servers", p.param_server.servers)
         _positive("parallel.param_server.max_staleness", p.param_server.max_staleness, zero_ok=True)
     if varied:
+        if t.optimizer == "muon":
+            _muon_composes(cfg, world)
         _validate_strategy(cfg, world)
 
 
@@ -170,27 +172,42 @@ def _validate_optimization(cfg: Config) -> None:
     _positive("launch.shutdown_timeout_s", launch.shutdown_timeout_s, zero_ok=True)
 
 
-MUON_STRATEGIES = ("single", "dp", "ddp", "ddp-native")  # every matrix whole on every rank; the rest: issue 70
+# Every matrix whole on every rank, or ZeRO's shards of it (assembled by an owner); the rest: issue 70
+MUON_STRATEGIES = ("single", "dp", "ddp", "ddp-native", "zero1", "zero2", "fsdp", "hsdp")
 
 
 def _validate_muon(cfg: Config) -> None:
-    """Muon's keys, and what it composes with yet: whole matrices (single, dp, ddp, ddp-native), no expert
-    parallel, a language model's blocks, no adapters, no fp16 loss scale."""
+    """Muon's keys, and a language model's blocks for it to step (or named parameters)."""
     muon = cfg.train.muon
     _positive("train.muon.ns_steps", muon.ns_steps)
     if not 0 <= muon.momentum < 1:
         raise ConfigError(f"train.muon.momentum = {muon.momentum!r}: must be in [0, 1)")
-    if cfg.parallel.strategy not in MUON_STRATEGIES:
-        raise ConfigError(f"train.optimizer = 'muon': not under parallel.strategy = {cfg.parallel.strategy!r} yet "
-                          f"(its matrices are sharded or split); use {', '.join(MUON_STRATEGIES)}, or adamw")
     if cfg.model.name not in LANGUAGE_MODELS and muon.params is None:
         raise ConfigError(f"train.optimizer = 'muon': steps the matrices of a language model's blocks; model.name = "
                           f"{cfg.model.name!r} has none: name them in train.muon.params")
-    if cfg.parallel.ep > 1:
-        raise ConfigError(f"train.optimizer = 'muon': not with expert parallel yet (parallel.ep = {cfg.parallel.ep})")
+
+
+def _muon_composes(cfg: Config, world: int) -> None:
+    """What Muon composes with yet (checked for each of a planner's candidates): whole matrices
+    (single, dp, ddp, ddp-native) or ZeRO's shards on the device (zero1, zero2, fsdp, hsdp); no
+    tensor, pipeline or expert parallel, no adapters, no fp16 loss scale."""
+    p = cfg.parallel
+    if p.strategy not in MUON_STRATEGIES:
+        raise ConfigError(f"train.optimizer = 'muon': not under parallel.strategy = {p.strategy!r} yet "
+                          f"(its matrices are split or its stages apart); use {', '.join(MUON_STRATEGIES)}, or adamw")
+    if p.ep > 1:
+        raise ConfigError(f"train.optimizer = 'muon': not with expert parallel yet (parallel.ep = {p.ep})")
+    _, pp, tp = p.mesh_shape(world)
+    for key, size in (("tp", tp), ("pp", pp)):
+        if size > 1:
+            raise ConfigError(f"train.optimizer = 'muon': not with parallel.{key} = {size} yet (its matrices are "
+                              "split or its stages apart)")
+    if p.sharding.offload != "none":
+        raise ConfigError(f"train.optimizer = 'muon': not with parallel.sharding.offload = {p.sharding.offload!r} "
+                          "(its matrices would be assembled from the host)")
     if cfg.lora.rank > 0:
         raise ConfigError("train.optimizer = 'muon': not with LoRA adapters yet (lora.rank > 0); use adamw")
-    if cfg.parallel.precision == "fp16-mixed":
+    if p.precision == "fp16-mixed":
         raise ConfigError("train.optimizer = 'muon': not with fp16's loss scaler yet; use bf16-mixed or fp32")
 
 

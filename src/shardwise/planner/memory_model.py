@@ -128,9 +128,13 @@ def dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def optimizer_bytes(numel: int, tensors: int, stored: int, cfg: Config) -> int:
+def optimizer_bytes(numel: int, tensors: int, stored: int, cfg: Config, muon: tuple[int, int]) -> int:
     """State of the trainer's optimizer over `tensors` tensors of `numel` elements stored in
-    `stored` bytes each: AdamW's two moments and a float32 step per tensor, SGD's momentum."""
+    `stored` bytes each: AdamW's two moments and a float32 step per tensor, SGD's momentum; Muon's
+    momentum for the (elements, tensors) of them it steps (`muon`), AdamW's state for the rest."""
+    if cfg.train.optimizer == "muon":
+        matrices, count = muon
+        return matrices * stored + 2 * (numel - matrices) * stored + 4 * (tensors - count)
     if cfg.train.optimizer == "adamw":
         return 2 * numel * stored + 4 * tensors
     return numel * stored if cfg.train.momentum else 0
@@ -252,13 +256,13 @@ class ModelState:
     staging: int = 0
 
 
-def checkpoint_copy(cfg: Config, numel: int, tensors: int, stored: int) -> int:
+def checkpoint_copy(cfg: Config, numel: int, tensors: int, stored: int, muon: tuple[int, int]) -> int:
     """Host bytes an asynchronous checkpoint's copy of a rank's state takes (train.checkpoint_async,
     in a run that saves): the `numel` elements in `tensors` tensors it checkpoints (its trained
     parameters or their shards) in the stored dtype, and their optimizer state."""
     if not (cfg.train.checkpoint_async and cfg.train.checkpoint_every):
         return 0
-    return numel * stored + optimizer_bytes(numel, tensors, stored, cfg)
+    return numel * stored + optimizer_bytes(numel, tensors, stored, cfg, muon)
 
 
 def model_state(stage: int, precision: Precision, facts: ModelFacts, world: int, cfg: Config,
@@ -270,7 +274,8 @@ def model_state(stage: int, precision: Precision, facts: ModelFacts, world: int,
     rank otherwise."""
     state = _trained_state(stage, precision, facts, world, cfg)
     checkpointed = facts.shard_numel(world) if stage else facts.params_total
-    state.staging = checkpoint_copy(cfg, checkpointed, facts.tensor_count, dtype_bytes(precision.param_dtype))
+    state.staging = checkpoint_copy(cfg, checkpointed, facts.tensor_count, dtype_bytes(precision.param_dtype),
+                                    facts.muon_matrices(world if stage else 1))
     if frozen is not None and frozen.params_total:
         stored = dtype_bytes(precision.param_dtype)
         if stage < 3:
@@ -286,10 +291,11 @@ def _trained_state(stage: int, precision: Precision, facts: ModelFacts, world: i
     stored = dtype_bytes(precision.param_dtype)
     full, count = facts.params_total, facts.tensor_count
     if stage == 0:
-        return ModelState(full * stored, full * stored, optimizer_bytes(full, count, stored, cfg))
+        return ModelState(full * stored, full * stored, optimizer_bytes(full, count, stored, cfg,
+                                                                        facts.muon_matrices(1)))
     shard = facts.shard_numel(world)
     master = shard * stored  # the master shards; their gradients as many bytes
-    optimizer = optimizer_bytes(shard, count, stored, cfg)
+    optimizer = optimizer_bytes(shard, count, stored, cfg, facts.muon_matrices(world))
     whole = facts.padded_numel(world) * dtype_bytes(working_dtype(precision))  # zero1, zero2: the whole parameters
     params = {1: whole, 2: whole, 3: 0}[stage]
     grads = {1: max(whole, master), 2: 0, 3: 0}[stage]  # zero1's gradient buffer holds its shard gradients
@@ -555,8 +561,10 @@ def _mesh_rank(c: Candidate, cfg: Config, numel: int, trained: tuple[int, int], 
     stored = dtype_bytes(make_precision(c.precision, cfg.parallel.sharding.reduce_dtype).param_dtype)
     grads = trained[0] * stored
     packed = grads if c.dp > 1 or c.cp > 1 else 0
-    return RankMemory(numel * stored, grads, optimizer_bytes(*trained, stored, cfg), activations, buffers + packed,
-                      staging=checkpoint_copy(cfg, *trained, stored), loss=loss, at_loss=grads + buffers + packed)
+    no_muon = (0, 0)  # Muon is refused over tensor and pipeline parallel (validate.py): never reached with it
+    return RankMemory(numel * stored, grads, optimizer_bytes(*trained, stored, cfg, no_muon), activations,
+                      buffers + packed, staging=checkpoint_copy(cfg, *trained, stored, no_muon), loss=loss,
+                      at_loss=grads + buffers + packed)
 
 
 ZERO_STAGES = {name: s.zero_stage for name, s in SPECS.items() if s.planned and s.zero_stage is not None

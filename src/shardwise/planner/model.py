@@ -246,6 +246,20 @@ class ModelFacts:
         """Elements of one rank's padded shards of the whole model over `world` ranks."""
         return sum(self.unit_shards(world))
 
+    def muon_matrices(self, world: int) -> tuple[int, int]:
+        """(elements, tensors) of what Muon steps by default (train.muon.params unset: the blocks'
+        parameters of 2 dims and more) in one rank's padded shards over `world` ranks (1: whole),
+        a block's experts over the world / ep ranks holding the same ones, as `unit_shards`."""
+        return _muon_matrices(self, world)
+
+
+@functools.cache  # the search asks for every candidate's
+def _muon_matrices(facts: ModelFacts, world: int) -> tuple[int, int]:
+    dense = Tensors(tuple(s for s in facts.dense.shapes if len(s) >= 2))
+    experts = Tensors(tuple(s for s in facts.experts.shapes if len(s) >= 2))
+    numel = dense.sharded_numel(world) + experts.sharded_numel(max(1, world // facts.ep), fold=True)
+    return facts.n_layer * numel, facts.n_layer * (dense.count + experts.count)
+
 
 @functools.cache  # the search asks for the same world's shards thousands of times
 def _unit_layout(facts: ModelFacts, world: int) -> tuple[tuple[int, int], ...]:

@@ -139,9 +139,9 @@ def make_plan(cfg: Config, world: int, device: DeviceProfile, *, nodes: int = 1,
                         "evenly (--nproc N, or --nodes N --gpus-per-node G)")
     if not 0 <= margin < 1:
         raise PlanError(f"--margin {margin:g}: must be in [0, 1), the fraction added for the allocator")
-    if cfg.train.optimizer == "muon":  # its state and Newton-Schulz's time are not modelled yet
-        raise PlanError("train.optimizer = 'muon': the planner does not count Muon's state and time yet; plan with "
-                        "adamw, whose state (two moments) bounds Muon's (one momentum per matrix)")
+    if cfg.train.optimizer == "muon" and cfg.train.muon.params is not None:  # names: the planner counts shapes
+        raise PlanError(f"train.muon.params = {cfg.train.muon.params!r}: the planner counts Muon's default split "
+                        "(the blocks' matrices) alone; unset it to plan, or plan with adamw, whose state bounds Muon's")
     if top < 1:
         raise PlanError(f"--top {top}: must be >= 1, the candidates that fit to find and show")
     model_shape(cfg.model, cfg.lora)  # only language models can be planned: say so before anything else

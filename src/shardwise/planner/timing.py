@@ -42,7 +42,8 @@ each strategy hides behind computation.
 - `selective` recomputes the elementwise work whose results it no longer keeps: the bytes it saves
   less than `none` (traced), read and written again at the device's memory bandwidth.
 - The optimizer step reads and writes each element it steps about 8 times (AdamW: parameter,
-  gradient, two moments, and clipping's read) at the device's memory bandwidth.
+  gradient, two moments, and clipping's read) at the device's memory bandwidth. Muon adds its
+  Newton-Schulz matmuls, shared among a ZeRO group's ranks, and their all-to-alls there.
 """
 
 from __future__ import annotations
@@ -77,7 +78,9 @@ from shardwise.planner.traces import forward_ops, saved_bytes
 from shardwise.precision import make_precision
 from shardwise.recompute import parse_policy
 
-OPTIMIZER_ACCESSES = {"adamw": 8, "sgd": 5}
+# Muon's momentum and Nesterov update read and write about as much as AdamW's moments (its
+# Newton-Schulz is matmuls: `_newton_schulz_s`)
+OPTIMIZER_ACCESSES = {"adamw": 8, "sgd": 5, "muon": 8}
 RING_OPS_PER_BLOCK = 10  # ring attention's operators per block: the kernel, the merge's exps and sums, indexing
 
 
@@ -188,6 +191,26 @@ def _step_time(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceProfi
 
 def _optimizer_s(numel: int, stored: int, cfg: Config, device: DeviceProfile) -> float:
     return OPTIMIZER_ACCESSES[cfg.train.optimizer] * numel * stored / device.memory_bandwidth
+
+
+def _newton_schulz_s(facts: ModelFacts, owners: int, cfg: Config, device: DeviceProfile, inter_node: bool) -> float:
+    """Muon's orthogonalization on one rank: the blocks' matrices' Newton-Schulz iterations (a
+    matrix m x n, m <= n: x x^T, its square and that times x, 4 m^2 n + 2 m^3 FLOPs; a fused
+    projection taken whole), divided among the `owners` ranks of a ZeRO group (each matrix its
+    owner's), whose two all-to-alls bring each owner its matrices' rows and hand the results
+    back: 2 (N - 1) / N^2 of them each way."""
+    if cfg.train.optimizer != "muon":
+        return 0.0
+    flops = 0
+    for shape in (s for s in facts.dense.shapes + facts.experts.shapes if len(s) >= 2):
+        m, n = sorted(shape[-2:])
+        flops += math.prod(shape[:-2]) * (4 * m * m * n + 2 * m**3)
+    dtype = cfg.train.muon.ns_dtype
+    seconds = facts.n_layer * cfg.train.muon.ns_steps * flops / owners / device.flops(dtype)
+    if owners > 1:
+        sent = 2 * 2 * (owners - 1) / owners**2 * facts.muon_matrices(1)[0] * (2 if dtype == "bf16" else 4)
+        seconds += sent / device.bandwidth(inter_node, "all_gather")
+    return seconds
 
 
 @functools.cache
@@ -323,8 +346,10 @@ def _data_parallel(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceP
     context, context_exposed = context_s(c, shape, device)
     all_to_all = micro_steps * expert_parallel_s(c, shape, device)
     tensor = micro_steps * _tensor_parallel_s(c, shape, device) + all_to_all
+    optimizer = _optimizer_s(stepped, stored, cfg, device) \
+        + _newton_schulz_s(facts, ranks if stage else 1, cfg, device, inter_node)
     return StepTime(compute, comm + micro_steps * context + tensor, exposed + micro_steps * context_exposed + tensor,
-                    0.0, _optimizer_s(stepped, stored, cfg, device), all_to_all)
+                    0.0, optimizer, all_to_all)
 
 
 def _tensor_parallel_s(c: Candidate, shape: ModelShape, device: DeviceProfile) -> float:

@@ -188,7 +188,6 @@ class Strategy:
     def local_parameters(self) -> list[nn.Parameter]:
         """The parameters (or shards) this rank holds and its optimizer steps on."""
         return list(self.module.parameters())
-
     def forward_backward(self, model: nn.Module, micro_batches: Iterable[MicroBatch], loss_fn: LossFn,
                          accum: int) -> torch.Tensor:
         """Forward and backward over this rank's `accum` micro-batches of one step, gradients

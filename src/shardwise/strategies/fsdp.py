@@ -182,7 +182,6 @@ class ShardedDataParallel(HookedStrategy):
 
     def local_parameters(self) -> list[nn.Parameter]:
         return self.sharded.shards()
-
     def optimizer(self, make: OptimizerFactory) -> torch.optim.Optimizer:
         self.optim = self.sharded.optimizer(make)
         return self.optim
