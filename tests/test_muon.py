@@ -15,11 +15,14 @@ from distributed import run_ranks
 from helpers import assert_states_close, gpt_tiny, read_records, train_in_process, train_runs
 from safetensors.torch import load_file
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from shardwise.checkpoint import load_checkpoint
 from shardwise.config.load import load_config
 from shardwise.config.schema import ConfigError
 from shardwise.dist import init_distributed
 from shardwise.muon import MatrixLayout, orthogonalized
+from shardwise.planner.candidates import Candidate
 from shardwise.trainer import Trainer
 from shardwise.validate import MUON_STRATEGIES
 
@@ -74,42 +77,88 @@ def test_single_muon_equals_torchs_muon_and_adamw_on_the_same_split(tmp_path):
     assert read_records(tmp_path / "ours", "summary")[0]["optimizer"] == "muon"
 
 
+FP32 = ("train.muon.ns_dtype=fp32",)
+SPLIT = ("tensor", "pipeline", "fsdp-tp2")  # the matrices split over tp, or the model into stages
+SAVED_AT = 5
+MOE = "model.name=gpt-moe"
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("muon")
-    fp32 = ("train.muon.ns_dtype=fp32",)
-    train_in_process(cfg_for(root / "single", "single", 1, *fp32))
-    train_in_process(cfg_for(root / "dp", "dp", 1, *fp32))  # 2 replicas in threads of this process
-    run_ranks(train_runs, 2, root, {name: (name, *fp32) for name in ("ddp", "ddp-native", "zero1", "zero2", "fsdp")},
-              cfg_for)
-    run_ranks(hsdp_runs, 4, root)
-    return root
+    train_in_process(cfg_for(root / "single", "single", 1, *FP32))
+    train_in_process(cfg_for(root / "dp", "dp", 1, *FP32))  # 2 replicas in threads of this process
+    train_in_process(cfg_for(root / "single-llama", "single", 1, *FP32, *LLAMA))
+    train_in_process(cfg_for(root / "single-moe", "single", 1, *FP32, MOE))
+    two = {name: (name, *FP32) for name in ("ddp", "ddp-native", "zero1", "zero2", "fsdp", "tensor", "pipeline")}
+    two["fsdp-ep2-moe"] = ("fsdp", "parallel.ep=2", MOE, *FP32)
+    run_ranks(train_runs, 2, root, two, cfg_for)
+    (saved,) = [state for state in run_ranks(four_rank_runs, 4, root) if state is not None]
+    return root, saved
 
 
-def hsdp_runs(ctx, root) -> None:
-    """hsdp on 2 "nodes" of 2 processes (as tests/multinode/test_hsdp.py runs it)."""
+def four_rank_runs(ctx, root):
+    """hsdp on 2 "nodes" of 2 processes (as tests/multinode/test_hsdp.py runs it); fsdp over tp 2,
+    of the GPT and of a Llama; fsdp over tp 2 saved at step 5 and resumed under zero2 (dp 4), which
+    returns (rank 0) its optimizer state as loaded, gathered whole."""
     os.environ["LOCAL_WORLD_SIZE"] = "2"
     try:
-        Trainer(cfg_for(root / "hsdp", "hsdp", ctx.world_size, "train.muon.ns_dtype=fp32", "train.micro_batch=2"),
-                ctx).fit()
+        Trainer(cfg_for(root / "hsdp", "hsdp", ctx.world_size, *FP32, "train.micro_batch=2"), ctx).fit()
     finally:
         os.environ["LOCAL_WORLD_SIZE"] = str(ctx.world_size)
+    tp2 = ("parallel.tp=2", "train.micro_batch=2", "train.checkpoint_async=false", *FP32)
+    Trainer(cfg_for(root / "fsdp-tp2", "fsdp", ctx.world_size, *tp2), ctx).fit()
+    Trainer(cfg_for(root / "fsdp-tp2-llama", "fsdp", ctx.world_size, *tp2, *LLAMA), ctx).fit()
+    Trainer(cfg_for(root / "resumed", "fsdp", ctx.world_size, *tp2, f"train.steps={SAVED_AT}",
+                    f"train.checkpoint_every={SAVED_AT}"), ctx).fit()
+    resumed = Trainer(cfg_for(root / "resumed", "zero2", ctx.world_size, "train.micro_batch=2", *FP32,
+                              "run.resume=true"), ctx)
+    load_checkpoint(resumed)
+    loaded = {key: value.full_tensor() if isinstance(value, DTensor) else value.clone()
+              for key, value in resumed.strategy.view.state_dict()["optimizer"].items()}
+    resumed.fit()
+    return loaded if ctx.is_main else None
 
 
-@pytest.mark.parametrize("strategy", ["dp", "ddp", "ddp-native", "zero1", "zero2", "fsdp", "hsdp"])
-def test_muon_under_data_parallel_equals_single(runs, strategy):
-    """GPT-tiny, whose fused qkv is orthogonalized part by part (under ZeRO by the matrix's owner
-    rank, from every rank's rows of it): every step's loss within 1e-5
+@pytest.mark.parametrize("strategy", ["dp", "ddp", "ddp-native", "zero1", "zero2", "fsdp", "hsdp", *SPLIT,
+                                      "fsdp-tp2-llama", "fsdp-ep2-moe"])
+def test_muon_under_every_strategy_equals_single(runs, strategy):
+    """GPT-tiny, whose fused qkv is orthogonalized part by part (under ZeRO, over tensor parallel and
+    both by the matrix's owner rank, from every rank's part of it), a Llama (grouped-query
+    attention) under fsdp over tp 2, and gpt-moe (each expert its own matrix, its rank's experts
+    sharded over the ranks holding them) under fsdp with ep 2: every step's loss within 1e-5
     relative, and the final weights within 2e-5. Why that much: the replicas' gradients are summed
     in another order (1e-7 relative), and Newton-Schulz multiplies a direction of small singular
     value by up to 3.4445**5 ~ 484, so after 10 steps weights differ by about 1e-6 (1.3e-6 seen
     under dp, whose replicas run in threads); one step moves an element by lr/sqrt(64) = 2.5e-3,
     and orthogonalizing the fused qkv whole instead moves the weights by 4e-2."""
-    got, want = (read_records(runs / name) for name in (strategy, "single"))
+    root, _ = runs
+    single = "single-" + strategy.rpartition("-")[2] if strategy.endswith(("llama", "moe")) else "single"
+    got, want = (read_records(root / name) for name in (strategy, single))
     assert len(got) == len(want) == STEPS
     for ours, theirs in zip(got, want, strict=True):
         assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
-    state, expected = (load_file(str(runs / name / "model.safetensors")) for name in (strategy, "single"))
+    state, expected = (load_file(str(root / name / "model.safetensors")) for name in (strategy, single))
+    assert_states_close(state, expected, rtol=1e-5, atol=2e-5)
+
+
+def test_a_checkpoint_of_fsdp_over_tp_resumes_under_zero2(runs, tmp_path):
+    """Saved under fsdp x tp 2 at step 5 and loaded under zero2 on 4 ranks: Muon's momentum and
+    AdamW's moments, gathered whole, equal what was saved exactly; steps 6..10 equal fsdp x tp 2's
+    uninterrupted run within 1e-5, its weights within 2e-5 (the test above says why)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    root, loaded = runs
+    (checkpoint,) = [p for p in (root / "resumed" / "checkpoints").iterdir() if p.name.startswith("step")]
+    dcp_to_torch_save(checkpoint, tmp_path / "saved.pt")
+    saved = torch.load(tmp_path / "saved.pt", weights_only=False)["optimizer"]
+    assert loaded.keys() == saved.keys() and any(key.endswith("momentum_buffer") for key in saved)
+    assert_states_close(loaded, saved, rtol=0, atol=0)
+    got, want = (read_records(root / name) for name in ("resumed", "fsdp-tp2"))
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    for ours, theirs in zip(got[SAVED_AT:], want[SAVED_AT:], strict=True):
+        assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
+    state, expected = (load_file(str(root / name / "model.safetensors")) for name in ("resumed", "fsdp-tp2"))
     assert_states_close(state, expected, rtol=1e-5, atol=2e-5)
 
 
@@ -134,12 +183,10 @@ def test_a_fused_matrix_is_orthogonalized_part_by_part_and_experts_one_by_one():
 @pytest.mark.parametrize("overrides, words", [
     (("parallel.strategy=fsdp-native", "launch.nproc=2"),
      "train.optimizer = 'muon': not under parallel.strategy = 'fsdp-native'"),
-    (("parallel.strategy=fsdp", "launch.nproc=2", "parallel.tp=2"), "not with parallel.tp = 2 yet"),
     (("parallel.strategy=zero2", "launch.nproc=2", "parallel.sharding.offload=optimizer"),
      "not with parallel.sharding.offload = 'optimizer'"),
     (("lora.rank=4",), "not with LoRA adapters yet"),
-    (("parallel.strategy=ddp", "launch.nproc=2", "model.name=gpt-moe", "parallel.ep=2"),
-     "not with expert parallel yet (parallel.ep = 2)"),
+    (("parallel.strategy=param-server", "launch.nproc=3"), "not under parallel.strategy = 'param-server'"),
     (("parallel.precision=fp16-mixed",), "not with fp16's loss scaler yet"),
     (("train.muon.ns_steps=0",), "train.muon.ns_steps = 0"),
     (("model.name=mlp", "data.name=digits"), "model.name = 'mlp' has none"),
@@ -150,30 +197,44 @@ def test_what_muon_does_not_compose_with_yet_is_refused_before_launch(tmp_path, 
     assert words in str(error.value) and "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "zero1", "zero2", "fsdp"])
+PLANNED = {**{name: Candidate(name, 2, 1, 1, "fp32", "none", 4) for name in ("ddp", "zero1", "zero2", "fsdp")},
+           "tensor": Candidate("tensor", 1, 1, 2, "fp32", "none", 4),
+           "pipeline": Candidate("pipeline", 1, 2, 1, "fp32", "none", 4, micro_batches=4, schedule="1f1b")}
+
+
+@pytest.mark.parametrize("strategy", list(PLANNED))
 def test_the_planner_predicts_muons_optimizer_bytes_to_the_byte(runs, strategy):
-    """A momentum for each matrix of the blocks (its padded shard under ZeRO), AdamW's two moments
-    and step for the rest: what the run's summary counted, predicted exactly."""
-    from shardwise.planner.candidates import Candidate
+    """A momentum for each matrix of the blocks (its padded shard under ZeRO, its tp shard under
+    tensor, a stage's under pipeline), AdamW's two moments and step for the rest: what the run's
+    summary counted on rank 0, predicted exactly."""
     from shardwise.planner.memory_model import predict_memory
 
-    candidate = Candidate(strategy, 2, 1, 1, "fp32", "none", 4)
-    (predicted,) = predict_memory(candidate, candidate.config(cfg_for(runs / "plan", strategy, 2), 2))
-    (summary,) = read_records(runs / strategy, "summary")
+    root, _ = runs
+    candidate = PLANNED[strategy]
+    predicted = predict_memory(candidate, candidate.config(cfg_for(root / "plan", strategy, 2), 2))[0]
+    (summary,) = read_records(root / strategy, "summary")
     assert summary["memory"]["optimizer"] == predicted.optimizer
-    adamw = predict_memory(candidate, candidate.config(cfg_for(runs / "plan", strategy, 2,
+    adamw = predict_memory(candidate, candidate.config(cfg_for(root / "plan", strategy, 2,
                                                                "train.optimizer=adamw"), 2))[0].optimizer
     assert predicted.optimizer < adamw  # a matrix's one momentum against AdamW's two moments
 
 
-def test_the_planner_plans_muon_and_refuses_named_parameters_in_one_line(tmp_path):
+def test_the_planner_plans_muon_with_newton_schulz_and_refuses_named_parameters_in_one_line(tmp_path):
+    """Every strategy Muon runs under is planned, its optimizer step costing Newton-Schulz's matmuls
+    on top of AdamW's elementwise work (shared among tensor parallel's owners)."""
     from shardwise.planner import PlanError, load_profile, make_plan
+    from shardwise.planner.timing import predict_step_time
 
-    plan = make_plan(cfg_for(tmp_path, "ddp", 2), 2, load_profile("cpu"))
+    device = load_profile("cpu")
+    plan = make_plan(cfg_for(tmp_path, "ddp", 2), 2, device)
     assert plan.recommended is not None and plan.recommended.candidate.strategy in MUON_STRATEGIES
-    assert any("train.optimizer = 'muon'" in why for why in plan.refused.values())  # the tensor and pipeline meshes
+    assert not any("muon" in why for why in plan.refused.values())  # tensor and pipeline meshes too
+    for candidate in (Candidate("ddp", 2, 1, 1, "fp32", "none", 4), Candidate("tensor", 1, 1, 2, "fp32", "none", 8)):
+        muon, adamw = (predict_step_time(candidate, cfg_for(tmp_path, candidate.strategy, 2, *more), device, 2)
+                       for more in ((), ("train.optimizer=adamw",)))
+        assert muon.optimizer_s > adamw.optimizer_s and muon.compute_s == adamw.compute_s
     with pytest.raises(PlanError, match=r"train.muon.params = \['blocks.\*'\]: the planner counts Muon's default"):
-        make_plan(cfg_for(tmp_path, "ddp", 2, "train.muon.params=['blocks.*']"), 2, load_profile("cpu"))
+        make_plan(cfg_for(tmp_path, "ddp", 2, "train.muon.params=['blocks.*']"), 2, device)
 
 
 def test_a_muon_run_resumes_from_its_checkpoint_exactly(tmp_path):
@@ -213,7 +274,7 @@ def exchange_against_local(ctx, dtype: torch.dtype) -> None:
     def function(index: int, whole: torch.Tensor) -> torch.Tensor:
         return whole * whole.square().sum() + index
 
-    sharded = ShardedMatrices(sharding)
+    sharded = ShardedMatrices(sharding, LocalMatrices())
     got, want = {}, {}
     sharded.apply(shards, lambda i: shards[i].detach() * 2, function, dtype, got.__setitem__)  # shard-shaped values
     LocalMatrices().apply(wholes, lambda i: (wholes[i].detach() * 2).to(dtype), function, dtype, want.__setitem__)
@@ -228,9 +289,36 @@ def exchange_against_local(ctx, dtype: torch.dtype) -> None:
     assert sharding.bytes_moved > 0
 
 
+def tensor_exchange_against_local(ctx, dtype: torch.dtype) -> None:
+    """TensorMatrices against LocalMatrices: a fused column of 3 parts (each split on its own), a
+    row-parallel matrix and one every tp rank holds whole; every rank's shard of every result bit
+    for bit, and the whole shapes."""
+    from shardwise.parallel.tensor_group import TensorShard
+    from shardwise.parallel.whole_matrices import LocalMatrices, TensorMatrices
+
+    torch.manual_seed(0)
+    wholes = [torch.randn(12, 4), torch.randn(6, 8), torch.randn(5, 3)]
+    splits = [TensorShard(0, parts=3), TensorShard(1), None]
+    local = [nn.Parameter(w if split is None else split.take(w, ctx.rank, ctx.world_size))
+             for w, split in zip(wholes, splits, strict=True)]
+    matrices = TensorMatrices(dist.group.WORLD, {id(p): s for p, s in zip(local, splits, strict=True) if s})
+    assert [matrices.shape_of(p) for p in local] == [w.shape for w in wholes]
+
+    def function(index: int, whole: torch.Tensor) -> torch.Tensor:
+        return whole * whole.square().sum() + index
+
+    got, want = {}, {}
+    matrices.apply(local, lambda i: local[i].detach(), function, dtype, got.__setitem__)
+    LocalMatrices().apply(wholes, lambda i: wholes[i].to(dtype), function, dtype, want.__setitem__)
+    for index, split in enumerate(splits):
+        expected = want[index] if split is None else split.take(want[index], ctx.rank, ctx.world_size)
+        assert torch.equal(got[index].to(dtype), expected), index
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_an_owner_rank_computes_each_whole_matrix_and_every_rank_gets_its_rows(dtype):
+def test_an_owner_rank_computes_each_whole_matrix_and_every_rank_gets_its_part(dtype):
     run_ranks(exchange_against_local, 2, dtype)
+    run_ranks(tensor_exchange_against_local, 2, dtype)
 
 
 def test_owners_take_the_heaviest_matrices_first_each_to_the_least_loaded_rank():

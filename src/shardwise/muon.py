@@ -120,7 +120,7 @@ class Muon(torch.optim.Optimizer):
 
         def step(index: int, orthogonalized_update: torch.Tensor) -> None:
             param, group = stepped[index]
-            rows, cols = group["layout"].matrix_shape(self.matrices.whole_of(param).shape)
+            rows, cols = group["layout"].matrix_shape(self.matrices.shape_of(param))
             param.mul_(1 - group["lr"] * group["weight_decay"])
             param.add_(orthogonalized_update, alpha=-group["lr"] * lr_scale(rows, cols, group["adjust_lr"]))
 

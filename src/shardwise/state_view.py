@@ -35,7 +35,7 @@ from shardwise.parallel.dims import Mesh
 from shardwise.parallel.experts import ExpertParallel
 from shardwise.parallel.shard import Sharding, real_rows
 from shardwise.parallel.tensor_group import TensorShard
-from shardwise.parallel.whole_matrices import LocalMatrices, ShardedMatrices, WholeMatrices
+from shardwise.parallel.whole_matrices import LocalMatrices, ShardedMatrices, TensorMatrices, WholeMatrices
 
 
 class Holder(Protocol):
@@ -181,8 +181,13 @@ class SplitView(StateView):
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return self.held_parameters()
 
-    def named_buffers(self) -> list[tuple[str, torch.Tensor]]:
-        return [(name, t) for name, t in self.local.items() if not isinstance(t, nn.Parameter)]
+    def whole_matrices(self) -> WholeMatrices:
+        """A stage's matrices whole on its ranks, or split over its tp ranks (each put together by
+        an owner among them)."""
+        owner = self.owner
+        if owner.mesh.size("tp") == 1:
+            return LocalMatrices()
+        return TensorMatrices(owner.mesh.group("tp"), owner.tensor_shards)
 
     def as_global(self, name: str, local: torch.Tensor) -> torch.Tensor:
         experts = self.owner.experts
@@ -277,8 +282,11 @@ class ShardedView(StateView):
                 for name, param in self.owner.module.named_parameters()]
 
     def whole_matrices(self) -> ShardedMatrices:
-        """Each shard's matrix assembled whole by its owner rank (parallel/whole_matrices.py)."""
-        return ShardedMatrices(self.owner.sharding)
+        """Each shard's matrix assembled whole by its owner rank (parallel/whole_matrices.py), over
+        tensor parallel then from the tp ranks' shards of it."""
+        owner = self.owner
+        inner = TensorMatrices(owner.mesh.group("tp"), owner.tensor_shards) if owner.tp > 1 else LocalMatrices()
+        return ShardedMatrices(owner.sharding, inner)
 
     def as_global(self, name: str, local: torch.Tensor) -> torch.Tensor:
         """Over tensor parallel, a tp shard's rows are pieces of the whole tensor wherever its
@@ -363,6 +371,9 @@ class ShardedSplitView(SplitView):
     def named_parameters(self) -> list[tuple[str, nn.Parameter]]:
         sharding = self.sharded.owner.sharding
         return [(name, sharding.shard_of(p) if sharding.holds(p) else p) for name, p in self.held_parameters()]
+
+    def whole_matrices(self) -> ShardedMatrices:
+        return self.sharded.whole_matrices()
 
     def as_global(self, name: str, local: torch.Tensor) -> torch.Tensor:
         return self.sharded.as_global(name, local)

@@ -172,8 +172,10 @@ def _validate_optimization(cfg: Config) -> None:
     _positive("launch.shutdown_timeout_s", launch.shutdown_timeout_s, zero_ok=True)
 
 
-# Every matrix whole on every rank, or ZeRO's shards of it (assembled by an owner); the rest: issue 70
-MUON_STRATEGIES = ("single", "dp", "ddp", "ddp-native", "zero1", "zero2", "fsdp", "hsdp")
+# Every matrix whole on a rank, or ZeRO's or tensor parallel's shards of it (put together by an owner rank);
+# not fsdp-native (FSDP2's DTensor shards) nor param-server (its servers step)
+MUON_STRATEGIES = ("single", "dp", "ddp", "ddp-native", "zero1", "zero2", "fsdp", "hsdp", "tensor", "pipeline",
+                   "model-parallel")
 
 
 def _validate_muon(cfg: Config) -> None:
@@ -188,20 +190,12 @@ def _validate_muon(cfg: Config) -> None:
 
 
 def _muon_composes(cfg: Config, world: int) -> None:
-    """What Muon composes with yet (checked for each of a planner's candidates): whole matrices
-    (single, dp, ddp, ddp-native) or ZeRO's shards on the device (zero1, zero2, fsdp, hsdp); no
-    tensor, pipeline or expert parallel, no adapters, no fp16 loss scale."""
+    """What Muon composes with (checked for each of a planner's candidates): MUON_STRATEGIES, with
+    ZeRO's shards on the device; no adapters, no fp16 loss scale yet."""
     p = cfg.parallel
     if p.strategy not in MUON_STRATEGIES:
-        raise ConfigError(f"train.optimizer = 'muon': not under parallel.strategy = {p.strategy!r} yet "
-                          f"(its matrices are split or its stages apart); use {', '.join(MUON_STRATEGIES)}, or adamw")
-    if p.ep > 1:
-        raise ConfigError(f"train.optimizer = 'muon': not with expert parallel yet (parallel.ep = {p.ep})")
-    _, pp, tp = p.mesh_shape(world)
-    for key, size in (("tp", tp), ("pp", pp)):
-        if size > 1:
-            raise ConfigError(f"train.optimizer = 'muon': not with parallel.{key} = {size} yet (its matrices are "
-                              "split or its stages apart)")
+        raise ConfigError(f"train.optimizer = 'muon': not under parallel.strategy = {p.strategy!r}; use one of "
+                          f"{', '.join(MUON_STRATEGIES)}, or adamw")
     if p.sharding.offload != "none":
         raise ConfigError(f"train.optimizer = 'muon': not with parallel.sharding.offload = {p.sharding.offload!r} "
                           "(its matrices would be assembled from the host)")

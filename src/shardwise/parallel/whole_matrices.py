@@ -1,5 +1,7 @@
 """Whole matrices for an optimizer that computes on them whole (Muon's Newton-Schulz), from what
-each rank holds of them: whole already (`LocalMatrices`), or ZeRO's dim-0 shards (`ShardedMatrices`).
+each rank holds of them: whole already (`LocalMatrices`), ZeRO's dim-0 shards (`ShardedMatrices`),
+tensor parallel's shards (`TensorMatrices`), or ZeRO's shards of tensor parallel's (the one over
+the other).
 
 Under ZeRO a rank holds 1/N of every parameter's rows, and so 1/N of its gradient and momentum:
 the elementwise part of such an optimizer (momentum, weight decay) stays sharded, but a function
@@ -12,15 +14,20 @@ of the whole matrix needs the whole matrix somewhere. Two ways to get it there:
 The second is what this module does: it divides Newton-Schulz, the step's largest cost, by N and
 sends less for any N; docs/muon.md has the two measured against each other.
 
-A step, per group of ranks that shard alike (the dense units', the experts'):
+A step, per group of ranks that split alike (ZeRO's dense units', its experts'; the tp ranks):
 1. Owners: the parameters, heaviest first (a matrix costs about numel x min(rows, cols)), each to
    the least loaded rank; every rank lists the same parameters in the same order, so every rank
    computes the same owners.
-2. All-to-all: each rank sends each owner its rows of the owner's parameters, in the dtype the
+2. All-to-all: each rank sends each owner its part of the owner's parameters, in the dtype the
    computation starts by casting to (Newton-Schulz's first step is that cast: sending bf16 loses
    nothing, and halves the bytes).
-3. The owner lays every rank's rows end to end (the whole parameter, padding cut) and computes.
-4. All-to-all back: each rank receives its rows of every result, padded as its shards are.
+3. The owner puts the parts together (ZeRO: rows end to end, padding cut; tp: each fused part's
+   pieces in rank order, `TensorShard.join`) and computes.
+4. All-to-all back: each rank receives its part of every result.
+
+Over tensor parallel, ZeRO's owner of a matrix holds it whole as its tp rank holds it; the tp
+ranks of that owner (the same data-parallel rank of each tp rank: they list the same parameters,
+so they own the same ones) then exchange it the same way among themselves.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.parallel.shard import ShardGroup, Sharding, copy_in, copy_out
+from shardwise.parallel.tensor_group import TensorShard
 
 WholeFunction = Callable[[int, torch.Tensor], torch.Tensor]  # (index of the parameter, its whole value) -> result
 Value = Callable[[int], torch.Tensor]  # index of the parameter -> what this rank holds of its value
@@ -44,6 +52,9 @@ class WholeMatrices(Protocol):
 
     def whole_of(self, local: nn.Parameter) -> nn.Parameter:
         """The model's parameter `local` is (a part of)."""
+
+    def shape_of(self, local: nn.Parameter) -> torch.Size:
+        """The whole shape of what `local` is a part of (over tensor parallel, of the plain model's)."""
 
     def apply(self, local: list[nn.Parameter], value: Value, function: WholeFunction, dtype: torch.dtype,
               use: Use) -> None:
@@ -59,10 +70,13 @@ class LocalMatrices:
     def whole_of(self, local: nn.Parameter) -> nn.Parameter:
         return local
 
+    def shape_of(self, local: nn.Parameter) -> torch.Size:
+        return local.shape
+
     def apply(self, local: list[nn.Parameter], value: Value, function: WholeFunction, dtype: torch.dtype,
               use: Use) -> None:
         for index in range(len(local)):
-            use(index, function(index, value(index)))
+            use(index, function(index, value(index).to(dtype)))
 
 
 def owners(costs: list[float], world: int) -> list[int]:
@@ -74,13 +88,99 @@ def owners(costs: list[float], world: int) -> list[int]:
     return owner
 
 
+class Exchange:
+    """Steps 1, 2 and 4 over one group of ranks: which rank owns each of a list of parameters, every
+    rank's part of each sent to its owner, and the owner's result's parts sent back. Each part of a
+    parameter has the same number of elements on every rank (`lengths`)."""
+
+    def __init__(self, group: dist.ProcessGroup, world: int, rank: int, costs: list[float], lengths: list[int]) -> None:
+        self.group, self.world, self.rank, self.lengths = group, world, rank, lengths
+        owner = owners(costs, world)
+        self.by_owner = [[i for i in range(len(costs)) if owner[i] == r] for r in range(world)]
+        self.mine = self.by_owner[rank]
+        self.sent = [sum(lengths[i] for i in held) for held in self.by_owner]
+        self.bytes_moved = 0
+        self.dtype = torch.float32  # what to_owners sent, and from_owners sends back
+
+    def to_owners(self, values: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Every rank's part of each parameter this rank owns ([world, its length] each, in `mine`'s
+        order), from each rank's `values` (its parts, flat, in the dtype to send)."""
+        send = torch.cat([values[i].reshape(-1) for held in self.by_owner for i in held])
+        self.dtype = send.dtype
+        received = torch.empty(self.world, self.sent[self.rank], dtype=send.dtype, device=send.device)
+        dist.all_to_all_single(received.view(-1), send, [self.sent[self.rank]] * self.world, self.sent,
+                               group=self.group)
+        self.bytes_moved += (send.numel() + received.numel()) * send.element_size()
+        return list(received.split([self.lengths[i] for i in self.mine], dim=1))
+
+    def from_owners(self, computed: list[torch.Tensor]) -> list[torch.Tensor]:
+        """This rank's part of each parameter's result (flat, in the list's order), from the
+        owners' `computed` ([world, its length] each, in `mine`'s order: row r goes to rank r)."""
+        send = torch.cat(computed, dim=1) if computed else torch.empty(self.world, 0, dtype=self.dtype)
+        back = torch.empty(sum(self.sent), dtype=send.dtype, device=send.device)
+        dist.all_to_all_single(back, send.reshape(-1), self.sent, [self.sent[self.rank]] * self.world,
+                               group=self.group)
+        self.bytes_moved += (send.numel() + back.numel()) * send.element_size()
+        parts, at = [torch.empty(0)] * len(self.lengths), 0
+        for held in self.by_owner:
+            for i in held:
+                parts[i] = back[at : at + self.lengths[i]]
+                at += self.lengths[i]
+        return parts
+
+
+def cost(shape: torch.Size) -> float:
+    """About what orthogonalizing a matrix of `shape` costs (numel x its shorter side)."""
+    return shape.numel() * min(shape[-2:])
+
+
+class TensorMatrices:
+    """Parameters split over the tp ranks of `group` (`tensor_shards`: id -> how; the rest whole on
+    every tp rank, computed where they are): each split one put together by its owner."""
+
+    def __init__(self, group: dist.ProcessGroup, tensor_shards: dict[int, TensorShard]) -> None:
+        self.group, self.tensor_shards = group, tensor_shards
+        self.world, self.rank = dist.get_world_size(group), dist.get_rank(group)
+
+    def whole_of(self, local: nn.Parameter) -> nn.Parameter:
+        return local
+
+    def shape_of(self, local: nn.Parameter) -> torch.Size:
+        shard = self.tensor_shards.get(id(local))
+        if shard is None:
+            return local.shape
+        shape = list(local.shape)
+        shape[shard.dim] *= self.world
+        return torch.Size(shape)
+
+    def apply(self, local: list[nn.Parameter], value: Value, function: WholeFunction, dtype: torch.dtype,
+              use: Use) -> None:
+        split = [i for i, param in enumerate(local) if id(param) in self.tensor_shards]
+        for index in (i for i in range(len(local)) if id(local[i]) not in self.tensor_shards):
+            use(index, function(index, value(index).to(dtype)))
+        if not split:  # every tp rank lists the same parameters: none of them exchanges
+            return
+        exchange = Exchange(self.group, self.world, self.rank, [cost(self.shape_of(local[i])) for i in split],
+                            [local[i].numel() for i in split])
+        received = exchange.to_owners([value(i).to(dtype) for i in split])
+        computed = []
+        for j, parts in zip(exchange.mine, received, strict=True):
+            param = local[split[j]]
+            shard = self.tensor_shards[id(param)]
+            result = function(split[j], shard.join([part.view(param.shape) for part in parts]))
+            computed.append(torch.stack([shard.take(result, r, self.world).reshape(-1) for r in range(self.world)]))
+        for j, part in enumerate(exchange.from_owners(computed)):
+            use(split[j], part.view(local[split[j]].shape))
+
+
 class ShardedMatrices:
     """`sharding`'s shards (parallel/shard.py: each rank a dim-0 chunk of every parameter, zero-padded
-    to the same rows), each parameter's function computed by its owner; the bytes the all-to-alls
-    put through (input + output) are counted in `sharding.bytes_moved`."""
+    to the same rows), each parameter put together by its owner, which computes on it through
+    `inner` (LocalMatrices; over tensor parallel, TensorMatrices); the bytes the all-to-alls put
+    through (input + output) are counted in `sharding.bytes_moved`."""
 
-    def __init__(self, sharding: Sharding) -> None:
-        self.sharding = sharding
+    def __init__(self, sharding: Sharding, inner: LocalMatrices | TensorMatrices) -> None:
+        self.sharding, self.inner = sharding, inner
         held = [(unit, param, shard, shape) for unit in sharding.units
                 for param, shard, shape in zip(unit.params, unit.shards, unit.shapes, strict=True)]
         self._group = {id(shard): unit.over for unit, _, shard, _ in held}
@@ -90,6 +190,9 @@ class ShardedMatrices:
     def whole_of(self, local: nn.Parameter) -> nn.Parameter:
         return self._whole.get(id(local), local)
 
+    def shape_of(self, local: nn.Parameter) -> torch.Size:
+        return self.inner.shape_of(self.whole_of(local))
+
     def apply(self, local: list[nn.Parameter], value: Value, function: WholeFunction, dtype: torch.dtype,
               use: Use) -> None:
         groups: dict[int, tuple[ShardGroup, list[int]]] = {}
@@ -98,39 +201,29 @@ class ShardedMatrices:
             groups.setdefault(id(over), (over, []))[1].append(index)
         # Every rank in the same order: the dense group (every rank's) before the experts'
         for over, indices in sorted(groups.values(), key=lambda group: group[0].experts):
-            results = self._exchange(over, [local[i] for i in indices], [value(i).to(dtype) for i in indices],
-                                     lambda i, whole, at=indices: function(at[i], whole))
-            for index, result in zip(indices, results, strict=True):
-                use(index, result)
+            self._exchange(over, indices, [local[i] for i in indices], value, function, dtype, use)
 
-    def _exchange(self, over: ShardGroup, shards: list[nn.Parameter], values: list[torch.Tensor],
-                  function: WholeFunction) -> list[torch.Tensor]:
-        """Steps 1-4 above for the shards of one group of ranks (`values` in the dtype to send)."""
+    def _exchange(self, over: ShardGroup, indices: list[int], shards: list[nn.Parameter], value: Value,
+                  function: WholeFunction, dtype: torch.dtype, use: Use) -> None:
+        """Steps 1-4 above for the shards of one group of ranks (`indices`: theirs in apply's list)."""
         wholes = [self._whole[id(shard)] for shard in shards]
-        owner = owners([p.numel() * min(p.shape[-2:]) for p in wholes], over.world)
-        by_owner = [[i for i in range(len(shards)) if owner[i] == rank] for rank in range(over.world)]
-        lengths = [shard.numel() for shard in shards]  # the same on every rank: shards are padded alike
-        sent = [sum(lengths[i] for i in held) for held in by_owner]
-        send = torch.cat([values[i].reshape(-1) for held in by_owner for i in held])
-        dtype = send.dtype
-        mine = by_owner[over.rank]
-        received = torch.empty(over.world, sent[over.rank], dtype=dtype, device=send.device)
-        dist.all_to_all_single(received.view(-1), send, [sent[over.rank]] * over.world, sent, group=over.group)
-        computed = torch.empty_like(received)
-        offset = 0
-        for i in mine:
-            rows, shape = shards[i].shape[0], self._split_shape[id(shards[i])]  # experts folded or not
-            whole = torch.empty(wholes[i].shape, dtype=dtype, device=received.device)
-            copy_out(whole, shape, rows, offset, received)
-            copy_in(computed, shape, rows, offset, function(i, whole))
-            offset += lengths[i]
-        back = torch.empty_like(send)
-        dist.all_to_all_single(back, computed.view(-1), sent, [sent[over.rank]] * over.world, group=over.group)
-        self.sharding.bytes_moved += 2 * (send.numel() + received.numel()) * send.element_size()
-        results, at = [torch.empty(0)] * len(shards), 0
-        for held in by_owner:
-            for i in held:
-                results[i] = back[at : at + lengths[i]].view_as(shards[i])
-                at += lengths[i]
-        return results
+        exchange = Exchange(over.group, over.world, over.rank, [cost(p.shape) for p in wholes],
+                            [shard.numel() for shard in shards])
+        received = exchange.to_owners([value(i).to(dtype) for i in indices])
+        owned = [wholes[j] for j in exchange.mine]
+        assembled, computed = [], []
+        for j, parts in zip(exchange.mine, received, strict=True):
+            whole = torch.empty(wholes[j].shape, dtype=dtype, device=parts.device)
+            copy_out(whole, self._split_shape[id(shards[j])], shards[j].shape[0], 0, parts)
+            assembled.append(whole)
+            computed.append(torch.empty_like(parts))
 
+        def padded(k: int, result: torch.Tensor) -> None:  # the result's rows as each rank's shard holds them
+            j = exchange.mine[k]
+            copy_in(computed[k], self._split_shape[id(shards[j])], shards[j].shape[0], 0, result)
+
+        self.inner.apply(owned, lambda k: assembled[k], lambda k, whole: function(indices[exchange.mine[k]], whole),
+                         dtype, padded)
+        for j, part in enumerate(exchange.from_owners(computed)):
+            use(indices[j], part.view_as(shards[j]))
+        self.sharding.bytes_moved += exchange.bytes_moved

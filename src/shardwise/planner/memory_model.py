@@ -511,8 +511,9 @@ def _pipeline(c: Candidate, cfg: Config, shape: ModelShape, activations: bool) -
             ranks.append(_sharded_stages_rank(c, cfg, trained.stage_facts(*where), frozen.stage_facts(*where),
                                               int(peaks[rank]), buffers, loss))
         else:
-            ranks.append(_mesh_rank(c, cfg, numel, trained.stage(0 in stages, last in stages, blocks), int(peaks[rank]),
-                                    buffers, loss))
+            where = (0 in stages, last in stages, blocks)
+            ranks.append(_mesh_rank(c, cfg, numel, trained.stage(*where), trained.stage_facts(*where).muon_matrices(1),
+                                    int(peaks[rank]), buffers, loss))
     return ranks
 
 
@@ -547,23 +548,24 @@ def _tensor(c: Candidate, cfg: Config, shape: ModelShape, activations: bool) -> 
         + all_to_all_outputs(c, shape) if activations else 0
     # An all-reduce's result is a copy of one activation (ReduceFromTensorParallel clones its input).
     activation = c.micro_batch * shape.seq_len // c.cp * shape.d_model * 4
-    return _mesh_rank(c, cfg, facts.params_total, (trained.params_total, trained.tensor_count), saved,
-                      activation + context_buffers(c, shape) + expert_buffers(c, shape), loss_gradients(c, shape))
+    buffers = activation + context_buffers(c, shape) + expert_buffers(c, shape)
+    return _mesh_rank(c, cfg, facts.params_total, (trained.params_total, trained.tensor_count),
+                      trained.muon_matrices(1), saved, buffers, loss_gradients(c, shape))
 
 
-def _mesh_rank(c: Candidate, cfg: Config, numel: int, trained: tuple[int, int], activations: int,
-               buffers: int, loss: int) -> RankMemory:
+def _mesh_rank(c: Candidate, cfg: Config, numel: int, trained: tuple[int, int], muon: tuple[int, int],
+               activations: int, buffers: int, loss: int) -> RankMemory:
     """A rank of the model-splitting strategies: the `numel` elements it holds whole, and the
-    gradients of the `trained` (elements, tensors) of them (all of them but under LoRA), in the
-    precision's storage dtype, plus, with data (or context) parallel beside, the packed copy of
-    those gradients the dp (cp) all-reduce sends. A backward may start (a later micro-batch's)
-    with every gradient and buffer live: `at_loss` counts them whole."""
+    gradients of the `trained` (elements, tensors) of them (all of them but under LoRA; `muon`: those
+    Muon steps, where it is the optimizer), in the precision's storage dtype, plus, with data (or
+    context) parallel beside, the packed copy of those gradients the dp (cp) all-reduce sends. A
+    backward may start (a later micro-batch's) with every gradient and buffer live: `at_loss`
+    counts them whole."""
     stored = dtype_bytes(make_precision(c.precision, cfg.parallel.sharding.reduce_dtype).param_dtype)
     grads = trained[0] * stored
     packed = grads if c.dp > 1 or c.cp > 1 else 0
-    no_muon = (0, 0)  # Muon is refused over tensor and pipeline parallel (validate.py): never reached with it
-    return RankMemory(numel * stored, grads, optimizer_bytes(*trained, stored, cfg, no_muon), activations,
-                      buffers + packed, staging=checkpoint_copy(cfg, *trained, stored, no_muon), loss=loss,
+    return RankMemory(numel * stored, grads, optimizer_bytes(*trained, stored, cfg, muon), activations,
+                      buffers + packed, staging=checkpoint_copy(cfg, *trained, stored, muon), loss=loss,
                       at_loss=grads + buffers + packed)
 
 

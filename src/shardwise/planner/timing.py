@@ -70,6 +70,7 @@ from shardwise.planner.memory_model import (
 from shardwise.planner.model import (
     ModelFacts,
     ModelShape,
+    model_facts,
     model_shape,
     rank_facts,
     stage_bounds,
@@ -193,23 +194,25 @@ def _optimizer_s(numel: int, stored: int, cfg: Config, device: DeviceProfile) ->
     return OPTIMIZER_ACCESSES[cfg.train.optimizer] * numel * stored / device.memory_bandwidth
 
 
-def _newton_schulz_s(facts: ModelFacts, owners: int, cfg: Config, device: DeviceProfile, inter_node: bool) -> float:
-    """Muon's orthogonalization on one rank: the blocks' matrices' Newton-Schulz iterations (a
-    matrix m x n, m <= n: x x^T, its square and that times x, 4 m^2 n + 2 m^3 FLOPs; a fused
-    projection taken whole), divided among the `owners` ranks of a ZeRO group (each matrix its
-    owner's), whose two all-to-alls bring each owner its matrices' rows and hand the results
-    back: 2 (N - 1) / N^2 of them each way."""
+def _newton_schulz_s(shape: ModelShape, layers: int, owners: int, cfg: Config, device: DeviceProfile,
+                     inter_node: bool) -> float:
+    """Muon's orthogonalization on one rank holding `layers` blocks: their matrices' Newton-Schulz
+    iterations (a matrix m x n, m <= n, as the plain model holds it: x x^T, its square and that
+    times x, 4 m^2 n + 2 m^3 FLOPs; a fused projection taken whole), divided among the `owners`
+    ranks that split them (ZeRO's and tensor parallel's: each matrix its owner's), whose two
+    all-to-alls bring each owner its matrices' parts and hand the results back: 2 (N - 1) / N^2 of
+    them each way."""
     if cfg.train.optimizer != "muon":
         return 0.0
-    flops = 0
-    for shape in (s for s in facts.dense.shapes + facts.experts.shapes if len(s) >= 2):
-        m, n = sorted(shape[-2:])
-        flops += math.prod(shape[:-2]) * (4 * m * m * n + 2 * m**3)
+    facts = model_facts(shape)
+    matrices = [s for s in facts.dense.shapes + facts.experts.shapes if len(s) >= 2]
+    flops = sum(math.prod(s[:-2]) * (4 * min(s[-2:]) ** 2 * max(s[-2:]) + 2 * min(s[-2:]) ** 3) for s in matrices)
     dtype = cfg.train.muon.ns_dtype
-    seconds = facts.n_layer * cfg.train.muon.ns_steps * flops / owners / device.flops(dtype)
+    seconds = layers * cfg.train.muon.ns_steps * flops / owners / device.flops(dtype)
     if owners > 1:
-        sent = 2 * 2 * (owners - 1) / owners**2 * facts.muon_matrices(1)[0] * (2 if dtype == "bf16" else 4)
-        seconds += sent / device.bandwidth(inter_node, "all_gather")
+        elements = layers * sum(math.prod(s) for s in matrices)
+        seconds += 4 * (owners - 1) / owners**2 * elements * (2 if dtype == "bf16" else 4) \
+            / device.bandwidth(inter_node, "all_gather")
     return seconds
 
 
@@ -347,7 +350,7 @@ def _data_parallel(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceP
     all_to_all = micro_steps * expert_parallel_s(c, shape, device)
     tensor = micro_steps * _tensor_parallel_s(c, shape, device) + all_to_all
     optimizer = _optimizer_s(stepped, stored, cfg, device) \
-        + _newton_schulz_s(facts, ranks if stage else 1, cfg, device, inter_node)
+        + _newton_schulz_s(shape, shape.n_layer, (ranks if stage else 1) * c.tp, cfg, device, inter_node)
     return StepTime(compute, comm + micro_steps * context + tensor, exposed + micro_steps * context_exposed + tensor,
                     0.0, optimizer, all_to_all)
 
@@ -428,8 +431,10 @@ def _tensor(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceProfile,
     numel = rank_facts(shape, c.tp, c.ep, "trainable").params_total  # what trains: under LoRA its adapters
     dp_comm = _mesh_dp_all_reduce(c, numel, device)
     context, context_exposed = (micro_steps * t for t in context_s(c, shape, device))
-    return StepTime(compute, tp_comm + dp_comm + context, tp_comm + dp_comm + context_exposed, 0.0,
-                    _optimizer_s(numel, 4, cfg, device), all_to_all)
+    optimizer = _optimizer_s(numel, 4, cfg, device) \
+        + _newton_schulz_s(shape, shape.n_layer, c.tp, cfg, device, _spans_nodes(c.tp, 1, device.gpus_per_node))
+    return StepTime(compute, tp_comm + dp_comm + context, tp_comm + dp_comm + context_exposed, 0.0, optimizer,
+                    all_to_all)
 
 
 @dataclass(frozen=True)
@@ -506,8 +511,10 @@ def _pipeline(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceProfil
     all_to_all = share * expert_parallel_s(per_micro_batch, shape, device)
     context, context_exposed = (share * t for t in context_s(per_micro_batch, shape, device))
     comm = sends + tp_comm + mesh.tied + mesh.dp_all_reduce + all_to_all
-    return StepTime(compute, comm + context, comm + context_exposed, bubble, _optimizer_s(mesh.stepped, 4, cfg, device),
-                    all_to_all)
+    owners = c.tp * ((c.shard or c.dp) if c.spec.zero_stage else 1)
+    optimizer = _optimizer_s(mesh.stepped, 4, cfg, device) \
+        + _newton_schulz_s(shape, mesh.blocks, owners, cfg, device, _spans_nodes(owners, 1, device.gpus_per_node))
+    return StepTime(compute, comm + context, comm + context_exposed, bubble, optimizer, all_to_all)
 
 
 @functools.lru_cache(maxsize=4096)
