@@ -34,7 +34,7 @@ from shardwise.models import build_model, loss_fn
 from shardwise.muon import split_for_muon
 from shardwise.parallel.comm import all_gather_single
 from shardwise.parallel.shard import copy_out
-from shardwise.parallel.whole_matrices import ShardedMatrices, Use, Value, WholeFunction, WholeMatrices
+from shardwise.parallel.whole_matrices import LocalMatrices, ShardedMatrices, Use, Value, WholeFunction, WholeMatrices
 from shardwise.trainer import Trainer
 
 MUON = ("train.optimizer=muon", "train.lr=0.02", "train.grad_clip=0")
@@ -51,6 +51,9 @@ class Timed:
 
     def whole_of(self, local: nn.Parameter) -> nn.Parameter:
         return self.matrices.whole_of(local)
+
+    def shape_of(self, local: nn.Parameter) -> torch.Size:
+        return self.matrices.shape_of(local)
 
     def apply(self, local: list[nn.Parameter], value: Value, function: WholeFunction, dtype: torch.dtype,
               use: Use) -> None:
@@ -153,7 +156,8 @@ def run(ctx: DistContext, args: BenchArgs) -> dict[str, Any] | None:
     timed = {}
     for name in ("fsdp-muon", "fsdp-muon-gathered"):
         optimizer = trainers[name].optimizer
-        matrices = optimizer.matrices if name == "fsdp-muon" else GatheredMatrices(trainers[name].strategy.sharding)
+        sharding = trainers[name].strategy.sharding
+        matrices = optimizer.matrices if name == "fsdp-muon" else GatheredMatrices(sharding, LocalMatrices())
         timed[name] = optimizer.matrices = Timed(matrices)
     losses = {name: [] for name in RUNS}
     steps_of = {name: our_step(trainer, losses[name]) for name, trainer in trainers.items()}

@@ -92,6 +92,7 @@ def runs(tmp_path_factory):
     train_in_process(cfg_for(root / "single-moe", "single", 1, *FP32, MOE))
     two = {name: (name, *FP32) for name in ("ddp", "ddp-native", "zero1", "zero2", "fsdp", "tensor", "pipeline")}
     two["fsdp-ep2-moe"] = ("fsdp", "parallel.ep=2", MOE, *FP32)
+    two |= {f"{name}-llama": (name, *LLAMA, *FP32) for name in ("zero2", "tensor", "pipeline")}
     run_ranks(train_runs, 2, root, two, cfg_for)
     (saved,) = [state for state in run_ranks(four_rank_runs, 4, root) if state is not None]
     return root, saved
@@ -121,11 +122,13 @@ def four_rank_runs(ctx, root):
 
 
 @pytest.mark.parametrize("strategy", ["dp", "ddp", "ddp-native", "zero1", "zero2", "fsdp", "hsdp", *SPLIT,
-                                      "fsdp-tp2-llama", "fsdp-ep2-moe"])
+                                      "zero2-llama", "tensor-llama", "pipeline-llama", "fsdp-tp2-llama",
+                                      "fsdp-ep2-moe"])
 def test_muon_under_every_strategy_equals_single(runs, strategy):
     """GPT-tiny, whose fused qkv is orthogonalized part by part (under ZeRO, over tensor parallel and
     both by the matrix's owner rank, from every rank's part of it), a Llama (grouped-query
-    attention) under fsdp over tp 2, and gpt-moe (each expert its own matrix, its rank's experts
+    attention: its key and value heads split over tp too) under zero2, tensor, pipeline and fsdp
+    over tp 2, and gpt-moe (each expert its own matrix, its rank's experts
     sharded over the ranks holding them) under fsdp with ep 2: every step's loss within 1e-5
     relative, and the final weights within 2e-5. Why that much: the replicas' gradients are summed
     in another order (1e-7 relative), and Newton-Schulz multiplies a direction of small singular
