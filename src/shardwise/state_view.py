@@ -189,6 +189,9 @@ class SplitView(StateView):
             return LocalMatrices()
         return TensorMatrices(owner.mesh.group("tp"), owner.tensor_shards)
 
+    def named_buffers(self) -> list[tuple[str, torch.Tensor]]:
+        return [(name, t) for name, t in self.local.items() if not isinstance(t, nn.Parameter)]
+
     def as_global(self, name: str, local: torch.Tensor) -> torch.Tensor:
         experts = self.owner.experts
         if experts is not None and experts.holds(name):
