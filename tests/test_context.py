@@ -191,8 +191,10 @@ def test_fsdp_over_stages_split_over_cp_holds_what_the_planner_predicts(slow_run
      "model.n_head = 2, model.seq_len = 64: parallel.cp_mode = 'all-to-all' gives each of the parallel.cp = 4"),
     (["parallel.cp=2", "launch.nproc=2", "parallel.strategy=model-parallel"],
      "parallel.cp = 2: parallel.strategy = 'model-parallel' neither splits sequences nor masks documents"),
-    (["data.documents=paragraphs", "launch.nproc=2", "parallel.strategy=pipeline", "parallel.pipeline.micro_batches=2"],
-     "data.documents = 'paragraphs': parallel.strategy = 'pipeline' does not mask documents yet"),
+    (["data.documents=paragraphs", "parallel.cp=2", "launch.nproc=4", "parallel.strategy=pipeline",
+      "parallel.pipeline.micro_batches=2"],
+     "data.documents = 'paragraphs': parallel.strategy = 'pipeline' masks documents, and splits sequences over "
+     "parallel.cp = 2, not both yet"),
     (["parallel.cp=4", "launch.nproc=2", "parallel.strategy=ddp"], "parallel.cp = 4: must divide the world size 2"),
     (["data.documents=files", "data.name=synthetic-tokens"],
      "data.documents = 'files': data.name = 'synthetic-tokens' has no documents"),

@@ -4,13 +4,38 @@ apart."""
 
 from __future__ import annotations
 
+import json
+import math
+import random
 from collections import defaultdict
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from distributed import run_ranks
+from helpers import (
+    CONFIGS,
+    SGD,
+    Crash,
+    assert_same_training,
+    assert_states_close,
+    crash_at,
+    gpt_tiny,
+    in_process,
+    losses,
+    read_records,
+    shardwise,
+    train_in_process,
+)
+from safetensors.torch import load_file
 
+from shardwise.config.schema import ConfigError
+from shardwise.data import make_datasets
+from shardwise.data.pairs import PairWindows
+from shardwise.data.samples import IGNORED
 from shardwise.preference import NO_ANSWER, PairLogps, pair_logps, preference_loss
+from shardwise.trainer import Trainer
 
 PAIRS, LENGTH, BETA, GAMMA = 6, 12, 0.1, 0.5
 
@@ -34,8 +59,8 @@ def ours(objective: str, mask: torch.Tensor, logps: torch.Tensor, ref_chosen: to
     sums, counts = logps.sum(1), mask.sum(1).float()
     policy = PairLogps(sums[:PAIRS], sums[PAIRS:], counts[:PAIRS], counts[PAIRS:])
     reference = PairLogps(ref_chosen, ref_rejected, counts[:PAIRS], counts[PAIRS:])
-    loss, metrics = preference_loss(objective, BETA, GAMMA, policy, None if objective == "simpo" else reference)
-    return loss, metrics.record()
+    losses, metrics = preference_loss(objective, BETA, GAMMA, policy, None if objective == "simpo" else reference)
+    return losses.mean(), metrics.record()
 
 
 def trl_dpo(loss_type: str, mask: torch.Tensor, logps: torch.Tensor, ref_chosen: torch.Tensor,
@@ -102,10 +127,172 @@ def test_answers_packed_in_one_row_keep_their_own_log_probabilities():
     spans = {(0, 0): (1, 3), (0, 1): (4, 5), (0, 2): (6, 8), (0, 3): (8, 10), (1, 0): (2, 6), (1, 1): (7, 9)}
     for (row, answer), (start, stop) in spans.items():
         answers[row, start:stop] = answer
-    got = pair_logps(logits, targets, answers)
+    got, where = pair_logps(logits, targets, answers)
+    assert where.tolist() == [[0, 0], [0, 1], [1, 0]]
     token = torch.log_softmax(logits, -1).gather(-1, targets[..., None])[..., 0]
     want = {key: token[key[0], start:stop].sum() for key, (start, stop) in spans.items()}
     order = [(0, 0), (0, 2), (1, 0)]  # each pair's chosen answer, row by row
     torch.testing.assert_close(got.chosen, torch.stack([want[k] for k in order]))
     torch.testing.assert_close(got.rejected, torch.stack([want[(r, a + 1)] for r, a in order]))
     assert got.chosen_tokens.tolist() == [2, 2, 4] and got.rejected_tokens.tolist() == [1, 2, 2]
+
+
+# --- training on preference pairs ---------------------------------------------------------------
+
+STEPS = 8
+WORDS = ["sword", "crown", "night", "love", "king", "ghost", "storm", "rose", "fool", "heart", "moon", "war"]
+
+
+def write_pairs(path: Path, count: int = 96) -> list[dict]:
+    """Pairs whose chosen answer shouts the word the prompt names, the rejected one says it; prompts
+    of 3 to 14 bytes, so that a 65-byte window holds one pair or two."""
+    generator = random.Random(0)
+    records = []
+    for _ in range(count):
+        word = generator.choice(WORDS)
+        prompt = generator.choice([f"{word}?", f"Say {word}:", f"Shout {word} now:"])
+        records.append({"prompt": prompt, "chosen": f" {word.upper()}!", "rejected": f" {word}."})
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return records
+
+
+def pair_config(out: Path, strategy: str, world: int, *overrides: str, data: Path, steps: int = STEPS):
+    return gpt_tiny(out, strategy, world, f"data.path={data}", "data.format=preference", "train.objective=dpo",
+                    "train.warmup_steps=0", "train.min_lr=0.1", "train.micro_batch=4", *SGD, *overrides, steps=steps)
+
+
+def test_a_window_counts_exactly_its_pairs_answers(tmp_path):
+    """Every pair of the file in a window, whole, in the file's order: the targets an answer counts
+    are its own tokens (chosen, then rejected), its prompt repeated before each; nothing else counts."""
+    records = write_pairs(tmp_path / "pairs.jsonl")
+    cfg = pair_config(tmp_path / "run", "single", 1, data=tmp_path / "pairs.jsonl")
+    train, val = make_datasets(cfg)
+    assert isinstance(train, PairWindows) and len(train.lengths) + len(val.lengths) == len(records)
+    assert train.most_pairs == 2 and len(train) < len(train.lengths)  # packed: some windows hold two
+    seen = []
+    for dataset in (train, val):
+        inputs, targets = dataset.batch(torch.arange(len(dataset)))
+        documents = dataset.documents(torch.arange(len(dataset)))
+        assert inputs.shape == documents.shape == targets.shape[:2] == (len(dataset), cfg.model.seq_len)
+        for row in range(len(dataset)):
+            tokens, answers, windows = targets[row].unbind(-1)
+            assert (windows == row + dataset.first_id).all() and ((tokens == IGNORED) == (answers == NO_ANSWER)).all()
+            for slot in range(int(answers.max()) + 1):
+                seen.append(bytes(tokens[answers == slot].tolist()).decode())
+    assert seen == [r[key] for r in records for key in ("chosen", "rejected")]
+
+
+def preference_runs(ctx, root: Path, runs: dict, data: Path) -> None:
+    for name, (strategy, *overrides) in runs.items():
+        Trainer(pair_config(root / name, strategy, ctx.world_size, *overrides, data=data), ctx).fit()
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("preference")
+    data = root / "pairs.jsonl"
+    write_pairs(data)
+    lora = ("lora.rank=4",)
+    train_in_process(pair_config(root / "single", "single", 1, data=data))
+    train_in_process(pair_config(root / "single-lora", "single", 1, *lora, data=data))
+    train_in_process(pair_config(root / "single-simpo", "single", 1, "train.objective=simpo", data=data))
+    two = {name: (name,) for name in ("ddp", "zero2", "fsdp", "pipeline")}
+    two |= {"fsdp-lora": ("fsdp", *lora), "pipeline-lora": ("pipeline", *lora),
+            "ddp-simpo": ("ddp", "train.objective=simpo")}
+    run_ranks(preference_runs, 2, root, two, data)
+    tp = ("parallel.tp=2", "train.micro_batch=2")
+    run_ranks(preference_runs, 4, root, {"fsdp-tp2": ("fsdp", *tp), "fsdp-tp2-lora": ("fsdp", *tp, *lora)}, data)
+    return root
+
+
+@pytest.mark.parametrize("name", ["ddp", "zero2", "fsdp", "pipeline", "fsdp-tp2", "fsdp-lora", "pipeline-lora",
+                                  "fsdp-tp2-lora", "ddp-simpo"])
+def test_preference_training_under_every_sharding_equals_single(trained, name):
+    """DPO (SimPO where named) on 2 ranks (4 for fsdp over tp 2, micro-batches of 2 windows: a step's
+    loss is the same whatever the micro-batches), with LoRA and without, SGD: every step's loss within
+    1e-5 relative, the trained weights within rtol 1e-5, and the reward metrics logged."""
+    single = "single-lora" if name.endswith("lora") else "single-simpo" if name.endswith("simpo") else "single"
+    assert_same_training(trained / name, trained / single, STEPS)
+    got, want = read_records(trained / name), read_records(trained / single)
+    for ours, theirs in zip(got, want, strict=True):
+        assert ours["reward_margin"] == pytest.approx(theirs["reward_margin"], rel=1e-4, abs=1e-6)
+    assert want[0]["loss"] == pytest.approx(math.log(2), rel=1e-6) or name.endswith("simpo")  # policy == reference
+    assert want[-1]["reward_accuracy"] > 0.5 and want[-1]["reward_margin"] > want[0]["reward_margin"]
+
+
+def test_a_preference_run_resumes_bit_for_bit(tmp_path):
+    """Crashed after its step-3 checkpoint and resumed: the reference log-probabilities read back from
+    the run directory, the same losses and weights as the uninterrupted run, bit for bit."""
+    data = tmp_path / "pairs.jsonl"
+    write_pairs(data)
+
+    def config(name: str, *more: str):
+        return pair_config(tmp_path / name, "single", 1, "train.checkpoint_every=3", "train.checkpoint_async=false",
+                           *more, data=data, steps=6)
+
+    train_in_process(config("straight"))
+    with pytest.raises(Crash):
+        in_process(lambda ctx: crash_at(Trainer(config("resumed"), ctx), 4).fit())
+    train_in_process(config("resumed", "run.resume=true"))
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")
+    got, want = (load_file(str(tmp_path / name / "model.safetensors")) for name in ("resumed", "straight"))
+    assert_states_close(got, want, rtol=0, atol=0)
+
+
+BAD_PAIRS = [
+    ({"prompt": "Say it:", "chosen": " YES!"}, "line 2: `rejected` is missing or empty"),
+    ({"prompt": "Say it:", "chosen": " YES!", "rejected": ""}, "line 2: `rejected` is missing or empty"),
+    ({"prompt": "Say it:", "chosen": " same", "rejected": " same"}, "line 2: `chosen` and `rejected` are the same"),
+    ({"prompt": "x" * 40, "chosen": " YES!", "rejected": " no."}, "line 2: the pair needs 89 tokens (its prompt twice, "
+     "then each answer), more than a window's model.seq_len + 1 = 65; data.truncate_prompt = true cuts its prompt"),
+]
+
+
+def with_bad_pair(directory: Path, line: dict) -> Path:
+    good = {"prompt": "Say it:", "chosen": " YES!", "rejected": " yes."}
+    (directory / "pairs.jsonl").write_text(json.dumps(good) + "\n" + json.dumps(line) + "\n")
+    return directory / "pairs.jsonl"
+
+
+@pytest.mark.parametrize("line, words", BAD_PAIRS)
+def test_bad_pairs_are_refused_naming_their_line(tmp_path, line, words):
+    with pytest.raises(ConfigError) as error:
+        make_datasets(pair_config(tmp_path / "run", "single", 1, data=with_bad_pair(tmp_path, line)))
+    assert words in str(error.value) and "\n" not in str(error.value)
+
+
+def test_shardwise_train_refuses_a_bad_pair_before_launch(tmp_path):
+    """In one line, exit 2, no traceback, before any worker starts: nothing in the run directory."""
+    line, words = BAD_PAIRS[-1]
+    result = shardwise("train", str(CONFIGS / "gpt-tiny.toml"), "--set", f"data.path={with_bad_pair(tmp_path, line)}",
+                       "--set", "data.format=preference", "--set", "train.objective=dpo",
+                       "--out", str(tmp_path / "run"))
+    assert result.returncode == 2 and words in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_long_prompt_is_cut_from_its_left_when_asked(tmp_path):
+    lines = [json.dumps({"prompt": f"{i} " + "x" * 40 + " Say it:", "chosen": " YES!", "rejected": " no."})
+             for i in range(4)]
+    (tmp_path / "pairs.jsonl").write_text("\n".join(lines) + "\n")
+    cfg = pair_config(tmp_path / "run", "single", 1, "data.truncate_prompt=true", data=tmp_path / "pairs.jsonl")
+    train, _ = make_datasets(cfg)
+    asked, chosen, rejected = train.lengths[0].tolist()
+    assert 2 * asked + chosen + rejected <= cfg.model.seq_len + 1 and (chosen, rejected) == (5, 4)
+    inputs, _ = train.batch(torch.tensor([0]))
+    assert bytes(inputs[0, :asked].tolist()).decode().endswith("x Say it:")  # the prompt's end kept
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (("train.objective=dpo",), "train.objective = 'dpo' with data.format = 'text': needs data.format = 'preference'"),
+    (("data.format=preference", "data.path=pairs.jsonl"),
+     "train.objective = 'sft' with data.format = 'preference': needs train.objective = 'dpo', 'ipo' or 'simpo'"),
+    (("data.format=preference", "data.path=pairs.jsonl", "train.objective=dpo", "parallel.strategy=ddp",
+      "launch.nproc=2", "parallel.cp=2"), "train.objective = 'dpo': not with context parallel (parallel.cp = 2)"),
+    (("data.format=preference", "data.path=pairs.jsonl", "train.objective=ipo", "train.beta=0"), "train.beta = 0"),
+])
+def test_what_a_preference_objective_needs_is_checked_in_one_line(tmp_path, overrides, words):
+    with pytest.raises(ConfigError) as error:
+        gpt_tiny(tmp_path, "single", 1, *overrides, steps=1)
+    assert words in str(error.value) and "\n" not in str(error.value)

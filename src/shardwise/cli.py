@@ -261,9 +261,11 @@ def _prepare_own_data(cfg: Config, workers: int | None = None) -> Path | None:
     prepare.check_vocabulary(cfg)
     if cfg.data.val_path is not None:  # what it names, checked before data.path's corpus is prepared
         prepare.sources_of(cfg.data, cfg.data.val_path, held_out=True)
-    out = prepare.prepare(cfg.data, cfg.data.path, progress=sys.stderr.isatty(), workers=workers)
+    seq_len = cfg.model.seq_len
+    out = prepare.prepare(cfg.data, cfg.data.path, progress=sys.stderr.isatty(), workers=workers, seq_len=seq_len)
     if cfg.data.val_path is not None:
-        prepare.prepare(cfg.data, cfg.data.val_path, progress=sys.stderr.isatty(), workers=workers, held_out=True)
+        prepare.prepare(cfg.data, cfg.data.val_path, progress=sys.stderr.isatty(), workers=workers, held_out=True,
+                        seq_len=seq_len)
     return out
 
 

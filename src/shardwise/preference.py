@@ -14,7 +14,9 @@ them):
 - `simpo` (Meng et al., 2024; CPOTrainer's `simpo` with cpo_alpha 0), no reference, log-probabilities
   averaged over their tokens: -log sigmoid(beta (pi_c / |c| - pi_r / |r|) - gamma).
 
-A micro-batch's loss is the mean over its pairs. The rewards logged are beta (pi - r) (SimPO:
+A micro-batch's loss is the mean over its windows of each window's mean over its pairs: every
+window weighs alike (as every sequence does for `sft`), so a step's loss is the same whichever
+micro-batches, ranks or pipeline chunks its windows are cut into. The rewards logged are beta (pi - r) (SimPO:
 beta pi / |a|), their accuracy the share of pairs whose chosen answer's reward is higher, their
 margin chosen's less rejected's.
 """
@@ -22,11 +24,12 @@ margin chosen's less rejected's.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.distributed
 import torch.nn.functional as F
 
-OBJECTIVES = ("sft", "dpo", "ipo", "simpo")
 NO_ANSWER = -1  # in `answers`: a target token no answer counts
 
 
@@ -40,9 +43,10 @@ class PairLogps:
     rejected_tokens: torch.Tensor
 
 
-def pair_logps(logits: torch.Tensor, targets: torch.Tensor, answers: torch.Tensor) -> PairLogps:
+def pair_logps(logits: torch.Tensor, targets: torch.Tensor, answers: torch.Tensor) -> tuple[PairLogps, torch.Tensor]:
     """The log-probability of every answer of a micro-batch ([rows, seq, vocab] logits, [rows, seq]
-    targets and their `answers`), in fp32, pair after pair in row order."""
+    targets and their `answers`), in fp32, pair after pair in row order; and where each pair is
+    ([pairs, 2]: its row, its index in the row)."""
     counted = answers != NO_ANSWER
     token_logps = -F.cross_entropy(logits.float().flatten(0, 1), targets.clamp(min=0).flatten(),
                                    reduction="none").view_as(targets)
@@ -53,7 +57,7 @@ def pair_logps(logits: torch.Tensor, targets: torch.Tensor, answers: torch.Tenso
     counts.scatter_add_(1, slots, counted.float())
     present = counts[:, 0::2] > 0  # a pair's chosen answer has tokens where the pair is in the row
     return PairLogps(sums[:, 0::2][present], sums[:, 1::2][present], counts[:, 0::2][present],
-                     counts[:, 1::2][present])
+                     counts[:, 1::2][present]), present.nonzero()
 
 
 @dataclass
@@ -84,7 +88,7 @@ class PairMetrics:
 
 def preference_loss(objective: str, beta: float, gamma: float, policy: PairLogps,
                     reference: PairLogps | None) -> tuple[torch.Tensor, PairMetrics]:
-    """The mean of `objective`'s loss over the pairs, and their metrics' sums."""
+    """`objective`'s loss of each pair, and their metrics' sums."""
     if objective == "simpo":
         chosen, rejected = policy.chosen / policy.chosen_tokens, policy.rejected / policy.rejected_tokens
         losses = -F.logsigmoid(beta * (chosen - rejected - gamma / beta))
@@ -99,4 +103,98 @@ def preference_loss(objective: str, beta: float, gamma: float, policy: PairLogps
     pairs = losses.numel()
     metrics = PairMetrics(float(pairs), reward_chosen.sum().item(), reward_rejected.sum().item(),
                           (reward_chosen > reward_rejected).sum().item())
-    return losses.sum() / max(pairs, 1), metrics
+    return losses, metrics
+
+
+class PreferenceObjective:
+    """`train.objective`'s loss over a micro-batch of preference windows (data/pairs.py: targets
+    [rows, seq_len, 3], each target token, its answer and its window), against the reference
+    log-probabilities of every window's answers (`reference`: [windows, pairs, 2], none for SimPO);
+    the metrics of the pairs it saw since they were last taken."""
+
+    def __init__(self, objective: str, beta: float, gamma: float) -> None:
+        self.objective, self.beta, self.gamma = objective, beta, gamma
+        self.reference: torch.Tensor | None = None
+        self.metrics = PairMetrics()
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.objective != "simpo"
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        tokens, answers, windows = targets.unbind(-1)
+        policy, where = pair_logps(logits, tokens, answers)
+        reference = None
+        if self.needs_reference:
+            table = self.reference[windows[where[:, 0], 0], where[:, 1]].to(logits.device)
+            reference = PairLogps(table[:, 0], table[:, 1], policy.chosen_tokens, policy.rejected_tokens)
+        losses, metrics = preference_loss(self.objective, self.beta, self.gamma, policy, reference)
+        self.metrics.add(metrics)
+        rows = where[:, 0]  # each window's mean over its pairs, then the mean over the windows
+        pairs = torch.zeros(len(tokens), device=losses.device).index_add_(0, rows, torch.ones_like(losses))
+        per_window = torch.zeros(len(tokens), device=losses.device).index_add_(0, rows, losses)
+        held = pairs > 0
+        return (per_window[held] / pairs[held]).sum() / held.sum().clamp(min=1)
+
+    def take_metrics(self, group: torch.distributed.ProcessGroup | None = None, prefix: str = "") -> dict[str, float]:
+        """The pairs' metrics since last taken, over every rank (each pair counted on each rank that
+        computed its loss: a mean is unchanged), named with `prefix`; then started afresh."""
+        sums = self.metrics.as_tensor()
+        if torch.distributed.is_initialized():
+            torch.distributed.all_reduce(sums, group=group)
+        self.metrics = PairMetrics()
+        return {prefix + key: value for key, value in PairMetrics(*sums.tolist()).record().items()}
+
+
+def reference_logps(run: Any, datasets: list[Any]) -> torch.Tensor:
+    """Every window's answers' log-probabilities under `run`'s model as it is (before the first step:
+    the initial or pretrained model; under LoRA, the base model, its adapters' B being zero), in
+    evaluation mode, without gradients: [windows of `datasets` (PairWindows, numbered one after the
+    other), the most pairs a window holds, 2]. Each replica computes its share of the windows, every
+    rank the same number of forwards (a short share's last micro-batch repeats window 0 and drops
+    it: fsdp gathers over every rank), and the shares are put together on every rank."""
+    strategy, micro_batch = run.strategy, run.cfg.train.micro_batch
+    total = sum(len(dataset) for dataset in datasets)
+    table = torch.full((total, max(d.most_pairs for d in datasets), 2), float("-inf"))
+    run.model.eval()
+    with torch.no_grad():
+        for dataset in datasets:
+            for first in range(0, len(dataset), strategy.data_size * micro_batch):
+                mine = first + strategy.data_rank * micro_batch + torch.arange(micro_batch)
+                real = mine < len(dataset)
+                for batch in run.micro_batches(dataset, [torch.where(real, mine, 0)]):
+                    with strategy.context.split(batch) as (inputs, targets), \
+                            strategy.precision.autocast(run.ctx.device):
+                        logits = run.model(inputs)
+                    policy, where = pair_logps(logits, targets[..., 0], targets[..., 1])
+                    kept = real.to(where.device)[where[:, 0]]
+                    windows = targets[where[:, 0], 0, 2][kept].cpu()
+                    table[windows, where[kept, 1].cpu()] = torch.stack([policy.chosen, policy.rejected], 1)[kept].cpu()
+    run.model.train()
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(table, op=torch.distributed.ReduceOp.MAX)
+    return table
+
+
+REFERENCE_FILE = "reference.safetensors"  # in the run directory: the reference a resumed run goes on with
+
+
+def run_reference(run: Any, resumed: bool) -> torch.Tensor:
+    """The reference log-probabilities of `run`'s training and validation windows: computed before
+    the first step (`reference_logps`) and written to the run directory by rank 0, or read from it
+    by a resumed run, whose model has trained since."""
+    from safetensors.torch import load, save
+
+    from shardwise.atomic_file import write_whole
+
+    path = run.out / REFERENCE_FILE
+    if resumed:
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: a resumed {run.cfg.train.objective} run needs the reference "
+                                    "log-probabilities its first run computed before its first step")
+        return load(path.read_bytes())["logps"]
+    table = reference_logps(run, [run.train_set, run.val_set])
+    if run.ctx.is_main:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_whole(path, save({"logps": table}))
+    return table

@@ -19,6 +19,7 @@ from shardwise.checkpoint_async import AsyncCheckpointer
 from shardwise.config.registry import spec
 from shardwise.config.schema import HF_MODELS, LANGUAGE_MODELS, Config, TrainConfig
 from shardwise.data import Dataset, DocumentWindows, GlobalBatchSampler, make_datasets
+from shardwise.data.pairs import PairWindows
 from shardwise.dist import DistContext, seed_everything
 from shardwise.gradients import local_grads
 from shardwise.health import StepHealth, watched_step
@@ -35,6 +36,7 @@ from shardwise.memory import (
 from shardwise.metrics import MetricsWriter, Progress, device_peak_flops, mfu
 from shardwise.models import build_model, flops_per_sample, loss_fn
 from shardwise.muon import Muon, muon_groups, split_for_muon
+from shardwise.preference import PairMetrics, PreferenceObjective, run_reference
 from shardwise.replicas import (
     ReplicaGroups,
     load_replica_state,
@@ -138,6 +140,9 @@ class Trainer:
             self.model = self.strategy.wrap(model)
         self.setup_rss = self.peaks.rss["setup"] - self.baseline_rss  # wrap's peak above the runtime's
         self.optimizer = self.strategy.optimizer(optimizer_factory(cfg.train, self.strategy))
+        t = cfg.train  # a preference objective's loss, reference and metrics (preference.py), else cross-entropy
+        self.objective = PreferenceObjective(t.objective, t.beta, t.gamma) if t.objective != "sft" else None
+        self.loss_fn = self.objective or loss_fn
         self.scaler = self.strategy.scaler
         self.skipped_steps = 0
         self.step = 0  # the step under way (0-based), for errors that happen inside it
@@ -164,7 +169,7 @@ class Trainer:
         packed documents."""
         for idx in indices:
             batch = dataset.batch(idx)
-            if isinstance(dataset, DocumentWindows):
+            if isinstance(dataset, DocumentWindows | PairWindows):
                 batch = (*batch, dataset.documents(idx))
             yield tuple(t.to(self.ctx.device, non_blocking=True) for t in batch)
 
@@ -203,11 +208,13 @@ class Trainer:
         synchronised after the last one; returns the sum of their losses."""
         indices = self.sampler.micro_batches(step, self.strategy.data_rank, self.strategy.data_size,
                                              self.cfg.train.micro_batch)
+        if self.objective is not None:  # this step's pairs alone (health.py may run a step again)
+            self.objective.metrics = PairMetrics()
         # Count what is saved for backward once: shapes are fixed, so it never changes.
         counter = ActivationCounter(self.model) if not self.activation_bytes else nullcontext()
         with counter:
             loss_sum = self.strategy.forward_backward(self.model, self.micro_batches(self.train_set, indices),
-                                                      loss_fn, self.accum)
+                                                      self.loss_fn, self.accum)
         if isinstance(counter, ActivationCounter):
             self.activation_bytes = counter.bytes
         return loss_sum
@@ -224,25 +231,11 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean loss over the same fixed validation batches every time, whatever the world size."""
         with self.between_steps("eval"), torch.no_grad():
-            return self._evaluate()
+            return validation_loss(self)
 
-    def _evaluate(self) -> float:
-        self.model.eval()
-        sampler = GlobalBatchSampler(len(self.val_set), self.cfg.train.global_batch, seed=0)
-        # Without a group to average over (an asynchronous parameter-server worker), a rank
-        # evaluates every batch itself.
-        share = (self.strategy.data_rank, self.strategy.data_size) if self.ctx.distributed else (0, 1)
-        loss_sum = torch.zeros((), device=self.ctx.device)
-        count = 0
-        for batch in range(self.cfg.train.eval_batches):
-            indices = sampler.micro_batches(batch, *share, self.cfg.train.micro_batch)
-            for batch in self.micro_batches(self.val_set, indices):
-                with self.strategy.context.split(batch) as (inputs, targets):
-                    with self.strategy.precision.autocast(self.ctx.device):
-                        loss_sum += loss_fn(self.model(inputs), targets)
-                count += 1
-        self.model.train()
-        return self.ctx.all_reduce_mean(loss_sum / count).item()
+    def val_metrics(self) -> dict[str, float]:
+        """A preference objective's metrics over the validation pairs evaluate just saw."""
+        return self.objective.take_metrics(prefix="val_") if self.objective is not None else {}
 
     def step_record(self, step: int, loss: float, seconds: float, memory: MemoryBreakdown,
                     memory_by_rank: list[dict[str, int | None]]) -> dict[str, Any]:
@@ -276,6 +269,8 @@ class Trainer:
             # A LoRA checkpoint holds no frozen weights: they are the pretrained ones again.
             if self.cfg.model.weights and (first == 0 or self.strategy.lora is not None):
                 load_weights(self.strategy, self.cfg.model.weights, self.names)
+            if self.objective is not None and self.objective.needs_reference:
+                self.objective.reference = run_reference(self, resumed=first > 0)
         if first >= t.steps:
             raise CheckpointError(f"{self.out}: its checkpoint is at step {first} of train.steps = {t.steps}; "
                                   "nothing left to resume (raise train.steps to train further)")
@@ -303,6 +298,7 @@ class Trainer:
                     memory = self.memory()
                     memory_by_rank, stopping = gather_step_end(self.ctx, memory, terminate.raised)
                     record = self.step_record(step, loss, seconds, memory, memory_by_rank)
+                    record |= self.objective.take_metrics() if self.objective is not None else {}
                     self.optimizer.zero_grad(set_to_none=True)
                 writer.write(record)
                 for event in self.health_events:
@@ -320,7 +316,7 @@ class Trainer:
                     self.save_checkpoint(done)
                 if t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 < t.steps:
                     val_loss = self.evaluate()
-                    writer.write({"event": "eval", "step": step + 1, "val_loss": val_loss})
+                    writer.write({"event": "eval", "step": step + 1, "val_loss": val_loss, **self.val_metrics()})
                 step += 1  # under replica groups, `begin` says which step is next (this one again if rolled back)
             if self.checkpointer is not None:
                 with self.between_steps("checkpoint"):
@@ -328,7 +324,7 @@ class Trainer:
             val_loss = self.evaluate()
             with self.between_steps("final_weights"):
                 self._save_weights()
-            summary = self._summary(records, val_loss)
+            summary = self._summary(records, val_loss) | self.val_metrics()
             writer.write(summary)
             failed = False
         finally:
@@ -407,6 +403,26 @@ class Trainer:
         save_weights(self.strategy, self.weights_layout, self.out / "model.safetensors")
         if self.model_config is not None and self.ctx.is_main:
             write_model_files(self.out, self.model_config, self.cfg.data.tokenizer)
+
+
+def validation_loss(run: Trainer) -> float:
+    """Trainer.evaluate's loss: the validation batches' mean, every rank its share."""
+    run.model.eval()
+    sampler = GlobalBatchSampler(len(run.val_set), run.cfg.train.global_batch, seed=0)
+    # Without a group to average over (an asynchronous parameter-server worker), a rank
+    # evaluates every batch itrun.
+    share = (run.strategy.data_rank, run.strategy.data_size) if run.ctx.distributed else (0, 1)
+    loss_sum = torch.zeros((), device=run.ctx.device)
+    count = 0
+    for batch in range(run.cfg.train.eval_batches):
+        indices = sampler.micro_batches(batch, *share, run.cfg.train.micro_batch)
+        for batch in run.micro_batches(run.val_set, indices):
+            with run.strategy.context.split(batch) as (inputs, targets):
+                with run.strategy.precision.autocast(run.ctx.device):
+                    loss_sum += run.loss_fn(run.model(inputs), targets)
+            count += 1
+    run.model.train()
+    return run.ctx.all_reduce_mean(loss_sum / count).item()
 
 
 class TerminationFlag:

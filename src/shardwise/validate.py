@@ -26,6 +26,7 @@ from shardwise.config.schema import (
     LANGUAGE_MODELS,
     MODELS,
     MOE_MODELS,
+    OBJECTIVES,
     OFFLOADS,
     OPTIMIZERS,
     PRECISIONS,
@@ -124,6 +125,9 @@ def _validate(cfg: Config, world: int, fixed: bool, varied: bool) -> None:
     if varied:
         if t.optimizer == "muon":
             _muon_composes(cfg, world)
+        if t.objective != "sft" and p.cp > 1:  # an answer's log-probability would be split over the cp ranks
+            raise ConfigError(f"train.objective = {t.objective!r}: not with context parallel (parallel.cp = {p.cp}); "
+                              "a pair's window is one rank's")
         _validate_strategy(cfg, world)
 
 
@@ -168,6 +172,7 @@ def _validate_optimization(cfg: Config) -> None:
         raise ConfigError(f"train.min_lr = {t.min_lr!r}: must be <= train.lr = {t.lr!r}")
     if t.optimizer == "muon":
         _validate_muon(cfg)
+    _validate_objective(cfg)
     _positive("launch.max_restarts", launch.max_restarts, zero_ok=True)
     _positive("launch.shutdown_timeout_s", launch.shutdown_timeout_s, zero_ok=True)
 
@@ -187,6 +192,19 @@ def _validate_muon(cfg: Config) -> None:
     if cfg.model.name not in LANGUAGE_MODELS and muon.params is None:
         raise ConfigError(f"train.optimizer = 'muon': steps the matrices of a language model's blocks; model.name = "
                           f"{cfg.model.name!r} has none: name them in train.muon.params")
+
+
+def _validate_objective(cfg: Config) -> None:
+    """train.objective and the data it trains on: a preference objective on preference pairs, and
+    those pairs for a preference objective."""
+    t, d = cfg.train, cfg.data
+    _choice("train.objective", t.objective, OBJECTIVES)
+    if (t.objective != "sft") != (d.format == "preference"):
+        want = "data.format = 'preference' (and data.path, its pairs)" if t.objective != "sft" else \
+            "train.objective = 'dpo', 'ipo' or 'simpo'"
+        raise ConfigError(f"train.objective = {t.objective!r} with data.format = {d.format!r}: needs {want}")
+    _positive("train.beta", t.beta)
+    _positive("train.gamma", t.gamma, zero_ok=True)
 
 
 def _muon_composes(cfg: Config, world: int) -> None:
@@ -505,10 +523,9 @@ def _validate_context(cfg: Config, world: int) -> None:
         splitting = ", ".join(name for name, each in SPECS.items() if each.context_parallel)
         raise ConfigError(f"{what}: parallel.strategy = {p.strategy!r} neither splits sequences nor masks documents; "
                           f"strategies that do: {splitting}")
-    if d.documents != "none" and spec(p.strategy).pipelined:
-        raise ConfigError(f"data.documents = {d.documents!r}: parallel.strategy = {p.strategy!r} does not mask "
-                          "documents yet (its micro-batches would need each one's documents); it splits sequences "
-                          "over parallel.cp without them")
+    if d.documents != "none" and spec(p.strategy).pipelined and p.cp > 1:
+        raise ConfigError(f"data.documents = {d.documents!r}: parallel.strategy = {p.strategy!r} masks documents, "
+                          f"and splits sequences over parallel.cp = {p.cp}, not both yet")
     if m.name not in LANGUAGE_MODELS:
         raise ConfigError(f"{what}: model.name = {m.name!r} has no token sequences; use one of "
                           f"{', '.join(LANGUAGE_MODELS)}")

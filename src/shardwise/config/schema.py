@@ -76,7 +76,8 @@ OPTIMIZERS = ("adamw", "sgd", "muon")
 CORPORA = ("shakespeare", "stdlib")  # the built-in text corpora (data/corpus.py)
 TEXT_DATASETS = (*CORPORA, "synthetic-tokens")
 IMAGE_DATASETS = ("digits", "synthetic-images")
-FORMATS = ("text", "chat", "completion")  # what data.path's JSON lines are (data/samples.py)
+FORMATS = ("text", "chat", "completion", "preference")  # what data.path's JSON lines are (data/samples.py, pairs.py)
+OBJECTIVES = ("sft", "dpo", "ipo", "simpo")  # train.objective (preference.py)
 DOCUMENTS = ("none", "files", "paragraphs")  # what a corpus's documents are, for document masks (data/documents.py)
 CP_MODES = ("ring", "all-to-all")
 BACKENDS = ("auto", "gloo", "nccl")
@@ -163,7 +164,9 @@ class DataConfig:
                          "Lines, the loss counting the answers' tokens only (docs/finetuning.md): `chat` (each line's "
                          "`messages`, rendered by data.tokenizer's chat template; the assistant turns count) or "
                          "`completion` (each line's `prompt` and `completion`; the completion counts). Samples are "
-                         "packed, each its own document (data.documents = `files`)", FORMATS)
+                         "packed, each its own document (data.documents = `files`). `preference`: each line's "
+                         "`prompt`, `chosen` and `rejected` (strings, or lists of chat turns), whole pairs packed "
+                         "in windows, for train.objective = `dpo`, `ipo` or `simpo` (docs/preference.md)", FORMATS)
     documents: str = option("none", "`shakespeare`, `stdlib`, `data.path`: pack documents with a document mask (no "
                             "token attends to another document's): `files` (each play or module; each text file, "
                             "JSON line or table row of data.path), `paragraphs` (each block after a blank line; "
@@ -183,6 +186,9 @@ class DataConfig:
     tokenizer: str = option("bytes", "with data.path: `bytes` (each UTF-8 byte a token), or a Hugging Face "
                             "tokenizer read offline: a tokenizer.json or a directory holding one; its vocabulary "
                             "must fit model.vocab_size")
+    truncate_prompt: bool = option(False, "data.format = `preference`: a pair too long for a window (its prompt twice "
+                                   "and both answers in model.seq_len + 1 tokens) has its prompt cut from the left to "
+                                   "fit; false: it is refused, naming its line")
 
 
 @dataclass
@@ -244,6 +250,11 @@ class TrainConfig:
                                     "flight (checkpoint_async.py); false: every rank waits for its files")
     compile: bool = option(False, "compile each block's forward with torch.compile (inductor), regionally: identical "
                            "blocks share one graph; compile time and graph count go in the summary (docs/compile.md)")
+    objective: str = option("sft", "`sft`: the answers' (or the corpus's) cross-entropy; `dpo`, `ipo` or `simpo` on "
+                            "data.format = `preference` pairs (docs/preference.md; DPO and IPO against the initial "
+                            "model's log-probabilities, computed before the first step)", OBJECTIVES)
+    beta: float = option(0.1, "`dpo`, `ipo`, `simpo`: beta, the strength of the preference (IPO's 1 / (2 beta) margin)")
+    gamma: float = option(0.5, "`simpo`: its target reward margin gamma")
     muon: MuonConfig = field(default_factory=MuonConfig)
 
 

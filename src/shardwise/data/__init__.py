@@ -12,6 +12,7 @@ from shardwise.data import prepare
 from shardwise.data.corpus import TokenWindows, load_corpus, split_tokens, synthetic_tokens
 from shardwise.data.documents import DocumentWindows, document_starts, split_starts
 from shardwise.data.images import load_digits_split, synthetic_images
+from shardwise.data.pairs import PairWindows
 from shardwise.data.sampler import GlobalBatchSampler
 from shardwise.data.samples import MaskedWindows
 
@@ -48,9 +49,20 @@ def make_datasets(cfg: Config) -> tuple[Dataset, Dataset]:
 def _own_datasets(cfg: Config) -> tuple[Dataset, Dataset]:
     """data.path's corpus (prepare.py), split as a built-in one, or validated on data.val_path's."""
     d, seq_len = cfg.data, cfg.model.seq_len
-    corpus = prepare.load(d, d.path, cfg.model.vocab_size)
+    corpus = prepare.load(d, d.path, cfg.model.vocab_size, seq_len=seq_len)
+    if d.format == "preference":  # whole pairs in windows, split by pairs
+        train = PairWindows(corpus.tokens, seq_len, corpus.pairs)
+        if d.val_path is None:
+            train, val = train.split(d.val_fraction)
+        else:
+            held_out = prepare.load(d, d.val_path, cfg.model.vocab_size, held_out=True, seq_len=seq_len)
+            val = PairWindows(held_out.tokens, seq_len, held_out.pairs, first_id=len(train))
+        if not len(train) or not len(val):
+            raise ConfigError(f"data.path = {d.path!r}: {train.lengths.shape[0]} pair(s) to train on and "
+                              f"{val.lengths.shape[0]} to validate on; each needs one at least")
+        return train, val
     if d.val_path is not None:
-        held_out = prepare.load(d, d.val_path, cfg.model.vocab_size, held_out=True)
+        held_out = prepare.load(d, d.val_path, cfg.model.vocab_size, held_out=True, seq_len=seq_len)
         parts = [(corpus.tokens, corpus.starts), (held_out.tokens, held_out.starts)]
         masks = [corpus.mask, held_out.mask]
     else:

@@ -44,6 +44,7 @@ import numpy as np
 
 from shardwise.config.schema import Config, ConfigError, DataConfig
 from shardwise.data.corpus import cache_dir
+from shardwise.data.pairs import tokenize_pairs
 from shardwise.data.samples import tokenize_samples
 from shardwise.data.sources import Piece, Source, documents, input_sources, pieces, records
 
@@ -62,6 +63,7 @@ class Prepared:
     tokens: TokenFile
     starts: np.ndarray
     mask: TokenFile | None = None  # fine-tuning samples: one byte a token, 1 where the loss counts it
+    pairs: np.ndarray | None = None  # preference pairs: [pairs, 3] prompt, chosen and rejected lengths
 
 
 def default_workers() -> int:
@@ -149,25 +151,29 @@ def sources_of(d: DataConfig, path: str, held_out: bool = False) -> list[Source]
     return input_sources(path, None, "data.val_path") if held_out else input_sources(path, d.split, "data.path")
 
 
-def corpus_dir(d: DataConfig, files: list[Path], tokenizer: Tokenizer) -> Path:
-    """Where the corpus of `files` is prepared, in the cache: named by what it is made from."""
+def corpus_dir(d: DataConfig, files: list[Path], tokenizer: Tokenizer, seq_len: int | None = None) -> Path:
+    """Where the corpus of `files` is prepared, in the cache: named by what it is made from (and for
+    preference pairs, which must fit a window, by the window and the truncation)."""
     stats = [(str(p.resolve()), p.stat().st_size, p.stat().st_mtime_ns) for p in files]
-    key = json.dumps([stats, tokenizer.name, tokenizer.fingerprint, d.text_field, d.format])
+    fitted = [seq_len, d.truncate_prompt] if d.format == "preference" else []
+    key = json.dumps([stats, tokenizer.name, tokenizer.fingerprint, d.text_field, d.format, *fitted])
     return cache_dir() / "corpora" / hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def prepare(d: DataConfig, path: str, progress: bool = False, workers: int | None = None,
-            held_out: bool = False) -> Path:
+def prepare(d: DataConfig, path: str, progress: bool = False, workers: int | None = None, held_out: bool = False,
+            seq_len: int | None = None) -> Path:
     """Tokenize the corpus `path` names (data.path, or with `held_out` data.val_path) into the
     cache, unless it is there already, on `workers` processes (default: default_workers()); return
-    its directory. Bad input (no files, a table
-    without the text column, a line without the text field, nothing to train on) raises
+    its directory (`seq_len`: model.seq_len, which preference pairs must fit: pairs.py). Bad input
+    (no files, a table without the text column, a line without the text field, nothing to train on) raises
     ConfigError and leaves nothing behind; what can be checked without reading the text is checked
     before any process starts."""
+    if d.format == "preference" and seq_len is None:
+        raise ValueError("prepare: preference pairs are fitted to model.seq_len; pass seq_len")
     sources = sources_of(d, path, held_out)
     files = [source.path for source in sources]
     tokenizer = Tokenizer(d.tokenizer)
-    out = corpus_dir(d, files, tokenizer)
+    out = corpus_dir(d, files, tokenizer, seq_len)
     if (out / "manifest.json").is_file():
         return out
     from tqdm import tqdm
@@ -184,7 +190,13 @@ def prepare(d: DataConfig, path: str, progress: bool = False, workers: int | Non
         bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, disable=not progress,
                    desc=f"tokenizing {len(files)} file(s) on {processes} process(es)")
         with bar, open(tmp / "tokens.bin", "wb") as sink:
-            if d.format != "text":  # fine-tuning samples: rendered and masked here (samples.py)
+            if d.format == "preference":  # pairs: each its prompt, chosen and rejected tokens (pairs.py)
+                pairs = np.concatenate([tokenize_pairs((r for piece in part for r in records(piece)), tokenizer,
+                                                       seq_len, d.truncate_prompt, sink) for part in parts])
+                np.save(tmp / "pairs.npy", pairs)
+                lengths = [pairs.sum(axis=1)]
+                hashes = [_sha256(p) for p in files]
+            elif d.format != "text":  # fine-tuning samples: rendered and masked here (samples.py)
                 with open(tmp / "mask.bin", "wb") as mask:
                     lengths = [tokenize_samples((r for piece in part for r in records(piece)), d.format, tokenizer,
                                                 sink, mask) for part in parts]
@@ -302,14 +314,16 @@ def _tokenizer(name: str) -> Tokenizer:
     return Tokenizer(name)
 
 
-def load(d: DataConfig, path: str, model_vocab: int, held_out: bool = False) -> Prepared:
+def load(d: DataConfig, path: str, model_vocab: int, held_out: bool = False, seq_len: int | None = None) -> Prepared:
     """The prepared corpus `path` names (data.path, or with `held_out` data.val_path; prepared now
     if it is not yet), opened for reading; its vocabulary checked against the model's."""
-    out = prepare(d, path, held_out=held_out)
+    out = prepare(d, path, held_out=held_out, seq_len=seq_len)
     manifest = json.loads((out / "manifest.json").read_text())
     _check_vocabulary(d, manifest["vocab_size"], model_vocab)
     mask = TokenFile(out / "mask.bin", np.dtype(np.uint8)) if (out / "mask.bin").is_file() else None
-    return Prepared(TokenFile(out / "tokens.bin", np.dtype(manifest["dtype"])), np.load(out / "starts.npy"), mask)
+    pairs = np.load(out / "pairs.npy") if (out / "pairs.npy").is_file() else None
+    return Prepared(TokenFile(out / "tokens.bin", np.dtype(manifest["dtype"])), np.load(out / "starts.npy"), mask,
+                    pairs)
 
 
 class TokenFile:

@@ -263,9 +263,11 @@ class Pipeline(MeshStrategy):
             # Under context parallel each of a stage's cp ranks runs the schedule on its tokens, its
             # attention over the group (the context stays open through the backward's recomputation).
             with self.context.split(batch) as (inputs, targets):
+                packed = self.context.documents  # each token's document: every micro-batch's its own rows'
+                documents = None if packed is None else (self.context, self._micro_batches(packed))
                 run = PipelineRun(self.schedule, self.pp_rank, self.stages, self.first_blocks, self.pp_group,
                                   self.activations, self._micro_batches(inputs), self._micro_batches(targets), loss_fn,
-                                  accum * self.micro_batches, self.precision, self.scaler)
+                                  accum * self.micro_batches, self.precision, self.scaler, documents)
                 run.run()
             loss_sum += run.loss_sum / self.micro_batches
             self.timeline += run.timeline

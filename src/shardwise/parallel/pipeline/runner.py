@@ -24,7 +24,8 @@ through all the stages, the logits broadcast to every rank of the replica.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardwise.models import moe
+from shardwise.parallel.context.split import ContextParallel
 from shardwise.parallel.module_input import module_input
 from shardwise.parallel.pipeline.schedules import (
     BW,
@@ -84,13 +86,15 @@ class PipelineRun:
     def __init__(self, schedule: Schedule, rank: int, stages: dict[int, Stage], first_blocks: dict[int, nn.Module],
                  group: Group,
                  activations: Activations, inputs: list[torch.Tensor], targets: list[torch.Tensor], loss_fn: LossFn,
-                 divisor: int, precision: Precision, scaler: LossScaler | None) -> None:
+                 divisor: int, precision: Precision, scaler: LossScaler | None,
+                 documents: tuple[ContextParallel, list[torch.Tensor]] | None = None) -> None:
         self.schedule, self.rank, self.stages, self.group = schedule, rank, stages, group
         self.first_blocks = first_blocks  # each stage's first block, whose input B's gradient is of
         self.activations = activations
         self.inputs, self.targets = inputs, targets
         self.loss_fn, self.divisor = loss_fn, divisor
         self.precision, self.scaler = precision, scaler
+        self.documents = documents  # packed documents: the context whose attention masks them, each micro-batch's
         self.last = schedule.layout.stages - 1
         self.ready: dict[tuple[str, int, int], torch.Tensor] = {}  # a message here: to send, or to use
         # F's (input, first block's input, output or loss), until the backward
@@ -116,6 +120,20 @@ class PipelineRun:
         for work, _ in self.sends:
             work.wait()
 
+    @contextmanager
+    def _attending(self, i: int) -> Iterator[None]:
+        """Micro-batch `i`'s documents where attention looks for them (its forward, and a backward
+        that recomputes blocks)."""
+        if self.documents is None:
+            yield
+            return
+        context, each = self.documents
+        whole, context.documents = context.documents, each[i]
+        try:
+            yield
+        finally:
+            context.documents = whole
+
     def _enter(self, block: nn.Module, args: tuple, kwargs: dict) -> None:
         """After a later stage's own hook put the stage's input in: the tensor the block computes from."""
         self._entered.append(module_input(block, args, kwargs))
@@ -126,7 +144,8 @@ class PipelineRun:
         started = time.perf_counter()
         # A Mixture-of-Experts layer's auxiliary loss is backpropagated as this micro-batch's loss is.
         scale = (self.scaler.scale if self.scaler else 1.0) / self.divisor
-        with self.precision.autocast(self.activations.device), moe.loss_scale(self.stages[s], scale):
+        with self.precision.autocast(self.activations.device), moe.loss_scale(self.stages[s], scale), \
+                self._attending(i):
             out = self.stages[s](x)
             if s == self.last:
                 out = self.loss_fn(out, self.targets[i])
@@ -148,7 +167,8 @@ class PipelineRun:
     def _backward(self, a: Action) -> None:
         x, _, out, grad = self._backward_from(a)
         started = time.perf_counter()
-        torch.autograd.backward(out, grad)
+        with self._attending(a.micro_batch):
+            torch.autograd.backward(out, grad)
         self.timeline.append((BW, a.micro_batch, a.stage, started, time.perf_counter()))
         if a.stage > 0:
             self.ready["grad", a.micro_batch, a.stage] = x.grad
@@ -156,7 +176,8 @@ class PipelineRun:
     def _input_backward(self, a: Action) -> None:
         _, entered, out, grad = self._backward_from(a)
         started = time.perf_counter()
-        (entered_grad,), weights = backward_input(out, grad, [entered], self.stages[a.stage].parameters())
+        with self._attending(a.micro_batch):
+            (entered_grad,), weights = backward_input(out, grad, [entered], self.stages[a.stage].parameters())
         self.timeline.append((B, a.micro_batch, a.stage, started, time.perf_counter()))
         self.weights[a.micro_batch, a.stage] = weights
         if a.stage > 0:  # a later stage's first block takes the stage's input itself
