@@ -113,6 +113,7 @@ ROWS: dict[str, Row] = {
     LORA_RUN: Row({**MODEL, "--checkpoint-every 100": "--checkpoint-every 2"}, STEPS),  # export reads a checkpoint
     "shardwise export runs/lora runs/lora-peft": Row(after=(LORA_RUN,)),
     "shardwise train configs/lora-chat.toml": Row(add=STEPS, after=("make demo",)),
+    "shardwise train configs/dpo-shout.toml": Row(add=STEPS, after=("make demo",)),
     "shardwise report runs/gpt-tiny runs/fsdp": Row(after=(TINY, FSDP)),
     "shardwise plan configs/gpt-70b.toml --nodes 8 --gpus-per-node 8 --device h100-sxm":
         Row(add="--json gpt-70b.json", check=gpt_70b_on_64_h100s),

@@ -16,6 +16,7 @@ import torch
 from distributed import run_ranks
 from helpers import (
     CONFIGS,
+    REPO,
     SGD,
     Crash,
     assert_same_training,
@@ -30,6 +31,7 @@ from helpers import (
 )
 from safetensors.torch import load_file
 
+from shardwise.config.load import load_config
 from shardwise.config.schema import ConfigError
 from shardwise.data import make_datasets
 from shardwise.data.pairs import PairWindows
@@ -161,16 +163,10 @@ def pair_config(out: Path, strategy: str, world: int, *overrides: str, data: Pat
                     "train.warmup_steps=0", "train.min_lr=0.1", "train.micro_batch=4", *SGD, *overrides, steps=steps)
 
 
-def test_a_window_counts_exactly_its_pairs_answers(tmp_path):
-    """Every pair of the file in a window, whole, in the file's order: the targets an answer counts
-    are its own tokens (chosen, then rejected), its prompt repeated before each; nothing else counts."""
-    records = write_pairs(tmp_path / "pairs.jsonl")
-    cfg = pair_config(tmp_path / "run", "single", 1, data=tmp_path / "pairs.jsonl")
-    train, val = make_datasets(cfg)
-    assert isinstance(train, PairWindows) and len(train.lengths) + len(val.lengths) == len(records)
-    assert train.most_pairs == 2 and len(train) < len(train.lengths)  # packed: some windows hold two
+def counted_answers(cfg) -> list[str]:
+    """The answers whose tokens the windows' targets count, decoded, in order."""
     seen = []
-    for dataset in (train, val):
+    for dataset in make_datasets(cfg):
         inputs, targets = dataset.batch(torch.arange(len(dataset)))
         documents = dataset.documents(torch.arange(len(dataset)))
         assert inputs.shape == documents.shape == targets.shape[:2] == (len(dataset), cfg.model.seq_len)
@@ -179,7 +175,25 @@ def test_a_window_counts_exactly_its_pairs_answers(tmp_path):
             assert (windows == row + dataset.first_id).all() and ((tokens == IGNORED) == (answers == NO_ANSWER)).all()
             for slot in range(int(answers.max()) + 1):
                 seen.append(bytes(tokens[answers == slot].tolist()).decode())
-    assert seen == [r[key] for r in records for key in ("chosen", "rejected")]
+    return seen
+
+
+def test_a_window_counts_exactly_its_pairs_answers(tmp_path):
+    """Every pair of the file in a window, whole, in the file's order: the targets an answer counts
+    are its own tokens (chosen, then rejected), its prompt repeated before each; nothing else counts."""
+    records = write_pairs(tmp_path / "pairs.jsonl")
+    cfg = pair_config(tmp_path / "run", "single", 1, data=tmp_path / "pairs.jsonl")
+    train, val = make_datasets(cfg)
+    assert isinstance(train, PairWindows) and len(train.lengths) + len(val.lengths) == len(records)
+    assert train.most_pairs == 2 and len(train) < len(train.lengths)  # packed: some windows hold two
+    assert counted_answers(cfg) == [r[key] for r in records for key in ("chosen", "rejected")]
+
+
+def test_the_shipped_pairs_count_exactly_their_answers():
+    """configs/dpo-shout.toml's pairs (examples/preference/): the tokens counted are the answers'."""
+    cfg = load_config(CONFIGS / "dpo-shout.toml", [])
+    records = [json.loads(line) for line in (REPO / cfg.data.path).read_text().splitlines()]
+    assert counted_answers(cfg) == [r[key] for r in records for key in ("chosen", "rejected")]
 
 
 def preference_runs(ctx, root: Path, runs: dict, data: Path) -> None:
@@ -296,3 +310,18 @@ def test_what_a_preference_objective_needs_is_checked_in_one_line(tmp_path, over
     with pytest.raises(ConfigError) as error:
         gpt_tiny(tmp_path, "single", 1, *overrides, steps=1)
     assert words in str(error.value) and "\n" not in str(error.value)
+
+
+def test_conversation_pairs_count_what_the_chat_template_adds_for_each_answer(tmp_path):
+    """A prompt of chat turns, answers as an assistant turn's string or a list of turns: each answer's
+    counted tokens are what the template (examples/chat/tokenizer's) renders after the prompt with
+    the reply prompt."""
+    lines = [{"prompt": [{"role": "user", "content": word}], "chosen": f"{word.upper()}!",
+              "rejected": [{"role": "assistant", "content": f"{word}."}]} for word in WORDS[:4]]
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    cfg = pair_config(tmp_path / "run", "single", 1, f"data.tokenizer={REPO / 'examples/chat/tokenizer'}",
+                      "data.val_fraction=0.25", data=tmp_path / "pairs.jsonl")
+    assert counted_answers(cfg) == [answer for word in WORDS[:4] for answer in (f"{word.upper()}!\n\n", f"{word}.\n\n")]
+    train, _ = make_datasets(cfg)
+    inputs, _ = train.batch(torch.tensor([0]))
+    assert bytes(inputs[0, : train.lengths[0][0]].tolist()).decode() == "USER.\nsword\n\nASSISTANT.\n"
