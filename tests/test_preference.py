@@ -37,6 +37,7 @@ from shardwise.data import make_datasets
 from shardwise.data.pairs import PairWindows
 from shardwise.data.samples import IGNORED
 from shardwise.preference import NO_ANSWER, PairLogps, pair_logps, preference_loss
+from shardwise.trackers import REWARDS
 from shardwise.trainer import Trainer
 
 PAIRS, LENGTH, BETA, GAMMA = 6, 12, 0.1, 0.5
@@ -325,3 +326,16 @@ def test_conversation_pairs_count_what_the_chat_template_adds_for_each_answer(tm
     train, _ = make_datasets(cfg)
     inputs, _ = train.batch(torch.tensor([0]))
     assert bytes(inputs[0, : train.lengths[0][0]].tolist()).decode() == "USER.\nsword\n\nASSISTANT.\n"
+
+
+def test_the_rewards_reach_the_trackers_and_the_report(trained, tmp_path):
+    """Every step's four reward metrics as train/ scalars (TensorBoard, MLflow, W&B), the held-out
+    ones as val/, and the report's reward-accuracy plot."""
+    from shardwise.report import write_report
+    from shardwise.trackers import scalars
+
+    (step, *_), (summary,) = read_records(trained / "single"), read_records(trained / "single", "summary")
+    assert {f"train/{key}": step[key] for key in REWARDS} == {k: v for k, v in scalars(step).items() if "reward" in k}
+    assert scalars(summary)["val/reward_accuracy"] == summary["val_reward_accuracy"]
+    page = write_report([trained / "single", trained / "ddp"], tmp_path / "report.html").read_text()
+    assert 'id="reward-accuracy"' in page

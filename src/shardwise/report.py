@@ -27,6 +27,7 @@ PLOTS = {
     "throughput": "throughput against step",
     "mfu": "model FLOPs utilisation against step",
     "memory": "memory per rank by category, stacked",
+    "reward-accuracy": "a preference objective's reward accuracy against step",
     "pipeline-timeline": "pipeline stages busy and idle during the last step",
 }
 MEMORY_CATEGORIES = ("params", "grads", "optimizer", "activations")
@@ -341,6 +342,13 @@ def _sections(runs: list[Run]) -> list[str]:
                      "gradients and optimizer state (shards, where a strategy shards them), and the most "
                      "activations saved for backward at once. The process's peak (on CPU its resident set, "
                      "runtime included) is in the table.")))
+    preferring = [run for run in runs if any(r.get("reward_accuracy") is not None for r in run.steps)]
+    if preferring:
+        sections.append(("Preference rewards", _figure("reward-accuracy", _per_step_plot(
+            preferring, "reward_accuracy", 100.0, "reward accuracy (%)", "Reward accuracy per step"),
+            "A preference objective's share of each step's pairs whose chosen answer's reward (beta times "
+            "its log-ratio to the reference; SimPO: its mean log-probability) beats the rejected one's. "
+            "Rewards and margins are in metrics.jsonl and the table's validation numbers in the summary.")))
     pipelines = [run for run in runs if run.summary is not None and "stage_timeline" in run.summary]
     if pipelines:
         sections.append(("Pipeline stages", _figure("pipeline-timeline", _timeline_plot(pipelines),

@@ -23,15 +23,21 @@ METRICS = "metrics.jsonl"
 RUN_IDS = "trackers.json"
 
 
+# A preference objective's metrics (preference.py), in the records of step, eval (val_) and summary (val_)
+REWARDS = ("reward_chosen", "reward_rejected", "reward_accuracy", "reward_margin")
+
+
 def scalars(record: dict[str, Any]) -> dict[str, float]:
-    """A metrics.jsonl record as scalars by tag: a step's loss, lr, step time, throughput, MFU and
-    loss scale where known, and each rank's memory by category in MiB; an eval's (or the summary's
-    final) validation loss; nothing for a health event (a bad step, a straggler)."""
+    """A metrics.jsonl record as scalars by tag: a step's loss, lr, step time, throughput, MFU, loss
+    scale and a preference objective's rewards where known, and each rank's memory by category in
+    MiB; an eval's (or the summary's final) validation loss (and rewards); nothing for a health
+    event (a bad step, a straggler)."""
     if record["event"] in ("eval", "summary"):
-        return {"val/loss": record["val_loss"]}
+        return {"val/loss": record["val_loss"], **{f"val/{key}": record[f"val_{key}"] for key in REWARDS
+                                                   if record.get(f"val_{key}") is not None}}
     if record["event"] != "step":
         return {}
-    keys = ("loss", "lr", "step_time_s", "samples_per_s", "tokens_per_s", "mfu", "loss_scale")
+    keys = ("loss", "lr", "step_time_s", "samples_per_s", "tokens_per_s", "mfu", "loss_scale", *REWARDS)
     values = {f"train/{key}": record[key] for key in keys if record.get(key) is not None}
     for rank, memory in enumerate(record["memory_by_rank"]):
         values.update({f"memory_MiB/rank{rank}/{category}": value / 2**20
