@@ -22,19 +22,30 @@ the mesh.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 
-from shardwise.config.schema import DEFAULT_BLOCK, HF_MODELS, Config, ConfigError, ParallelConfig
+from shardwise.config.schema import DEFAULT_BLOCK, HF_MODELS, Config, ConfigError, ModelConfig, ParallelConfig
 from shardwise.dist import DistContext
 from shardwise.gradients import clip_grad_norm_
 from shardwise.materialise import named_tensors
 from shardwise.memory import local_tensor, return_free_memory
 from shardwise.models.hf import pp_plan_of, tp_plan_of, unsplit_classes_of
-from shardwise.models.plans import NEEDS, PLANS, Located, PlanError, locate, plan_for, plan_for_name, read_tp_plan
+from shardwise.models.plans import (
+    NEEDS,
+    PLANS,
+    Located,
+    PlanError,
+    TpLayout,
+    locate,
+    plan_for,
+    plan_for_name,
+    read_tp_plan,
+)
 from shardwise.parallel.comm import all_reduce_packed
 from shardwise.parallel.tensor_group import TensorShard
 from shardwise.state_view import SplitView
@@ -85,24 +96,35 @@ def _check_transformers_plan(cfg: Config, pp: int, tp: int) -> None:
     (models/plans.py's `read_tp_plan`). Its layer list and modules are checked once the model is
     built (cli.py, before launch)."""
     p = cfg.parallel
-    family, tp_plan = tp_plan_of(cfg.model)
+    family, layout = _transformers_layout(cfg.model.name, cfg.model.hf_config)
     if pp > 1 and not pp_plan_of(cfg.model):
         raise ConfigError(f"parallel.pp = {pp}: cuts a model into pipeline stages as its family's plan says; "
                           f"model.hf_config's family {family!r} declares no base_model_pp_plan in transformers; "
                           "train it under fsdp, or split it over tp (--strategy tensor, or fsdp --tp)")
     if tp < 2:
         return
-    if not tp_plan:
+    if layout is None:
         raise ConfigError(f"parallel.strategy = {p.strategy!r}: splits a model as its family's parallel plan says; "
                           f"model.hf_config's family {family!r} declares no base_model_tp_plan in transformers")
-    try:
-        layout = read_tp_plan(family, tp_plan)
-    except PlanError as error:
-        raise ConfigError(f"parallel.strategy = {p.strategy!r}: {error}") from None
+    if isinstance(layout, str):
+        raise ConfigError(f"parallel.strategy = {p.strategy!r}: {layout}")
     alone = layout.gathered + layout.split_input + tuple(group.module for group in layout.experts)
     if p.sequence_parallel and alone:
         raise ConfigError(f"parallel.sequence_parallel = true: {family}'s plan splits {alone[0]!r} on its own, which "
                           "takes its whole input; sequence parallel does not compose with it yet")
+
+
+@functools.cache  # the planner checks each of thousands of candidates against one model
+def _transformers_layout(name: str, hf_config: str | None) -> tuple[str, TpLayout | str | None]:
+    """A transformers family and its tensor parallel plan as shardwise applies it (read_tp_plan):
+    None where it declares none, why not where shardwise does not split one of its layers."""
+    family, tp_plan = tp_plan_of(ModelConfig(name=name, hf_config=hf_config))
+    if not tp_plan:
+        return family, None
+    try:
+        return family, read_tp_plan(family, tp_plan)
+    except PlanError as error:
+        return family, str(error)
 
 
 def check_mesh_fits(p: ParallelConfig, world: int, api: bool = False) -> None:
