@@ -215,9 +215,10 @@ def trained(tmp_path_factory):
     train_in_process(pair_config(root / "single", "single", 1, data=data))
     train_in_process(pair_config(root / "single-lora", "single", 1, *lora, data=data))
     train_in_process(pair_config(root / "single-simpo", "single", 1, "train.objective=simpo", data=data))
+    train_in_process(pair_config(root / "single-copy", "single", 1, "train.reference=copy", data=data))
     two = {name: (name,) for name in ("ddp", "zero2", "fsdp", "pipeline")}
     two |= {"fsdp-lora": ("fsdp", *lora), "pipeline-lora": ("pipeline", *lora),
-            "ddp-simpo": ("ddp", "train.objective=simpo")}
+            "ddp-simpo": ("ddp", "train.objective=simpo"), "fsdp-copy": ("fsdp", "train.reference=copy")}
     run_ranks(preference_runs, 2, root, two, data)
     tp = ("parallel.tp=2", "train.micro_batch=2")
     run_ranks(preference_runs, 4, root, {"fsdp-tp2": ("fsdp", *tp), "fsdp-tp2-lora": ("fsdp", *tp, *lora)}, data)
@@ -225,18 +226,29 @@ def trained(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", ["ddp", "zero2", "fsdp", "pipeline", "fsdp-tp2", "fsdp-lora", "pipeline-lora",
-                                  "fsdp-tp2-lora", "ddp-simpo"])
+                                  "fsdp-tp2-lora", "ddp-simpo", "fsdp-copy"])
 def test_preference_training_under_every_sharding_equals_single(trained, name):
     """DPO (SimPO where named) on 2 ranks (4 for fsdp over tp 2, micro-batches of 2 windows: a step's
     loss is the same whatever the micro-batches), with LoRA and without, SGD: every step's loss within
     1e-5 relative, the trained weights within rtol 1e-5, and the reward metrics logged."""
-    single = "single-lora" if name.endswith("lora") else "single-simpo" if name.endswith("simpo") else "single"
+    single = {"lora": "single-lora", "simpo": "single-simpo"}.get(name.rpartition("-")[2], "single")
     assert_same_training(trained / name, trained / single, STEPS)
     got, want = read_records(trained / name), read_records(trained / single)
     for ours, theirs in zip(got, want, strict=True):
         assert ours["reward_margin"] == pytest.approx(theirs["reward_margin"], rel=1e-4, abs=1e-6)
     assert want[0]["loss"] == pytest.approx(math.log(2), rel=1e-6) or name.endswith("simpo")  # policy == reference
     assert want[-1]["reward_accuracy"] > 0.5 and want[-1]["reward_margin"] > want[0]["reward_margin"]
+
+
+def test_a_frozen_copy_as_reference_trains_as_the_reference_pass_does(trained):
+    """train.reference = "copy" (a frozen copy of the initial model computing each step's windows) gives
+    the reference log-probabilities the pass before the first step gave: the same run, bit for bit."""
+    assert losses(trained / "single-copy") == losses(trained / "single")
+    assert not (trained / "single-copy" / "reference.safetensors").exists()
+    (copy,), (alone,) = (read_records(trained / name, "summary") for name in ("single-copy", "single"))
+    assert copy["memory"]["params"] == 2 * alone["memory"]["params"]  # the copy's parameters are counted
+    got, want = (load_file(str(trained / name / "model.safetensors")) for name in ("single-copy", "single"))
+    assert_states_close(got, want, rtol=0, atol=0)
 
 
 def test_a_preference_run_resumes_bit_for_bit(tmp_path):
@@ -310,6 +322,8 @@ def test_a_long_prompt_is_cut_from_its_left_when_asked(tmp_path):
     (("data.format=preference", "data.path=pairs.jsonl", "train.objective=dpo", "parallel.strategy=ddp",
       "launch.nproc=2", "parallel.cp=2"), "train.objective = 'dpo': not with context parallel (parallel.cp = 2)"),
     (("data.format=preference", "data.path=pairs.jsonl", "train.objective=ipo", "train.beta=0"), "train.beta = 0"),
+    (("data.format=preference", "data.path=pairs.jsonl", "train.objective=dpo", "train.reference=copy", "lora.rank=4"),
+     "train.reference = 'copy' with LoRA adapters: the reference is the base model the adapters leave untouched"),
 ])
 def test_what_a_preference_objective_needs_is_checked_in_one_line(tmp_path, overrides, words):
     with pytest.raises(ConfigError) as error:

@@ -23,6 +23,7 @@ margin chosen's less rejected's.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,30 +147,41 @@ class PreferenceObjective:
         return {prefix + key: value for key, value in PairMetrics(*sums.tolist()).record().items()}
 
 
+def empty_reference(datasets: list[Any]) -> torch.Tensor:
+    """[windows of `datasets` (PairWindows, numbered one after the other), the most pairs a window
+    holds, 2]: the reference table, every entry still to compute (-inf)."""
+    total = sum(len(dataset) for dataset in datasets)
+    return torch.full((total, max(d.most_pairs for d in datasets), 2), float("-inf"))
+
+
+def record_answers(run: Any, strategy: Any, model: torch.nn.Module, dataset: Any, indices: torch.Tensor,
+                   table: torch.Tensor, real: torch.Tensor | None = None) -> None:
+    """The answers' log-probabilities of `dataset`'s windows `indices` (one micro-batch of `run`'s)
+    under `model` (held by `strategy`), without gradients, into `table` (the rows where `real`)."""
+    with torch.no_grad():
+        for batch in run.micro_batches(dataset, [indices]):
+            with strategy.context.split(batch) as (inputs, targets), strategy.precision.autocast(run.ctx.device):
+                logits = model(inputs)
+            policy, where = pair_logps(logits, targets[..., 0], targets[..., 1])
+            kept = torch.ones(len(where), dtype=torch.bool) if real is None else real[where[:, 0].cpu()]
+            windows = targets[where[:, 0], 0, 2].cpu()[kept]
+            table[windows, where[:, 1].cpu()[kept]] = torch.stack([policy.chosen, policy.rejected], 1).cpu()[kept]
+
+
 def reference_logps(run: Any, datasets: list[Any]) -> torch.Tensor:
     """Every window's answers' log-probabilities under `run`'s model as it is (before the first step:
     the initial or pretrained model; under LoRA, the base model, its adapters' B being zero), in
-    evaluation mode, without gradients: [windows of `datasets` (PairWindows, numbered one after the
-    other), the most pairs a window holds, 2]. Each replica computes its share of the windows, every
+    evaluation mode (`empty_reference`'s table). Each replica computes its share of the windows, every
     rank the same number of forwards (a short share's last micro-batch repeats window 0 and drops
     it: fsdp gathers over every rank), and the shares are put together on every rank."""
     strategy, micro_batch = run.strategy, run.cfg.train.micro_batch
-    total = sum(len(dataset) for dataset in datasets)
-    table = torch.full((total, max(d.most_pairs for d in datasets), 2), float("-inf"))
+    table = empty_reference(datasets)
     run.model.eval()
-    with torch.no_grad():
-        for dataset in datasets:
-            for first in range(0, len(dataset), strategy.data_size * micro_batch):
-                mine = first + strategy.data_rank * micro_batch + torch.arange(micro_batch)
-                real = mine < len(dataset)
-                for batch in run.micro_batches(dataset, [torch.where(real, mine, 0)]):
-                    with strategy.context.split(batch) as (inputs, targets), \
-                            strategy.precision.autocast(run.ctx.device):
-                        logits = run.model(inputs)
-                    policy, where = pair_logps(logits, targets[..., 0], targets[..., 1])
-                    kept = real.to(where.device)[where[:, 0]]
-                    windows = targets[where[:, 0], 0, 2][kept].cpu()
-                    table[windows, where[kept, 1].cpu()] = torch.stack([policy.chosen, policy.rejected], 1)[kept].cpu()
+    for dataset in datasets:
+        for first in range(0, len(dataset), strategy.data_size * micro_batch):
+            mine = first + strategy.data_rank * micro_batch + torch.arange(micro_batch)
+            real = mine < len(dataset)
+            record_answers(run, strategy, run.model, dataset, torch.where(real, mine, 0), table, real)
     run.model.train()
     if torch.distributed.is_initialized():
         torch.distributed.all_reduce(table, op=torch.distributed.ReduceOp.MAX)
@@ -180,13 +192,16 @@ REFERENCE_FILE = "reference.safetensors"  # in the run directory: the reference 
 
 
 def run_reference(run: Any, resumed: bool) -> torch.Tensor:
-    """The reference log-probabilities of `run`'s training and validation windows: computed before
-    the first step (`reference_logps`) and written to the run directory by rank 0, or read from it
-    by a resumed run, whose model has trained since."""
+    """The reference log-probabilities of `run`'s training and validation windows (`train.reference`):
+    `pass`, computed before the first step (`reference_logps`) and written to the run directory by
+    rank 0, or read from it by a resumed run, whose model has trained since; `copy`, a table to fill
+    as each step's and evaluation's windows come (`ReferenceCopy`)."""
     from safetensors.torch import load, save
 
     from shardwise.atomic_file import write_whole
 
+    if run.cfg.train.reference == "copy":
+        return empty_reference([run.train_set, run.val_set])
     path = run.out / REFERENCE_FILE
     if resumed:
         if not path.is_file():
@@ -198,3 +213,41 @@ def run_reference(run: Any, resumed: bool) -> torch.Tensor:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_whole(path, save({"logps": table}))
     return table
+
+
+class ReferenceCopy:
+    """`train.reference = "copy"`: a frozen copy of the initial model (its seed's values, or
+    model.weights), built, materialised and split by a strategy of the run's own configuration, so
+    held as the policy is (fsdp: 1/N of it on each rank, gathered a unit at a time); it computes the
+    answers of the windows each step and each evaluation takes, as they come, in evaluation mode."""
+
+    def __init__(self, cfg: Any, ctx: Any, names: Any) -> None:
+        from shardwise.materialise import init_context
+        from shardwise.models import build_model
+        from shardwise.strategies.classes import make_strategy
+        from shardwise.weights import load_weights
+
+        with init_context():
+            model = build_model(cfg.model)
+        model.requires_grad_(False)
+        parallel = cfg.parallel  # a replica of ddp's holds the whole model: the copy needs no gradient buckets
+        if parallel.strategy in ("ddp", "ddp-native"):
+            parallel = dataclasses.replace(parallel, strategy="single")
+        self.strategy = make_strategy(parallel, ctx, cfg.train.seed)
+        self.model = self.strategy.wrap(model)
+        self.model.eval()
+        if cfg.model.weights:
+            load_weights(self.strategy, cfg.model.weights, names)
+
+    def held_bytes(self) -> int:
+        """The copy's parameters this rank holds: its parts of them, or (a sharded strategy's) its shards."""
+        from shardwise.memory import storage_bytes
+
+        tensors = [p for p in self.model.parameters() if p.untyped_storage().size()]
+        sharded = getattr(self.strategy, "sharded", None)
+        return storage_bytes(tensors + (sharded.shards() if sharded is not None else []))
+
+    def record(self, run: Any, dataset: Any, micro_batches: list[torch.Tensor]) -> None:
+        """Each micro-batch's windows' answers into the run's reference table."""
+        for indices in micro_batches:
+            record_answers(run, self.strategy, self.model, dataset, indices, run.objective.reference)

@@ -36,7 +36,7 @@ from shardwise.memory import (
 from shardwise.metrics import MetricsWriter, Progress, device_peak_flops, mfu
 from shardwise.models import build_model, flops_per_sample, loss_fn
 from shardwise.muon import Muon, muon_groups, split_for_muon
-from shardwise.preference import PairMetrics, PreferenceObjective, run_reference
+from shardwise.preference import PairMetrics, PreferenceObjective, ReferenceCopy, run_reference
 from shardwise.replicas import (
     ReplicaGroups,
     load_replica_state,
@@ -143,6 +143,8 @@ class Trainer:
         t = cfg.train  # a preference objective's loss, reference and metrics (preference.py), else cross-entropy
         self.objective = PreferenceObjective(t.objective, t.beta, t.gamma) if t.objective != "sft" else None
         self.loss_fn = self.objective or loss_fn
+        copied = self.objective is not None and self.objective.needs_reference and t.reference == "copy"
+        self.reference_copy = ReferenceCopy(cfg, ctx, self.names) if copied else None
         self.scaler = self.strategy.scaler
         self.skipped_steps = 0
         self.step = 0  # the step under way (0-based), for errors that happen inside it
@@ -201,6 +203,8 @@ class Trainer:
         memory = self.strategy.memory(self.activation_bytes)
         if self.checkpointer is not None and self.checkpointer.staged_bytes:
             memory.staging = self.checkpointer.staged_bytes
+        if self.reference_copy is not None:  # the frozen copy's parameters (or shards) beside the policy's
+            memory.params += self.reference_copy.held_bytes()
         return memory
 
     def forward_backward(self, step: int) -> torch.Tensor:
@@ -210,6 +214,8 @@ class Trainer:
                                              self.cfg.train.micro_batch)
         if self.objective is not None:  # this step's pairs alone (health.py may run a step again)
             self.objective.metrics = PairMetrics()
+        if self.reference_copy is not None:  # the step's windows' reference, from the frozen copy
+            self.reference_copy.record(self, self.train_set, indices)
         # Count what is saved for backward once: shapes are fixed, so it never changes.
         counter = ActivationCounter(self.model) if not self.activation_bytes else nullcontext()
         with counter:
@@ -416,6 +422,8 @@ def validation_loss(run: Trainer) -> float:
     count = 0
     for batch in range(run.cfg.train.eval_batches):
         indices = sampler.micro_batches(batch, *share, run.cfg.train.micro_batch)
+        if run.reference_copy is not None:
+            run.reference_copy.record(run, run.val_set, indices)
         for batch in run.micro_batches(run.val_set, indices):
             with run.strategy.context.split(batch) as (inputs, targets):
                 with run.strategy.precision.autocast(run.ctx.device):

@@ -205,6 +205,10 @@ def _validate_objective(cfg: Config) -> None:
         raise ConfigError(f"train.objective = {t.objective!r} with data.format = {d.format!r}: needs {want}")
     _positive("train.beta", t.beta)
     _positive("train.gamma", t.gamma, zero_ok=True)
+    _choice("train.reference", t.reference, ("pass", "copy"))
+    if t.reference == "copy" and cfg.lora.rank > 0:
+        raise ConfigError("train.reference = 'copy' with LoRA adapters: the reference is the base model the adapters "
+                          "leave untouched, which train.reference = 'pass' computes once at no memory cost")
 
 
 def _muon_composes(cfg: Config, world: int) -> None:

@@ -255,6 +255,11 @@ class TrainConfig:
                             "model's log-probabilities, computed before the first step)", OBJECTIVES)
     beta: float = option(0.1, "`dpo`, `ipo`, `simpo`: beta, the strength of the preference (IPO's 1 / (2 beta) margin)")
     gamma: float = option(0.5, "`simpo`: its target reward margin gamma")
+    reference: str = option("pass", "`dpo`, `ipo`: the reference log-probabilities: `pass`, one pass of the initial "
+                            "model over every window before the first step, kept in the run directory (no model "
+                            "beside the policy); `copy`, a frozen copy of the initial model held as the policy is "
+                            "(fsdp: 1/N of it) computing each step's windows' as they come (no pass over the whole "
+                            "data first)", ("pass", "copy"))
     muon: MuonConfig = field(default_factory=MuonConfig)
 
 
