@@ -161,7 +161,8 @@ def write_pairs(path: Path, count: int = 96) -> list[dict]:
 
 def pair_config(out: Path, strategy: str, world: int, *overrides: str, data: Path, steps: int = STEPS):
     return gpt_tiny(out, strategy, world, f"data.path={data}", "data.format=preference", "train.objective=dpo",
-                    "train.warmup_steps=0", "train.min_lr=0.1", "train.micro_batch=4", *SGD, *overrides, steps=steps)
+                    "data.pack_pairs=true", "train.warmup_steps=0", "train.min_lr=0.1", "train.micro_batch=4", *SGD,
+                    *overrides, steps=steps)
 
 
 def counted_answers(cfg) -> list[str]:
@@ -188,6 +189,10 @@ def test_a_window_counts_exactly_its_pairs_answers(tmp_path):
     assert isinstance(train, PairWindows) and len(train.lengths) + len(val.lengths) == len(records)
     assert train.most_pairs == 2 and len(train) < len(train.lengths)  # packed: some windows hold two
     assert counted_answers(cfg) == [r[key] for r in records for key in ("chosen", "rejected")]
+    alone = pair_config(tmp_path / "run", "single", 1, "data.pack_pairs=false", data=tmp_path / "pairs.jsonl")
+    train, val = make_datasets(alone)  # one pair a window: train.global_batch counts pairs
+    assert (train.most_pairs, len(train), len(val)) == (1, len(train.lengths), len(val.lengths))
+    assert counted_answers(alone) == [r[key] for r in records for key in ("chosen", "rejected")]
 
 
 def test_the_shipped_pairs_count_exactly_their_answers(tmp_path):

@@ -186,6 +186,9 @@ class DataConfig:
     tokenizer: str = option("bytes", "with data.path: `bytes` (each UTF-8 byte a token), or a Hugging Face "
                             "tokenizer read offline: a tokenizer.json or a directory holding one; its vocabulary "
                             "must fit model.vocab_size")
+    pack_pairs: bool = option(False, "data.format = `preference`: each window holds as many whole pairs as fit "
+                              "(train.global_batch and micro_batch then count windows); false: one pair a window, "
+                              "and they count pairs")
     truncate_prompt: bool = option(False, "data.format = `preference`: a pair too long for a window (its prompt twice "
                                    "and both answers in model.seq_len + 1 tokens) has its prompt cut from the left to "
                                    "fit; false: it is refused, naming its line")

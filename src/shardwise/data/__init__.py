@@ -51,12 +51,12 @@ def _own_datasets(cfg: Config) -> tuple[Dataset, Dataset]:
     d, seq_len = cfg.data, cfg.model.seq_len
     corpus = prepare.load(d, d.path, cfg.model.vocab_size, seq_len=seq_len)
     if d.format == "preference":  # whole pairs in windows, split by pairs
-        train = PairWindows(corpus.tokens, seq_len, corpus.pairs)
+        train = PairWindows(corpus.tokens, seq_len, corpus.pairs, d.pack_pairs)
         if d.val_path is None:
             train, val = train.split(d.val_fraction)
         else:
             held_out = prepare.load(d, d.val_path, cfg.model.vocab_size, held_out=True, seq_len=seq_len)
-            val = PairWindows(held_out.tokens, seq_len, held_out.pairs, first_id=len(train))
+            val = PairWindows(held_out.tokens, seq_len, held_out.pairs, d.pack_pairs, first_id=len(train))
         if not len(train) or not len(val):
             raise ConfigError(f"data.path = {d.path!r}: {train.lengths.shape[0]} pair(s) to train on and "
                               f"{val.lengths.shape[0]} to validate on; each needs one at least")

@@ -8,9 +8,10 @@ adds after the prompt with the prompt for a reply (samples.py's ChatTemplate, as
 turn). Prepared (prepare.py), a pair is its prompt's, chosen answer's and rejected answer's tokens
 one after the other in the token file, their lengths in `pairs.npy`.
 
-Packed (`PairWindows`): a window of model.seq_len + 1 tokens holds whole pairs, as many as fit in
-the file's order, each as two documents, prompt + chosen and prompt + rejected (attention stops at
-each), then padding (a document of its own). A pair therefore never leaves its window: its two
+In windows (`PairWindows`): a window of model.seq_len + 1 tokens holds one pair, or with
+`data.pack_pairs` as many whole pairs as fit in the file's order; each pair as two documents,
+prompt + chosen and prompt + rejected (attention stops at each), then padding (a document of its
+own). A pair therefore never leaves its window: its two
 answers are in the same micro-batch on the same rank under every strategy, a pipeline's chunks
 (rows) included. A window's targets carry each token's answer (`answers` of preference.pair_logps:
 2 j and 2 j + 1 for its pair j's chosen and rejected answer, -1 elsewhere), so each answer's
@@ -91,9 +92,11 @@ def tokenize_pairs(records: Iterator[tuple[dict, Callable[[], str]]], tokenizer:
     return np.asarray(lengths, dtype=np.int64).reshape(-1, 3)
 
 
-def pack(lengths: np.ndarray, seq_len: int) -> np.ndarray:
+def pack(lengths: np.ndarray, seq_len: int, several: bool) -> np.ndarray:
     """[windows + 1] boundaries: window w holds pairs [bounds[w], bounds[w + 1]), as many as fit in
-    seq_len + 1 tokens in order."""
+    seq_len + 1 tokens in order where `several`, else one."""
+    if not several:
+        return np.arange(len(lengths) + 1, dtype=np.int64)
     needed = 2 * lengths[:, 0] + lengths[:, 1] + lengths[:, 2]
     bounds, held = [0], 0
     for pair, size in enumerate(needed.tolist()):
@@ -114,12 +117,13 @@ class PairWindows:
     `first_id`: a validation set's windows numbered after the training set's, for the reference
     log-probabilities of both in one table)."""
 
-    def __init__(self, tokens: Any, seq_len: int, lengths: np.ndarray, starts: np.ndarray | None = None,
-                 first_id: int = 0) -> None:
+    def __init__(self, tokens: Any, seq_len: int, lengths: np.ndarray, pack_pairs: bool,
+                 starts: np.ndarray | None = None, first_id: int = 0) -> None:
         self.tokens, self.seq_len, self.lengths, self.first_id = tokens, seq_len, lengths, first_id
+        self.pack_pairs = pack_pairs
         sizes = lengths.sum(axis=1)
         self.starts = np.cumsum(sizes) - sizes if starts is None else starts
-        self.bounds = pack(lengths, seq_len)
+        self.bounds = pack(lengths, seq_len, pack_pairs)
 
     def __len__(self) -> int:
         return len(self.bounds) - 1
@@ -164,5 +168,6 @@ class PairWindows:
         """The pairs before the last `fraction` of them, and those (whole pairs each; the second's
         windows numbered after the first's)."""
         cut = len(self.lengths) - max(1, int(len(self.lengths) * fraction))
-        train = PairWindows(self.tokens, self.seq_len, self.lengths[:cut], self.starts[:cut])
-        return train, PairWindows(self.tokens, self.seq_len, self.lengths[cut:], self.starts[cut:], len(train))
+        train = PairWindows(self.tokens, self.seq_len, self.lengths[:cut], self.pack_pairs, self.starts[:cut])
+        return train, PairWindows(self.tokens, self.seq_len, self.lengths[cut:], self.pack_pairs, self.starts[cut:],
+                                  len(train))
