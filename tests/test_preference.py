@@ -362,3 +362,13 @@ def test_the_rewards_reach_the_trackers_and_the_report(trained, tmp_path):
     assert scalars(summary)["val/reward_accuracy"] == summary["val_reward_accuracy"]
     page = write_report([trained / "single", trained / "ddp"], tmp_path / "report.html").read_text()
     assert 'id="reward-accuracy"' in page
+
+
+def test_the_planner_refuses_a_frozen_copy_it_does_not_count_in_one_line(tmp_path):
+    from shardwise.planner import PlanError, load_profile, make_plan
+
+    data = tmp_path / "pairs.jsonl"
+    write_pairs(data)
+    assert make_plan(pair_config(tmp_path, "ddp", 2, data=data), 2, load_profile("cpu")).recommended is not None
+    with pytest.raises(PlanError, match="train.reference = 'copy': the planner does not count the frozen copy"):
+        make_plan(pair_config(tmp_path, "ddp", 2, "train.reference=copy", data=data), 2, load_profile("cpu"))

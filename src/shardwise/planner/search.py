@@ -139,6 +139,10 @@ def make_plan(cfg: Config, world: int, device: DeviceProfile, *, nodes: int = 1,
                         "evenly (--nproc N, or --nodes N --gpus-per-node G)")
     if not 0 <= margin < 1:
         raise PlanError(f"--margin {margin:g}: must be in [0, 1), the fraction added for the allocator")
+    if cfg.train.objective in ("dpo", "ipo") and cfg.train.reference == "copy":  # a second model, not counted
+        raise PlanError("train.reference = 'copy': the planner does not count the frozen copy of the model beside "
+                        "the policy yet; plan with train.reference = 'pass', whose table of reference "
+                        "log-probabilities is a few bytes a pair")
     if cfg.train.optimizer == "muon" and cfg.train.muon.params is not None:  # names: the planner counts shapes
         raise PlanError(f"train.muon.params = {cfg.train.muon.params!r}: the planner counts Muon's default split "
                         "(the blocks' matrices) alone; unset it to plan, or plan with adamw, whose state bounds Muon's")
