@@ -177,6 +177,10 @@ def counted_answers(cfg) -> list[str]:
             assert (windows == row + dataset.first_id).all() and ((tokens == IGNORED) == (answers == NO_ANSWER)).all()
             for slot in range(int(answers.max()) + 1):
                 seen.append(bytes(tokens[answers == slot].tolist()).decode())
+                # the input predicting each answer token is in the answer's own document (its prompt and
+                # answer), apart from its pair's other answer and from the window's other pairs
+                assert (documents[row][answers == slot] == slot).all()
+            assert documents[row].diff().ge(0).all()  # documents follow one another
     return seen
 
 

@@ -133,36 +133,51 @@ class PairWindows:
         """The most pairs a window holds."""
         return int(np.diff(self.bounds).max(initial=0))
 
-    def _window(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Window `index`'s tokens, each token's answer and document."""
+    def _sequences(self, index: int) -> list[tuple[int, int, int, int]]:
+        """Window `index`'s sequences in order: (pair, slot (2 j chosen, 2 j + 1 rejected), offset of its
+        answer in the pair's tokens, the answer's length)."""
+        sequences = []
+        for j, pair in enumerate(range(self.bounds[index], self.bounds[index + 1])):
+            asked, chosen, rejected = (int(n) for n in self.lengths[pair])
+            sequences += [(pair, 2 * j, asked, chosen), (pair, 2 * j + 1, asked + chosen, rejected)]
+        return sequences
+
+    def _layout(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """Window `index`'s tokens' answers and documents, from the pairs' lengths alone."""
         width = self.seq_len + 1
-        row = np.full(width, PAD, dtype=np.int64)
         answer = np.full(width, NO_ANSWER, dtype=np.int64)
         document = np.zeros(width, dtype=np.int64)
         at = 0
-        for j, pair in enumerate(range(self.bounds[index], self.bounds[index + 1])):
-            asked, chosen, rejected = (int(n) for n in self.lengths[pair])
-            prompt = self.tokens.read(int(self.starts[pair]), asked)
-            for side, (offset, count) in enumerate(((asked, chosen), (asked + chosen, rejected))):
-                size = asked + count
-                row[at : at + asked] = prompt
-                row[at + asked : at + size] = self.tokens.read(int(self.starts[pair]) + offset, count)
-                answer[at + asked : at + size] = 2 * j + side
-                document[at : at + size] = 2 * j + side
-                at += size
+        for pair, slot, _, count in self._sequences(index):
+            asked = int(self.lengths[pair][0])
+            answer[at + asked : at + asked + count] = slot
+            document[at : at + asked + count] = slot
+            at += asked + count
         document[at:] = 2 * (self.bounds[index + 1] - self.bounds[index])  # the padding: a document of its own
-        return row, answer, document
+        return answer, document
+
+    def _tokens(self, index: int) -> np.ndarray:
+        """Window `index`'s tokens: each sequence its pair's prompt then its answer, then padding."""
+        row = np.full(self.seq_len + 1, PAD, dtype=np.int64)
+        at = 0
+        for pair, _, offset, count in self._sequences(index):
+            asked, start = int(self.lengths[pair][0]), int(self.starts[pair])
+            row[at : at + asked] = self.tokens.read(start, asked)
+            row[at + asked : at + asked + count] = self.tokens.read(start + offset, count)
+            at += asked + count
+        return row
 
     def batch(self, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rows, answers = zip(*(self._window(int(i))[:2] for i in indices), strict=True)
-        window, answer = torch.from_numpy(np.stack(rows)), torch.from_numpy(np.stack(answers))
+        window = torch.from_numpy(np.stack([self._tokens(int(i)) for i in indices]))
+        answer = torch.from_numpy(np.stack([self._layout(int(i))[0] for i in indices]))
         targets = window[:, 1:].masked_fill(answer[:, 1:] == NO_ANSWER, IGNORED)
         ids = (indices.to(torch.int64) + self.first_id)[:, None].expand_as(targets)
         return window[:, :-1], torch.stack([targets, answer[:, 1:], ids], dim=-1)
 
     def documents(self, indices: torch.Tensor) -> torch.Tensor:
-        """[len(indices), seq_len]: each input token's document (as DocumentWindows.documents)."""
-        return torch.from_numpy(np.stack([self._window(int(i))[2][:-1] for i in indices]))
+        """[len(indices), seq_len]: each input token's document (as DocumentWindows.documents), from the
+        pairs' lengths (no token read)."""
+        return torch.from_numpy(np.stack([self._layout(int(i))[1][:-1] for i in indices]))
 
     def split(self, fraction: float) -> tuple[PairWindows, PairWindows]:
         """The pairs before the last `fraction` of them, and those (whole pairs each; the second's
