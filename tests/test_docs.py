@@ -28,6 +28,7 @@ FOREIGN_FLAGS = {
     "--local-addr": "torchrun",  # what --node-addr derives
     "--rdzv-conf": "torchrun",
     "--rate": "scripts/netns-nodes.sh",
+    "--ntasks-per-node": "srun",
     "--durations": "pytest",
     "--backend-store-uri": "mlflow ui",
     "--json": "wandb leet inspect",

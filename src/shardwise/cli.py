@@ -14,6 +14,7 @@ from shardwise.config.registry import NAMES, spec
 from shardwise.config.schema import HF_MODELS, PRECISIONS, Config, ConfigError
 from shardwise.planner.candidates import POLICIES, default_precisions
 from shardwise.recompute import parse_policy
+from shardwise.slurm import slurm_launch
 
 
 def _add_train_parser(commands: argparse._SubParsersAction) -> None:
@@ -95,6 +96,8 @@ def _train_config(args: argparse.Namespace) -> Config:
         "launch.rdzv_endpoint": args.rdzv_endpoint,
         "launch.node_addr": args.node_addr,
     }
+    # Under srun, the step's nodes, this node's rank and the rendezvous host, unless flags say otherwise
+    flags |= {key: value for key, value in slurm_launch(os.environ).items() if flags[key] is None}
     return load_config(args.config, [*hf_config_overrides(args.hf_config), *args.set], flags)
 
 
