@@ -114,6 +114,9 @@ ROWS: dict[str, Row] = {
     "shardwise export runs/lora runs/lora-peft": Row(after=(LORA_RUN,)),
     "shardwise train configs/lora-chat.toml": Row(add=STEPS, after=("make demo",)),
     "shardwise train configs/dpo-shout.toml": Row(add=STEPS, after=("make demo",)),
+    "shardwise slurm CONFIG --nodes N --gpus-per-node G --out RUN [--time T] [--submit]":
+        Row({"CONFIG": "configs/demo.toml", "N": "1", "G": "2", "RUN": "runs/slurm", "[--time T]": "--time 01:00:00",
+             "[--submit]": ""}),
     "shardwise report runs/gpt-tiny runs/fsdp": Row(after=(TINY, FSDP)),
     "shardwise plan configs/gpt-70b.toml --nodes 8 --gpus-per-node 8 --device h100-sxm":
         Row(add="--json gpt-70b.json", check=gpt_70b_on_64_h100s),

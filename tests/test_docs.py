@@ -19,7 +19,7 @@ from shardwise.config.schema import tables
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = sorted([REPO / "README.md", *(REPO / "docs").rglob("*.md")])
-COMMANDS = ("train", "plan", "sample", "bench", "consolidate", "export", "report", "prepare-data")
+COMMANDS = ("train", "plan", "sample", "bench", "consolidate", "export", "report", "prepare-data", "slurm")
 # Flags of other programs that the docs show beside ours.
 FOREIGN_FLAGS = {
     "--nproc-per-node": "torchrun",
@@ -29,6 +29,8 @@ FOREIGN_FLAGS = {
     "--rdzv-conf": "torchrun",
     "--rate": "scripts/netns-nodes.sh",
     "--ntasks-per-node": "srun",
+    "--signal": "sbatch",
+    "--requeue": "sbatch",
     "--durations": "pytest",
     "--backend-store-uri": "mlflow ui",
     "--json": "wandb leet inspect",

@@ -4,6 +4,8 @@ flags win; one task a rank is refused in one line. (A real Slurm runs these in a
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from helpers import CONFIGS
 
@@ -60,3 +62,24 @@ def test_one_task_a_rank_is_refused_in_one_line(monkeypatch, tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and "srun with 2 tasks on a node" in err and "--ntasks-per-node=1" in err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "run").exists()
+
+
+def test_shardwise_slurm_writes_a_job_that_signals_before_its_limit_requeues_and_resumes(tmp_path, capsys):
+    out = tmp_path / "run"
+    code = main(["slurm", str(CONFIGS / "demo.toml"), "--nodes", "1", "--gpus-per-node", "2", "--out", str(out),
+                 "--time", "04:00:00", "--set", "train.steps=10"])
+    assert code == 0 and "1 node(s) x 2 rank(s)" in capsys.readouterr().out
+    script = (out / "job.sbatch").read_text().splitlines()
+    for line in ("#SBATCH --nodes=1", "#SBATCH --ntasks-per-node=1", "#SBATCH --gpus-per-node=2",
+                 "#SBATCH --signal=TERM@120", "#SBATCH --requeue", "#SBATCH --time=04:00:00"):
+        assert line in script
+    srun = script[-1].split()
+    assert srun[:2] == ["srun", "--ntasks-per-node=1"] and Path(srun[2]).name == "shardwise" and srun[3] == "train"
+    assert Path(srun[2]).is_file()  # this installation's command, which the nodes share
+    assert srun[srun.index("--nproc") + 1] == "2" and "--resume" in srun and srun[-2:] == ["--set", "train.steps=10"]
+
+
+def test_shardwise_slurm_checks_the_config_for_the_jobs_world_before_writing(tmp_path, capsys):
+    code = main(["slurm", str(CONFIGS / "gpt-tiny.toml"), "--nodes", "2", "--nproc", "2",
+                 "--out", str(tmp_path / "run")])
+    assert code == 2 and "world size is 4" in capsys.readouterr().err and not (tmp_path / "run").exists()

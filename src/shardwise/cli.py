@@ -8,13 +8,12 @@ import os
 import sys
 from pathlib import Path
 
-from shardwise import bench_command
+from shardwise import bench_command, slurm
 from shardwise.config.load import hf_config_overrides, load_config
 from shardwise.config.registry import NAMES, spec
 from shardwise.config.schema import HF_MODELS, PRECISIONS, Config, ConfigError
 from shardwise.planner.candidates import POLICIES, default_precisions
 from shardwise.recompute import parse_policy
-from shardwise.slurm import slurm_launch
 
 
 def _add_train_parser(commands: argparse._SubParsersAction) -> None:
@@ -97,7 +96,7 @@ def _train_config(args: argparse.Namespace) -> Config:
         "launch.node_addr": args.node_addr,
     }
     # Under srun, the step's nodes, this node's rank and the rendezvous host, unless flags say otherwise
-    flags |= {key: value for key, value in slurm_launch(os.environ).items() if flags[key] is None}
+    flags |= {key: value for key, value in slurm.slurm_launch(os.environ).items() if flags[key] is None}
     return load_config(args.config, [*hf_config_overrides(args.hf_config), *args.set], flags)
 
 
@@ -480,6 +479,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, help="ranks to sample on, under the run's strategy (default: this process)")
     p.add_argument("--strategy", choices=NAMES, help="with --nproc: the strategy to sample under (default: the run's)")
     bench_command.add_parser(commands)
+    slurm.add_parser(commands)
     p = commands.add_parser("prepare-data", help="tokenize a config's own corpus (data.path) into the cache",
                             description="Reads data.path (.txt, .jsonl, .parquet, .arrow or .feather files, a "
                             "directory of them or a glob, or a Hugging Face dataset saved to disk) and writes its "
@@ -527,7 +527,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     handlers = {"train": train, "sample": sample, "bench": bench_command.run, "consolidate": consolidate, "plan": plan,
-                "report": report, "prepare-data": prepare_data, "export": export}
+                "report": report, "prepare-data": prepare_data, "export": export, "slurm": slurm.run}
     try:
         return handlers[args.command](args)
     except ConfigError as error:
