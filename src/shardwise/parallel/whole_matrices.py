@@ -181,11 +181,9 @@ class ShardedMatrices:
 
     def __init__(self, sharding: Sharding, inner: LocalMatrices | TensorMatrices) -> None:
         self.sharding, self.inner = sharding, inner
-        held = [(unit, param, shard, shape) for unit in sharding.units
-                for param, shard, shape in zip(unit.params, unit.shards, unit.shapes, strict=True)]
-        self._group = {id(shard): unit.over for unit, _, shard, _ in held}
-        self._whole = {id(shard): param for _, param, shard, _ in held}
-        self._split_shape = {id(shard): shape for _, _, shard, shape in held}  # as split along dim 0
+        # the sharding maps a parameter to its shard, unit and split; this, a shard to its parameter
+        self._whole = {id(shard): param for unit in sharding.units
+                       for param, shard in zip(unit.params, unit.shards, strict=True)}
 
     def whole_of(self, local: nn.Parameter) -> nn.Parameter:
         return self._whole.get(id(local), local)
@@ -197,7 +195,7 @@ class ShardedMatrices:
               use: Use) -> None:
         groups: dict[int, tuple[ShardGroup, list[int]]] = {}
         for index, shard in enumerate(local):
-            over = self._group[id(shard)]
+            over = self.sharding.unit_of(self._whole[id(shard)]).over
             groups.setdefault(id(over), (over, []))[1].append(index)
         # Every rank in the same order: the dense group (every rank's) before the experts'
         for over, indices in sorted(groups.values(), key=lambda group: group[0].experts):
@@ -214,13 +212,14 @@ class ShardedMatrices:
         assembled, computed = [], []
         for j, parts in zip(exchange.mine, received, strict=True):
             whole = torch.empty(wholes[j].shape, dtype=dtype, device=parts.device)
-            copy_out(whole, self._split_shape[id(shards[j])], shards[j].shape[0], 0, parts)
+            rows, shape = self.sharding.split_of(wholes[j])  # each rank's rows, and the shape split along dim 0
+            copy_out(whole, shape, rows, 0, parts)
             assembled.append(whole)
             computed.append(torch.empty_like(parts))
 
         def padded(k: int, result: torch.Tensor) -> None:  # the result's rows as each rank's shard holds them
-            j = exchange.mine[k]
-            copy_in(computed[k], self._split_shape[id(shards[j])], shards[j].shape[0], 0, result)
+            rows, shape = self.sharding.split_of(wholes[exchange.mine[k]])
+            copy_in(computed[k], shape, rows, 0, result)
 
         self.inner.apply(owned, lambda k: assembled[k], lambda k, whole: function(indices[exchange.mine[k]], whole),
                          dtype, padded)
