@@ -162,7 +162,7 @@ ROWS: dict[str, Row] = {
         Row(add="--json qlora-llama-3-70b.json", check=qlora_llama_3_70b_on_two_24_gb_gpus),
     # docs/huggingface.md
     "shardwise train --hf-config MODEL --weights MODEL --set data.path=corpus.jsonl --set data.tokenizer=MODEL "
-    "--strategy fsdp --nproc 2 --steps 200 --out runs/mine": Row({**MODEL, "--steps 200": STEPS}),
+    "--strategy fsdp --nproc 2 --steps 200 --out runs/mine": Row({**MODEL, "--steps 200 ": ""}, STEPS),  # README's
     # docs/multinode.md
     "shardwise train CONFIG --nnodes 2 --nproc 2 --node-rank 0 --node-addr 10.0.0.1 --rdzv-endpoint 10.0.0.1:29400 "
     "--out /shared/run": Row(skip=Skip.SECOND_MACHINE),
@@ -283,7 +283,9 @@ def test_at_most_ten_lines_may_be_skipped_each_for_a_reason_from_the_list(capsys
             print(f"  {reason}: {line}")
 
 
-@pytest.fixture(scope="module")
+# Session-scoped: under pytest-xdist a worker may run this module's classes apart, with other
+# modules between them; the workspace, and the lines run in it, serve every class it runs.
+@pytest.fixture(scope="session")
 def workspace(tmp_path_factory) -> Path:
     """A directory laid out as a checkout's root (configs/, examples/, bench/ linked to the checkout's)
     with MODEL (a Llama of 2 blocks saved by save_pretrained, MiniLM's tokenizer beside it) and
@@ -307,31 +309,35 @@ def workspace(tmp_path_factory) -> Path:
     return root
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def results_before() -> dict[str, bytes]:
     """bench/results as the checkout has it before any line runs."""
     return {path.name: path.read_bytes() for path in (REPO / "bench" / "results").glob("*.json")}
 
 
-@pytest.fixture(scope="module")
-def ran(workspace, results_before) -> dict[str, subprocess.CompletedProcess]:
-    """The lines run so far in `workspace`, by line: each runs once, whichever test needs it first."""
+@pytest.fixture(scope="session")
+def ran(workspace, results_before) -> dict[tuple[str, ...], subprocess.CompletedProcess]:
+    """The commands run so far in `workspace`: each runs once, whichever test needs it first, and
+    two printed lines that run as the same command (one page's `--steps 200` shortened to another's
+    `--steps 2`) run it once."""
     return {}
 
 
-def run_line(line: str, workspace: Path, ran: dict[str, subprocess.CompletedProcess]) -> subprocess.CompletedProcess:
-    if line in ran:
-        return ran[line]
+def run_line(line: str, workspace: Path,
+             ran: dict[tuple[str, ...], subprocess.CompletedProcess]) -> subprocess.CompletedProcess:
+    words = tuple(command(line))
+    if words in ran:
+        return ran[words]
     for before in ROWS.get(line, Row()).after:
         done = run_line(before, workspace, ran)
         assert done.returncode == ROWS.get(before, Row()).status, (
             f"`{before}`, which must run before `{line}`, failed:\n{done.stderr[-3000:]}")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    ran[line] = subprocess.run(command(line), cwd=workspace, env=env, capture_output=True, text=True, timeout=600)
-    return ran[line]
+    ran[words] = subprocess.run(words, cwd=workspace, env=env, capture_output=True, text=True, timeout=600)
+    return ran[words]
 
 
-def runs_as_printed(line: str, workspace: Path, ran: dict[str, subprocess.CompletedProcess]) -> None:
+def runs_as_printed(line: str, workspace: Path, ran: dict[tuple[str, ...], subprocess.CompletedProcess]) -> None:
     reason = skip_reason(ROWS[line])
     if reason:
         pytest.skip(f"{reason}: {line}")
@@ -368,7 +374,7 @@ class TestTheBenchesLines:
         runs_as_printed(line, workspace, ran)
 
     def test_quick_benches_leave_the_committed_results_as_they_were(self, workspace, ran, results_before):
-        assert "shardwise bench NAME --quick" in ran, "run after the printed lines"
+        assert tuple(command("shardwise bench NAME --quick")) in ran, "run after the printed lines"
         after = {path.name: path.read_bytes() for path in (REPO / "bench" / "results").glob("*.json")}
         assert after == results_before
 

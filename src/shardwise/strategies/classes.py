@@ -4,6 +4,7 @@ builds its strategy here."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 from shardwise.compile import BlockCompiler
@@ -13,6 +14,7 @@ from shardwise.dist import DistContext
 from shardwise.strategies.base import Strategy
 
 
+@functools.cache  # validation asks once per planner candidate: import_module's lookup is 20 us
 def strategy_class(name: str, pp: int = 1) -> type[Strategy]:
     """The Strategy subclass of the strategy called `name`, imported now. Ours that shard, over
     pipeline stages (`pp` > 1): the pipeline, which composes their sharding after its cut."""
