@@ -31,6 +31,7 @@ FOREIGN_FLAGS = {
     "--ntasks-per-node": "srun",
     "--signal": "sbatch",
     "--requeue": "sbatch",
+    "--kill-on-bad-exit": "srun",
     "--durations": "pytest",
     "--backend-store-uri": "mlflow ui",
     "--json": "wandb leet inspect",

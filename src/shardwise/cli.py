@@ -96,7 +96,7 @@ def _train_config(args: argparse.Namespace) -> Config:
         "launch.node_addr": args.node_addr,
     }
     # Under srun, the step's nodes, this node's rank and the rendezvous host, unless flags say otherwise
-    flags |= {key: value for key, value in slurm.slurm_launch(os.environ).items() if flags[key] is None}
+    flags |= {key: value for key, value in slurm.slurm_launch(os.environ, args.nproc).items() if flags[key] is None}
     return load_config(args.config, [*hf_config_overrides(args.hf_config), *args.set], flags)
 
 
@@ -104,9 +104,14 @@ def train(args: argparse.Namespace) -> int:
     from shardwise.launch import Stopped, WorkerFailed, launch_local, launch_workers
 
     cfg = _train_config(args)
+    rank = slurm.rank_environment(os.environ)  # under srun, several tasks a node: this task is a rank
+    if rank is not None:
+        slurm.check_task_per_rank(cfg)
     _check_before_launch(cfg)  # before anything is written or any worker starts
     config_path = Path(cfg.run.out) / "config.toml"
     cfg.save(config_path)
+    if rank is not None:
+        return slurm.train_as_rank(cfg, config_path, rank)
     entry = ["shardwise.worker", str(config_path)]
     try:
         strategy = spec(cfg.parallel.strategy)

@@ -79,6 +79,21 @@ class Candidate:
         validate(cfg, world_size=world)
         return cfg
 
+    def settings(self) -> list[str]:
+        """The candidate as `shardwise train --set` overrides: what `configure` sets, but the global
+        batch (the config's own, which the plan was made for) and the ranks a node (the launch's)."""
+        mesh = self.spec.splits_model or self.tp > 1 or self.pp > 1
+        keys: dict[str, object] = {"parallel.strategy": self.strategy, "parallel.precision": self.precision,
+                                   "parallel.recompute": self.recompute, "train.micro_batch": self.micro_batch,
+                                   "parallel.cp": self.cp, "parallel.ep": self.ep}
+        if mesh:
+            keys |= {"parallel.dp": self.dp, "parallel.pp": self.pp, "parallel.tp": self.tp}
+        if self.schedule is not None:
+            keys |= {"parallel.pipeline.micro_batches": self.micro_batches, "parallel.pipeline.schedule": self.schedule}
+        if self.cp_mode is not None:
+            keys["parallel.cp_mode"] = self.cp_mode
+        return [f"{key}={value}" for key, value in keys.items()]
+
     def configure(self, base: Config, global_batch: int | None = None) -> Config:
         """`base` set up to train this candidate, not validated."""
         mesh = self.spec.splits_model or self.tp > 1 or self.pp > 1  # the sharded strategies' meshes too
