@@ -140,17 +140,19 @@ class SlurmCluster:
 
     def client(self, argv: list[str], check: bool = False, **kwargs: object) -> subprocess.CompletedProcess:
         """A Slurm client command (sbatch, scontrol, squeue, sinfo) run on node 0."""
-        result = subprocess.run(["ip", "netns", "exec", self.network.nodes[0].netns, *argv], env=self.env,
-                                capture_output=True, text=True, **kwargs)
+        kwargs.setdefault("env", self.env)
+        result = subprocess.run(["ip", "netns", "exec", self.network.nodes[0].netns, *argv], capture_output=True,
+                                text=True, **kwargs)
         if check and result.returncode:
             raise RuntimeError(f"`{' '.join(argv)}` exited {result.returncode}: {result.stderr.strip()}\n"
                                + self.logs())
         return result
 
-    def submit(self, script: Path, wait: bool = False, timeout: float = 300) -> int:
-        """Submit `script` by sbatch (with `wait`, sbatch --wait: until the job ends); its job id."""
+    def submit(self, script: Path, wait: bool = False, timeout: float = 300, env: dict[str, str] | None = None) -> int:
+        """Submit `script` by sbatch (with `wait`, sbatch --wait: until the job ends), its tasks given
+        sbatch's environment and `env`; the job's id."""
         result = self.client(["sbatch", "--parsable", *(["--wait"] if wait else []), str(script)],
-                             timeout=timeout)
+                             timeout=timeout, env={**self.env, **(env or {})})
         if result.returncode:
             raise RuntimeError(f"sbatch {script} exited {result.returncode}: {result.stderr.strip()}\n{self.logs()}")
         return int(result.stdout.split()[0].split(";")[0])

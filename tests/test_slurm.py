@@ -169,3 +169,15 @@ def test_a_candidates_settings_train_what_configure_makes_of_it():
         want = candidate.configure(base)
         got = load_config(CONFIGS / "gpt-tiny.toml", [*moe, *candidate.settings()], world)
         assert (got.parallel, got.train) == (want.parallel, want.train), candidate.label
+
+
+def test_replica_groups_across_nodes_are_one_a_node_each_group_a_world_of_its_own(capsys):
+    """--replica-groups across --nnodes: a group a node (tests/multinode/test_slurm.py runs them)."""
+    pytest.importorskip("torchft")
+    args = ["train", str(CONFIGS / "gpt-tiny.toml"), "--strategy", "ddp", "--nproc", "2", "--nnodes", "2",
+            "--node-rank", "1", "--rdzv-endpoint", "node0:29500", "--set", "train.micro_batch=2"]
+    cfg = _train_config(parser().parse_args([*args, "--replica-groups", "2"]))
+    assert cfg.world_size == 2 and cfg.launch.replica_groups == 2  # a group's 2 ranks; 2 groups x 2 x 2 = 8
+    assert main([*args, "--replica-groups", "3", "--out", "unused"]) == 2
+    err = capsys.readouterr().err
+    assert "launch.replica_groups = 3 on launch.nnodes = 2 nodes" in err and len(err.strip().splitlines()) == 1

@@ -2,7 +2,8 @@
 
 `shardwise train --replica-groups N` starts torchft's Lighthouse and N groups of launch.nproc ranks
 each, on this machine, every rank forked from one server that imported torch and shardwise once
-(launch.py); the launcher restarts a failed group as torchrun's agent would a job. Each group is one
+(launch.py); the launcher restarts a failed group as torchrun's agent would a job. Across N nodes
+(`--nnodes N`), each node's launcher runs one group, node 0's hosting the Lighthouse. Each group is one
 replica: a whole copy of the model, trained by its own strategy over its own ranks (ddp; or zero1,
 zero2, fsdp, which shard it over the group's ranks: torchft's HSDP), with a share of each global
 batch of its own. Across the groups, torchft's Manager does the rest, step by step:
@@ -37,6 +38,7 @@ from one whose is newest. A group restarted alone heals from a live one without 
 from __future__ import annotations
 
 import os
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -81,17 +83,33 @@ def launch_replica_groups(launch: LaunchConfig, entry: list[str]) -> list[int]:
     entry[0] as a script with arguments entry[1:]; wait for them all and return the groups that
     failed for good (their restarts spent). Every group's ranks, and their restarts, are forked from
     one server that imported the entry module once. SIGTERM or SIGINT is passed on to every group
-    and raises Stopped."""
+    and raises Stopped.
+
+    Across nodes (launch.nnodes > 1) each node's launcher runs one group, its node rank's: node 0's
+    hosts the Lighthouse (at the rendezvous port + 1) and the store where the groups meet (at the
+    rendezvous endpoint), and outlives its own group until every group has ended (or
+    launch.timeout_s has passed since), so that no group loses them while it trains."""
     from torch.distributed import TCPStore
     from torchft.coordination import LighthouseServer
 
     os.environ["OMP_NUM_THREADS"] = str(launch.threads_per_rank)  # the server's, so its ranks' too
     script = start_fork_server(entry[0])
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000)
-    start = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)  # where the groups meet to start
-    env = dict(os.environ, TORCHFT_LIGHTHOUSE=lighthouse.address(),
-               **{START_ENV: f"127.0.0.1:{start.port}", GROUPS_ENV: str(launch.replica_groups)})
-    running = {group: GroupRanks(group, launch, script, entry[1:], env) for group in range(launch.replica_groups)}
+    across = launch.nnodes > 1
+    host, port = launch.rdzv_endpoint.rsplit(":", 1) if across else ("127.0.0.1", "0")
+    hosting = not across or launch.node_rank == 0
+    lighthouse = LighthouseServer(bind=f"[::]:{int(port) + 1 if across else 0}", min_replicas=1,
+                                  join_timeout_ms=1000) if hosting else None
+    # where the groups meet to start (a client's connection waits for node 0's to listen)
+    start = TCPStore(host, int(port), is_master=hosting, wait_for_workers=False,
+                     timeout=timedelta(seconds=launch.timeout_s))
+    address = f"http://{host}:{int(port) + 1}" if across else lighthouse.address()
+    # Across nodes a group is reached at its node's name: torchft's Manager advertises its store
+    # (MASTER_ADDR) to the other groups, and its checkpoint server as socket.gethostname().
+    own = (launch.node_addr or socket.gethostname()) if across else "127.0.0.1"
+    env = dict(os.environ, TORCHFT_LIGHTHOUSE=address,
+               **{START_ENV: f"{host}:{start.port}", GROUPS_ENV: str(launch.replica_groups)})
+    groups = [launch.node_rank] if across else range(launch.replica_groups)
+    running = {group: GroupRanks(group, launch, script, entry[1:], env, own) for group in groups}
     failed: list[int] = []
     try:  # the store and the Lighthouse live as long as the groups
         with signals_noted() as signalled:
@@ -109,11 +127,23 @@ def launch_replica_groups(launch: LaunchConfig, entry: list[str]) -> list[int]:
                 time.sleep(0.1)
             if signalled:
                 raise Stopped(f"stopped by signal {signalled[0].name}; every replica group was sent it too")
+            if across and hosting:
+                _outlast_the_groups(start, launch, signalled)
     finally:
         stop_processes([rank for ranks in running.values() for rank in ranks.ranks.values()],
                        launch.shutdown_timeout_s)
-        lighthouse.shutdown()
+        if lighthouse is not None:
+            lighthouse.shutdown()
     return failed
+
+
+def _outlast_the_groups(start: Any, launch: LaunchConfig, signalled: list) -> None:
+    """Node 0's launcher, its own group ended: wait until every other node's has (their launchers
+    say so in the start store), or launch.timeout_s, or a signal."""
+    keys = [f"{ENDED_KEY}/{group}" for group in range(launch.replica_groups)]
+    deadline = time.monotonic() + launch.timeout_s
+    while not start.check(keys) and time.monotonic() < deadline and not signalled:
+        time.sleep(0.2)
 
 
 class GroupRanks:
@@ -123,8 +153,10 @@ class GroupRanks:
     does for a job, here for every group in the launcher's one process. A restart is a fork, not
     an interpreter importing torch and shardwise again."""
 
-    def __init__(self, group: int, launch: LaunchConfig, script: str, argv: list[str], env: dict[str, str]) -> None:
+    def __init__(self, group: int, launch: LaunchConfig, script: str, argv: list[str], env: dict[str, str],
+                 address: str = "127.0.0.1") -> None:
         self.group, self.launch, self.script, self.argv, self.env = group, launch, script, argv, env
+        self.address = address  # where the other groups reach this one's store (its node's name across nodes)
         self.restarts = 0
         self._start()
 
@@ -133,9 +165,9 @@ class GroupRanks:
 
         # one store each start: restarted Gloo groups meeting in a store that held the dead ones'
         # keys sometimes reach a dead peer's address or hang (launch.py)
-        self.store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self.store = TCPStore(self.address, 0, is_master=True, wait_for_workers=False)
         n = self.launch.nproc
-        env = dict(self.env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(self.store.port), WORLD_SIZE=str(n),
+        env = dict(self.env, MASTER_ADDR=self.address, MASTER_PORT=str(self.store.port), WORLD_SIZE=str(n),
                    LOCAL_WORLD_SIZE=str(n), TORCHELASTIC_USE_AGENT_STORE="True",  # every rank a client of it
                    TORCHELASTIC_RESTART_COUNT=str(self.restarts), **{GROUP_ENV: str(self.group)})
         self.ranks = {rank: ForkedRank(self.script, self.argv, dict(env, RANK=str(rank), LOCAL_RANK=str(rank)))

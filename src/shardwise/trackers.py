@@ -8,19 +8,49 @@ A tracker's package is imported only when it is asked for (validate.py checks it
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 import time
 from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import urlsplit
 
 from shardwise.atomic_file import write_whole
-from shardwise.config.schema import Config, MlflowConfig, WandbConfig
+from shardwise.config.schema import Config, ConfigError, MlflowConfig, RunConfig, WandbConfig
 
 SUMMARY = "summary.json"
 METRICS = "metrics.jsonl"
 RUN_IDS = "trackers.json"
+
+# MLflow's stores in a database, by the scheme of their URI (mlflow/store/db/db_types.py): opened
+# through SQLAlchemy, their tables made and migrated by alembic.
+MLFLOW_DATABASES = ("sqlite", "postgresql", "mysql", "mssql")
+
+
+def check_trackers(run: RunConfig) -> None:
+    """The trackers asked for are installed (looked for, not imported: importing mlflow or wandb
+    takes most of a second), and MLflow's store is one MLflow 3 opens; ConfigError if not
+    (validate.py asks, before launch)."""
+    if run.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("run.tensorboard = true: the tensorboard package is not installed; "
+                          "pip install 'shardwise[tensorboard]' (or pip install tensorboard), or leave it off")
+    uri = run.mlflow.tracking_uri
+    if uri is not None:
+        key = f"run.mlflow.tracking_uri = {uri!r}"
+        scheme = urlsplit(uri).scheme.partition("+")[0]
+        needed = ("mlflow", "sqlalchemy", "alembic") if scheme in MLFLOW_DATABASES else ("mlflow",)
+        for package in needed:
+            if importlib.util.find_spec(package) is None:
+                raise ConfigError(f"{key}: the {package} package is not installed; pip install 'shardwise[mlflow]'")
+        directory = scheme == "file" or (scheme == "" and uri != "databricks")  # MLflow's name for its own service
+        if directory and os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() not in ("true", "1"):
+            raise ConfigError(f"{key}: a directory, which MLflow 3 opens only with MLFLOW_ALLOW_FILE_STORE=true; "
+                              "use a database (sqlite:///mlflow.db) or a tracking server (http://host:5000)")
+    if run.wandb.project is not None and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(f"run.wandb.project = {run.wandb.project!r}: the wandb package is not installed; "
+                          "pip install 'shardwise[wandb]'")
 
 
 # A preference objective's metrics (preference.py), in the records of step, eval (val_) and summary (val_)

@@ -6,9 +6,7 @@ beside the code it protects, called from here."""
 from __future__ import annotations
 
 import importlib.util
-import os
 from pathlib import Path
-from urllib.parse import urlsplit
 
 from shardwise.config.registry import SPECS, spec
 from shardwise.config.schema import (
@@ -40,12 +38,12 @@ from shardwise.config.schema import (
     ConfigError,
     DataConfig,
     ParallelConfig,
-    RunConfig,
 )
 from shardwise.parallel.pipeline.schedules import ScheduleError, virtual_stages
 from shardwise.recompute import parse_policy
 from shardwise.strategies.base import mesh_of
 from shardwise.strategies.classes import strategy_class
+from shardwise.trackers import check_trackers
 
 
 def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -238,35 +236,7 @@ def _validate_launch(cfg: Config) -> None:
         raise ConfigError(f"launch.node_addr = {launch.node_addr!r}: only for several nodes (launch.nnodes > 1); "
                           "one node rendezvous on loopback")
     _positive("run.log_every", cfg.run.log_every)
-    _validate_trackers(cfg.run)
-
-
-# MLflow's stores in a database, by the scheme of their URI (mlflow/store/db/db_types.py): opened
-# through SQLAlchemy, their tables made and migrated by alembic.
-MLFLOW_DATABASES = ("sqlite", "postgresql", "mysql", "mssql")
-
-
-def _validate_trackers(run: RunConfig) -> None:
-    """The trackers asked for are installed (looked for, not imported: importing mlflow or wandb
-    takes most of a second), and MLflow's store is one MLflow 3 opens."""
-    if run.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        raise ConfigError("run.tensorboard = true: the tensorboard package is not installed; "
-                          "pip install 'shardwise[tensorboard]' (or pip install tensorboard), or leave it off")
-    uri = run.mlflow.tracking_uri
-    if uri is not None:
-        key = f"run.mlflow.tracking_uri = {uri!r}"
-        scheme = urlsplit(uri).scheme.partition("+")[0]
-        needed = ("mlflow", "sqlalchemy", "alembic") if scheme in MLFLOW_DATABASES else ("mlflow",)
-        for package in needed:
-            if importlib.util.find_spec(package) is None:
-                raise ConfigError(f"{key}: the {package} package is not installed; pip install 'shardwise[mlflow]'")
-        directory = scheme == "file" or (scheme == "" and uri != "databricks")  # MLflow's name for its own service
-        if directory and os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() not in ("true", "1"):
-            raise ConfigError(f"{key}: a directory, which MLflow 3 opens only with MLFLOW_ALLOW_FILE_STORE=true; "
-                              "use a database (sqlite:///mlflow.db) or a tracking server (http://host:5000)")
-    if run.wandb.project is not None and importlib.util.find_spec("wandb") is None:
-        raise ConfigError(f"run.wandb.project = {run.wandb.project!r}: the wandb package is not installed; "
-                          "pip install 'shardwise[wandb]'")
+    check_trackers(cfg.run)
 
 
 def _validate_strategy(cfg: Config, world: int) -> None:
@@ -311,8 +281,8 @@ REPLICA_GROUP_STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
 
 
 def _validate_replica_groups(cfg: Config) -> None:
-    """launch.replica_groups: torchft's groups (replicas.py), on one node, healing from a peer
-    rather than a checkpoint."""
+    """launch.replica_groups: torchft's groups (replicas.py), all on one node or one a node, healing
+    from a peer rather than a checkpoint."""
     launch, p = cfg.launch, cfg.parallel
     _positive("launch.replica_groups", launch.replica_groups)
     if launch.replica_groups == 1:
@@ -323,9 +293,9 @@ def _validate_replica_groups(cfg: Config) -> None:
                           f"model whole or sharded over their ranks ({', '.join(REPLICA_GROUP_STRATEGIES)}), so far "
                           f"without a mesh; not parallel.strategy = {p.strategy!r}"
                           + (" over a mesh" if p.strategy in REPLICA_GROUP_STRATEGIES else ""))
-    if launch.nnodes > 1:
-        raise ConfigError(f"launch.replica_groups = {n}: the launcher starts every group on this node; across "
-                          "machines, start one group per machine yourself (docs/multinode.md)")
+    if launch.nnodes > 1 and launch.nnodes != n:
+        raise ConfigError(f"launch.replica_groups = {n} on launch.nnodes = {launch.nnodes} nodes: across nodes, "
+                          f"each node runs one group of its launch.nproc ranks; give as many groups as nodes")
     if importlib.util.find_spec("torchft") is None:
         raise ConfigError(f"launch.replica_groups = {n}: needs torchft; pip install 'shardwise[ft]' "
                           "(or pip install torchft)")

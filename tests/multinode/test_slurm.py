@@ -3,11 +3,15 @@ nodes, each with its own hostname (bench/slurm_nodes.py), started once for the m
 `shardwise slurm` writes runs by `sbatch --wait`: on one node under ddp and fsdp, on both under
 fsdp and hsdp (the bytes over node 1's link counted) and one task a rank, each step's loss that of
 single on the same global batches; a running job requeued by `scontrol requeue` resumes from its
-newest checkpoint and ends with the weights of the run that was not interrupted, bit for bit.
-Skipped, saying why, without root or Slurm's packages."""
+newest checkpoint and ends with the weights of the run that was not interrupted, bit for bit; and
+torchft's replica groups, one a node, heal across nodes. Skipped, saying why, without root or
+Slurm's packages."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -19,6 +23,8 @@ from safetensors.torch import load_file
 from bench.slurm_nodes import SlurmCluster, SlurmUnavailable, slurm_unavailable_reason
 from shardwise.cli import main
 from shardwise.config.load import load_config
+from shardwise.dist import worker_name
+from shardwise.launch import process_stat
 
 pytestmark = pytest.mark.root  # network namespaces, Slurm's daemons
 
@@ -128,3 +134,64 @@ def test_a_requeued_job_resumes_from_its_newest_checkpoint_and_ends_as_if_never_
     got, want = (load_file(str(run / "model.safetensors")) for run in (out, two_nodes["fsdp"][0]))
     assert got.keys() == want.keys()
     assert all(torch.equal(got[key], want[key]) for key in want)
+
+
+INJECTOR = Path(__file__).parents[1] / "faults" / "injector"  # its sitecustomize.py paces steps (its docstring)
+GROUP_STEPS = 150
+
+
+def group_records(out: Path, group: int) -> list[dict]:
+    path = out / f"replica-{group}" / "metrics.jsonl"
+    lines = (path.read_text() if path.is_file() else "").split("\n")[:-1]  # whole lines: the last may be half
+    return [r for r in map(json.loads, lines) if r["event"] == "step"]
+
+
+def kill_group_worker(group: int) -> None:
+    """SIGKILL the worker of `group`'s rank 0, wherever its node runs it (one pid space)."""
+    pids = [int(entry) for entry in os.listdir("/proc")
+            if entry.isdigit() and (process_stat(entry) or ("",))[0] == worker_name(0, group)]
+    assert len(pids) == 1, pids
+    os.kill(pids[0], signal.SIGKILL)
+
+
+def until(condition, what: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.05)
+
+
+@pytest.mark.skipif(__import__("importlib").util.find_spec("torchft") is None, reason="needs torchft")
+def test_replica_groups_one_a_node_heal_across_nodes_and_end_equal(slurm, tmp_path):
+    """torchft across nodes: 2 ddp groups of one rank, one a node (each advertises its node's own
+    hostname), submitted as `shardwise slurm` writes the job; group 1's worker on node 1 SIGKILLed
+    twice: node 1's launcher restarts it each time and it heals from group 0 over HTTP, while group 0
+    never restarts; both end with the same weights, bit for bit."""
+    out = tmp_path / "groups"
+    assert main(["slurm", str(CONFIGS / "gpt-tiny.toml"), "--nodes", "2", "--nproc", "1", "--out", str(out),
+                 *(arg for setting in ("parallel.strategy=ddp", "launch.replica_groups=2", "launch.max_restarts=2",
+                                       "train.global_batch=12", "train.micro_batch=6", "train.eval_every=0",
+                                       "train.optimizer=sgd", f"train.steps={GROUP_STEPS}")
+                   for arg in ("--set", setting))]) == 0
+    # while a group is missing, the other's steps take 0.1 s more: the run outlasts two restarts
+    job_id = slurm.submit(out / "job.sbatch", env={"PYTHONPATH": str(INJECTOR), "SHARDWISE_TEST_PACE": "0.1",
+                                                  "RUST_LOG": "error"})
+    committed = lambda group: sum(r["committed"] for r in group_records(out, group))  # noqa: E731
+    kills = []
+    for _ in range(2):
+        until(lambda: committed(1) >= (kills[-1] + 10 if kills else 10) or not slurm.state(job_id),
+              f"group 1 never got going:\n{ran(out)[-3000:]}")
+        assert slurm.state(job_id), f"the job ended before group 1 was killed:\n{ran(out)[-3000:]}"
+        kills.append(committed(1))
+        kill_group_worker(1)
+        until(lambda: any(r["healed_at"] and r["healed_at"][-1] >= kills[-1] for r in group_records(out, 1)[-1:]),
+              f"group 1 never healed after its kill at step {kills[-1]}:\n{ran(out)[-3000:]}")
+    slurm.wait(job_id)
+    log = ran(out)
+    assert "replica group 1: rank 0 exited with code -9; restarting the group (2 of 2)" in log, log[-3000:]
+    assert "replica group 0:" not in log  # group 0 never restarted
+    steady = group_records(out, 0)
+    assert [r["step"] for r in steady if r["committed"]][-1] == GROUP_STEPS
+    assert not any(r["healed_at"] for r in steady)
+    got, want = (load_file(str(out / f"replica-{group}" / "model.safetensors")) for group in (1, 0))
+    assert got.keys() == want.keys() and all(torch.equal(got[key], want[key]) for key in want)

@@ -490,7 +490,10 @@ class Config:
 
     @property
     def world_size(self) -> int:
-        return self.launch.nproc * self.launch.nnodes
+        """The ranks of one job's world: every node's; under replica groups one group's (a group a
+        node, across nodes), each group a world of its own that torchft averages with the others."""
+        nodes = self.launch.nnodes if self.launch.replica_groups == 1 else 1
+        return self.launch.nproc * nodes
 
     def grad_accum(self, world_size: int | None = None) -> int:
         """Micro-steps per optimizer step on each model replica; validate() guarantees it divides."""
