@@ -1,6 +1,6 @@
 """shardwise under a real Slurm (issue 72): munged, slurmctld and a slurmd on each of 2 namespace
 nodes, each with its own hostname (bench/slurm_nodes.py), started once for the module. The script
-`shardwise slurm` writes runs by `sbatch --wait`: on one node under ddp and fsdp, on both under
+`shardwise slurm` writes runs by sbatch: on one node under ddp and fsdp (2 tasks), on both under
 fsdp and hsdp (the bytes over node 1's link counted) and one task a rank, each step's loss that of
 single on the same global batches; a running job requeued by `scontrol requeue` resumes from its
 newest checkpoint and ends with the weights of the run that was not interrupted, bit for bit; and
@@ -78,11 +78,14 @@ def assert_trained_as_single(out: Path, single: list[float]) -> None:
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_the_written_job_trains_on_one_node_as_single(slurm, single, tmp_path, strategy):
+    """ddp: one launcher forking 2 ranks, waited for as a user would, by sbatch --wait (which looks
+    at its job every few seconds); fsdp: 2 tasks, each a rank."""
     out = tmp_path / strategy
-    if strategy == "ddp":  # as a user waits for it: sbatch --wait (which looks at its job every few seconds)
+    if strategy == "ddp":
         slurm.submit(job(slurm, out, 1, 2, strategy), wait=True)
     else:
-        slurm.wait(slurm.submit(job(slurm, out, 1, 2, strategy)))
+        slurm.wait(slurm.submit(job(slurm, out, 1, 2, strategy, "--task-per-rank")))
+        assert "#SBATCH --ntasks-per-node=2" in (out / "job.sbatch").read_text()
     assert_trained_as_single(out, single)
 
 
