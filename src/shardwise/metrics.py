@@ -111,6 +111,15 @@ def _gib(n: int) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
+def _float8(summary: dict[str, Any]) -> str:
+    """The float8 part of the summary's precision line, if the run had one."""
+    if "float8" not in summary:
+        return ""
+    f8 = summary["float8"]
+    left = f"; left out for their sizes: {', '.join(f8['left_out'])}" if f8["left_out"] else ""
+    return f", float8 {f8['recipe']} ({f8['layers']} layers{left})"
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     """The end-of-run table rank 0 prints."""
     rate = summary["tokens_per_s"]
@@ -119,7 +128,7 @@ def format_summary(summary: dict[str, Any]) -> str:
     rows = [
         ("strategy", f"{summary['strategy']} on {summary['world_size']} process(es)"),
         ("steps", f"{summary['steps']}{resumed}"),
-        ("precision", f"{summary['precision']}, recompute {summary['recompute']}{skipped}"),
+        ("precision", f"{summary['precision']}{_float8(summary)}, recompute {summary['recompute']}{skipped}"),
         ("final train loss", f"{summary['final_loss']:.4f}"),
         ("validation loss", f"{summary['val_loss']:.4f}"),
         ("median step time", f"{summary['median_step_time_s'] * 1000:.1f} ms"),

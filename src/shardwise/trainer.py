@@ -330,7 +330,7 @@ class Trainer:
             val_loss = self.evaluate()
             with self.between_steps("final_weights"):
                 self._save_weights()
-            summary = self._summary(records, val_loss) | self.val_metrics()
+            summary = run_summary(self, records, val_loss) | self.val_metrics()
             writer.write(summary)
             failed = False
         finally:
@@ -364,43 +364,6 @@ class Trainer:
         with self.peaks(phase):
             yield
 
-    def _summary(self, records: list[dict[str, Any]], val_loss: float) -> dict[str, Any]:
-        # The first steps include warm-up (allocation, thread pools); the median ignores them.
-        times = sorted(r["step_time_s"] for r in records[1:] or records)
-        median = times[len(times) // 2]
-        samples_per_s = self.cfg.train.global_batch / median
-        timeline = self.strategy.stage_timeline()
-        return {
-            "event": "summary",
-            "strategy": self.cfg.parallel.strategy,
-            "optimizer": self.cfg.train.optimizer,
-            "world_size": self.ctx.world_size,
-            "steps": records[-1]["step"],
-            "resumed_at": records[0]["step"] - 1,
-            "final_loss": records[-1]["loss"],
-            "val_loss": val_loss,
-            "median_step_time_s": median,
-            "samples_per_s": samples_per_s,
-            "tokens_per_s": samples_per_s * self.seq_len if self.seq_len else None,
-            "mfu": mfu(self.flops_per_sample, samples_per_s, self.ctx.world_size, self.peak_flops),
-            "memory": records[-1]["memory"],
-            "precision": self.cfg.parallel.precision,
-            "recompute": self.cfg.parallel.recompute,
-            "skipped_steps": self.skipped_steps,
-            "stragglers": sorted(self.health.named) if self.health is not None else None,
-            # Each rank's peak resident set over the run, and above the runtime's while the model
-            # was made (and the strategy's own count of it, where it counts one).
-            "peak_rss_by_rank": self.ctx.all_gather_object(resident_bytes()[1]),
-            "setup_by_rank": self.ctx.all_gather_object({"rss_above_baseline": self.setup_rss,
-                                                         "counted": self.strategy.setup_peak_bytes}),
-            # Each phase's peak resident set by rank (and on CUDA its peak allocated bytes), with the
-            # runtime's resident set before the model existed.
-            "phases_by_rank": self.ctx.all_gather_object({"baseline_rss": self.baseline_rss, **self.peaks.as_dict()}),
-            **({"stage_timeline": timeline} if timeline is not None else {}),
-            # train.compile: graphs inductor compiled (one per distinct block, more if it recompiled) and its seconds
-            **({"compile": self.strategy.compiler.as_dict()} if self.strategy.compiler else {}),
-        }
-
     def _save_weights(self) -> None:
         """The plain model's weights as OUT/model.safetensors, readable without shardwise (what
         safetensors' save_model writes; for an hf-* model what save_pretrained writes, beside its
@@ -409,6 +372,47 @@ class Trainer:
         save_weights(self.strategy, self.weights_layout, self.out / "model.safetensors")
         if self.model_config is not None and self.ctx.is_main:
             write_model_files(self.out, self.model_config, self.cfg.data.tokenizer)
+
+
+def run_summary(run: Trainer, records: list[dict[str, Any]], val_loss: float) -> dict[str, Any]:
+    """The run's summary record: what it trained, how fast, in how much memory (metrics.jsonl's last)."""
+    # The first steps include warm-up (allocation, thread pools); the median ignores them.
+    times = sorted(r["step_time_s"] for r in records[1:] or records)
+    median = times[len(times) // 2]
+    samples_per_s = run.cfg.train.global_batch / median
+    timeline = run.strategy.stage_timeline()
+    return {
+        "event": "summary",
+        "strategy": run.cfg.parallel.strategy,
+        "optimizer": run.cfg.train.optimizer,
+        "world_size": run.ctx.world_size,
+        "steps": records[-1]["step"],
+        "resumed_at": records[0]["step"] - 1,
+        "final_loss": records[-1]["loss"],
+        "val_loss": val_loss,
+        "median_step_time_s": median,
+        "samples_per_s": samples_per_s,
+        "tokens_per_s": samples_per_s * run.seq_len if run.seq_len else None,
+        "mfu": mfu(run.flops_per_sample, samples_per_s, run.ctx.world_size, run.peak_flops),
+        "memory": records[-1]["memory"],
+        "precision": run.cfg.parallel.precision,
+        "recompute": run.cfg.parallel.recompute,
+        # parallel.float8: the recipe, the layers computing in float8 and those left out for their sizes
+        **({"float8": run.strategy.float8} if run.strategy.float8 is not None else {}),
+        "skipped_steps": run.skipped_steps,
+        "stragglers": sorted(run.health.named) if run.health is not None else None,
+        # Each rank's peak resident set over the run, and above the runtime's while the model
+        # was made (and the strategy's own count of it, where it counts one).
+        "peak_rss_by_rank": run.ctx.all_gather_object(resident_bytes()[1]),
+        "setup_by_rank": run.ctx.all_gather_object({"rss_above_baseline": run.setup_rss,
+                                                    "counted": run.strategy.setup_peak_bytes}),
+        # Each phase's peak resident set by rank (and on CUDA its peak allocated bytes), with the
+        # runtime's resident set before the model existed.
+        "phases_by_rank": run.ctx.all_gather_object({"baseline_rss": run.baseline_rss, **run.peaks.as_dict()}),
+        **({"stage_timeline": timeline} if timeline is not None else {}),
+        # train.compile: graphs inductor compiled (one per distinct block, more if it recompiled) and its seconds
+        **({"compile": run.strategy.compiler.as_dict()} if run.strategy.compiler else {}),
+    }
 
 
 def validation_loss(run: Trainer) -> float:

@@ -17,6 +17,7 @@ from shardwise.config.schema import (
     CP_MODES,
     DOCUMENTS,
     EP_STRATEGIES,
+    FLOAT8_RECIPES,
     FORMATS,
     GRAD_COMPRESSIONS,
     GROUPED_QUERY_MODELS,
@@ -91,6 +92,7 @@ def _validate(cfg: Config, world: int, fixed: bool, varied: bool) -> None:
         _validate_own_data(cfg)
     if varied:
         _validate_lora(cfg, world)
+        _validate_float8(cfg, world)
     if fixed:
         _validate_model(cfg)
     if varied and p.recompute != "none" and m.name not in LANGUAGE_MODELS:
@@ -400,6 +402,31 @@ def _validate_lora(cfg: Config, world: int) -> None:
     if p.strategy not in LORA_STRATEGIES:
         raise ConfigError(f"lora.rank = {lora.rank}: adapters train under {', '.join(LORA_STRATEGIES)} (each over "
                           f"pipeline stages and tensor parallel too); not under parallel.strategy = {p.strategy!r}")
+
+
+# Those float8 is tested under: each rank's layers whole when they compute (the sharded strategies
+# gather them in the stored dtype; tensor parallel's split layers would need a scale over the split).
+FLOAT8_STRATEGIES = ("single", "ddp", "zero1", "zero2", "fsdp", "hsdp")
+
+
+def _validate_float8(cfg: Config, world: int) -> None:
+    p = cfg.parallel
+    _choice("parallel.float8", p.float8, FLOAT8_RECIPES)
+    if p.float8 == "none":
+        return
+    what = f"parallel.float8 = {p.float8!r}"
+    if p.precision not in ("bf16-mixed", "bf16-true"):
+        raise ConfigError(f"{what}: computes with bf16 beside float8; needs parallel.precision = 'bf16-mixed' or "
+                          f"'bf16-true', not {p.precision!r}")
+    if cfg.model.name not in LANGUAGE_MODELS:
+        raise ConfigError(f"{what}: converts the linear layers of a language model's blocks; model.name = "
+                          f"{cfg.model.name!r} has none")
+    _, pp, tp = p.mesh_shape(world)
+    if p.strategy not in FLOAT8_STRATEGIES or pp > 1 or tp > 1:
+        raise ConfigError(f"{what}: runs under {', '.join(FLOAT8_STRATEGIES)} so far, without pipeline stages or "
+                          f"tensor parallel; not parallel.strategy = {p.strategy!r} with pp = {pp}, tp = {tp}")
+    if cfg.lora.rank > 0:
+        raise ConfigError(f"{what}: not with LoRA adapters yet (lora.rank = {cfg.lora.rank})")
 
 
 def validate_parallel(p: ParallelConfig) -> None:

@@ -21,6 +21,7 @@ PS_MODES = ("sync", "async")
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-true")
 REDUCE_DTYPES = ("fp32", "bf16")
 OFFLOADS = ("none", "optimizer")
+FLOAT8_RECIPES = ("none", "tensorwise", "rowwise")  # parallel/float8.py
 ALL_REDUCES = ("backend", "ring")
 GRAD_COMPRESSIONS = ("none", "fp16", "bf16", "powersgd")
 # transformers models (models/hf.py): `hf`, any causal-LM family, of model.hf_config's architecture; and
@@ -354,6 +355,8 @@ class ParallelConfig:
                            STRATEGIES)
     precision: str = option("fp32", "what computes and what is stored in which dtype (docs/precision.md)",
                             PRECISIONS)
+    float8: str = option("none", "the blocks' linear layers compute in float8 (with bf16-mixed or bf16-true): "
+                         "`tensorwise` one scale a tensor, `rowwise` one a row (docs/precision.md)", FLOAT8_RECIPES)
     loss_scale: float = option(65536.0, "`fp16-mixed`: the dynamic loss scaler's starting scale")
     loss_scale_growth_interval: int = option(2000, "`fp16-mixed`: clean steps before the loss scale doubles")
     recompute: str = option("none", "activation checkpointing of the blocks, every:K with K >= 1 "

@@ -27,6 +27,7 @@ from shardwise.nf4 import quantize_layers
 from shardwise.parallel.context.split import ContextParallel
 from shardwise.parallel.dims import Mesh, MeshShape, node_size
 from shardwise.parallel.experts import ExpertParallel, balance_routers
+from shardwise.parallel.float8 import convert_to_float8
 from shardwise.precision import LossScaler, make_precision
 from shardwise.recompute import checkpoint_blocks, recomputed_blocks
 from shardwise.state_view import StateView
@@ -75,6 +76,8 @@ class Strategy:
         self.compiler: BlockCompiler | None = None
         self.lora: LoraConfig | None = None  # adapters on the frozen model (lora.rank > 0; make_strategy sets it)
         self.nf4_layers: list[str] = []  # the layers whose frozen weights are stored in NF4 (lora.quantize)
+        # parallel.float8: {"recipe", "layers": how many compute in float8, "left_out": names} (parallel/float8.py)
+        self.float8: dict[str, Any] | None = None
         self.materialiser: Materialiser | None = None  # a meta-built model's groups and initial values
         self.setup_peak_bytes: int | None = None  # counted bytes at wrap's peak, where the strategy counts them
         self.context: ContextParallel | None = None  # the sequence split over parallel.cp ranks, made by `prepare`
@@ -114,6 +117,7 @@ class Strategy:
 
         1. settle (`prepare`): the block class, LoRA adapters, the context-parallel split of the
            sequence, which experts this rank keeps; the model on this rank's device, or left on meta;
+           the blocks' linear layers computing in float8 (parallel.float8);
         2. cut (`_cut`): a pipeline's stages, this rank's kept and the rest dropped;
         3. split (`_split`): block by block, a meta-built block made real, its experts cut to this
            rank's, split over tp (and sp) by parallel/tensor.py's `parallelize_blocks`, and under
@@ -154,6 +158,8 @@ class Strategy:
             self.context.feed_positions(*find_positions(model))
         if self.cfg.ep > 1:
             self.experts = ExpertParallel(self.mesh, model)
+        if self.cfg.float8 != "none":  # on meta or real modules alike: each keeps its parameters
+            self.float8 = convert_to_float8(model, self.cfg.block, self.cfg.float8)
         if not check_one_device_kind(model, f"parallel.strategy = {self.cfg.strategy!r}"):
             model.to(self.ctx.device, self.precision.param_dtype)
         else:

@@ -1,0 +1,186 @@
+"""`parallel.float8` (issue 73, its CPU part's first step): the blocks' linear layers computing in
+float8 on torch._scaled_mm, equal bit for bit to torchao 0.18's Float8Linear under the same recipe
+on the same inputs (its output and both gradients; torchao is the anchor here only); the layers it
+converts and leaves out; under ddp, zero2 and fsdp on 2 ranks equal to single with float8 on the
+same micro-batches over 10 steps; and what it does not compose with yet refused before launch."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from distributed import run_ranks
+from helpers import gpt_tiny, read_records, train_in_process, train_runs
+from torch import nn
+
+from shardwise.config.schema import ConfigError
+from shardwise.models import build_model
+from shardwise.parallel.float8 import E4M3, Float8Linear, convert_to_float8, recipe, to_float8
+
+STEPS = 10
+FLOAT8 = ("train.optimizer=sgd", "train.lr=0.1", "train.warmup_steps=0", "train.micro_batch=4")
+
+
+def cfg_for(out, strategy: str, world: int, *overrides: str):
+    return gpt_tiny(out, strategy, world, *FLOAT8, *overrides, steps=STEPS)
+
+
+class Block(nn.Module):
+    """A block of one linear layer."""
+
+    def __init__(self, layer: nn.Linear) -> None:
+        super().__init__()
+        self.layer = copy.deepcopy(layer)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)
+
+
+def torchao_linear(layer: nn.Linear, name: str) -> Block:
+    ao = pytest.importorskip("torchao.float8")
+    block = Block(layer)
+    ao.convert_to_float8_training(block, config=ao.Float8LinearConfig.from_recipe_name(name))
+    return block
+
+
+def ours_linear(layer: nn.Linear, name: str) -> Block:
+    block = Block(layer)
+    assert convert_to_float8(block, "Block", name)["layers"] == 1
+    return block
+
+
+@pytest.mark.parametrize("name", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("bias", [False, True], ids=["", "bias"])
+def test_a_float8_linear_equals_torchaos_bit_for_bit(name, weight_dtype, bias):
+    """The same casts (dynamic scales from the amax, float64 division, e4m3 / e5m2, saturated; rowwise
+    scales rounded down to powers of 2) and the same three _scaled_mm calls: output, input gradient
+    and weight gradient identical, on a 3-D input with an outlier (which rowwise confines to its row)."""
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 96, bias=bias).to(weight_dtype)
+    ours, theirs = ours_linear(layer, name), torchao_linear(layer, name)
+    x = torch.randn(4, 8, 64, dtype=torch.bfloat16) * 3
+    x[1, 2, 5] = 300.0
+    grad = torch.randn(4, 8, 96, dtype=torch.bfloat16)
+    outs, inputs = [], []
+    for module in (ours, theirs):
+        xi = x.clone().requires_grad_()
+        out = module(xi)
+        out.backward(grad)
+        outs.append(out)
+        inputs.append(xi.grad)
+    assert outs[0].dtype == torch.bfloat16 and torch.equal(outs[0], outs[1])
+    assert torch.equal(inputs[0], inputs[1])
+    assert torch.equal(ours.layer.weight.grad, theirs.layer.weight.grad)
+    assert ours.layer.weight.grad.dtype == weight_dtype
+    if bias:
+        assert torch.equal(ours.layer.bias.grad, theirs.layer.bias.grad)
+    # and it is float8, not a bf16 matmul: within e4m3's rounding of it, not equal
+    exact = x.float() @ layer.weight.float().t() + (layer.bias.float() if bias else 0)
+    assert not torch.equal(outs[0], exact.bfloat16())
+    assert (outs[0].float() - exact).norm() / exact.norm() < 0.1
+
+
+def test_under_autocast_the_weight_is_cast_as_f_linears_then_to_float8():
+    """bf16-mixed: an fp32 master weight computes as its bf16 copy does (what zero1/zero2 keep and
+    fsdp gathers), so the sharded strategies cast the same float8 weight as single."""
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 32)
+    master, copy16 = ours_linear(layer, "tensorwise"), ours_linear(layer.to(torch.bfloat16), "tensorwise")
+    x = torch.randn(16, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = master(x)
+    assert torch.equal(mixed, copy16(x.bfloat16()))
+
+
+def test_rowwise_scales_are_powers_of_2_one_a_row_and_saturate():
+    x = torch.tensor([[1.0, -3.0], [1000.0, 0.5]])
+    cast = to_float8(x, E4M3, recipe("rowwise"), -1)
+    assert cast.scale.shape == (2, 1) and torch.equal(cast.scale.log2(), cast.scale.log2().floor())
+    assert (cast.data.float() / cast.scale).sub(x).abs().max() <= 1000 * 2**-4  # e4m3: 3 mantissa bits
+    whole = to_float8(torch.tensor([1e6, 1.0]), E4M3, recipe("tensorwise"), None)
+    assert whole.data.float().max() == torch.finfo(E4M3).max  # the amax maps to the largest, no inf
+
+
+def test_the_blocks_linear_layers_convert_and_the_rest_stays_as_it_is():
+    """gpt-moe: each block's attention (qkv, proj) in float8, its router and experts not, nor the
+    embeddings and head; the state dict's keys unchanged; a layer of a size the kernel cannot take
+    (a width not a multiple of 16) left out by name."""
+    from shardwise.config.schema import ModelConfig
+
+    model = build_model(ModelConfig(name="gpt-moe", d_model=64, n_head=4, n_layer=2, d_ff=128, seq_len=16,
+                                    vocab_size=256, n_experts=4, top_k=2, d_expert=32))
+    keys = list(model.state_dict())
+    found = convert_to_float8(model, "Block", "tensorwise")
+    converted = sorted(name for name, m in model.named_modules() if isinstance(m, Float8Linear))
+    assert converted == ["blocks.0.attn.proj", "blocks.0.attn.qkv", "blocks.1.attn.proj", "blocks.1.attn.qkv"]
+    assert found == {"recipe": "tensorwise", "layers": 4, "left_out": []} and list(model.state_dict()) == keys
+    odd = nn.Sequential(Block(nn.Linear(64, 24)), Block(nn.Linear(24, 64)), Block(nn.Linear(64, 64)))
+    assert convert_to_float8(odd, "Block", "rowwise") == {"recipe": "rowwise", "layers": 1,
+                                                          "left_out": ["0.layer", "1.layer"]}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("float8")
+    singles = {"single-tensorwise": ("single", "parallel.precision=bf16-true", "parallel.float8=tensorwise"),
+               "single-rowwise": ("single", "parallel.precision=bf16-true", "parallel.float8=rowwise"),
+               "single-mixed": ("single", "parallel.precision=bf16-mixed", "parallel.float8=rowwise"),
+               "single-recompute": ("single", "parallel.precision=bf16-true", "parallel.float8=tensorwise",
+                                    "parallel.recompute=blocks")}
+    for name, (strategy, *overrides) in singles.items():
+        train_in_process(cfg_for(root / name, strategy, 1, *overrides))
+    two = {"ddp-tensorwise": ("ddp", "parallel.precision=bf16-true", "parallel.float8=tensorwise"),
+           "zero2-tensorwise": ("zero2", "parallel.precision=bf16-true", "parallel.float8=tensorwise"),
+           "fsdp-tensorwise": ("fsdp", "parallel.precision=bf16-true", "parallel.float8=tensorwise"),
+           "fsdp-rowwise": ("fsdp", "parallel.precision=bf16-true", "parallel.float8=rowwise"),
+           "ddp-mixed": ("ddp", "parallel.precision=bf16-mixed", "parallel.float8=rowwise")}
+    run_ranks(train_runs, 2, root, two, cfg_for)
+    return root
+
+
+def losses(run) -> list[float]:
+    return [r["loss"] for r in read_records(run)]
+
+
+@pytest.mark.parametrize("name, single", [("ddp-tensorwise", "single-tensorwise"),
+                                          ("zero2-tensorwise", "single-tensorwise"),
+                                          ("fsdp-tensorwise", "single-tensorwise"),
+                                          ("fsdp-rowwise", "single-rowwise"), ("ddp-mixed", "single-mixed"),
+                                          ("single-recompute", "single-tensorwise")])
+def test_float8_on_2_ranks_equals_single_with_float8_on_the_same_micro_batches(runs, name, single):
+    """The activations' scales are a micro-batch's: single accumulates the two micro-batches of 4
+    that the 2 ranks take one each. bf16-true: every strategy holds the same bf16 weights, so they
+    agree to the bit; bf16-mixed under ddp too (zero and fsdp hold bf16 copies of what single keeps
+    in fp32, and differ from single by bf16's rounding with or without float8). Recomputed blocks
+    cast again what they cast the first time."""
+    got, want = losses(runs / name), losses(runs / single)
+    assert len(got) == STEPS and got == pytest.approx(want, rel=1e-5)
+    summary = read_records(runs / name, "summary")[0]
+    assert summary["float8"]["layers"] == 8 and summary["float8"]["left_out"] == []
+
+
+def test_float8_trains_differently_from_bf16_but_close(runs, tmp_path):
+    train_in_process(cfg_for(tmp_path / "bf16", "single", 1, "parallel.precision=bf16-true"))
+    got, want = losses(runs / "single-tensorwise"), losses(tmp_path / "bf16")
+    assert got != want and got == pytest.approx(want, rel=0.02)
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (("parallel.precision=fp32",), "needs parallel.precision = 'bf16-mixed' or 'bf16-true', not 'fp32'"),
+    (("parallel.strategy=tensor", "launch.nproc=2"), "not parallel.strategy = 'tensor'"),
+    (("parallel.strategy=fsdp", "parallel.tp=2", "launch.nproc=2"), "with pp = 1, tp = 2"),
+    (("lora.rank=4",), "not with LoRA adapters yet"),
+    (("model.name=mlp", "data.name=synthetic"), "model.name = 'mlp' has none"),
+    (("parallel.float8=blockwise",), "parallel.float8 = 'blockwise'"),
+])
+def test_what_float8_does_not_compose_with_is_refused_in_one_line(tmp_path, overrides, words):
+    from helpers import CONFIGS
+
+    from shardwise.config.load import load_config
+
+    with pytest.raises(ConfigError) as refused:
+        load_config(CONFIGS / "gpt-tiny.toml", ["parallel.precision=bf16-mixed", "parallel.float8=tensorwise",
+                                                "train.micro_batch=4", *overrides])
+    assert words in str(refused.value) and "\n" not in str(refused.value)
