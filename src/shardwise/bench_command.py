@@ -40,7 +40,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("name", choices=list(benches()) or None, help="which benchmark (from a checkout of the "
                    "repository: bench/ lives beside src/)")
     p.add_argument("--steps", type=int, help="measured steps per variant, default 12 (checkpoint: rounds; scale: "
-                   "steps each job trains, default 2)")
+                   "steps each job trains, default 2; float8: steps each precision trains, default 300)")
     p.add_argument("--quick", action="store_true", help="the bench's shortest run, every part of it once, in "
                    "seconds: a check that it runs on this checkout, not a measurement (bench/results is left as "
                    "it was; --json still writes)")
@@ -127,7 +127,7 @@ def flags(args: argparse.Namespace, chosen: Any, root: Path) -> list[str]:
         passed += chosen.quick
     else:
         passed += ["--json", str(root / "bench" / "results" / f"{args.name}.json")]
-        own_steps = ("scale", "gpu", "gpu-scale", "faults", "crash")  # benches with their own default steps
+        own_steps = ("scale", "gpu", "gpu-scale", "faults", "crash", "float8")  # their own default steps
         if args.steps is None and args.name not in own_steps:
             passed += ["--steps", "12"]
     if args.steps is not None:
