@@ -115,46 +115,52 @@ def scaled_mm(a: Scaled, b: Scaled, out_dtype: torch.dtype, fast: bool) -> torch
 
 class _Float8Matmul(torch.autograd.Function):
     """input @ weight.T with the three matmuls in float8 (the output's with fast accumulation, the
-    gradients' precisely), every operand cast as `rule` says along the dimension its matmul sums."""
+    gradients' precisely), every operand cast as `layer.rule` says along the dimension its matmul
+    sums; the weight's float8 cast is `layer.gathered` where fsdp gathered it so (its bf16 `weight`
+    then holds no data, and backward uses what was gathered again before it)."""
 
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, weight: torch.Tensor,
-                rule: Recipe) -> torch.Tensor:
+                layer: Float8Linear) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
-        ctx.rule = rule
+        ctx.layer, rule = layer, layer.rule
         rows = x.reshape(-1, x.shape[-1])
-        weight_t = weight.t()
-        out = scaled_mm(to_float8(rows, E4M3, rule, -1), to_float8(weight_t, E4M3, rule, 0), x.dtype, fast=True)
+        weight8 = layer.gathered.t() if layer.gathered is not None else to_float8(weight.t(), E4M3, rule, 0)
+        out = scaled_mm(to_float8(rows, E4M3, rule, -1), weight8, x.dtype, fast=True)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
     def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple:
         x, weight = ctx.saved_tensors
-        rule = ctx.rule
+        layer = ctx.layer
+        rule = layer.rule
         grad_rows = grad.reshape(-1, grad.shape[-1])
-        weight_t = weight.t()
         # the input's gradient: grad (M x N) @ weight (N x K), each cast along N
-        grad_input = scaled_mm(to_float8(grad_rows, rule.grad_dtype, rule, -1),
-                               to_float8(weight_t, E4M3, rule, -1).t(), grad.dtype, fast=False)
+        weight8 = layer.gathered if layer.gathered is not None else to_float8(weight.t(), E4M3, rule, -1).t()
+        grad_input = scaled_mm(to_float8(grad_rows, rule.grad_dtype, rule, -1), weight8, grad.dtype, fast=False)
         # the weight's: grad.T (N x M) @ input (M x K), each cast along M
         rows = x.reshape(-1, x.shape[-1])
-        grad_weight_t = scaled_mm(to_float8(grad_rows, rule.grad_dtype, rule, 0).t(), to_float8(rows, E4M3, rule, 0),
-                                  grad.dtype, fast=False)
-        return grad_input.reshape(*grad.shape[:-1], grad_input.shape[-1]), grad_weight_t.to(weight.dtype), None
+        grad_weight = scaled_mm(to_float8(grad_rows, rule.grad_dtype, rule, 0).t(), to_float8(rows, E4M3, rule, 0),
+                                grad.dtype, fast=False)
+        return grad_input.reshape(*grad.shape[:-1], grad_input.shape[-1]), grad_weight.to(weight.dtype), None
 
 
 class Float8Linear(nn.Linear):
-    """nn.Linear computing in float8 as `rule` says; its parameters, names and state are nn.Linear's."""
+    """nn.Linear computing in float8 as `rule` says; its parameters, names and state are nn.Linear's.
+    `gathered`: its weight cast to float8 (tensorwise) as fsdp's float8 all-gather delivers it,
+    while the unit is gathered (parallel/float8_gather.py)."""
 
     rule: Recipe
+    gathered: Scaled | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         device, weight = x.device.type, self.weight
         if torch.is_autocast_enabled(device):  # both cast as F.linear's would be
             dtype = torch.get_autocast_dtype(device)
-            x, weight = x.to(dtype), weight.to(dtype)
+            x = x.to(dtype)
+            weight = weight if self.gathered is not None else weight.to(dtype)  # (a gathered one holds no data)
         with torch.autocast(device, enabled=False):
-            out = _Float8Matmul.apply(x, weight, self.rule)
+            out = _Float8Matmul.apply(x, weight, self)
             return out if self.bias is None else out + self.bias.to(out.dtype)
 
     def extra_repr(self) -> str:

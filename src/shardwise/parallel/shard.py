@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.distributed as dist
@@ -97,6 +97,20 @@ class ShardGroup:
     experts: bool = False
 
 
+class GatherCodec(Protocol):
+    """A unit gathered in a form of its own (parallel/float8_gather.py: its float8 weights as float8
+    bytes): what this rank sends, how every rank's is put back, what the gathered form holds."""
+
+    @property
+    def full_bytes(self) -> int: ...
+
+    def pack(self, shards: torch.Tensor) -> torch.Tensor: ...
+
+    def unpack(self, per_rank: torch.Tensor) -> None: ...
+
+    def release(self) -> None: ...
+
+
 @dataclass
 class Unit:
     """Parameters gathered, freed and reduced together, and their shards packed in one buffer."""
@@ -118,6 +132,8 @@ class Unit:
     # shards trained by no optimizer.
     frozen: bool = False
     root: bool = False  # what no block holds: gathered for the whole of forward and backward
+    # Stage 3: how its float8 weights are gathered as float8 bytes (parallel/float8_gather.py), if any
+    float8: GatherCodec | None = None
     pending_gather: tuple[dist.Work, torch.Tensor] | None = None
     ready: set[int] = field(default_factory=set)
 
@@ -125,6 +141,8 @@ class Unit:
     def full_bytes(self) -> int:
         if self.full is not None:
             return self.full.nbytes
+        if self.float8 is not None:
+            return self.float8.full_bytes
         return sum(p.numel() * p.element_size() for p in self.params)
 
     @property
@@ -190,6 +208,16 @@ def copy_in(packed: torch.Tensor, shape: tuple[int, ...], rows: int, offset: int
     part[whole:].zero_()
     if partial:
         part[whole, : partial * numel].copy_(flat[whole * n :])
+
+
+def packed_shards(unit: Unit, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """This rank's shards of the unit, packed, in `dtype`, on `device`: what an all-gather sends."""
+    if unit.shard_buffer is not None:
+        return unit.shard_buffer.to(device, dtype)
+    packed = torch.empty(unit.shard_numel, dtype=dtype, device=device)
+    for region, offset in zip(unit.regions(unit.full), unit.offsets, strict=True):
+        packed[offset : offset + region.shape[1]].copy_(region[unit.over.rank])
+    return packed
 
 
 class Sharding:
@@ -301,7 +329,9 @@ class Sharding:
         """Issue the all-gather of every rank's shards of the unit, in the working dtype."""
         if unit.gathered or unit.pending_gather is not None:
             return
-        send = self._packed_shards(unit, unit.full_dtype)
+        send = packed_shards(unit, unit.full_dtype, self.device)
+        if unit.float8 is not None:  # its float8 weights as float8 bytes
+            send = unit.float8.pack(send)
         out = torch.empty(unit.over.world * send.numel(), dtype=send.dtype, device=send.device)
         work = all_gather_single(out, send, group=unit.over.group, async_op=True)
         moved = (out.numel() + send.numel()) * out.element_size()
@@ -309,15 +339,6 @@ class Sharding:
         self.bytes_gathered += moved
         unit.pending_gather = (work, out)
         self.count_gathered(out.numel() * out.element_size())
-
-    def _packed_shards(self, unit: Unit, dtype: torch.dtype) -> torch.Tensor:
-        """This rank's shards of the unit, packed, in `dtype`, on the device: what an all-gather sends."""
-        if unit.shard_buffer is not None:
-            return unit.shard_buffer.to(self.device, dtype)
-        packed = torch.empty(unit.shard_numel, dtype=dtype, device=self.device)
-        for region, offset in zip(unit.regions(unit.full), unit.offsets, strict=True):
-            packed[offset : offset + region.shape[1]].copy_(region[unit.over.rank])
-        return packed
 
     def finish_gather(self, unit: Unit) -> None:
         """Wait for the unit's all-gather and copy each rank's chunk into the full parameters."""
@@ -330,6 +351,8 @@ class Sharding:
         if unit.full is not None:  # stages 1, 2: one copy per parameter, padding included
             for region, offset in zip(unit.regions(unit.full), unit.offsets, strict=True):
                 region.copy_(per_rank[:, offset : offset + region.shape[1]])
+        elif unit.float8 is not None:
+            unit.float8.unpack(per_rank)
         else:  # stage 3: refill each parameter's freed storage
             for param in unit.params:
                 storage = param.untyped_storage()
@@ -357,6 +380,8 @@ class Sharding:
             return
         for param in unit.params:
             param.untyped_storage().resize_(0)
+        if unit.float8 is not None:
+            unit.float8.release()
         unit.gathered = False
         self.count_gathered(-unit.full_bytes)
 

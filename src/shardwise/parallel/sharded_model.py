@@ -39,6 +39,8 @@ from shardwise.memory import MemoryBreakdown, count_memory, optimizer_state_tens
 from shardwise.parallel.comm import all_reduce_packed
 from shardwise.parallel.dims import Mesh
 from shardwise.parallel.experts import ExpertParallel
+from shardwise.parallel.float8 import Float8Linear
+from shardwise.parallel.float8_gather import Float8Gather
 from shardwise.parallel.shard import ShardGroup, Sharding, Unit
 from shardwise.parallel.tensor_group import TensorShard
 
@@ -61,6 +63,7 @@ class ShardedModel:
         self.tensor_shards: dict[int, TensorShard] = {}  # id(parameter) -> how tensor parallel split it
         self.tp_partial: list[nn.Parameter] = []  # whole on every tp rank, their gradients partial over tp
         self.setup_peak_bytes = 0  # the most real bytes this rank held while units were added
+        self.float8_gathered = 0  # the float8 layers whose weights are gathered as float8 (stage 3, tensorwise)
         # Imported here, not at the top: torch.distributed.tensor takes 0.6 s to import, and
         # `shardwise plan` checks thousands of configs of the strategies that make this without running one.
         from torch.distributed.tensor import Replicate, Shard
@@ -96,10 +99,21 @@ class ShardedModel:
                     for over, expert in ((self.dense, False), (self.expert_group, True))
                     for frozen, floating in ((False, True), (True, True), (True, False))]
         made = [self.sharding.add(over, held, frozen, root=block is None) for over, frozen, held in by_group if held]
+        if block is not None and self.stage == 3:
+            self._gather_in_float8(block, made)
         for unit in made:
             self.setup_peak_bytes = max(self.setup_peak_bytes, self._live_bytes())
             self.sharding.settle(unit)
         return made
+
+    def _gather_in_float8(self, block: nn.Module, units: list[Unit]) -> None:
+        """A block's tensorwise float8 layers' weights are gathered as float8 (float8_gather.py)."""
+        layers = {id(m.weight): m for m in block.modules() if isinstance(m, Float8Linear) and not m.rule.rowwise}
+        for unit in units:
+            found = {i: layers[id(p)] for i, p in enumerate(unit.params) if id(p) in layers and not unit.frozen}
+            if found:
+                unit.float8 = Float8Gather(unit, found)
+                self.float8_gathered += len(found)
 
     def is_expert(self, param: nn.Parameter) -> bool:
         return self.experts is not None and self.experts.is_expert(param)
@@ -177,6 +191,7 @@ class ShardedModel:
         shards = self.shards()
         shard_grads = [s.grad for s in shards if s.grad is not None]
         full = [p for unit in units for p in unit.params if p.untyped_storage().size() > 0]
+        full += [t for unit in units if unit.float8 is not None for t in unit.float8.tensors()]
         full += [p for p in self.module.parameters() if not self.sharding.holds(p)]  # zero1's, zero2's frozen ones
         full_grads = [p.grad for unit in units for p in unit.params if p.grad is not None]
         full_grads += [unit.grads for unit in units if unit.grads is not None]

@@ -103,6 +103,8 @@ class ShardedDataParallel(HookedStrategy):
         full = {name: t.detach().to("meta") for name, t in self.module.state_dict(keep_vars=True).items()} \
             if self.tp > 1 else {}
         self.block_units = self._make_units(self.tp)  # for _distribute's gather hooks
+        if self.float8 is not None and self.stage == 3:  # the tensorwise layers' weights gathered as float8
+            self.float8["gathered_in_float8"] = self.sharded.float8_gathered
         self.setup_peak_bytes = self.sharded.setup_peak_bytes
         self.view = ShardedView(self.sharded, dict(self.module.named_parameters()), full)
 
