@@ -2,8 +2,9 @@
 torch._scaled_mm, equal bit for bit to torchao 0.18's Float8Linear under the same recipe on the
 same inputs (its output and both gradients; torchao is the anchor here only); the layers it
 converts and leaves out; under ddp, zero2 and fsdp on 2 ranks equal to single with float8 on the
-same micro-batches over 10 steps, fsdp gathering tensorwise weights as float8 bytes (half of
-bf16's); and what it does not compose with yet refused before launch."""
+same micro-batches over 10 steps (and with LoRA over a float8 base), fsdp gathering tensorwise
+weights as float8 bytes (half of bf16's); and what it does not compose with yet refused before
+launch."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from shardwise.models import build_model
 from shardwise.parallel.float8 import E4M3, Float8Linear, convert_to_float8, recipe, to_float8
 
 STEPS = 10
+LORA = ("lora.rank=4", "train.lr=0.5")
 FLOAT8 = ("train.optimizer=sgd", "train.lr=0.1", "train.warmup_steps=0", "train.micro_batch=4")
 
 
@@ -131,14 +133,16 @@ def runs(tmp_path_factory):
                "single-recompute": ("single", "parallel.precision=bf16-true", "parallel.float8=tensorwise",
                                     "parallel.recompute=blocks"),
                "single-mb2": ("single", "parallel.precision=bf16-true", "parallel.float8=tensorwise",
-                              "train.micro_batch=2")}
+                              "train.micro_batch=2"),
+               "single-lora": ("single", "parallel.precision=bf16-true", "parallel.float8=tensorwise", *LORA)}
     for name, (strategy, *overrides) in singles.items():
         train_in_process(cfg_for(root / name, strategy, 1, *overrides))
     two = {"ddp-tensorwise": ("ddp", "parallel.precision=bf16-true", "parallel.float8=tensorwise"),
            "zero2-tensorwise": ("zero2", "parallel.precision=bf16-true", "parallel.float8=tensorwise"),
            "fsdp-tensorwise": ("fsdp", "parallel.precision=bf16-true", "parallel.float8=tensorwise"),
            "fsdp-rowwise": ("fsdp", "parallel.precision=bf16-true", "parallel.float8=rowwise"),
-           "ddp-mixed": ("ddp", "parallel.precision=bf16-mixed", "parallel.float8=rowwise")}
+           "ddp-mixed": ("ddp", "parallel.precision=bf16-mixed", "parallel.float8=rowwise"),
+           "fsdp-lora": ("fsdp", "parallel.precision=bf16-true", "parallel.float8=tensorwise", *LORA)}
     run_ranks(train_runs, 2, root, two, cfg_for)
     run_ranks(hsdp_run, 4, root)
     return root
@@ -164,7 +168,8 @@ def losses(run) -> list[float]:
                                           ("zero2-tensorwise", "single-tensorwise"),
                                           ("fsdp-tensorwise", "single-tensorwise"),
                                           ("fsdp-rowwise", "single-rowwise"), ("ddp-mixed", "single-mixed"),
-                                          ("single-recompute", "single-tensorwise")])
+                                          ("single-recompute", "single-tensorwise"),
+                                          ("fsdp-lora", "single-lora")])
 def test_float8_on_2_ranks_equals_single_with_float8_on_the_same_micro_batches(runs, name, single):
     """The activations' scales are a micro-batch's: single accumulates the two micro-batches of 4
     that the 2 ranks take one each. bf16-true: every strategy holds the same bf16 weights, so they
@@ -175,8 +180,9 @@ def test_float8_on_2_ranks_equals_single_with_float8_on_the_same_micro_batches(r
     assert len(got) == STEPS and got == pytest.approx(want, rel=1e-5)
     summary = read_records(runs / name, "summary")[0]
     assert summary["float8"]["layers"] == 8 and summary["float8"]["left_out"] == []
-    # fsdp gathers the tensorwise layers' weights as float8 bytes (rowwise: in bf16)
-    assert summary["float8"].get("gathered_in_float8") == {"fsdp-tensorwise": 8, "fsdp-rowwise": 0}.get(name)
+    # fsdp gathers the tensorwise layers' weights as float8 bytes (rowwise: in bf16), LoRA's frozen ones too
+    assert summary["float8"].get("gathered_in_float8") == {"fsdp-tensorwise": 8, "fsdp-rowwise": 0,
+                                                           "fsdp-lora": 8}.get(name)
 
 
 def test_hsdp_gathers_in_float8_within_a_node_and_trains_as_single_does_to_bf16s_accumulation(runs):
@@ -199,7 +205,7 @@ def test_float8_trains_differently_from_bf16_but_close(runs, tmp_path):
     (("parallel.precision=fp32",), "needs parallel.precision = 'bf16-mixed' or 'bf16-true', not 'fp32'"),
     (("parallel.strategy=tensor", "launch.nproc=2"), "not parallel.strategy = 'tensor'"),
     (("parallel.strategy=fsdp", "parallel.tp=2", "launch.nproc=2"), "with pp = 1, tp = 2"),
-    (("lora.rank=4",), "not with LoRA adapters yet"),
+    (("lora.rank=4", "lora.quantize=nf4"), "not with lora.quantize = 'nf4'"),
     (("model.name=mlp", "data.name=synthetic"), "model.name = 'mlp' has none"),
     (("parallel.float8=blockwise",), "parallel.float8 = 'blockwise'"),
 ])
@@ -252,3 +258,11 @@ def test_fsdp_gathers_tensorwise_weights_as_float8_bytes_half_of_bf16s(tmp_path)
     world = 2
     assert bf16["moved"] - float8["moved"] == (world + 1) * float8["float8_elements"]  # a byte an element saved
     assert float8["float8_elements"] > 0.9 * (bf16["moved"] / 2 / (world + 1))  # nearly all of a block's bytes
+
+
+def test_lora_over_a_float8_base_trains_its_adapters_alone(runs):
+    """The frozen base computes in float8 (no gradient of its weights is computed), the adapters
+    beside it in bf16: the loss falls."""
+    got = losses(runs / "single-lora")
+    assert got[-1] < got[0]
+    assert read_records(runs / "single-lora", "summary")[0]["float8"]["layers"] == 8

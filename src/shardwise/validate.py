@@ -425,8 +425,9 @@ def _validate_float8(cfg: Config, world: int) -> None:
     if p.strategy not in FLOAT8_STRATEGIES or pp > 1 or tp > 1:
         raise ConfigError(f"{what}: runs under {', '.join(FLOAT8_STRATEGIES)} so far, without pipeline stages or "
                           f"tensor parallel; not parallel.strategy = {p.strategy!r} with pp = {pp}, tp = {tp}")
-    if cfg.lora.rank > 0:
-        raise ConfigError(f"{what}: not with LoRA adapters yet (lora.rank = {cfg.lora.rank})")
+    if cfg.lora.quantize != "none":
+        raise ConfigError(f"{what}: not with lora.quantize = {cfg.lora.quantize!r} (an NF4 base is dequantized "
+                          "to bf16 to compute; float8 would cast it again)")
 
 
 def validate_parallel(p: ParallelConfig) -> None:

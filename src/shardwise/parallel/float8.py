@@ -138,11 +138,14 @@ class _Float8Matmul(torch.autograd.Function):
         # the input's gradient: grad (M x N) @ weight (N x K), each cast along N
         weight8 = layer.gathered if layer.gathered is not None else to_float8(weight.t(), E4M3, rule, -1).t()
         grad_input = scaled_mm(to_float8(grad_rows, rule.grad_dtype, rule, -1), weight8, grad.dtype, fast=False)
+        grad_input = grad_input.reshape(*grad.shape[:-1], grad_input.shape[-1])
+        if not ctx.needs_input_grad[1]:  # a frozen weight (LoRA's base model)
+            return grad_input, None, None
         # the weight's: grad.T (N x M) @ input (M x K), each cast along M
         rows = x.reshape(-1, x.shape[-1])
         grad_weight = scaled_mm(to_float8(grad_rows, rule.grad_dtype, rule, 0).t(), to_float8(rows, E4M3, rule, 0),
                                 grad.dtype, fast=False)
-        return grad_input.reshape(*grad.shape[:-1], grad_input.shape[-1]), grad_weight.to(weight.dtype), None
+        return grad_input, grad_weight.to(weight.dtype), None
 
 
 class Float8Linear(nn.Linear):

@@ -107,10 +107,11 @@ class ShardedModel:
         return made
 
     def _gather_in_float8(self, block: nn.Module, units: list[Unit]) -> None:
-        """A block's tensorwise float8 layers' weights are gathered as float8 (float8_gather.py)."""
+        """A block's tensorwise float8 layers' weights are gathered as float8 (float8_gather.py),
+        trained or frozen (LoRA's base)."""
         layers = {id(m.weight): m for m in block.modules() if isinstance(m, Float8Linear) and not m.rule.rowwise}
         for unit in units:
-            found = {i: layers[id(p)] for i, p in enumerate(unit.params) if id(p) in layers and not unit.frozen}
+            found = {i: layers[id(p)] for i, p in enumerate(unit.params) if id(p) in layers}
             if found:
                 unit.float8 = Float8Gather(unit, found)
                 self.float8_gathered += len(found)
