@@ -368,7 +368,7 @@ def test_predicted_memory_equals_counted_for_model_splitting_strategies_on_tiny_
 
 
 def test_fsdp_predicted_gathered_peak_is_what_it_gathers():
-    from shardwise.planner.memory_model import fsdp_gathered_numel
+    from shardwise.planner.model import fsdp_gathered_numel
 
     facts = model_facts(model_shape(config(preset="small").model))
     # gpt small, measured on 2 ranks (fp32): the root, the block computing, the next one's gather buffer

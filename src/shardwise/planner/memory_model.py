@@ -70,6 +70,7 @@ from shardwise.planner.model import (
     ModelFacts,
     ModelShape,
     Tensors,
+    fsdp_gathered_bytes,
     meta_model,
     model_blocks,
     model_facts,
@@ -391,12 +392,13 @@ def _sharded_buffers(c: Candidate, cfg: Config, facts: ModelFacts, world: int, s
     # Split over ep, experts' whole gradients wait for the end of backward: the most of them are
     # there as the first block's backward ends, with nothing left to prefetch, its dense part reduced.
     waiting = _experts_waiting(facts)
-    elements = fsdp_gathered_numel(units, world, 0 if waiting else cfg.parallel.sharding.prefetch,
-                                   cfg.parallel.sharding.reshard_after_forward)
+    gathered_bytes = fsdp_gathered_bytes(units, world, 0 if waiting else cfg.parallel.sharding.prefetch,
+                                         cfg.parallel.sharding.reshard_after_forward, gathered,
+                                         gathers_in_float8(c, cfg))
     reduced = facts.dense if waiting else facts.block
     block_packed = world * reduced.sharded_numel(world) if waiting else max(facts.unit_padded(world)[:-1], default=0)
     whole = reduced.numel + facts.head.numel + waiting
-    return elements * gathered + whole * working + block_packed * reduce + kept_whole
+    return gathered_bytes + whole * working + block_packed * reduce + kept_whole
 
 
 def _fsdp_at_end(c: Candidate, cfg: Config, state: ModelState, facts: ModelFacts, world: int, stored: int) -> int:
@@ -439,8 +441,8 @@ def _data_parallel_at_loss(c: Candidate, cfg: Config, state: ModelState, facts: 
         return state.grads
     held = _kept_whole(c, cfg, facts, stored)
     if stage == 3:
-        gathered = fsdp_gathered_numel(units, world, 0, cfg.parallel.sharding.reshard_after_forward)
-        held += gathered * dtype_bytes(working_dtype(make_precision(c.precision)))
+        held += fsdp_gathered_bytes(units, world, 0, cfg.parallel.sharding.reshard_after_forward,
+                                    dtype_bytes(working_dtype(make_precision(c.precision))), gathers_in_float8(c, cfg))
     return held
 
 
@@ -453,16 +455,9 @@ def loss_gradients(c: Candidate, shape: ModelShape) -> int:
     return tokens * shape.vocab_size * logits + min(tokens, chunk_rows(shape.vocab_size)) * shape.vocab_size * 4
 
 
-def fsdp_gathered_numel(facts: ModelFacts, world: int, prefetch: int, reshard_after_forward: bool) -> int:
-    """fsdp's most gathered elements at once (what it reports as `gathered_peak`): the root, whole
-    for the step, the unit computing, and the all-gather buffers of the `prefetch` units issued
-    ahead, each every rank's padded shards; without resharding, every unit stays whole after its
-    forward until its backward."""
-    blocks = facts.n_layer
-    if not blocks:
-        return facts.root.numel
-    computing = blocks * facts.block.numel if not reshard_after_forward else facts.block.numel
-    return facts.root.numel + computing + min(prefetch, blocks - 1) * facts.unit_padded(world)[0]
+def gathers_in_float8(c: Candidate, cfg: Config) -> bool:
+    """Whether fsdp gathers the blocks' float8 weights as float8 (tensorwise scaling, stage 3)."""
+    return cfg.parallel.float8 == "tensorwise" and c.spec.zero_stage == 3
 
 
 @functools.cache

@@ -29,6 +29,7 @@ from shardwise.models import build_model, plans
 from shardwise.models.hf import decoder_layer_class
 from shardwise.models.moe import moe_layers, their_experts
 from shardwise.models.plans import locate
+from shardwise.parallel.float8 import float8_layers
 from shardwise.parallel.pipeline.stages import balanced_split
 from shardwise.parallel.shard import sharded_shape
 from shardwise.parallel.tensor import parallelize_blocks
@@ -173,6 +174,7 @@ class ModelFacts:
     tied: int  # elements of the parameters both ends hold (a tied head's)
     experts: Tensors = Tensors(())  # one block's routed experts as a rank holds them (part of `block`)
     ep: int = 1  # the data-parallel ranks each layer's experts are split over
+    float8: Tensors = Tensors(())  # one block's weights parallel.float8 computes with (part of `block`)
 
     @functools.cached_property
     def dense(self) -> Tensors:
@@ -253,6 +255,32 @@ class ModelFacts:
         return _muon_matrices(self, world)
 
 
+def fsdp_gathered_numel(facts: ModelFacts, world: int, prefetch: int, reshard_after_forward: bool) -> int:
+    """fsdp's most gathered elements at once (what it reports as `gathered_peak`): the root, whole
+    for the step, the unit computing, and the all-gather buffers of the `prefetch` units issued
+    ahead, each every rank's padded shards; without resharding, every unit stays whole after its
+    forward until its backward."""
+    blocks = facts.n_layer
+    if not blocks:
+        return facts.root.numel
+    computing = blocks * facts.block.numel if not reshard_after_forward else facts.block.numel
+    return facts.root.numel + computing + min(prefetch, blocks - 1) * facts.unit_padded(world)[0]
+
+
+def fsdp_gathered_bytes(facts: ModelFacts, world: int, prefetch: int, reshard_after_forward: bool, element: int,
+                        float8: bool) -> int:
+    """fsdp's most gathered bytes at once: `fsdp_gathered_numel`'s elements, `element` bytes each,
+    but with `float8` (parallel.float8 = "tensorwise": parallel/float8_gather.py) the blocks' float8
+    weights one byte each, gathered and whole."""
+    whole = fsdp_gathered_numel(facts, world, prefetch, reshard_after_forward) * element
+    if not float8 or not facts.n_layer:
+        return whole
+    computing = facts.n_layer if not reshard_after_forward else 1
+    in_float8 = computing * facts.float8.numel + min(prefetch, facts.n_layer - 1) * world * \
+        facts.float8.sharded_numel(world)
+    return whole - in_float8 * (element - 1)
+
+
 @functools.cache  # the search asks for every candidate's
 def _muon_matrices(facts: ModelFacts, world: int) -> tuple[int, int]:
     dense = Tensors(tuple(s for s in facts.dense.shapes if len(s) >= 2))
@@ -305,8 +333,11 @@ def _split_facts(shape: ModelShape, model: nn.Module, part: str = "all") -> Mode
     tied = sum(p.numel() for p in embeddings if any(p is q for q in head))
     experts = [p for layer in moe_layers(blocks[0]) for p in layer.experts.parameters()]
     experts += [p for module in their_experts(blocks[0]) for p in module.parameters()]
+    # the weights parallel.float8 would compute with (those of the part counted: a filtered view holds no other)
+    layers = float8_layers(blocks[0], type(blocks[0]).__name__)[0]
+    float8 = [w for w in (layer._parameters.get("weight") for layer in layers) if w is not None]
     return ModelFacts(shape, _tensors(list(blocks[0].parameters())), _tensors(root), _tensors(embeddings),
-                      _tensors(head), tied, _tensors(experts))
+                      _tensors(head), tied, _tensors(experts), float8=_tensors(float8))
 
 
 def _only(model: nn.Module, trains: bool) -> nn.Module:

@@ -13,12 +13,19 @@ from shardwise.planner.memory_model import (
     DEFAULT_MARGIN,
     RankMemory,
     dtype_bytes,
-    fsdp_gathered_numel,
+    gathers_in_float8,
     model_state,
     predict_memory,
     working_dtype,
 )
-from shardwise.planner.model import ModelShape, model_facts, model_shape, rank_facts, stage_bounds
+from shardwise.planner.model import (
+    ModelShape,
+    fsdp_gathered_bytes,
+    model_facts,
+    model_shape,
+    rank_facts,
+    stage_bounds,
+)
 from shardwise.precision import make_precision
 
 
@@ -94,9 +101,9 @@ def predict_phases(candidate: Candidate, cfg: Config, margin: float = DEFAULT_MA
     final = gathers * largest * stored + (largest * 4 if stored < 4 else 0)
     gathered = 0
     if candidate.spec.zero_stage == 3:
-        gathered = fsdp_gathered_numel(rank_facts(shape, candidate.tp, candidate.ep),
+        gathered = fsdp_gathered_bytes(rank_facts(shape, candidate.tp, candidate.ep),
                                        candidate.shard or candidate.dp * candidate.cp, cfg.parallel.sharding.prefetch,
-                                       True) * dtype_bytes(working_dtype(precision))
+                                       True, dtype_bytes(working_dtype(precision)), gathers_in_float8(candidate, cfg))
     return {"setup": predict_setup_bytes(candidate, cfg), "load": kept + master, "steps": steps,
             "eval": kept + gathered + _forward_temporaries(candidate, shape), "checkpoint": kept,
             "final_weights": kept + final}

@@ -63,6 +63,7 @@ from shardwise.planner.memory_model import (
     computing_params_dtype,
     dtype_bytes,
     expert_rows,
+    gathers_in_float8,
     pipeline_schedule,
     trace_key,
     working_dtype,
@@ -259,7 +260,7 @@ def _padded_numel(shape: ModelShape, world: int, tp: int = 1) -> int:
 
 
 def _sharded_collective_s(collective: Callable[[float, int, float, float], float], facts: ModelFacts, ranks: int,
-                          element: int, bandwidth: float, latency: float) -> float:
+                          element: float, bandwidth: float, latency: float) -> float:
     """One pass of `collective` (all-gather or reduce-scatter) over every unit of `facts` sharded over
     `ranks` ranks: with expert parallel, the experts' part over the ranks / ep holding the same ones."""
     whole = facts.padded_numel(ranks)
@@ -317,6 +318,10 @@ def _data_parallel(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceP
     scatter_bandwidth = device.bandwidth(inter_node, "reduce_scatter")
     reduce_s = _sharded_collective_s(all_gather_s, facts, ranks, dtype_bytes(precision.reduce_dtype),
                                      scatter_bandwidth, latency)
+    if gathers_in_float8(c, cfg):  # the blocks' float8 weights one byte an element: the units' bytes, averaged
+        float8 = units.n_layer * ranks * units.float8.sharded_numel(ranks)
+        whole = units.padded_numel(ranks)
+        gathered = (whole * gathered - float8 * (gathered - 1)) / whole
     gather_s = _sharded_collective_s(all_gather_s, units if c.spec.zero_stage == 3 else facts, ranks, gathered,
                                      gather_bandwidth, latency)
     # One collective per unit (per bucket for ddp); each pays its hops' latency.
