@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 E4M3 = torch.float8_e4m3fn
@@ -76,13 +77,18 @@ def scale_of(amax: torch.Tensor, dtype: torch.dtype, power_of_2: bool) -> torch.
     return torch.exp2(torch.floor(torch.log2(scale))) if power_of_2 else scale
 
 
-def to_float8(x: torch.Tensor, dtype: torch.dtype, rule: Recipe, dim: int | None) -> Scaled:
+def to_float8(x: torch.Tensor, dtype: torch.dtype, rule: Recipe, dim: int | None,
+              group: dist.ProcessGroup | None = None) -> Scaled:
     """`x` cast to `dtype` with a dynamic scale: over the whole tensor, or (rowwise) one for each
     slice along `dim`, the dimension the matmul sums over. Values beyond the format's range
-    saturate to its largest."""
+    saturate to its largest. `group`: the tensor parallel ranks `x` is split over where the scale
+    must span the split (its amax their largest), so that each casts as the whole tensor would."""
     with torch.no_grad():
         magnitude = x.abs()
         amax = magnitude.amax(dim=dim, keepdim=True) if rule.rowwise else magnitude.max()
+        if group is not None:
+            amax = amax.float()
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
         scale = scale_of(amax, dtype, rule.power_of_2)
         limit = torch.finfo(dtype).max
         data = (x.to(torch.float32) * scale).clamp(-limit, limit).to(dtype)
@@ -116,17 +122,20 @@ def scaled_mm(a: Scaled, b: Scaled, out_dtype: torch.dtype, fast: bool) -> torch
 class _Float8Matmul(torch.autograd.Function):
     """input @ weight.T with the three matmuls in float8 (the output's with fast accumulation, the
     gradients' precisely), every operand cast as `layer.rule` says along the dimension its matmul
-    sums; the weight's float8 cast is `layer.gathered` where fsdp gathered it so (its bf16 `weight`
-    then holds no data, and backward uses what was gathered again before it)."""
+    sums (M the tokens, K the input features, N the output features), its scale spanning a tensor
+    parallel split where `layer.group_for` names one; the weight's float8 cast is `layer.gathered`
+    where fsdp gathered it so (its bf16 `weight` then holds no data, and backward uses what was
+    gathered again before it)."""
 
     @staticmethod
     def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor, weight: torch.Tensor,
-                layer: Float8Linear) -> torch.Tensor:
+                layer: Float8Linear | Float8Split) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.layer, rule = layer, layer.rule
         rows = x.reshape(-1, x.shape[-1])
-        weight8 = layer.gathered.t() if layer.gathered is not None else to_float8(weight.t(), E4M3, rule, 0)
-        out = scaled_mm(to_float8(rows, E4M3, rule, -1), weight8, x.dtype, fast=True)
+        weight8 = layer.gathered.t() if layer.gathered is not None else \
+            to_float8(weight.t(), E4M3, rule, 0, layer.group_for("weight", "K"))
+        out = scaled_mm(to_float8(rows, E4M3, rule, -1, layer.group_for("input", "K")), weight8, x.dtype, fast=True)
         return out.reshape(*x.shape[:-1], out.shape[-1])
 
     @staticmethod
@@ -136,16 +145,52 @@ class _Float8Matmul(torch.autograd.Function):
         rule = layer.rule
         grad_rows = grad.reshape(-1, grad.shape[-1])
         # the input's gradient: grad (M x N) @ weight (N x K), each cast along N
-        weight8 = layer.gathered if layer.gathered is not None else to_float8(weight.t(), E4M3, rule, -1).t()
-        grad_input = scaled_mm(to_float8(grad_rows, rule.grad_dtype, rule, -1), weight8, grad.dtype, fast=False)
+        weight8 = layer.gathered if layer.gathered is not None else \
+            to_float8(weight.t(), E4M3, rule, -1, layer.group_for("weight", "N")).t()
+        grad8 = to_float8(grad_rows, rule.grad_dtype, rule, -1, layer.group_for("grad", "N"))
+        grad_input = scaled_mm(grad8, weight8, grad.dtype, fast=False)
         grad_input = grad_input.reshape(*grad.shape[:-1], grad_input.shape[-1])
         if not ctx.needs_input_grad[1]:  # a frozen weight (LoRA's base model)
             return grad_input, None, None
         # the weight's: grad.T (N x M) @ input (M x K), each cast along M
         rows = x.reshape(-1, x.shape[-1])
-        grad_weight = scaled_mm(to_float8(grad_rows, rule.grad_dtype, rule, 0).t(), to_float8(rows, E4M3, rule, 0),
-                                grad.dtype, fast=False)
+        grad_weight = scaled_mm(to_float8(grad_rows, rule.grad_dtype, rule, 0, layer.group_for("grad", "M")).t(),
+                                to_float8(rows, E4M3, rule, 0, layer.group_for("input", "M")), grad.dtype, fast=False)
         return grad_input, grad_weight.to(weight.dtype), None
+
+
+def float8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  layer: Float8Linear | Float8Split) -> torch.Tensor:
+    """x @ weight.T + bias in float8 as `layer` says. Under autocast the input and the weight are cast
+    as F.linear's would be (a gathered weight holds no data: its float8 cast is what counts)."""
+    device = x.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        x = x.to(dtype)
+        weight = weight if layer.gathered is not None else weight.to(dtype)
+    with torch.autocast(device, enabled=False):
+        out = _Float8Matmul.apply(x, weight, layer)
+        return out if bias is None else out + bias.to(out.dtype)
+
+
+@dataclasses.dataclass
+class Float8Split:
+    """A tensor-parallel layer's float8 (parallel/tensor.py's split layers carry one): its recipe,
+    the tp group, and which of its operands are split over it: a column-parallel layer's weight and
+    output gradient along N (its output features), a row-parallel one's weight and input along K."""
+
+    rule: Recipe
+    group: dist.ProcessGroup
+    column: bool  # column-parallel (else row-parallel)
+    gathered: Scaled | None = None  # (fsdp gathers a split layer's weight in bf16)
+
+    def group_for(self, operand: str, along: str) -> dist.ProcessGroup | None:
+        """The group `operand`'s scale must span when cast along `along` (M, K or N): where the
+        operand is split, the whole of it for tensorwise, the split dimension for rowwise."""
+        split = {"weight": "N", "grad": "N"} if self.column else {"weight": "K", "input": "K"}
+        if operand not in split or (self.rule.rowwise and along != split[operand]):
+            return None
+        return self.group
 
 
 class Float8Linear(nn.Linear):
@@ -156,19 +201,21 @@ class Float8Linear(nn.Linear):
     rule: Recipe
     gathered: Scaled | None = None
 
+    def group_for(self, operand: str, along: str) -> None:
+        """A whole layer's operands are whole on this rank: no scale spans ranks."""
+        return None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        device, weight = x.device.type, self.weight
-        if torch.is_autocast_enabled(device):  # both cast as F.linear's would be
-            dtype = torch.get_autocast_dtype(device)
-            x = x.to(dtype)
-            weight = weight if self.gathered is not None else weight.to(dtype)  # (a gathered one holds no data)
-        with torch.autocast(device, enabled=False):
-            out = _Float8Matmul.apply(x, weight, self)
-            return out if self.bias is None else out + self.bias.to(out.dtype)
+        return float8_linear(x, self.weight, self.bias, self)
 
     def extra_repr(self) -> str:
         kind = "rowwise" if self.rule.rowwise else "tensorwise"
         return f"{super().extra_repr()}, float8={kind}"
+
+
+def float8_split(layer: nn.Module, group: dist.ProcessGroup, column: bool) -> Float8Split | None:
+    """What a tensor-parallel split of `layer` computes in float8 with, if `layer` was a float8 one."""
+    return Float8Split(layer.rule, group, column) if isinstance(layer, Float8Linear) else None
 
 
 def float8_layers(model: nn.Module, block: str) -> tuple[list[nn.Linear], list[str]]:

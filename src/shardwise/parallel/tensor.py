@@ -56,6 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from shardwise.models.plans import ParallelPlan, PlanError, Region, StackedExperts, has_module, matches
+from shardwise.parallel.float8 import float8_linear, float8_split
 from shardwise.parallel.module_input import module_input, with_input
 from shardwise.parallel.tensor_group import (
     Ctx,
@@ -101,6 +102,14 @@ class LeaveRegion(torch.autograd.Function):
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, in_out: bool) -> torch.Tensor:
     """x W^T + b for an nn.Linear's [out, in] weight, x W + b for a Conv1D's [in, out] one."""
     return F.linear(x, weight.t() if in_out else weight, bias)
+
+
+def split_linear(layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """A split layer's matmul: `linear`, or in float8 where the layer split was a float8 one
+    (parallel.float8; its scales spanning the split: float8.py's Float8Split)."""
+    if layer.float8 is not None:
+        return float8_linear(x, layer.weight, bias, layer.float8)
+    return linear(x, layer.weight, bias, layer.in_out)
 
 
 class ColumnOverSequence(torch.autograd.Function):
@@ -167,6 +176,7 @@ class ColumnParallelLinear(nn.Module):
     def __init__(self, layer: nn.Module, parts: int, region: TensorParallelRegion, in_out: bool) -> None:
         super().__init__()
         self.region, self.in_out = region, in_out
+        self.float8 = float8_split(layer, region.tp.group, column=True)
         rank, size = region.tp.rank, region.tp.size
         self.shards = {"weight": TensorShard(1 if in_out else 0, parts), "bias": TensorShard(0, parts)}
         self.weight = _split(layer.weight, self.shards["weight"], rank, size)
@@ -177,7 +187,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.region.sequence_parallel:
-            y = linear(x, self.weight, self.bias, self.in_out)
+            y = split_linear(self, x, self.bias)
             return y if self.lora is None else y + self.lora(x)
         if x is not self.region.full:
             raise RuntimeError("sequence parallel: a column-parallel layer was called on something other than its "
@@ -200,6 +210,7 @@ class RowParallelLinear(nn.Module):
     def __init__(self, layer: nn.Module, tp: TensorParallelGroup, sequence_parallel: bool, in_out: bool) -> None:
         super().__init__()
         self.tp, self.sequence_parallel, self.in_out = tp, sequence_parallel, in_out
+        self.float8 = float8_split(layer, tp.group, column=False)
         rank, size = tp.rank, tp.size
         self.shards = {"weight": TensorShard(0 if in_out else 1)}  # the bias is added after the sum: replicated
         self.weight = _split(layer.weight, self.shards["weight"], rank, size)
@@ -210,7 +221,7 @@ class RowParallelLinear(nn.Module):
         self.lora = _split_adapter(layer, "A", self.shards, TensorShard(1), rank, size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = linear(x, self.weight, None, self.in_out)
+        partial = split_linear(self, x, None)
         if self.lora is not None:
             partial = partial + self.lora(x)
         y = LeaveRegion.apply(partial, self.tp) if self.sequence_parallel else reduce_from_tp(partial, self.tp)
@@ -225,13 +236,14 @@ class GatheredColumnLinear(nn.Module):
     def __init__(self, layer: nn.Module, tp: TensorParallelGroup, in_out: bool) -> None:
         super().__init__()
         self.tp, self.in_out = tp, in_out
+        self.float8 = float8_split(layer, tp.group, column=True)
         self.shards = {"weight": TensorShard(1 if in_out else 0), "bias": TensorShard(0)}
         self.weight = _split(layer.weight, self.shards["weight"], tp.rank, tp.size)
         bias = layer.bias
         self.bias = None if bias is None else _split(bias, self.shards["bias"], tp.rank, tp.size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return GatherAlong.apply(linear(copy_to_tp(x, self.tp), self.weight, self.bias, self.in_out), self.tp, -1)
+        return GatherAlong.apply(split_linear(self, copy_to_tp(x, self.tp), self.bias), self.tp, -1)
 
 
 class SplitInputRowLinear(nn.Module):
@@ -242,13 +254,14 @@ class SplitInputRowLinear(nn.Module):
     def __init__(self, layer: nn.Module, tp: TensorParallelGroup, in_out: bool) -> None:
         super().__init__()
         self.tp, self.in_out = tp, in_out
+        self.float8 = float8_split(layer, tp.group, column=False)
         self.shards = {"weight": TensorShard(0 if in_out else 1)}
         self.weight = _split(layer.weight, self.shards["weight"], tp.rank, tp.size)
         bias = layer.bias
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = reduce_from_tp(linear(SplitAlong.apply(x, self.tp, -1), self.weight, None, self.in_out), self.tp)
+        y = reduce_from_tp(split_linear(self, SplitAlong.apply(x, self.tp, -1), None), self.tp)
         return y if self.bias is None else y + self.bias
 
 
