@@ -168,8 +168,9 @@ ROWS: dict[str, Row] = {
     "--out /shared/run": Row(skip=Skip.SECOND_MACHINE),
     "shardwise train CONFIG --nnodes 2 --nproc 2 --node-rank 1 --node-addr 10.0.0.2 --rdzv-endpoint 10.0.0.1:29400 "
     "--out /shared/run": Row(skip=Skip.SECOND_MACHINE),
+    # (tests/multinode/test_slurm_cluster.py runs replica groups a node on namespace nodes under Slurm)
     "shardwise train CONFIG --strategy ddp --nproc P --replica-groups 2 --nnodes 2 --node-rank R --rdzv-endpoint "
-    "HOST:29500 --max-restarts 5 --out /shared/run": Row(skip=Skip.SECOND_MACHINE),  # tests/multinode/test_slurm.py
+    "HOST:29500 --max-restarts 5 --out /shared/run": Row(skip=Skip.SECOND_MACHINE),
     "shardwise train CONFIG --strategy ddp --nproc P --replica-groups 3 --max-restarts 5 --out RUN":
         Row({"CONFIG": "configs/gpt-tiny.toml --set train.global_batch=6 --set train.micro_batch=2", "P": "1",
              "RUN": "runs/replicas"}, STEPS),

@@ -1,7 +1,7 @@
 """Slurm's environment (issue 72): under `srun` with one task a node, `shardwise train` takes the
 step's nodes, this node's rank and the rendezvous host from SLURM_* with no flag, and flags win;
 with several tasks a node each task is a rank, what it cannot do refused in one line. `shardwise
-slurm` writes the sbatch script, either way, and from a plan. (tests/test_slurm_cluster.py runs
+slurm` writes the sbatch script, either way, and from a plan. (tests/multinode/test_slurm_cluster.py runs
 them under a real Slurm.)"""
 
 from __future__ import annotations
@@ -172,7 +172,7 @@ def test_a_candidates_settings_train_what_configure_makes_of_it():
 
 
 def test_replica_groups_across_nodes_are_one_a_node_each_group_a_world_of_its_own(capsys):
-    """--replica-groups across --nnodes: a group a node (tests/multinode/test_slurm.py runs them)."""
+    """--replica-groups across --nnodes: a group a node (tests/multinode/test_slurm_cluster.py runs them)."""
     pytest.importorskip("torchft")
     args = ["train", str(CONFIGS / "gpt-tiny.toml"), "--strategy", "ddp", "--nproc", "2", "--nnodes", "2",
             "--node-rank", "1", "--rdzv-endpoint", "node0:29500", "--set", "train.micro_batch=2"]
