@@ -10,18 +10,21 @@ Each job runs in its own process (its own allocator and peak): `run_job` starts
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from bench import bench_env
+from bench.common import write_json
 from shardwise.dist import DistContext
 
 if TYPE_CHECKING:
@@ -102,3 +105,19 @@ def run_job(module: str, job: dict[str, Any]) -> dict[str, Any]:
 
 def device_name() -> str:
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu (harness check: no device figures)"
+
+
+def bench_entry(parser: argparse.ArgumentParser, worker: Callable[[dict[str, Any]], None],
+                run: Callable[[argparse.Namespace], dict[str, Any]], format_result: Callable[[dict], str]) -> None:
+    """A fake-world bench's main, `parser` holding its own flags: in a job's own process (`--worker
+    JOB`, as run_job starts it) the job; else `run` over the parsed flags, its result written to each
+    `--json` and printed."""
+    parser.add_argument("--json", action="append", default=[], help="write the result here (repeatable)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)  # one job, in its own process
+    args = parser.parse_args()
+    if args.worker:
+        worker(json.loads(args.worker))
+        return
+    result = run(args)
+    write_json(result, args.json)
+    print(format_result(result), flush=True)

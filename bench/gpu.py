@@ -30,7 +30,6 @@ from typing import Any
 import torch
 
 from bench import fake_world
-from bench.common import write_json
 from bench.fake_world import device_name, median_step_and_losses, planned_candidate, rank_zero_of, report
 from shardwise.config.load import load_config
 from shardwise.config.schema import Config
@@ -181,17 +180,8 @@ def main() -> None:
     parser.add_argument("--worlds", default=",".join(map(str, WORLDS)), help="world sizes, comma-separated: 1 times "
                         "every strategy on the GPU alone, a larger one the sharded ones as rank 0 of a fake world "
                         "(single, the reference, always runs)")
-    parser.add_argument("--json", action="append", default=[], help="write the result here (repeatable)")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        import json
-
-        worker(json.loads(args.worker))
-        return
-    result = run(args.steps, args.preset, args.micro_batch, tuple(int(w) for w in args.worlds.split(",") if w))
-    write_json(result, args.json)
-    print(format_result(result), flush=True)
+    fake_world.bench_entry(parser, worker, lambda args: run(args.steps, args.preset, args.micro_batch, tuple(
+        int(w) for w in args.worlds.split(",") if w)), format_result)
 
 
 if __name__ == "__main__":

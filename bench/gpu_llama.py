@@ -28,7 +28,6 @@ from typing import Any
 import torch
 
 from bench import fake_world
-from bench.common import write_json
 from bench.fake_world import device_name, median_step_and_losses, rank_zero_of, report
 from bench.gpu import ceilings, datasheet_bf16
 from shardwise.config.load import load_config
@@ -187,17 +186,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="steps per job (the first 2 not timed)")
     parser.add_argument("--micro-batch", type=int, default=8, help="sequences per step")
     parser.add_argument("--largest", type=int, default=16, help="the largest micro-batch fsdp and single are timed at")
-    parser.add_argument("--json", action="append", default=[], help="write the result here (repeatable)")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.worker:
-        import json
-
-        worker(json.loads(args.worker))
-        return
-    result = run(args.steps, args.micro_batch, args.largest)
-    write_json(result, args.json)
-    print(format_result(result), flush=True)
+    fake_world.bench_entry(parser, worker, lambda args: run(args.steps, args.micro_batch, args.largest), format_result)
 
 
 if __name__ == "__main__":

@@ -22,13 +22,11 @@ their device figures are null and only the counted and predicted bytes mean anyt
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from typing import Any
 
 from bench import fake_world
-from bench.common import write_json
 from bench.fake_world import device_name, median_step_and_losses, planned_candidate, rank_zero_of, report
 from shardwise.config.load import load_config
 from shardwise.config.schema import Config
@@ -161,18 +159,14 @@ def main() -> None:
                         help="a job to run instead of the default set (repeatable); STRATEGY one of fsdp, "
                         "fsdp-native, hsdp, fsdp-tp8")
     parser.add_argument("--no-longest", action="store_true", help="skip the longest-sequence search at world 64")
-    parser.add_argument("--json", action="append", default=[], help="write the result here (repeatable)")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)  # one job, in its own process
-    args = parser.parse_args()
-    if args.worker:
-        worker(json.loads(args.worker))
-        return
-    jobs = DEFAULT_JOBS
-    if args.job:
-        jobs = [(s, int(w), r, int(n)) for s, w, r, n in (each.split(":") for each in args.job)]
-    result = run(args.steps, args.config, jobs, not args.no_longest)
-    write_json(result, args.json)
-    print(format_result(result), flush=True)
+
+    def run_jobs(args: argparse.Namespace) -> dict:
+        jobs = DEFAULT_JOBS
+        if args.job:
+            jobs = [(s, int(w), r, int(n)) for s, w, r, n in (each.split(":") for each in args.job)]
+        return run(args.steps, args.config, jobs, not args.no_longest)
+
+    fake_world.bench_entry(parser, worker, run_jobs, format_result)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,17 @@ def train_runs(ctx: DistContext, root: Path, runs: dict[str, tuple[str, ...]], c
         Trainer(cfg_for(root / name, strategy, ctx.world_size, *overrides), ctx).fit()
 
 
+def counted_memory(ctx: DistContext, cases: list[tuple]) -> list[dict]:
+    """What `memory` in metrics.jsonl reports on this rank after one step of each (planner
+    candidate, base config): what the planner's predictions are held to (a pooled test call)."""
+    out = []
+    for candidate, base in cases:
+        trainer = Trainer(candidate.config(base, ctx.world_size), ctx)
+        trainer.train_step(0)
+        out.append(trainer.strategy.memory(trainer.activation_bytes).as_dict())
+    return out
+
+
 def read_records(run_dir: Path, event: str = "step") -> list[dict]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if r["event"] == event]

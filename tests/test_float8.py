@@ -13,7 +13,7 @@ import copy
 import pytest
 import torch
 from distributed import run_ranks
-from helpers import gpt_tiny, read_records, train_in_process, train_runs
+from helpers import counted_memory, gpt_tiny, read_records, train_in_process, train_runs
 from torch import nn
 
 from shardwise.config.schema import ConfigError
@@ -272,18 +272,6 @@ def test_lora_over_a_float8_base_trains_its_adapters_alone(runs):
     got = losses(runs / "single-lora")
     assert got[-1] < got[0]
     assert read_records(runs / "single-lora", "summary")[0]["float8"]["layers"] == 8
-
-
-def counted_memory(ctx, cases) -> list[dict]:
-    """What `memory` in metrics.jsonl reports on this rank after one step of each (candidate, config)."""
-    from shardwise.trainer import Trainer
-
-    out = []
-    for candidate, base in cases:
-        trainer = Trainer(candidate.config(base, ctx.world_size), ctx)
-        trainer.train_step(0)
-        out.append(trainer.strategy.memory(trainer.activation_bytes).as_dict())
-    return out
 
 
 def test_the_planner_counts_the_float8_gathers_bytes_and_buffers(tmp_path):

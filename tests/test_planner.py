@@ -11,7 +11,7 @@ from unittest import mock
 import pytest
 import torch
 from distributed import run_ranks
-from helpers import CONFIGS
+from helpers import CONFIGS, counted_memory
 
 from shardwise.cli import main
 from shardwise.config.load import hf_config_overrides, load_config
@@ -25,7 +25,6 @@ from shardwise.planner.memory_model import ZERO_STAGES, predict_memory, zero_tex
 from shardwise.planner.model import ModelShape, model_facts, model_shape
 from shardwise.planner.timing import predict_step_time
 from shardwise.planner.traces import TraceKey, _trace, saved_bytes
-from shardwise.trainer import Trainer
 
 SIZES = {  # name -> (n_layer, n_head, d_model, seq_len, vocab_size)
     "124M": (12, 12, 768, 1024, 50304),
@@ -175,16 +174,6 @@ TINY_CASES = [Candidate(strategy, 2, 1, 1, precision, policy, 4)
 ]
 SMALL_CASES = [Candidate("ddp", 2, 1, 1, "bf16-mixed", "selective", 2),
                Candidate("fsdp", 2, 1, 1, "fp32", "every:2", 2)]
-
-
-def counted_memory(ctx: DistContext, cases: list[tuple[Candidate, Config]]) -> list[dict]:
-    """What `memory` in metrics.jsonl reports on this rank after one step of each case."""
-    out = []
-    for candidate, base in cases:
-        trainer = Trainer(candidate.config(base, ctx.world_size), ctx)
-        trainer.train_step(0)
-        out.append(trainer.strategy.memory(trainer.activation_bytes).as_dict())
-    return out
 
 
 def assert_predicted_equals_counted(cases: list[tuple[Candidate, Config]], world: int = 2,
