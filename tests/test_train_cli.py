@@ -105,7 +105,16 @@ rank = multiprocessing.get_context("forkserver").Process(target=time.sleep, args
 rank.start()  # the server serves: it has closed what it does not keep
 rank.join(60)
 server = forkserver._forkserver._forkserver_pid
-kept = {os.readlink(f"/proc/{server}/fd/{fd}") for fd in os.listdir(f"/proc/{server}/fd")}
+
+
+def target(fd):
+    try:
+        return os.readlink(f"/proc/{server}/fd/{fd}")
+    except FileNotFoundError:  # closed between the listing and the reading (a rank's pipe, passed and done)
+        return None
+
+
+kept = {target(fd) for fd in os.listdir(f"/proc/{server}/fd")}
 same_command = open(f"/proc/{server}/cmdline").read() == open("/proc/self/cmdline").read()
 print(same_command, sys.argv[1] in kept, rank.exitcode)
 """
