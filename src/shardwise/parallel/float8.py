@@ -90,9 +90,13 @@ def to_float8(x: torch.Tensor, dtype: torch.dtype, rule: Recipe, dim: int | None
             amax = amax.float()
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
         scale = scale_of(amax, dtype, rule.power_of_2)
-        limit = torch.finfo(dtype).max
-        data = (x.to(torch.float32) * scale).clamp(-limit, limit).to(dtype)
-    return Scaled(data, scale)
+        return Scaled(cast(x, scale, dtype), scale)
+
+
+def cast(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`x` times `scale` in `dtype`, in float32 until the cast, values beyond its range saturated."""
+    limit = torch.finfo(dtype).max
+    return (x.to(torch.float32) * scale).clamp(-limit, limit).to(dtype)
 
 
 def scaled_mm(a: Scaled, b: Scaled, out_dtype: torch.dtype, fast: bool) -> torch.Tensor:

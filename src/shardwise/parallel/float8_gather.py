@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from shardwise.parallel.float8 import E4M3, Float8Linear, Scaled, scale_of
+from shardwise.parallel.float8 import E4M3, Float8Linear, Scaled, cast, scale_of
 from shardwise.parallel.shard import Unit, copy_out
 
 
@@ -30,11 +30,10 @@ class Float8Gather:
     def __init__(self, unit: Unit, layers: dict[int, Float8Linear]) -> None:
         self.unit, self.layers = unit, layers
         self.working = unit.full_dtype
-        self.widths = [1 if i in layers else self.working.itemsize for i in range(len(unit.params))]
-        lengths = [length * width for length, width in zip(unit.lengths, self.widths, strict=True)]
+        lengths = [length * (1 if i in layers else self.working.itemsize) for i, length in enumerate(unit.lengths)]
         self.byte_offsets = [sum(lengths[:i]) for i in range(len(lengths))]
         self.byte_lengths = lengths
-        self.scales: list[torch.Tensor] = []
+        self.scales: dict[int, torch.Tensor] = {}  # each float8 weight's (by parameter index), as last gathered
 
     @property
     def full_bytes(self) -> int:
@@ -47,29 +46,21 @@ class Float8Gather:
         regions = [shards[offset : offset + length] for offset, length in zip(self.unit.offsets, self.unit.lengths,
                                                                                 strict=True)]
         indices = sorted(self.layers)
-        amax = torch.stack([regions[i].abs().max().float() if regions[i].numel() else shards.new_zeros((), dtype=
-                            torch.float32) for i in indices])
+        amax = torch.stack([regions[i].abs().max().float() for i in indices])  # a shard holds a row at least
         dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=self.unit.over.group)
-        self.scales = [scale_of(a, E4M3, power_of_2=False) for a in amax]
-        limit = torch.finfo(E4M3).max
-        parts = []
-        for i, region in enumerate(regions):
-            if i in self.layers:
-                scale = self.scales[indices.index(i)]
-                region = (region.to(torch.float32) * scale).clamp(-limit, limit).to(E4M3)
-            parts.append(region.view(torch.uint8))
-        return torch.cat(parts)
+        self.scales = {i: scale_of(a, E4M3, power_of_2=False) for i, a in zip(indices, amax, strict=True)}
+        return torch.cat([(cast(region, self.scales[i], E4M3) if i in self.layers else region).view(torch.uint8)
+                          for i, region in enumerate(regions)])
 
     def unpack(self, per_rank: torch.Tensor) -> None:
         """Every rank's bytes (one row each) into the unit: each float8 weight whole in float8, with
         its scale, handed to its layer; every other parameter's storage refilled, as a gather does."""
-        indices = sorted(self.layers)
         for i, (param, shape, rows) in enumerate(zip(self.unit.params, self.unit.shapes, self.unit.rows, strict=True)):
             region = per_rank[:, self.byte_offsets[i] : self.byte_offsets[i] + self.byte_lengths[i]]
             if i in self.layers:
                 full = torch.empty(param.shape, dtype=E4M3, device=per_rank.device)
                 copy_out(full, shape, rows, 0, region.view(E4M3))
-                self.layers[i].gathered = Scaled(full, self.scales[indices.index(i)])
+                self.layers[i].gathered = Scaled(full, self.scales[i])
                 continue
             storage = param.untyped_storage()
             if storage.size() == 0:
