@@ -36,6 +36,8 @@ BENCHES = {
     "fsdp": Bench("bench.fsdp", 2, ONE_STEP),
     "recompute": Bench("bench.recompute", 1, ONE_STEP),
     "precision": Bench("bench.precision", 1, ONE_STEP),
+    # the host's work in a step (operators, Python calls, collectives): single and fsdp's unit sizes
+    "host": Bench("bench.host", 1, ("--steps", "4", "--rounds", "1")),
     # gpt small on Shakespeare, 300 steps: bf16-mixed against float8 (tensorwise, rowwise), validation losses
     "float8": Bench("bench.float8", 1, ONE_STEP),
     # the chunked cross-entropy against F.cross_entropy on float32 logits (of fixed, large sizes)

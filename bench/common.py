@@ -76,14 +76,15 @@ def write_json(result: dict[str, Any], paths: list[str]) -> None:
 
 
 def bench_main(name: str, run: Callable[[DistContext, BenchArgs], dict[str, Any] | None],
-               format_result: Callable[[dict], str], ranks: int = 2, rounds: int = 3, steps: int = 12) -> None:
+               format_result: Callable[[dict], str], ranks: int = 2, rounds: int = 3, steps: int = 12,
+               micro_batch: int = 8) -> None:
     """A bench's entry point on every rank: parse, join the world of `ranks`, run, report on rank 0,
     leave the process. `rounds`: how many blocks the measured steps are split into by default;
-    `steps`: how many by default."""
+    `steps`: how many by default; `micro_batch`: sequences a rank's micro-batch holds by default."""
     parser = argparse.ArgumentParser(prog=f"python -m bench.{name.replace('-', '_')}")
     parser.add_argument("--steps", type=int, default=steps, help="measured steps per strategy")
     parser.add_argument("--rounds", type=int, default=rounds, help="blocks the steps are split into")
-    parser.add_argument("--micro-batch", type=int, default=8)
+    parser.add_argument("--micro-batch", type=int, default=micro_batch)
     parser.add_argument("--preset", default="small", choices=("tiny", "small"),
                         help="the GPT preset of the benches that train shardwise's GPT (tiny: a quick check)")
     parser.add_argument("--json", action="append", default=[], help="write the result here (repeatable)")

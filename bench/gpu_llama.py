@@ -8,7 +8,8 @@ its own, compiled per block:
   1.2x or more) and each step's loss against bf16's (target within 2% over the run);
 - `fsdp` at world 1 at micro-batch 8 and at the largest micro-batch that fits, against `single` at
   the same, both eager (targets within 15% and 3%): what its hooks and copies cost when nothing is
-  sent;
+  sent; and at micro-batch 8 with 2 blocks a unit (`parallel.sharding.blocks_per_unit`): half the
+  collectives and unit hooks;
 - `fsdp` as rank 0 of a fake world of 8 in bf16 and in float8 tensorwise: the bytes the blocks'
   all-gathers put through in one step (target: the float8 run's at half of bf16's; the
   embeddings' and head's, gathered in bf16 either way, counted apart).
@@ -55,6 +56,7 @@ def job_config(job: dict[str, Any], out: str) -> Config:
         f"launch.nproc={world}", "parallel.precision=bf16-mixed", f"parallel.float8={job.get('float8', 'none')}",
         f"train.micro_batch={mb}", f"train.global_batch={world * mb}", f"train.compile={str(job['compile']).lower()}",
         f"train.steps={job['steps']}", "train.warmup_steps=0", "train.eval_every=0", f"run.out={out}",
+        f"parallel.sharding.blocks_per_unit={job.get('blocks_per_unit', 1)}",
         "train.bad_step=off"])  # a fake group's collectives leave garbage the bad-step check would read
 
 
@@ -110,6 +112,7 @@ def jobs(steps: int, micro_batch: int, largest: int) -> list[dict[str, Any]]:
             {**eager, "strategy": "fsdp", "world": 8, "steps": 4, "float8": "tensorwise"},
             {**eager, "strategy": "single"},
             {**eager, "strategy": "fsdp"},
+            {**eager, "strategy": "fsdp", "blocks_per_unit": 2},  # half the collectives and unit hooks a step
             {**eager, "strategy": "single", "micro_batch": largest},
             {**eager, "strategy": "fsdp", "micro_batch": largest},
             {**one, "strategy": "single", "float8": "rowwise"}]
@@ -118,10 +121,10 @@ def jobs(steps: int, micro_batch: int, largest: int) -> list[dict[str, Any]]:
 def compare(results: list[dict[str, Any]], ceiling: float, peak: float | None) -> dict[str, Any]:
     """Each target's measured figure (None where its jobs did not run)."""
     def find(strategy: str, world: int = 1, float8: str = "none", mb: int | None = None,
-             compiled: bool = True) -> dict[str, Any] | None:
+             compiled: bool = True, per_unit: int = 1) -> dict[str, Any] | None:
         return next((r for r in results if "step_s" in r and r["strategy"] == strategy and r["world"] == world
                      and r.get("float8", "none") == float8 and (mb is None or r["micro_batch"] == mb)
-                     and r["compile"] == compiled), None)
+                     and r["compile"] == compiled and r.get("blocks_per_unit", 1) == per_unit), None)
 
     mb = results[0]["micro_batch"]
     largest = max(r["micro_batch"] for r in results)
@@ -146,6 +149,8 @@ def compare(results: list[dict[str, Any]], ceiling: float, peak: float | None) -
             "float8_rowwise_loss_gap": loss_gap(f8_rows),
             "fsdp_step_vs_single": ratio(fsdp, single, "step_s"),
             "fsdp_step_vs_single_at_largest": ratio(fsdp_big, single_big, "step_s"),
+            "fsdp_2_blocks_a_unit_step_vs_single": ratio(find("fsdp", mb=mb, compiled=False, per_unit=2), single,
+                                                         "step_s"),
             # the blocks' all-gathers (the embeddings and head, gathered in bf16 either way, apart)
             "float8_gather_bytes_vs_bf16": ratio(gather_f8, gather_bf16, "blocks_bytes_gathered_a_step")}
 

@@ -4,7 +4,7 @@
 #   1. issue 73: a 1B Llama (Llama-3.2-1B's shapes, sequence 2048, on the Shakespeare corpus;
 #      bench/gpu_llama.py): single's MFU compiled in bf16, float8 (tensorwise, then rowwise) against
 #      bf16 compiled (tokens/s and losses), fsdp's float8 all-gather bytes at a fake world of 8, fsdp at
-#      world 1 against single at micro-batch 8 and 16;
+#      world 1 against single at micro-batch 8 (with 1 and 2 blocks a unit: the host-bound step) and 16;
 #   2. the CUDA tests (tests/gpu): every strategy at world 1 through `shardwise train` against single,
 #      compiled against eager, a resume from asynchronous checkpoints, fsdp at a fake 8 against the planner
 #      (all 9 took 164 s in the fourth run).

@@ -34,6 +34,7 @@ works under every strategy.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, ExitStack
@@ -48,7 +49,7 @@ from torch.utils.data import default_collate
 from shardwise.checkpoint import load_checkpoint, save_checkpoint
 from shardwise.config.load import apply_section
 from shardwise.config.registry import spec
-from shardwise.config.schema import MOVED_KEYS, Config, ConfigError, LoraConfig
+from shardwise.config.schema import Config, ConfigError, LoraConfig, ParallelConfig
 from shardwise.data import Dataset, GlobalBatchSampler
 from shardwise.dist import DistContext, init_distributed, seed_everything, shutdown_distributed
 from shardwise.materialise import build_on_meta
@@ -82,9 +83,7 @@ def setup(strategy: str, precision: str = "fp32", recompute: str = "none", *, gr
     (`pipeline={"schedule": "gpipe"}`).
     """
     cfg = Config()
-    # A table's key by its own name: a keyword argument cannot be dotted.
-    keys = {MOVED_KEYS.get(f"parallel.{key}", f"parallel.{key}").removeprefix("parallel."): value
-            for key, value in parallel.items()}
+    keys = {_parallel_key(key): value for key, value in parallel.items()}
     apply_section(cfg, "parallel", {"strategy": strategy, "precision": precision, "recompute": recompute, **keys},
                   "shardwise.setup")
     validate_parallel(cfg.parallel)
@@ -112,6 +111,17 @@ def setup(strategy: str, precision: str = "fp32", recompute: str = "none", *, gr
         check_mesh_fits(cfg.parallel, ctx.world_size, api=True)  # as `shardwise train` checks it before launch
     seed_everything(seed)
     return Run(cfg, ctx, grad_accum)
+
+
+def _parallel_key(key: str) -> str:
+    """A [parallel] key, or a key of one of its tables by its own name (`prefetch`:
+    `sharding.prefetch`): a keyword argument cannot be dotted."""
+    defaults = ParallelConfig()
+    for table in dataclasses.fields(defaults):
+        held = getattr(defaults, table.name)
+        if dataclasses.is_dataclass(held) and key in {f.name for f in dataclasses.fields(held)}:
+            return f"{table.name}.{key}"
+    return key
 
 
 class Run:

@@ -470,6 +470,7 @@ def validate_parallel(p: ParallelConfig) -> None:
         raise ConfigError(f"parallel.recompute = {exc}") from None
     _positive("parallel.ddp.bucket_mb", p.ddp.bucket_mb)
     _positive("parallel.sharding.prefetch", p.sharding.prefetch, zero_ok=True)
+    _positive("parallel.sharding.blocks_per_unit", p.sharding.blocks_per_unit)
     _positive("parallel.cp", p.cp)
     _choice("parallel.cp_mode", p.cp_mode, CP_MODES)
     _positive("parallel.loss_scale", p.loss_scale)

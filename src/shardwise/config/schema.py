@@ -329,6 +329,9 @@ class ShardingConfig:
     reshard_after_forward: bool = option(True, "`fsdp`, `fsdp-native`: free a unit's full parameters after its "
                                          "forward")
     prefetch: int = option(1, "`fsdp`: units whose all-gather is issued ahead")
+    blocks_per_unit: int = option(1, "`zero1`, `zero2`, `fsdp`, `hsdp` (without pipeline stages): consecutive "
+                                  "blocks sharded as one unit, gathered and reduced by one collective (fewer "
+                                  "collectives and hooks a step, as many blocks gathered at once); divides the blocks")
     reduce_dtype: str = option("fp32", "sharded strategies: the dtype gradients are reduce-scattered in",
                                REDUCE_DTYPES)
     offload: str = option("none", "`zero1`, `zero2`, `fsdp`: `optimizer` keeps the fp32 master shards, their "

@@ -36,6 +36,7 @@ Gathering refills the same storage, so those views see the data again.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -137,24 +138,42 @@ class Unit:
     pending_gather: tuple[dist.Work, torch.Tensor] | None = None
     ready: set[int] = field(default_factory=set)
 
+    # What a step asks of a unit again and again (each gather, each free) is worked out once: on a
+    # GPU the step of a small model is bound by the host's work.
+
     @property
     def full_bytes(self) -> int:
         if self.full is not None:
             return self.full.nbytes
         if self.float8 is not None:
             return self.float8.full_bytes
-        return sum(p.numel() * p.element_size() for p in self.params)
+        return self.full_numel * self.full_dtype.itemsize  # stage 3 keeps its parameters in that dtype
 
-    @property
+    @functools.cached_property
+    def full_numel(self) -> int:
+        return sum(p.numel() for p in self.params)
+
+    @functools.cached_property
     def lengths(self) -> list[int]:
         """Elements of each parameter's shard, as packed."""
         return [rows * row_numel(shape) for shape, rows in zip(self.shapes, self.rows, strict=True)]
 
-    @property
+    @functools.cached_property
     def padded(self) -> bool:
         """Whether some parameter's rows do not divide evenly among the ranks (its last shards hold
         padding): its whole value is then not its shards laid end to end."""
         return any(shape[0] != rows * self.over.world for shape, rows in zip(self.shapes, self.rows, strict=True))
+
+    @functools.cached_property
+    def storages(self) -> list[torch.UntypedStorage]:
+        """Stage 3: each parameter's storage, freed (resized to nothing) and refilled in place."""
+        return [param.untyped_storage() for param in self.params]
+
+    @functools.cached_property
+    def per_rank_views(self) -> list[torch.Tensor]:
+        """Stage 3, unpadded: each parameter as [world, its shard's elements], what a gather fills
+        (views of the storages above, valid whatever their size between gathers)."""
+        return [param.data.view(self.over.world, -1) for param in self.params]
 
     def regions(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """Each parameter's place in `buffer` (laid out as `full`) as [world, shard elements]: row r
@@ -354,16 +373,14 @@ class Sharding:
         elif unit.float8 is not None:
             unit.float8.unpack(per_rank)
         else:  # stage 3: refill each parameter's freed storage
-            for param in unit.params:
-                storage = param.untyped_storage()
+            for param, storage in zip(unit.params, unit.storages, strict=True):
                 if storage.size() == 0:
                     storage.resize_(param.numel() * param.element_size())
             if unit.padded:
                 for param, shape, rows, offset in zip(unit.params, unit.shapes, unit.rows, unit.offsets, strict=True):
                     copy_out(param.data, shape, rows, offset, per_rank)
             else:  # each parameter is its shards end to end: one copy for the whole unit
-                torch.split_with_sizes_copy(per_rank, unit.lengths, dim=1,
-                                            out=[param.data.view(unit.over.world, -1) for param in unit.params])
+                torch.split_with_sizes_copy(per_rank, unit.lengths, dim=1, out=unit.per_rank_views)
         if self.stage == 3:
             unit.gathered = True
             self.count_gathered(unit.full_bytes)  # both the parameters and the gather buffer are alive here
@@ -378,8 +395,8 @@ class Sharding:
     def free(self, unit: Unit) -> None:
         if not unit.gathered:
             return
-        for param in unit.params:
-            param.untyped_storage().resize_(0)
+        for storage in unit.storages:
+            storage.resize_(0)
         if unit.float8 is not None:
             unit.float8.release()
         unit.gathered = False
@@ -520,20 +537,23 @@ class Sharding:
 
 
 class GatherHooks:
-    """Stage 3's hooks on a model: the root gathered around the model's forward, each block's units
-    gathered before its forward and again before its backward and freed after each (unless
-    `reshard_after_forward` is off), the next `prefetch` blocks' all-gathers issued while one
+    """Stage 3's hooks on a model: the root gathered around the model's forward, each run of
+    blocks' units gathered before its forward and again before its backward and freed after each
+    (unless `reshard_after_forward` is off), the next `prefetch` runs' all-gathers issued while one
     computes, forward and backward."""
 
-    def __init__(self, sharding: Sharding, module: nn.Module, blocks: list[tuple[nn.Module, list[Unit]]]) -> None:
-        """`blocks`: each block module of `module` with its units, in forward order."""
+    def __init__(self, sharding: Sharding, module: nn.Module,
+                 blocks: list[tuple[list[nn.Module], list[Unit]]]) -> None:
+        """`blocks`: each run of consecutive block modules of `module` sharded as units together
+        (parallel.sharding.blocks_per_unit), with those units, in forward order. The hooks are on a
+        run's first block (before its forward) and its last (after it): its backward starts there."""
         self.sharding = sharding
         units = [made for _, made in blocks]
         module.register_forward_pre_hook(lambda m, args: self._before_root_forward(units))
         module.register_forward_hook(lambda m, args, out: self._after_root_forward())
-        for index, (block, _) in enumerate(blocks):
-            block.register_forward_pre_hook(lambda m, args, i=index: self._before_unit_forward(units, i))
-            block.register_forward_hook(lambda m, args, out, i=index: self._after_unit_forward(units, i, out))
+        for index, (run, _) in enumerate(blocks):
+            run[0].register_forward_pre_hook(lambda m, args, i=index: self._before_unit_forward(units, i))
+            run[-1].register_forward_hook(lambda m, args, out, i=index: self._after_unit_forward(units, i, out))
 
     def _before_root_forward(self, blocks: list[list[Unit]]) -> None:
         for unit in self.sharding.roots:

@@ -87,9 +87,9 @@ class ShardedModel:
         return ShardGroup(edp.get_group(), edp.size(), edp.get_local_rank(), edp, placements, 1 / self.experts.size,
                           experts=True)
 
-    def add(self, block: nn.Module | None, params: list[nn.Parameter]) -> list[Unit]:
-        """`params`, real and split already, as units: a block's (`block`), or the root's (None: every
-        parameter in no block, gathered for the whole of forward and backward). Experts split over
+    def add(self, blocks: list[nn.Module], params: list[nn.Parameter]) -> list[Unit]:
+        """`params`, real and split already, as units: consecutive blocks' (`blocks`), or the root's
+        (none: every parameter in no block, gathered for the whole of forward and backward). Experts split over
         ep are a unit of their own; frozen parameters (LoRA's model) too, gathered and freed with the
         block, never reduced, and NF4's packed bytes apart from floating ones (a unit's buffer holds
         one dtype). zero1 and zero2 leave frozen parameters whole: they have no gradient to shard."""
@@ -98,18 +98,19 @@ class ShardedModel:
                                     and p.requires_grad != frozen and p.is_floating_point() == floating])
                     for over, expert in ((self.dense, False), (self.expert_group, True))
                     for frozen, floating in ((False, True), (True, True), (True, False))]
-        made = [self.sharding.add(over, held, frozen, root=block is None) for over, frozen, held in by_group if held]
-        if block is not None and self.stage == 3:
-            self._gather_in_float8(block, made)
+        made = [self.sharding.add(over, held, frozen, root=not blocks) for over, frozen, held in by_group if held]
+        if blocks and self.stage == 3:
+            self._gather_in_float8(blocks, made)
         for unit in made:
             self.setup_peak_bytes = max(self.setup_peak_bytes, self._live_bytes())
             self.sharding.settle(unit)
         return made
 
-    def _gather_in_float8(self, block: nn.Module, units: list[Unit]) -> None:
-        """A block's tensorwise float8 layers' weights are gathered as float8 (float8_gather.py),
+    def _gather_in_float8(self, blocks: list[nn.Module], units: list[Unit]) -> None:
+        """The blocks' tensorwise float8 layers' weights are gathered as float8 (float8_gather.py),
         trained or frozen (LoRA's base)."""
-        layers = {id(m.weight): m for m in block.modules() if isinstance(m, Float8Linear) and not m.rule.rowwise}
+        layers = {id(m.weight): m for block in blocks for m in block.modules()
+                  if isinstance(m, Float8Linear) and not m.rule.rowwise}
         for unit in units:
             found = {i: layers[id(p)] for i, p in enumerate(unit.params) if id(p) in layers}
             if found:

@@ -71,6 +71,7 @@ from shardwise.planner.model import (
     ModelShape,
     Tensors,
     fsdp_gathered_bytes,
+    in_units,
     meta_model,
     model_blocks,
     model_facts,
@@ -181,7 +182,8 @@ def predict_memory(candidate: Candidate, cfg: Config, margin: float = DEFAULT_MA
 def _data_parallel(c: Candidate, cfg: Config, shape: ModelShape, activations: bool) -> RankMemory:
     """A data-parallel rank: the model, or over tensor parallel its tp part (its blocks' matrices
     split, the rest whole), replicated or sharded over the data-parallel (and cp) ranks."""
-    facts = rank_facts(shape, c.tp, c.ep, "trainable")  # under LoRA its adapters; else all of it
+    per_unit = blocks_per_unit(c, cfg)
+    facts = in_units(rank_facts(shape, c.tp, c.ep, "trainable"), per_unit)  # under LoRA its adapters; else all
     world = c.shard or c.dp * c.cp  # the ranks each parameter is split over: hsdp's is one node
     precision = make_precision(c.precision, cfg.parallel.sharding.reduce_dtype)
     stored = dtype_bytes(precision.param_dtype)
@@ -197,7 +199,7 @@ def _data_parallel(c: Candidate, cfg: Config, shape: ModelShape, activations: bo
         saved = whole + all_to_all_outputs(c, shape)
         # what the final norm, the head and the loss save, the logits above all: freed by their backward
         head = whole - traced.stage(0, shape.n_layer, True, False, c.recompute, c.micro_batch)
-    units = as_stored(rank_facts(shape, c.tp, c.ep), dtype_bytes(working_dtype(precision)))
+    units = in_units(as_stored(rank_facts(shape, c.tp, c.ep), dtype_bytes(working_dtype(precision))), per_unit)
     buffers = _sharded_buffers(c, cfg, facts, world, stored, units) \
         + context_buffers(c, shape) + expert_buffers(c, shape) + dequantized_weight(shape, precision)
     if c.tp > 1:  # an all-reduce's result is a copy of one activation (ReduceFromTensorParallel clones its input)
@@ -453,6 +455,12 @@ def loss_gradients(c: Candidate, shape: ModelShape) -> int:
     tokens = c.micro_batch * shape.seq_len // c.cp
     logits = dtype_bytes(working_dtype(make_precision(c.precision)))
     return tokens * shape.vocab_size * logits + min(tokens, chunk_rows(shape.vocab_size)) * shape.vocab_size * 4
+
+
+def blocks_per_unit(c: Candidate, cfg: Config) -> int:
+    """The blocks each of the sharded strategies' units holds (parallel.sharding.blocks_per_unit);
+    1 for the others, which have none, and over pipeline stages, which gather a stage whole."""
+    return cfg.parallel.sharding.blocks_per_unit if c.spec.zero_stage and c.pp == 1 else 1
 
 
 def gathers_in_float8(c: Candidate, cfg: Config) -> bool:

@@ -255,11 +255,24 @@ class ModelFacts:
         return _muon_matrices(self, world)
 
 
+def in_units(facts: ModelFacts, blocks: int) -> ModelFacts:
+    """`facts` as the sharded strategies' units hold them with `blocks` consecutive blocks a unit
+    (parallel.sharding.blocks_per_unit, which divides the blocks): each unit's parameters as one
+    block's, n_layer / blocks of them. Totals, shards and what the optimizer steps are `facts`'."""
+    if blocks == 1:
+        return facts
+    return dataclasses.replace(facts, shape=dataclasses.replace(facts.shape, n_layer=facts.n_layer // blocks),
+                               block=Tensors(facts.block.shapes * blocks),
+                               experts=Tensors(facts.experts.shapes * blocks),
+                               float8=Tensors(facts.float8.shapes * blocks))
+
+
 def fsdp_gathered_numel(facts: ModelFacts, world: int, prefetch: int, reshard_after_forward: bool) -> int:
     """fsdp's most gathered elements at once (what it reports as `gathered_peak`): the root, whole
     for the step, the unit computing, and the all-gather buffers of the `prefetch` units issued
-    ahead, each every rank's padded shards; without resharding, every unit stays whole after its
-    forward until its backward."""
+    ahead, each every rank's padded shards. Without resharding, every unit stays whole after its
+    forward until its backward. (With none issued ahead, no prefetch or a single unit, the reported
+    peak is one buffer more: a unit's own, as it is copied out; no step's peak is there.)"""
     blocks = facts.n_layer
     if not blocks:
         return facts.root.numel

@@ -12,6 +12,7 @@ from shardwise.planner.candidates import Candidate
 from shardwise.planner.memory_model import (
     DEFAULT_MARGIN,
     RankMemory,
+    blocks_per_unit,
     dtype_bytes,
     gathers_in_float8,
     model_state,
@@ -21,6 +22,7 @@ from shardwise.planner.memory_model import (
 from shardwise.planner.model import (
     ModelShape,
     fsdp_gathered_bytes,
+    in_units,
     model_facts,
     model_shape,
     rank_facts,
@@ -54,15 +56,18 @@ def predict_setup_bytes(candidate: Candidate, cfg: Config) -> int:
     stage = candidate.spec.zero_stage
     if not stage:
         return facts.params_total * stored
-    held = rank_facts(shape, candidate.tp, candidate.ep)  # a block's experts split over ep as it is made
-    if candidate.tp > 1:  # every unit made whole, each block split over tp, its tp part sharded
+    # a block's experts split over ep as it is made; a unit's blocks made one by one, sharded together
+    per_unit = blocks_per_unit(candidate, cfg)
+    held = in_units(rank_facts(shape, candidate.tp, candidate.ep), per_unit)
+    if candidate.tp > 1:  # a unit's blocks made whole in turn and split over tp, then its tp parts sharded
         shards = held.unit_shards(world)
-        made = [facts.block] * shape.n_layer + [facts.root]
+        made = [facts.block] * held.n_layer + [facts.root]
         return max(sum(shards[: i + 1]) + whole.numel + part.numel
                    for i, (whole, part) in enumerate(zip(made, held.units, strict=True))) * stored
     if stage == 3:
         shards = held.unit_shards(world)
-        return max(sum(shards[: i + 1]) + unit.numel for i, unit in enumerate(facts.units)) * stored
+        return max(sum(shards[: i + 1]) + unit.numel
+                   for i, unit in enumerate(in_units(facts, per_unit).units)) * stored
     state = model_state(stage, precision, held, world, cfg)
     largest = max(held.unit_padded(world)) * dtype_bytes(working_dtype(precision))
     return max(facts.params_total * stored, state.params + state.grads) + largest
@@ -101,7 +106,8 @@ def predict_phases(candidate: Candidate, cfg: Config, margin: float = DEFAULT_MA
     final = gathers * largest * stored + (largest * 4 if stored < 4 else 0)
     gathered = 0
     if candidate.spec.zero_stage == 3:
-        gathered = fsdp_gathered_bytes(rank_facts(shape, candidate.tp, candidate.ep),
+        gathered = fsdp_gathered_bytes(in_units(rank_facts(shape, candidate.tp, candidate.ep),
+                                                blocks_per_unit(candidate, cfg)),
                                        candidate.shard or candidate.dp * candidate.cp, cfg.parallel.sharding.prefetch,
                                        True, dtype_bytes(working_dtype(precision)), gathers_in_float8(candidate, cfg))
     return {"setup": predict_setup_bytes(candidate, cfg), "load": kept + master, "steps": steps,

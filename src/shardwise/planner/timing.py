@@ -60,6 +60,7 @@ from shardwise.parallel.pipeline.simulate import Costs, makespan
 from shardwise.planner.candidates import Candidate
 from shardwise.planner.devices import DeviceProfile
 from shardwise.planner.memory_model import (
+    blocks_per_unit,
     computing_params_dtype,
     dtype_bytes,
     expert_rows,
@@ -71,6 +72,7 @@ from shardwise.planner.memory_model import (
 from shardwise.planner.model import (
     ModelFacts,
     ModelShape,
+    in_units,
     model_facts,
     model_shape,
     rank_facts,
@@ -302,8 +304,9 @@ def _data_parallel(c: Candidate, cfg: Config, shape: ModelShape, device: DeviceP
                    traced: bool) -> StepTime:
     """Replicated or sharded over the data-parallel (and cp) ranks; over tensor parallel, each
     tp rank's part so, and each block's four activation all-reduces over tp on top, exposed."""
-    facts = rank_facts(shape, c.tp, c.ep, "trainable")  # what gradients reduce: under LoRA its adapters
-    units = rank_facts(shape, c.tp, c.ep)  # what fsdp gathers: every parameter
+    per_unit = blocks_per_unit(c, cfg)
+    facts = in_units(rank_facts(shape, c.tp, c.ep, "trainable"), per_unit)  # what gradients reduce: LoRA's adapters
+    units = in_units(rank_facts(shape, c.tp, c.ep), per_unit)  # what fsdp gathers: every parameter
     precision = make_precision(c.precision, cfg.parallel.sharding.reduce_dtype)
     micro_steps = cfg.train.global_batch // (c.dp * c.micro_batch)
     micro_step = micro_step_s(c, shape, device, 0, shape.n_layer, True, True, c.micro_batch, traced)

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from shardwise.config.registry import spec
-from shardwise.config.schema import Config, ConfigError, ParallelConfig
+from shardwise.config.schema import LANGUAGE_MODELS, Config, ConfigError, ParallelConfig
 from shardwise.dist import DistContext, broadcast_from_rank0
 from shardwise.materialise import Group, Materialiser
 from shardwise.memory import MemoryBreakdown
@@ -61,9 +61,15 @@ class ShardedDataParallel(HookedStrategy):
 
     @classmethod
     def check_config(cls, cfg: Config, world: int) -> None:
-        """Over tensor parallel (parallel.tp > 1): the model splits as tensor's does."""
+        """Over tensor parallel (parallel.tp > 1): the model splits as tensor's does. Units of several
+        blocks: a language model's, as many in each."""
         p = cfg.parallel
         dp, pp, tp = p.mesh_shape(world)
+        per_unit = p.sharding.blocks_per_unit
+        if per_unit > 1 and (cfg.model.name not in LANGUAGE_MODELS or cfg.model.n_layer % per_unit):
+            raise ConfigError(f"parallel.sharding.blocks_per_unit = {per_unit}: must divide the model's blocks "
+                              + (f"(model.n_layer = {cfg.model.n_layer})" if cfg.model.name in LANGUAGE_MODELS
+                                 else f"(model.name = {cfg.model.name!r} has none)"))
         if tp > 1 or p.sequence_parallel:
             check_model_split(cfg, world)
         if spec(p.strategy).across_nodes and cfg.launch.nproc % (p.cp * pp * tp):
@@ -120,17 +126,19 @@ class ShardedDataParallel(HookedStrategy):
             self.sharded.sharding.peak_gathered_bytes = 0  # the peak counts from the first step
         return self.module
 
-    def _make_units(self, tp: int) -> list[tuple[nn.Module, list[Unit]]]:
-        """A unit per block (the parameters under a module of class `parallel.block` that no
-        earlier block holds), then the root, as materialise.py groups them; each block with its
-        units, in order. Each block in the one order: made real (a meta-built model, under fsdp or
-        over tp), its experts cut to this rank's, split over tp by tensor parallel's one function
-        (`parallelize_blocks`, which calls `unit` around each block's split), then sharded. So
-        fsdp's setup holds at most the shards made so far and one whole unit."""
+    def _make_units(self, tp: int) -> list[tuple[list[nn.Module], list[Unit]]]:
+        """A unit per `parallel.sharding.blocks_per_unit` consecutive blocks (the parameters under
+        modules of class `parallel.block` that no earlier block holds), then the root, as
+        materialise.py groups them; each unit's blocks with its units, in order. Each block in the
+        one order: made real (a meta-built model, under fsdp or over tp), its experts cut to this
+        rank's, split over tp by tensor parallel's one function (`parallelize_blocks`, which calls
+        `unit` around each block's split); then, once its unit's blocks are, sharded. So fsdp's
+        setup holds at most the shards made so far and one whole unit."""
         grouping = self.materialiser or Materialiser(self.module, self.cfg.block, self.seed)
         make_real = self.materialiser is not None and (self.stage == 3 or tp > 1)
         *block_groups, root = grouping.groups
-        blocks = []
+        blocks: list[tuple[list[nn.Module], list[Unit]]] = []
+        pending: list[tuple[nn.Module, list[nn.Parameter]]] = []  # blocks made, their unit not yet
 
         @contextmanager
         def unit(group: Group) -> Iterator[None]:
@@ -143,10 +151,16 @@ class ShardedDataParallel(HookedStrategy):
             split = tp > 1 and group.block is not None  # its layers now hold this rank's tp shards
             if split and make_real:
                 self.materialiser.release(group, self.module)
-            made = self.sharded.add(group.block, list(group.block.parameters()) if split
-                                    else grouping.parameters(group))
-            if group.block is not None and made:
-                blocks.append((group.block, made))
+            params = list(group.block.parameters()) if split else grouping.parameters(group)
+            if group.block is None:
+                self.sharded.add([], params)
+                return
+            pending.append((group.block, params))
+            if len(pending) == self.cfg.sharding.blocks_per_unit:
+                made = self.sharded.add([block for block, _ in pending], [p for _, held in pending for p in held])
+                if made:
+                    blocks.append(([block for block, _ in pending], made))
+                pending.clear()
 
         if tp > 1:
             by_block = {id(group.block): group for group in block_groups}
@@ -158,6 +172,9 @@ class ShardedDataParallel(HookedStrategy):
             for group in block_groups:
                 with unit(group):
                     pass
+        if pending:  # the API's config is not validated as a whole: a model it did not know
+            raise ValueError(f"parallel.sharding.blocks_per_unit = {self.cfg.sharding.blocks_per_unit}: must divide "
+                             f"the model's blocks ({len(block_groups)})")
         with unit(root):
             pass
         return blocks

@@ -209,7 +209,7 @@ class Pipeline(MeshStrategy):
         self.sharded = sharded_model(self, part)
         grouping = Materialiser(part, self.cfg.block, self.seed)
         for group in grouping.groups:
-            self.sharded.add(group.block, grouping.parameters(group))
+            self.sharded.add([group.block] if group.block is not None else [], grouping.parameters(group))
         self.sharded.tensor_shards, self.sharded.tp_partial = self.tensor_shards, self.tp_partial
         self.view.sharded = ShardedView(self.sharded, dict(self.view.held_parameters()), self.view.full)
         sharding = self.sharded.sharding
