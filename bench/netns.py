@@ -148,6 +148,11 @@ class Cluster:
     def restore(self, rank: int) -> None:
         _ip("-n", self.switch, "link", "set", self.nodes[rank].port, "up")
 
+    def kill(self, rank: int) -> None:
+        """SIGKILL every process on node `rank` (its launcher and workers), as a node's crash would;
+        the node stays, to be started on again."""
+        kill_processes(self.nodes[rank].netns)
+
     def popen(self, rank: int, argv: list[str], **kwargs: object) -> subprocess.Popen:
         """Start `argv` inside node `rank`'s namespace."""
         process = subprocess.Popen(["ip", "netns", "exec", self.nodes[rank].netns, *argv], **kwargs)
@@ -248,14 +253,19 @@ def _check_alive(processes: list[subprocess.Popen], errors: list[Any]) -> None:
             raise RuntimeError(f"node {rank} failed (exit {code}):\n{error.read()[-3000:]}")
 
 
-def kill_and_remove(netns: str) -> None:
-    """Kill every process inside namespace `netns` (a namespace lives on while one does), then delete it."""
+def kill_processes(netns: str) -> None:
+    """SIGKILL every process inside namespace `netns`."""
     pids = subprocess.run(["ip", "netns", "pids", netns], capture_output=True, text=True).stdout.split()
     for pid in pids:
         try:
             os.kill(int(pid), signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def kill_and_remove(netns: str) -> None:
+    """Kill every process inside namespace `netns` (a namespace lives on while one does), then delete it."""
+    kill_processes(netns)
     subprocess.run(["ip", "netns", "del", netns], capture_output=True)
 
 

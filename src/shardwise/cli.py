@@ -12,6 +12,7 @@ from shardwise import bench_command, slurm
 from shardwise.config.load import hf_config_overrides, load_config
 from shardwise.config.registry import NAMES, spec
 from shardwise.config.schema import HF_MODELS, PRECISIONS, Config, ConfigError
+from shardwise.elastic import node_range
 from shardwise.planner.candidates import POLICIES, default_precisions
 from shardwise.recompute import parse_policy
 
@@ -57,7 +58,8 @@ def _add_train_parser(commands: argparse._SubParsersAction) -> None:
     p.add_argument("--pp", type=int, help="parallel.pp: pipeline stages per replica")
     p.add_argument("--tp", type=int, help="parallel.tp: tensor-parallel ranks per stage")
     p.add_argument("--ep", type=int, help="parallel.ep: expert-parallel ranks each MoE layer's experts are split over")
-    p.add_argument("--nnodes", type=int, help="launch.nnodes: nodes in the job")
+    p.add_argument("--nnodes", metavar="N|MIN:MAX", help="launch.nnodes: nodes in the job; MIN:MAX, an elastic "
+                   "job going on from MIN to MAX nodes (launch.min_nnodes; needs --max-restarts)")
     p.add_argument("--node-rank", type=int, help="launch.node_rank: this node's rank")
     p.add_argument("--rdzv-endpoint", help="launch.rdzv_endpoint: HOST:PORT of node 0's rendezvous")
     p.add_argument("--node-addr", metavar="ADDR", help="launch.node_addr: this node's IP address on the network "
@@ -90,7 +92,8 @@ def _train_config(args: argparse.Namespace) -> Config:
         "parallel.pp": args.pp,
         "parallel.tp": args.tp,
         "parallel.ep": args.ep,
-        "launch.nnodes": args.nnodes,
+        "launch.min_nnodes": node_range(args.nnodes)[0] if args.nnodes else None,
+        "launch.nnodes": node_range(args.nnodes)[1] if args.nnodes else None,
         "launch.node_rank": args.node_rank,
         "launch.rdzv_endpoint": args.rdzv_endpoint,
         "launch.node_addr": args.node_addr,

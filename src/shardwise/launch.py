@@ -33,6 +33,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from shardwise.config.schema import ConfigError, LaunchConfig
 from shardwise.dist import worker_name
+from shardwise.elastic import LAST_CALL_S
 from shardwise.fork_server import start_fork_server
 
 K = TypeVar("K")  # what a caller of `exits` knows its processes by
@@ -56,18 +57,22 @@ def torchrun_args(launch: LaunchConfig) -> list[str]:
     if launch.nnodes == 1:
         args += ["--nnodes=1", "--rdzv-endpoint=127.0.0.1:0", "--local-addr=127.0.0.1", f"--rdzv-id={uuid.uuid4()}"]
     else:
+        nodes = f"{launch.min_nnodes}:{launch.nnodes}" if launch.min_nnodes is not None else str(launch.nnodes)
         args += [
-            f"--nnodes={launch.nnodes}",
+            f"--nnodes={nodes}",
             f"--node-rank={launch.node_rank}",
             f"--rdzv-endpoint={launch.rdzv_endpoint}",
             "--rdzv-id=shardwise",
         ]
+        conf = [f"last_call_timeout={LAST_CALL_S}"] if launch.min_nnodes is not None else []
         if launch.node_addr:
             # The launcher publishes --local-addr to the others (else its hostname, which need not
             # resolve to this node); c10d guesses whether it hosts the rendezvous store by comparing
             # hostnames, which nodes sharing one (containers, namespaces) all match: say it.
-            host = "true" if launch.node_rank == 0 else "false"
-            args += [f"--local-addr={launch.node_addr}", f"--rdzv-conf=is_host={host}"]
+            conf.append(f"is_host={'true' if launch.node_rank == 0 else 'false'}")
+            args.append(f"--local-addr={launch.node_addr}")
+        if conf:
+            args.append(f"--rdzv-conf={','.join(conf)}")
     return args
 
 

@@ -40,6 +40,7 @@ from shardwise.config.schema import (
     DataConfig,
     ParallelConfig,
 )
+from shardwise.elastic import check_range
 from shardwise.parallel.pipeline.schedules import ScheduleError, virtual_stages
 from shardwise.recompute import parse_policy
 from shardwise.strategies.base import mesh_of
@@ -59,8 +60,10 @@ def _positive(key: str, value: float, zero_ok: bool = False) -> None:
 
 
 def validate(cfg: Config, world_size: int | None = None) -> None:
-    """Check every value and every relation between values; `world_size` defaults to the launch's."""
+    """Check every value and every relation between values; `world_size` defaults to the launch's.
+    An elastic range's smaller sizes too (elastic.py)."""
     _validate(cfg, world_size or cfg.world_size, fixed=True, varied=True)
+    check_range(cfg, validate_varied)
 
 
 def check_fixed(cfg: Config) -> None:

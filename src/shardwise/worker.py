@@ -34,8 +34,11 @@ def main(argv: list[str] | None = None) -> None:
     name_worker(int(os.environ.get("RANK", 0)), replica_group())
     cfg = load_config(args.config, args.set)
     launch = cfg.launch
-    # The world the launcher actually made is what counts, whatever the file's launch.nproc says.
+    # The world the launcher actually made is what counts, whatever the file's launch.nproc says (and
+    # an elastic job's nodes: those the rendezvous gathered, this node's rank among them).
     cfg.launch.nproc = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.launch.nproc))
+    if cfg.launch.min_nnodes is not None and "GROUP_WORLD_SIZE" in os.environ:
+        cfg.launch.nnodes, cfg.launch.node_rank = int(os.environ["GROUP_WORLD_SIZE"]), int(os.environ["GROUP_RANK"])
     validate(cfg, world_size=int(os.environ.get("WORLD_SIZE", 1)))
     servers = spec(cfg.parallel.strategy).parameter_servers
     if servers:
@@ -44,9 +47,11 @@ def main(argv: list[str] | None = None) -> None:
             return
     else:
         ctx = init_distributed(launch.backend, launch.timeout_s, launch.threads_per_rank, launch.debug_collectives)
-    if restart_count() > 0 and replica_group() is None:
-        cfg.run.resume = True  # the group was restarted after a failure: go on from the last checkpoint
-        # (a replica group heals from a live one instead: replicas.py)
+    if (restart_count() > 0 or cfg.launch.min_nnodes is not None) and replica_group() is None:
+        # The group was restarted after a failure: go on from the last checkpoint (a replica group heals
+        # from a live one instead: replicas.py). An elastic job's workers start again at every change of
+        # its nodes, a returning node's with no restart counted: every start goes on from the newest.
+        cfg.run.resume = True
     if ctx.is_main:
         cfg.save(Path(cfg.run.out) / "config.toml")
     trainer = None
