@@ -22,7 +22,7 @@ RATE = "20mbit"
 # 12 sequences a step: micro-batches of 2, 2 a replica on 3 nodes, 3 on 2 (one process a node)
 BATCH = ("train.global_batch=12", "train.micro_batch=2", "train.eval_every=0")
 FLAGS = ("--strategy", "fsdp", "--steps", str(STEPS), "--nnodes", "2:3", "--max-restarts", "3",
-         "--checkpoint-every", "4", *(a for s in (*SGD, *BATCH, "launch.timeout_s=10", "launch.shutdown_timeout_s=10")
+         "--checkpoint-every", "4", *(a for s in (*SGD, *BATCH, "launch.timeout_s=5", "launch.shutdown_timeout_s=5")
                                       for a in ("--set", s)))
 
 
