@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
+import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from shardwise.config.load import load_config
 from shardwise.config.registry import spec
 from shardwise.dist import init_distributed, leave_process, name_worker, restart_count, shutdown_distributed
+from shardwise.elastic import lost_peer, reform
 from shardwise.metrics import format_summary
 from shardwise.replicas import replica_group
 from shardwise.stalls import explain, is_collective_failure
@@ -54,15 +57,27 @@ def main(argv: list[str] | None = None) -> None:
         cfg.run.resume = True
     if ctx.is_main:
         cfg.save(Path(cfg.run.out) / "config.toml")
-    trainer = None
-    try:
-        trainer = Trainer(cfg, ctx)
-        summary = trainer.fit()
-    except RuntimeError as error:
-        if not is_collective_failure(error):
-            raise
-        where = f"step {trainer.step + 1}" if trainer else "while setting up"
-        raise explain(error, ctx, launch.timeout_s, where) from error
+    # An elastic job re-forms its world over the workers' rendezvous store when a node is lost: kept
+    # here, since the process group that holds it (rank 0 serving it) is destroyed then.
+    store = dist.distributed_c10d._get_default_store() if launch.min_nnodes is not None else None
+    generation = 0
+    while True:
+        trainer = None
+        try:
+            trainer = Trainer(cfg, ctx)
+            summary = trainer.fit()
+            break
+        except RuntimeError as error:
+            if not (is_collective_failure(error) or store is not None and lost_peer(error)):
+                raise
+            where = f"step {trainer.step + 1}" if trainer else "while setting up"
+            reformed = reform(ctx, launch, store, generation) if store is not None else None
+            if reformed is None:
+                raise explain(error, ctx, launch.timeout_s, where) from error
+            print(f"rank {ctx.rank}: a peer was lost at {where}; going on as rank {reformed.rank} of "
+                  f"{reformed.world_size}", file=sys.stderr, flush=True)
+            ctx, generation = reformed, generation + 1
+            launch.nnodes, launch.node_rank = ctx.world_size // launch.nproc, ctx.rank // launch.nproc
     if ctx.is_main:
         print(format_summary(summary), flush=True)
     if servers:

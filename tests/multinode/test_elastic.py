@@ -1,10 +1,11 @@
 """Elastic node ranges (`--nnodes MIN:MAX`, elastic.py): refused before launch where a size in the
 range cannot run the job; and on 3 network-namespace nodes, fsdp goes on over the 2 nodes left when
-one node's processes are SIGKILLed, grows back to 3 when the node is started again, and trains on
-the uninterrupted run's global batches throughout."""
+one node's processes are SIGKILLed (their world re-formed in the surviving processes), grows back to 3
+when the node is started again, and trains on the uninterrupted run's global batches throughout."""
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -82,6 +83,11 @@ def test_fsdp_goes_on_over_the_nodes_left_and_grows_back_on_the_same_batches(tmp
         results = [p.communicate(timeout=180) for p in (*processes[:2], returned)]
     for rank, (process, (_, err)) in enumerate(zip((*processes[:2], returned), results, strict=True)):
         assert process.returncode == 0, f"node {rank}: {err[-3000:]}"
+    # The two left re-formed their world in the processes they were: each says so, and node 0's then
+    # resumes there from a checkpoint of the 3
+    for rank, (_, err) in enumerate(results[:2]):
+        assert re.search(rf"rank {rank}: a peer was lost at step \d+; going on as rank {rank} of 2\n", err), err[-3000:]
+    assert re.search(r"going on as rank 0 of 2\n(.*\n)*resumed from .* saved by fsdp on 3 rank\(s\)", results[0][1])
     steps = read_records(out)
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1))  # one record a step: redone ones replaced
     got, want = losses(out), losses(reference)

@@ -422,10 +422,10 @@ class LaunchConfig:
 
     nproc: int = option(1, "worker processes on this node")
     nnodes: int = option(1, "nodes in the job (an elastic job's most)")
-    min_nnodes: int | None = option(None, "elastic: the fewest nodes the job goes on with (--nnodes MIN:MAX); a lost "
-                                    "node restarts the others' workers at the nodes left, from the newest "
-                                    "checkpoint, and a node that comes back is taken in the same way (elastic.py); "
-                                    "unset: a fixed size")
+    min_nnodes: int | None = option(None, "elastic: the fewest nodes the job goes on with (--nnodes MIN:MAX); when "
+                                    "a node is lost the others re-form the world in their processes and go on "
+                                    "from the newest checkpoint; a node that comes back is taken in by a restart "
+                                    "of the workers (elastic.py); unset: a fixed size")
     node_rank: int = option(0, "this node's rank, in [0, nnodes)")
     rdzv_endpoint: str = option("127.0.0.1:29500", "HOST:PORT of node 0's rendezvous (multi-node)")
     node_addr: str | None = option(None, "this node's address on the network the nodes share (multi-node): the "
