@@ -92,9 +92,12 @@ SETTLE_S = 2.0
 LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Timed out waiting", "Read error")
 
 
-def lost_peer(error: BaseException) -> bool:
-    """Gloo's words for a collective whose peer is gone: it closed or reset the connection, or never answered."""
-    return isinstance(error, RuntimeError) and any(words in str(error) for words in LOST_PEER)
+def lost_peer(error: BaseException) -> str | None:
+    """Gloo's words for a collective whose peer is gone (it closed or reset the connection, or never
+    answered), where `error` is one."""
+    if not isinstance(error, RuntimeError):
+        return None
+    return next((words for words in LOST_PEER if words in str(error)), None)
 
 
 def reform(ctx: DistContext, launch: LaunchConfig, store: dist.Store, generation: int) -> DistContext | None:

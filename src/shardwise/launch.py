@@ -158,6 +158,20 @@ def _hold_failure_shutdown_to(seconds: int) -> None:
     ProcessContext._join_procs_with_timeout = join_all_within
 
 
+def _hold_exit_barrier_to(seconds: float) -> None:
+    """At the end, torch 2.13's agents wait (300 s) for every agent of their last rendezvous: an elastic
+    job whose survivors re-formed without a lost node (elastic.py) would wait for its agent, which
+    never comes. Hold that wait to `seconds`."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    init = LocalElasticAgent.__init__
+
+    def init_within(self: LocalElasticAgent, *args: object, **kwargs: object) -> None:
+        init(self, *args, **{**kwargs, "exit_barrier_timeout": seconds})
+
+    LocalElasticAgent.__init__ = init_within
+
+
 def launch_workers(launch: LaunchConfig, entry: list[str]) -> None:
     """Run module entry[0] as a script with arguments entry[1:] (e.g. shardwise.worker CONFIG) on
     launch.nproc local ranks, each forked from a server that imported it; raise WorkerFailed with
@@ -172,6 +186,8 @@ def launch_workers(launch: LaunchConfig, entry: list[str]) -> None:
         # sometimes reach a dead peer's address or hang (pytorch#135712, #167288): one store each.
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     _hold_failure_shutdown_to(launch.shutdown_timeout_s)
+    if launch.min_nnodes is not None:
+        _hold_exit_barrier_to(launch.timeout_s)
     script = start_fork_server(entry[0])
     try:
         run(parse_args([*torchrun_args(launch), "--start-method=forkserver", "--run-path", script, *entry[1:]]))

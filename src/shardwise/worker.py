@@ -68,13 +68,14 @@ def main(argv: list[str] | None = None) -> None:
             summary = trainer.fit()
             break
         except RuntimeError as error:
-            if not (is_collective_failure(error) or store is not None and lost_peer(error)):
+            lost = lost_peer(error) if store is not None else None
+            if not (is_collective_failure(error) or lost):
                 raise
             where = f"step {trainer.step + 1}" if trainer else "while setting up"
-            reformed = reform(ctx, launch, store, generation) if store is not None else None
+            reformed = reform(ctx, launch, store, generation) if lost else None
             if reformed is None:
                 raise explain(error, ctx, launch.timeout_s, where) from error
-            print(f"rank {ctx.rank}: a peer was lost at {where}; going on as rank {reformed.rank} of "
+            print(f"rank {ctx.rank}: a peer was lost at {where} ({lost}); going on as rank {reformed.rank} of "
                   f"{reformed.world_size}", file=sys.stderr, flush=True)
             ctx, generation = reformed, generation + 1
             launch.nnodes, launch.node_rank = ctx.world_size // launch.nproc, ctx.rank // launch.nproc

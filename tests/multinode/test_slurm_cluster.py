@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -149,10 +150,12 @@ def group_records(out: Path, group: int) -> list[dict]:
     return [r for r in map(json.loads, lines) if r["event"] == "step"]
 
 
-def kill_group_worker(group: int) -> None:
-    """SIGKILL the worker of `group`'s rank 0, wherever its node runs it (one pid space)."""
-    pids = [int(entry) for entry in os.listdir("/proc")
-            if entry.isdigit() and (process_stat(entry) or ("",))[0] == worker_name(0, group)]
+def kill_group_worker(slurm: SlurmCluster, group: int) -> None:
+    """SIGKILL the worker of `group`'s rank 0 on node `group` (a group a node): among the processes in
+    that node's network namespace, not another test's worker of the same name (one pid space)."""
+    held = subprocess.run(["ip", "netns", "pids", slurm.network.nodes[group].netns], capture_output=True,
+                          text=True).stdout.split()
+    pids = [int(pid) for pid in held if (process_stat(pid) or ("",))[0] == worker_name(0, group)]
     assert len(pids) == 1, pids
     os.kill(pids[0], signal.SIGKILL)
 
@@ -186,7 +189,7 @@ def test_replica_groups_one_a_node_heal_across_nodes_and_end_equal(slurm, tmp_pa
               f"group 1 never got going:\n{ran(out)[-3000:]}")
         assert slurm.state(job_id), f"the job ended before group 1 was killed:\n{ran(out)[-3000:]}"
         kills.append(committed(1))
-        kill_group_worker(1)
+        kill_group_worker(slurm, 1)
         until(lambda: any(r["healed_at"] and r["healed_at"][-1] >= kills[-1] for r in group_records(out, 1)[-1:]),
               f"group 1 never healed after its kill at step {kills[-1]}:\n{ran(out)[-3000:]}")
     slurm.wait(job_id)
