@@ -186,8 +186,16 @@ def _check_before_launch(cfg: Config) -> None:
     device), LoRA targets that name no layer of it, a rank too large for one or a layer too narrow for
     NF4, a checkpoint to resume whose adapters differ from the run's, a tokenizer larger than the
     vocabulary, a corpus too short for one sequence, a run directory or checkpoint directory that
-    cannot be written. Each raises ConfigError, one line."""
+    cannot be written, an elastic range whose smallest world does not fit this node's GPU as the
+    planner predicts it. Each raises ConfigError, one line."""
     _check_writable("run.out", Path(cfg.run.out))
+    if cfg.launch.min_nnodes is not None:
+        import torch
+
+        from shardwise.planner.search import check_smallest_fits
+
+        if torch.cuda.is_available():  # this node's GPU, less what its runtime takes before training (1 GiB)
+            check_smallest_fits(cfg, torch.cuda.get_device_properties(0).total_memory - 2**30)
     if cfg.train.checkpoint_every:
         from shardwise.checkpoint import checkpoint_dir
 

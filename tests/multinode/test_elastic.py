@@ -17,6 +17,7 @@ from nodes import cluster, start_on_nodes, wait_for_step
 from shardwise.cli import main
 from shardwise.config.load import load_config
 from shardwise.config.schema import ConfigError
+from shardwise.planner.search import check_smallest_fits
 from shardwise.validate import validate
 
 STEPS = 40
@@ -54,6 +55,21 @@ def test_a_range_is_refused_before_launch_naming_the_size_that_cannot_run(overri
 
 def test_a_range_that_every_size_runs_is_accepted():
     validate(elastic("launch.nnodes=3", "launch.min_nnodes=2", "parallel.strategy=fsdp", *BATCH))
+
+
+def test_a_range_whose_smallest_world_does_not_fit_is_refused_naming_what_a_rank_would_hold():
+    """Llama-3-8B under fsdp on nodes of 8 (bf16-mixed, blocks recomputed): 57.0 GiB a rank on 1 node,
+    48.8 on 2, as the planner predicts; a 50 GiB device takes the second range, not the first."""
+    def llama(fewest: int):
+        return load_config(CONFIGS / "llama-3-8b.toml", [
+            "parallel.strategy=fsdp", "launch.nproc=8", "launch.nnodes=4", f"launch.min_nnodes={fewest}",
+            "launch.max_restarts=1", "parallel.precision=bf16-mixed", "parallel.recompute=blocks",
+            "train.micro_batch=1", "train.global_batch=96"])
+
+    with pytest.raises(ConfigError, match=r"--nnodes 1:4\): on 1 node\(s\), a world of 8, a rank would hold 57.02 "
+                                          r"GiB \(the planner's prediction\) of the 50.00 GiB it has"):
+        check_smallest_fits(llama(1), 50 * 2**30)
+    check_smallest_fits(llama(2), 50 * 2**30)
 
 
 def test_the_cli_reads_a_range_and_refuses_what_is_not_one(capsys):

@@ -41,6 +41,18 @@ class Candidate:
     cp_mode: str | None = None  # context parallel: ring or all-to-all
     ep: int = 1  # expert parallel: the dp ranks each MoE layer's experts are split over
 
+    @classmethod
+    def of(cls, cfg: Config, world: int) -> Candidate:
+        """What `cfg` itself trains on `world` ranks, as a candidate (its strategy, mesh, precision,
+        recomputation, micro-batch, pipeline, hsdp's node)."""
+        p = cfg.parallel
+        dp, pp, tp = p.mesh_shape(world)
+        piped = spec(p.strategy).pipelined or pp > 1
+        shard = cfg.launch.nproc // (tp * p.cp * pp) if spec(p.strategy).across_nodes else None
+        return cls(p.strategy, dp, pp, tp, p.precision, p.recompute, cfg.train.micro_batch,
+                   p.pipeline.micro_batches if piped else 1, p.pipeline.schedule if piped else None, shard, p.cp,
+                   p.cp_mode if p.cp > 1 else None, p.ep)
+
     @property
     def spec(self) -> StrategySpec:
         return spec(self.strategy)

@@ -28,6 +28,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from shardwise.config.registry import spec
 from shardwise.config.schema import PRECISIONS, Config, ConfigError
 from shardwise.planner.candidates import DEFAULT_PRECISIONS, POLICIES, Candidate, enumerate_candidates
 from shardwise.planner.devices import DeviceProfile
@@ -369,3 +370,22 @@ def _largest(shape: Candidate, cfg: Config, device: DeviceProfile, world: int, l
         middle = (low + high) // 2
         low, high = (middle, high) if fits(middle) else (low, middle)
     return low * unit
+
+
+def check_smallest_fits(cfg: Config, limit_bytes: int) -> None:
+    """An elastic range's (elastic.py) smallest world, where each rank holds the most, within
+    `limit_bytes` a rank as the planner predicts it (its memory model: steps, margin included); a
+    strategy or model it does not plan is not checked."""
+    launch = cfg.launch
+    if launch.min_nnodes is None or not spec(cfg.parallel.strategy).planned:
+        return
+    world = launch.nproc * launch.min_nnodes
+    try:
+        held = max(rank.total for rank in predict_memory(Candidate.of(cfg, world), cfg))
+    except PlanError:
+        return
+    if held > limit_bytes:
+        raise ConfigError(f"launch.min_nnodes = {launch.min_nnodes} (--nnodes {launch.min_nnodes}:{launch.nnodes}): "
+                          f"on {launch.min_nnodes} node(s), a world of {world}, a rank would hold "
+                          f"{held / 2**30:.2f} GiB (the planner's prediction) of the {limit_bytes / 2**30:.2f} GiB "
+                          "it has; raise the fewest nodes, or plan for them (shardwise plan --nodes N)")
