@@ -59,8 +59,8 @@ def sizes(launch: LaunchConfig) -> range:
 
 def check_range(cfg: Config, validate_at: Callable[[Config, int], None]) -> None:
     """An elastic range (launch.min_nnodes set) a job can run over: from fewer nodes to more, under
-    torchrun's agent (not replica groups, nor a strategy with a launcher of its own), restarting its
-    workers (launch.max_restarts), and every size in it a world `validate_at(cfg, world)` accepts."""
+    torchrun's agent (not replica groups, nor a strategy with a launcher of its own), which may restart
+    its workers (launch.max_restarts), and every size in it a world `validate_at(cfg, world)` accepts."""
     launch = cfg.launch
     if launch.min_nnodes is None:
         return
@@ -74,8 +74,8 @@ def check_range(cfg: Config, validate_at: Callable[[Config, int], None]) -> None
         raise ConfigError(f"{what}: elastic jobs run under torchrun's agent; not with {other}, which starts its "
                           "ranks with a launcher of its own")
     if not launch.max_restarts:
-        raise ConfigError(f"{what}: a lost node restarts the others' workers at the smaller size; give "
-                          "launch.max_restarts >= 1 (--max-restarts R)")
+        raise ConfigError(f"{what}: where the others cannot go on in their own processes (node 0 lost), their "
+                          "agents restart them at the smaller size; give launch.max_restarts >= 1 (--max-restarts R)")
     for nodes in sizes(launch)[:-1]:  # the most nodes: the world validate checks
         world = launch.nproc * nodes
         try:

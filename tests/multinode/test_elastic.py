@@ -44,7 +44,7 @@ def elastic(*overrides: str):
      r"--nnodes 2:3\): on 2 node\(s\), a world of 2: train.global_batch = 12: must be divisible by world size 2 x "
      r"train.micro_batch 4 = 8"),
     (("launch.nnodes=3", "launch.min_nnodes=2", "launch.max_restarts=0", *BATCH),
-     r"a lost node restarts the others' workers at the smaller size; give launch.max_restarts >= 1"),
+     r"their agents restart them at the smaller size; give launch.max_restarts >= 1"),
     (("launch.nnodes=2", "launch.min_nnodes=1", "launch.replica_groups=2", *BATCH),
      r"elastic jobs run under torchrun's agent; not with launch.replica_groups = 2"),
 ])
