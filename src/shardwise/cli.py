@@ -72,6 +72,7 @@ def _train_config(args: argparse.Namespace) -> Config:
     if args.config is None and args.hf_config is None and not args.set:
         raise ConfigError("give a CONFIG file, or say what to train with --hf-config and --set, e.g. shardwise "
                           "train --hf-config MODEL/config.json --weights MODEL --set data.path=corpus.jsonl")
+    fewest_nodes, nodes = node_range(args.nnodes) if args.nnodes else (None, None)
     flags = {
         "model.weights": args.weights,
         "parallel.strategy": args.strategy,
@@ -92,8 +93,8 @@ def _train_config(args: argparse.Namespace) -> Config:
         "parallel.pp": args.pp,
         "parallel.tp": args.tp,
         "parallel.ep": args.ep,
-        "launch.min_nnodes": node_range(args.nnodes)[0] if args.nnodes else None,
-        "launch.nnodes": node_range(args.nnodes)[1] if args.nnodes else None,
+        "launch.min_nnodes": fewest_nodes,
+        "launch.nnodes": nodes,
         "launch.node_rank": args.node_rank,
         "launch.rdzv_endpoint": args.rdzv_endpoint,
         "launch.node_addr": args.node_addr,

@@ -33,7 +33,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from shardwise.config.registry import spec
+from shardwise.config.registry import own_launcher_setting
 from shardwise.config.schema import Config, ConfigError, LaunchConfig
 from shardwise.dist import DistContext
 
@@ -57,6 +57,11 @@ def sizes(launch: LaunchConfig) -> range:
     return range(launch.min_nnodes or launch.nnodes, launch.nnodes + 1)
 
 
+def range_setting(launch: LaunchConfig) -> str:
+    """An elastic range as a refusal names it."""
+    return f"launch.min_nnodes = {launch.min_nnodes} (--nnodes {launch.min_nnodes}:{launch.nnodes})"
+
+
 def check_range(cfg: Config, validate_at: Callable[[Config, int], None]) -> None:
     """An elastic range (launch.min_nnodes set) a job can run over: from fewer nodes to more, under
     torchrun's agent (not replica groups, nor a strategy with a launcher of its own), which may restart
@@ -64,14 +69,13 @@ def check_range(cfg: Config, validate_at: Callable[[Config, int], None]) -> None
     launch = cfg.launch
     if launch.min_nnodes is None:
         return
-    what = f"launch.min_nnodes = {launch.min_nnodes} (--nnodes {launch.min_nnodes}:{launch.nnodes})"
+    what = range_setting(launch)
     if not 1 <= launch.min_nnodes <= launch.nnodes:
         raise ConfigError(f"{what}: the fewest nodes must be between 1 and launch.nnodes = {launch.nnodes}, the "
                           "most")
-    if launch.replica_groups > 1 or spec(cfg.parallel.strategy).own_launcher:
-        other = f"launch.replica_groups = {launch.replica_groups}" if launch.replica_groups > 1 else \
-            f"parallel.strategy = {cfg.parallel.strategy!r}"
-        raise ConfigError(f"{what}: elastic jobs run under torchrun's agent; not with {other}, which starts its "
+    own = own_launcher_setting(cfg.parallel.strategy, launch.replica_groups)
+    if own is not None:
+        raise ConfigError(f"{what}: elastic jobs run under torchrun's agent; not with {own}, which starts its "
                           "ranks with a launcher of its own")
     if not launch.max_restarts:
         raise ConfigError(f"{what}: where the others cannot go on in their own processes (node 0 lost), their "

@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import NamedTuple
 
-from shardwise.config.registry import spec
+from shardwise.config.registry import own_launcher_setting
 from shardwise.config.schema import Config, ConfigError
 
 RENDEZVOUS_PORT = 29500  # where node 0's rendezvous listens unless MASTER_PORT says otherwise
@@ -120,10 +120,9 @@ def check_task_per_rank(cfg: Config) -> None:
         raise ConfigError(f"launch.max_restarts = {launch.max_restarts}: with one process a rank under srun no "
                           "launcher of shardwise's restarts them; Slurm requeues the job (sbatch --requeue), or "
                           "run one task a node (srun --ntasks-per-node=1)")
-    if launch.replica_groups > 1 or spec(cfg.parallel.strategy).own_launcher:
-        what = f"launch.replica_groups = {launch.replica_groups}" if launch.replica_groups > 1 else \
-            f"parallel.strategy = {cfg.parallel.strategy!r}"
-        raise ConfigError(f"{what}: starts its ranks with a launcher of its own; under srun run one task a node "
+    own = own_launcher_setting(cfg.parallel.strategy, launch.replica_groups)
+    if own is not None:
+        raise ConfigError(f"{own}: starts its ranks with a launcher of its own; under srun run one task a node "
                           "(srun --ntasks-per-node=1)")
 
 

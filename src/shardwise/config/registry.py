@@ -78,3 +78,11 @@ NAMES = tuple(SPECS)
 def spec(name: str) -> StrategySpec:
     """The strategy called `name` (config validation has already refused unknown names)."""
     return SPECS[name]
+
+
+def own_launcher_setting(strategy: str, replica_groups: int) -> str | None:
+    """What starts a job's ranks with a launcher of shardwise's own instead of torchrun's (replica
+    groups, or a strategy whose spec says so), named as a refusal names it; None where torchrun does."""
+    if replica_groups > 1:
+        return f"launch.replica_groups = {replica_groups}"
+    return f"parallel.strategy = {strategy!r}" if spec(strategy).own_launcher else None

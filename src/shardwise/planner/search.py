@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 from shardwise.config.registry import spec
 from shardwise.config.schema import PRECISIONS, Config, ConfigError
+from shardwise.elastic import range_setting
 from shardwise.planner.candidates import DEFAULT_PRECISIONS, POLICIES, Candidate, enumerate_candidates
 from shardwise.planner.devices import DeviceProfile
 from shardwise.planner.memory_model import DEFAULT_MARGIN, RankMemory, dtype_bytes, predict_memory
@@ -385,7 +386,7 @@ def check_smallest_fits(cfg: Config, limit_bytes: int) -> None:
     except PlanError:
         return
     if held > limit_bytes:
-        raise ConfigError(f"launch.min_nnodes = {launch.min_nnodes} (--nnodes {launch.min_nnodes}:{launch.nnodes}): "
-                          f"on {launch.min_nnodes} node(s), a world of {world}, a rank would hold "
-                          f"{held / 2**30:.2f} GiB (the planner's prediction) of the {limit_bytes / 2**30:.2f} GiB "
-                          "it has; raise the fewest nodes, or plan for them (shardwise plan --nodes N)")
+        raise ConfigError(f"{range_setting(launch)}: on {launch.min_nnodes} node(s), a world of {world}, a rank "
+                          f"would hold {held / 2**30:.2f} GiB (the planner's prediction) of the "
+                          f"{limit_bytes / 2**30:.2f} GiB it has; raise the fewest nodes, or plan for them "
+                          "(shardwise plan --nodes N)")

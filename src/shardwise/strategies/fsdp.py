@@ -157,9 +157,10 @@ class ShardedDataParallel(HookedStrategy):
                 return
             pending.append((group.block, params))
             if len(pending) == self.cfg.sharding.blocks_per_unit:
-                made = self.sharded.add([block for block, _ in pending], [p for _, held in pending for p in held])
+                run = [block for block, _ in pending]
+                made = self.sharded.add(run, [p for _, held in pending for p in held])
                 if made:
-                    blocks.append(([block for block, _ in pending], made))
+                    blocks.append((run, made))
                 pending.clear()
 
         if tp > 1:
