@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import FileSystemReader, StorageReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
@@ -432,27 +432,37 @@ def load_checkpoint(trainer: TrainingRun) -> int:
     path = Path(path)
     manifest = json.loads((path / MANIFEST).read_text())
     check_lora(path, trainer.strategy.lora)
+    step = load_state(trainer, safe_reader(path), manifest["world_size"] == trainer.ctx.world_size,
+                      manifest.get("rank_state"), str(path), fits=lambda state: check_fits(path, state))
+    if trainer.ctx.is_main:
+        print(f"resumed from {path} (step {manifest['step']}, saved by {manifest['strategy']} on "
+              f"{manifest['world_size']} rank(s))", file=sys.stderr)
+    return step
+
+
+def load_state(trainer: TrainingRun, reader: StorageReader, same_world: bool, saved_rank_state: list[str] | None,
+               source: str, fits: Callable[[dict[str, Any]], None] | None = None) -> int:
+    """Load a checkpoint's state through `reader` into the trainer (collective); return its step.
+    Its RNG states where it was saved at this world size; its per-rank state where it holds this
+    run's kind (`saved_rank_state`, the names the manifest lists); `fits` checks the state first."""
     ensure_optimizer_state(trainer.optimizer)
-    same_world = manifest["world_size"] == trainer.ctx.world_size
     state = training_state(trainer, trainer.ctx.world_size, with_rng=same_world)
-    check_fits(path, state)
+    if fits is not None:
+        fits(state)
     if trainer.scaler is None:
         state["trainer"] = {"step": state["trainer"]["step"]}
-    if "rank_state" in state and manifest.get("rank_state") != sorted(trainer.strategy.view.rank_state()):
+    if "rank_state" in state and saved_rank_state != sorted(trainer.strategy.view.rank_state()):
         del state["rank_state"]  # saved without it (another strategy or option): it starts afresh
         if trainer.ctx.is_main:
-            print(f"{path} holds none of this run's per-rank state (PowerSGD's factors and error feedback): "
+            print(f"{source} holds none of this run's per-rank state (PowerSGD's factors and error feedback): "
                   "it starts afresh", file=sys.stderr)
-    dcp.load(state, storage_reader=safe_reader(path))
+    dcp.load(state, storage_reader=reader)
     trainer.strategy.view.after_load()
     if trainer.scaler:
         trainer.scaler.scale = state["trainer"]["loss_scale"].item()
         trainer.scaler.clean_steps = int(state["trainer"]["clean_steps"])
     if same_world:
         torch.set_rng_state(state["rng"][f"rank{trainer.ctx.rank}"])
-    if trainer.ctx.is_main:
-        print(f"resumed from {path} (step {manifest['step']}, saved by {manifest['strategy']} on "
-              f"{manifest['world_size']} rank(s))", file=sys.stderr)
     return int(state["trainer"]["step"])
 
 

@@ -65,11 +65,19 @@ def range_setting(launch: LaunchConfig) -> str:
 def check_range(cfg: Config, validate_at: Callable[[Config, int], None]) -> None:
     """An elastic range (launch.min_nnodes set) a job can run over: from fewer nodes to more, under
     torchrun's agent (not replica groups, nor a strategy with a launcher of its own), which may restart
-    its workers (launch.max_restarts), and every size in it a world `validate_at(cfg, world)` accepts."""
-    launch = cfg.launch
+    its workers (launch.max_restarts), and every size in it a world `validate_at(cfg, world)` accepts;
+    memory checkpoints only in such a job, of two nodes or more."""
+    launch, every = cfg.launch, cfg.train.memory_checkpoint_every
     if launch.min_nnodes is None:
+        if every:
+            raise ConfigError(f"train.memory_checkpoint_every = {every}: memory checkpoints restore the survivors of "
+                              "a lost node in their own processes, an elastic job's: give a node range "
+                              "(--nnodes MIN:MAX)")
         return
     what = range_setting(launch)
+    if every and launch.nnodes < 2:
+        raise ConfigError(f"train.memory_checkpoint_every = {every}: each rank's copy is kept on another node; "
+                          f"{what} has one at most")
     if not 1 <= launch.min_nnodes <= launch.nnodes:
         raise ConfigError(f"{what}: the fewest nodes must be between 1 and launch.nnodes = {launch.nnodes}, the "
                           "most")

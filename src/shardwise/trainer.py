@@ -36,6 +36,7 @@ from shardwise.memory import (
 from shardwise.metrics import MetricsWriter, Progress, device_peak_flops, mfu
 from shardwise.models import build_model, flops_per_sample, loss_fn
 from shardwise.muon import Muon, muon_groups, split_for_muon
+from shardwise.peer_checkpoints import PeerCheckpoints
 from shardwise.preference import PairMetrics, PreferenceObjective, ReferenceCopy, run_reference
 from shardwise.replicas import (
     ReplicaGroups,
@@ -110,7 +111,7 @@ def optimizer_step(strategy: Strategy, optimizer: torch.optim.Optimizer, grad_cl
 
 
 class Trainer:
-    def __init__(self, cfg: Config, ctx: DistContext) -> None:
+    def __init__(self, cfg: Config, ctx: DistContext, peer_checkpoints: PeerCheckpoints | None = None) -> None:
         self.cfg = cfg
         self.ctx = ctx
         self.out = Path(cfg.run.out)
@@ -165,6 +166,11 @@ class Trainer:
         # Checkpoints written in the background (train.checkpoint_async), where a run saves any
         self.checkpointer = AsyncCheckpointer(cfg.train.keep_checkpoints, ctx.is_main) \
             if cfg.train.checkpoint_async and cfg.train.checkpoint_every else None
+        # An elastic job's memory checkpoints (train.memory_checkpoint_every), kept by the worker across the
+        # worlds it re-forms: their copies travel on a group of this world's
+        self.peer_checkpoints = peer_checkpoints
+        if peer_checkpoints is not None:
+            peer_checkpoints.join()
 
     def micro_batches(self, dataset: Dataset, indices: list[torch.Tensor]) -> Iterable[tuple[torch.Tensor, ...]]:
         """(inputs, targets) of each micro-batch, and each input token's document where the data are
@@ -201,8 +207,10 @@ class Trainer:
     def memory(self) -> MemoryBreakdown:
         """This rank's counted bytes now, as metrics.jsonl records them."""
         memory = self.strategy.memory(self.activation_bytes)
-        if self.checkpointer is not None and self.checkpointer.staged_bytes:
-            memory.staging = self.checkpointer.staged_bytes
+        staged = self.checkpointer.staged_bytes if self.checkpointer is not None else 0
+        held = self.peer_checkpoints.held_bytes if self.peer_checkpoints is not None else 0
+        if staged or held:  # host copies of the state: an asynchronous save's, the memory checkpoints'
+            memory.staging = staged + held
         if self.reference_copy is not None:  # the frozen copy's parameters (or shards) beside the policy's
             memory.params += self.reference_copy.held_bytes()
         return memory
@@ -269,7 +277,8 @@ class Trainer:
         return the summary."""
         t = self.cfg.train
         with self.peaks("load"):
-            first = load_checkpoint(self) if self.cfg.run.resume else 0
+            restored = self.peer_checkpoints.restore(self) if self.peer_checkpoints is not None else None
+            first = restored if restored is not None else load_checkpoint(self) if self.cfg.run.resume else 0
             if self.replicas is not None and first:  # groups that resumed further along heal the others
                 self.replicas.resume_at(first)
             # A LoRA checkpoint holds no frozen weights: they are the pretrained ones again.
@@ -320,6 +329,11 @@ class Trainer:
                     raise SystemExit(f"rank {self.ctx.rank}: SIGTERM: saved a checkpoint after step {done}")
                 if t.checkpoint_every and self.committed and done % t.checkpoint_every == 0:
                     self.save_checkpoint(done)
+                if self.peer_checkpoints is not None:
+                    self.peer_checkpoints.poll()  # the last copy to the peer, if it arrived: kept
+                    if done % t.memory_checkpoint_every == 0:
+                        with self.between_steps("checkpoint"):
+                            self.peer_checkpoints.save(self, done)
                 if t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 < t.steps:
                     val_loss = self.evaluate()
                     writer.write({"event": "eval", "step": step + 1, "val_loss": val_loss, **self.val_metrics()})

@@ -166,7 +166,7 @@ def _validate_optimization(cfg: Config) -> None:
         _positive(f"train.{key}", getattr(t, key))
     _positive("train.keep_checkpoints", t.keep_checkpoints)
     for key in ("min_lr", "warmup_steps", "weight_decay", "grad_clip", "eval_every", "seed", "checkpoint_every",
-                "spike_factor", "straggler_factor"):
+                "memory_checkpoint_every", "spike_factor", "straggler_factor"):
         _positive(f"train.{key}", getattr(t, key), zero_ok=True)
     for key in ("beta1", "beta2", "momentum"):
         if not 0 <= getattr(t, key) < 1:

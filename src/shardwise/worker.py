@@ -21,6 +21,7 @@ from shardwise.config.registry import spec
 from shardwise.dist import init_distributed, leave_process, name_worker, restart_count, shutdown_distributed
 from shardwise.elastic import lost_peer, reform
 from shardwise.metrics import format_summary
+from shardwise.peer_checkpoints import PeerCheckpoints
 from shardwise.replicas import replica_group
 from shardwise.stalls import explain, is_collective_failure
 from shardwise.strategies import param_server
@@ -60,11 +61,12 @@ def main(argv: list[str] | None = None) -> None:
     # An elastic job re-forms its world over the workers' rendezvous store when a node is lost: kept
     # here, since the process group that holds it (rank 0 serving it) is destroyed then.
     store = dist.distributed_c10d._get_default_store() if launch.min_nnodes is not None else None
+    peer_checkpoints = PeerCheckpoints(launch.nproc) if cfg.train.memory_checkpoint_every else None
     generation = 0
     while True:
         trainer = None
         try:
-            trainer = Trainer(cfg, ctx)
+            trainer = Trainer(cfg, ctx, peer_checkpoints)
             summary = trainer.fit()
             break
         except RuntimeError as error:
@@ -72,6 +74,8 @@ def main(argv: list[str] | None = None) -> None:
             if not (is_collective_failure(error) or lost):
                 raise
             where = f"step {trainer.step + 1}" if trainer else "while setting up"
+            if lost and peer_checkpoints is not None:
+                peer_checkpoints.settle()  # before the groups end: a copy that arrived is kept
             reformed = reform(ctx, launch, store, generation) if lost else None
             if reformed is None:
                 raise explain(error, ctx, launch.timeout_s, where) from error

@@ -99,7 +99,7 @@ class RankMemory:
     buffers: int
     margin: int = 0
     host: int = 0  # parallel.sharding.offload: bytes in host memory, not in `total` (the device's)
-    staging: int = 0  # train.checkpoint_async: host bytes of a checkpoint's copy while it is written
+    staging: int = 0  # host bytes of the state's copies: an async checkpoint's, the memory checkpoints'
     loss: int = 0  # the logits' gradient and one float32 chunk, made as backward starts (models/cross_entropy.py)
     head: int = 0  # of `activations`, what the head and the loss saved (the logits): freed by their backward
     at_loss: int = 0  # the gradients and buffers already live as backward starts
@@ -260,12 +260,13 @@ class ModelState:
 
 
 def checkpoint_copy(cfg: Config, numel: int, tensors: int, stored: int, muon: tuple[int, int]) -> int:
-    """Host bytes an asynchronous checkpoint's copy of a rank's state takes (train.checkpoint_async,
-    in a run that saves): the `numel` elements in `tensors` tensors it checkpoints (its trained
-    parameters or their shards) in the stored dtype, and their optimizer state."""
-    if not (cfg.train.checkpoint_async and cfg.train.checkpoint_every):
-        return 0
-    return numel * stored + optimizer_bytes(numel, tensors, stored, cfg, muon)
+    """Host bytes the copies of a rank's state take: an asynchronous checkpoint's (train.checkpoint_async,
+    in a run that saves) once, the memory checkpoints' (train.memory_checkpoint_every: its own and a
+    peer's, two generations each) 4 times; the state, the `numel` elements in `tensors` tensors it
+    checkpoints (its trained parameters or their shards) in the stored dtype, and their optimizer state."""
+    copies = int(bool(cfg.train.checkpoint_async and cfg.train.checkpoint_every)) + \
+        4 * bool(cfg.train.memory_checkpoint_every)
+    return copies * (numel * stored + optimizer_bytes(numel, tensors, stored, cfg, muon)) if copies else 0
 
 
 def model_state(stage: int, precision: Precision, facts: ModelFacts, world: int, cfg: Config,
