@@ -27,6 +27,7 @@ import os
 import pickle
 import shutil
 import sys
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -429,14 +430,14 @@ def load_checkpoint(trainer: TrainingRun) -> int:
         if trainer.ctx.is_main:
             print(f"no checkpoint in {checkpoint_dir(trainer.out)}: starting from step 0", file=sys.stderr)
         return 0
-    path = Path(path)
+    path, started = Path(path), time.perf_counter()
     manifest = json.loads((path / MANIFEST).read_text())
     check_lora(path, trainer.strategy.lora)
     step = load_state(trainer, safe_reader(path), manifest["world_size"] == trainer.ctx.world_size,
                       manifest.get("rank_state"), str(path), fits=lambda state: check_fits(path, state))
     if trainer.ctx.is_main:
         print(f"resumed from {path} (step {manifest['step']}, saved by {manifest['strategy']} on "
-              f"{manifest['world_size']} rank(s))", file=sys.stderr)
+              f"{manifest['world_size']} rank(s); read in {time.perf_counter() - started:.2f} s)", file=sys.stderr)
     return step
 
 

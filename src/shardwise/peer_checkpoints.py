@@ -27,7 +27,7 @@ from __future__ import annotations
 import io
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -39,6 +39,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystemBase
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
 from shardwise.checkpoint import SafeReader, TrainingRun, checkpoint_dir, load_state, training_state
 
@@ -98,13 +99,19 @@ class _Written(io.BytesIO):
 
 
 class MemoryReader(SafeReader):
-    """DCP's reader over files in memory; its metadata unpickled through SafeReader's allow-list."""
+    """DCP's reader over files in memory; its metadata unpickled through SafeReader's allow-list.
+    `fetch`, where given, is called on every rank (DCP reads on every rank, once) with the names of
+    the files this rank's part of the load reads, and adds those it lacks to `files`."""
 
-    read_data = FileSystemReader.read_data
-
-    def __init__(self, files: dict[str, bytes]) -> None:
+    def __init__(self, files: dict[str, bytes], fetch: Callable[[set[str]], None] | None = None) -> None:
         super().__init__("memory")
         self.fs = MemoryFiles(files)
+        self.fetch = fetch
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
+        if self.fetch is not None:
+            self.fetch({self.storage_data[item.storage_index].relative_path for item in plan.items})
+        return FileSystemReader.read_data(self, plan, planner)
 
 
 @dataclass
@@ -223,22 +230,45 @@ class PeerCheckpoints:
         chosen = newest_whole([rank_held for rank_held, _ in every])
         if chosen is None or (disk is not None and disk > chosen[0][0]):
             return None
-        (step, world, strategy), holders = chosen
-        own = next((g.files for g in self.generations if g.step == step and g.world == world), {})
-        files = {}
-        for name, holder in holders.items():
-            size = every[holder][0][(step, world, strategy)][name]
-            data = torch.frombuffer(bytearray(own[name]), dtype=torch.uint8) if trainer.ctx.rank == holder else \
-                torch.empty(size, dtype=torch.uint8)
-            dist.broadcast(data, src=holder)
-            files[name] = own[name] if trainer.ctx.rank == holder else bytes(data.numpy())
-        gathered = time.perf_counter() - started
-        load_state(trainer, MemoryReader(files), same_world=False, saved_rank_state=None, source="memory")
+        key, holders = chosen
+        step, world, strategy = key
+        own = next(g.files for g in self.generations if (g.step, g.world, g.strategy) == key) \
+            if key in held else {}
+        files = dict(own)  # every survivor holds the metadata: each saved the generation
+        sizes = {name: every[holder][0][key][name] for name, holder in holders.items()}
+        fetched: list[int] = []
+
+        def fetch(needed: set[str]) -> None:
+            """The files each rank's part of the load reads and it lacks, sent by the ranks that hold them."""
+            wanted: list[Any] = [None] * trainer.ctx.world_size
+            dist.all_gather_object(wanted, sorted(needed - files.keys()))
+            sends = [(name, holders[name], rank) for rank, names in enumerate(wanted) for name in names]
+            received = send_files(files, sizes, sends, trainer.ctx.rank)
+            files.update(received)
+            fetched.append(sum(map(len, received.values())))
+
+        load_state(trainer, MemoryReader(files, fetch), same_world=False, saved_rank_state=None, source="memory")
         if trainer.ctx.is_main:
             print(f"restored step {step} from the survivors' memory (saved by {strategy} on {world} rank(s); "
-                  f"{len(files)} files, {sum(map(len, files.values())) / 2**20:.1f} MiB gathered in {gathered:.2f} s, "
-                  f"loaded in {time.perf_counter() - started - gathered:.2f} s)", file=sys.stderr, flush=True)
+                  f"{sum(fetched) / 2**20:.1f} MiB fetched from the others, in "
+                  f"{time.perf_counter() - started:.2f} s)", file=sys.stderr, flush=True)
         return step
+
+
+def send_files(files: dict[str, bytes], sizes: dict[str, int], sends: list[tuple[str, int, int]],
+               rank: int) -> dict[str, bytes]:
+    """Each (name, from, to) of `sends`: the file sent by rank `from`, which holds it in `files`, to rank
+    `to`; what this rank received (every rank goes through the same list, in order)."""
+    works, received = [], {}
+    for name, holder, to in sends:
+        if rank == holder:
+            works.append(dist.isend(torch.frombuffer(bytearray(files[name]), dtype=torch.uint8), to))
+        elif rank == to:
+            received[name] = torch.empty(sizes[name], dtype=torch.uint8)
+            works.append(dist.irecv(received[name], holder))
+    for work in works:
+        work.wait()
+    return {name: bytes(data.numpy()) for name, data in received.items()}
 
 
 def newest_whole(held: list[dict[tuple[int, int, str], dict[str, int]]]) -> tuple[Any, dict[str, int]] | None:

@@ -74,13 +74,16 @@ def main(argv: list[str] | None = None) -> None:
             if not (is_collective_failure(error) or lost):
                 raise
             where = f"step {trainer.step + 1}" if trainer else "while setting up"
-            if lost and peer_checkpoints is not None:
+            if not lost:
+                raise explain(error, ctx, launch.timeout_s, where) from error
+            print(f"rank {ctx.rank}: a peer was lost at {where} ({lost})", file=sys.stderr, flush=True)
+            if peer_checkpoints is not None:
                 peer_checkpoints.settle()  # before the groups end: a copy that arrived is kept
-            reformed = reform(ctx, launch, store, generation) if lost else None
+            reformed = reform(ctx, launch, store, generation)
             if reformed is None:
                 raise explain(error, ctx, launch.timeout_s, where) from error
-            print(f"rank {ctx.rank}: a peer was lost at {where} ({lost}); going on as rank {reformed.rank} of "
-                  f"{reformed.world_size}", file=sys.stderr, flush=True)
+            print(f"rank {ctx.rank}: going on as rank {reformed.rank} of {reformed.world_size}", file=sys.stderr,
+                  flush=True)
             ctx, generation = reformed, generation + 1
             launch.nnodes, launch.node_rank = ctx.world_size // launch.nproc, ctx.rank // launch.nproc
     if ctx.is_main:

@@ -108,7 +108,7 @@ def steps_written(out: Path) -> int:
 LOSSES = {"killed": {"Connection reset by peer", "Connection closed by peer"}, "cut off": {"Timed out waiting"}}
 CHECKPOINTS = {"killed": ("--set", "train.memory_checkpoint_every=4"), "cut off": ("--checkpoint-every", "4")}
 RESTORED = {"killed": r"restored step (\d+) from the survivors' memory \(saved by fsdp on 3 rank\(s\)",
-            "cut off": r"resumed from .* \(step (\d+), saved by fsdp on 3 rank\(s\)\)"}
+            "cut off": r"resumed from .* \(step (\d+), saved by fsdp on 3 rank\(s\); read in"}
 
 
 @pytest.mark.root  # network namespaces
@@ -142,8 +142,8 @@ def test_fsdp_goes_on_over_the_nodes_left_on_the_same_batches(uninterrupted, tmp
     # The two left re-formed their world in the processes they were (each says so, and why: the first to
     # fail saw what this way of losing a node makes; the other may have seen the first end its groups),
     # and node 0's then resumed there from a checkpoint of the 3
-    reasons = [re.search(rf"rank {rank}: a peer was lost at step \d+ \(([^)]*)\); going on as rank {rank} of 2\n",
-                         err) for rank, (_, err) in enumerate(results[:2])]
+    reasons = [re.search(rf"rank {rank}: a peer was lost at step \d+ \(([^)]*)\)\nrank {rank}: going on as rank {rank} "
+                         r"of 2\n", err) for rank, (_, err) in enumerate(results[:2])]
     assert all(reasons), [err[-3000:] for _, err in results[:2]]
     assert LOSSES[lost] & {reason[1] for reason in reasons}
     # and restored there the state of the newest checkpoint of the 3 before the loss (after step 10), from the
