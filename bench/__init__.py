@@ -67,6 +67,8 @@ BENCHES = {
     "data": Bench("bench.data", 0, ("--steps", "1", "--reads", "10", "--sizes-mib", "1")),
     # gpt-moe under ep 1, 2, 4 as whole jobs; one layer against DeepSpeed's
     "moe": Bench("bench.moe", 0, None),
+    # a node lost, recovered by a restart from disk and elastically from memory (namespaces, as root)
+    "recovery": Bench("bench.recovery", 0, ("--preset", "tiny", "--steps", "8")),
     # makes its own nodes (namespaces, as root) and ranks
     "multinode": Bench("bench.multinode", 0, ("--steps", "1", "--strategies", "ddp", "--rates", "unlimited",
                                                "--preset", "tiny", "--micro-batch", "1")),

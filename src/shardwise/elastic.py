@@ -4,24 +4,25 @@ MIN:MAX) that goes on when a node is lost and grows again when one comes back.
 A lost node: the collective each surviving worker is in fails (its peer closed or reset the
 connection, or never answered within launch.timeout_s). The survivors re-form the world in the
 processes they are (`reform`): each destroys its process groups, so that every rank still waiting on
-it fails at once; they meet at the workers' rendezvous store (rank 0's, kept alive through the
-groups' end) until none has arrived for SETTLE_S; the first to have settled names the members; and
-they make a world of them, ranks in their old order, and build the trainer again at that size. No
-new process, no import, no rendezvous of the agents: 2.2 s from the kill to the newest checkpoint
-loaded on 3 namespace nodes. Where that cannot be (node 0, which holds the store, lost; survivors
-that are not whole nodes, or too few), the worker fails as before and torchrun's agents restart the
-workers at the nodes their rendezvous gathers (it closes once the fewest have met and no more arrive
-for LAST_CALL_S).
+it fails at once, and one still computing at its next collective; they meet at the workers'
+rendezvous store (rank 0's, kept alive through the groups' end) until all but one node's ranks are
+there (else until none has arrived for SETTLE_S or a step's time); the first to have settled names
+the members; and they make a world of them, ranks in their old order, and build the trainer again
+at that size. No new process, no import, no rendezvous of the agents. Where that cannot be (node 0,
+which holds the store, lost; survivors that are not whole nodes, or too few), the worker fails as
+before and torchrun's agents restart the workers at the nodes their rendezvous gathers (it closes
+once the fewest have met and no more arrive for LAST_CALL_S).
 
 A node that comes back joins the agents' rendezvous; the running agents stop their workers (which
 save a checkpoint at the end of the step, as on any SIGTERM) and start them again with it.
 
-Every start, and every re-forming, goes on from the newest checkpoint: checkpoints reshard to any
-world size and the sampler's global batches do not depend on it, so every step trains on the
-uninterrupted run's samples; only each replica's accumulation changes (global batch / (dp x
-micro-batch)). So the range is checked before launch at every size in it, as validate checks one:
-the mesh (tp, pp, cp dividing it) and the global batch dividing into every size's replicas'
-micro-batches.
+Every start, and every re-forming, goes on from the newest checkpoint (after a re-forming, the
+newest the survivors hold whole in memory, where the job keeps memory checkpoints:
+peer_checkpoints.py): checkpoints reshard to any world size and the sampler's global batches do not
+depend on it, so every step trains on the uninterrupted run's samples; only each replica's
+accumulation changes (global batch / (dp x micro-batch)). So the range is checked before launch at
+every size in it, as validate checks one: the mesh (tp, pp, cp dividing it) and the global batch
+dividing into every size's replicas' micro-batches.
 """
 
 from __future__ import annotations
@@ -98,8 +99,9 @@ def check_range(cfg: Config, validate_at: Callable[[Config, int], None]) -> None
 
 # --- re-forming the world in the surviving processes ------------------------------------------
 
-# Survivors arrive at the store as their collectives fail; the world is formed once none has arrived
-# for this long (a rank waiting on one that re-forms fails at once: that rank closed its connections).
+# Survivors arrive at the store as their collectives fail; where more than one node's ranks are missing,
+# the world is formed once none has arrived for this long, or a step's time if longer (a rank waiting on
+# one that re-forms fails at once: that rank closed its connections; one computing, at its next collective).
 SETTLE_S = 2.0
 LOST_PEER = ("Connection closed by peer", "Connection reset by peer", "Timed out waiting", "Read error")
 
@@ -112,19 +114,27 @@ def lost_peer(error: BaseException) -> str | None:
     return next((words for words in LOST_PEER if words in str(error)), None)
 
 
-def reform(ctx: DistContext, launch: LaunchConfig, store: dist.Store, generation: int) -> DistContext | None:
+def reform(ctx: DistContext, launch: LaunchConfig, store: dist.Store, generation: int,
+           step_s: float = 0.0) -> DistContext | None:
     """After a collective failed on a lost peer: this rank's process groups destroyed (every rank still
-    waiting on it fails at once), the survivors counted at `store` (the workers' rendezvous store,
-    kept alive through the groups' end) until none arrives for SETTLE_S, and a world of them made in
-    this process, ranks in their old order. None where that cannot be: the survivors are not whole
+    waiting on it fails at once, one computing at its next collective: within a step, `step_s` at the
+    longest), the survivors counted at `store` (the workers' rendezvous store, kept alive through the
+    groups' end) until all but one node's ranks have arrived, or else none has for SETTLE_S or a step,
+    whichever is longer, and whole nodes enough to go on have (launch.min_nnodes; at most
+    launch.timeout_s), and a world of them made in this process, ranks in their old order. None where
+    that cannot be: the survivors are not whole
     nodes, or fewer than launch.min_nnodes, or the store is gone with its node (then the agents
     restart the workers, as on any failure)."""
     dist.destroy_process_group()
     prefix = f"shardwise/elastic/{generation}"
+    settle_s, fewest = max(SETTLE_S, step_s), (launch.min_nnodes or launch.nnodes) * launch.nproc
     try:
         store.set(f"{prefix}/rank/{ctx.rank}", "1")
         arrived, since = store.add(f"{prefix}/arrived", 1), time.monotonic()
-        while time.monotonic() - since < SETTLE_S:
+        deadline = since + launch.timeout_s
+        # All but one node's ranks: a node was lost, the rest are here. Fewer: wait for the others
+        while arrived < ctx.world_size - launch.nproc and \
+                (time.monotonic() - since < settle_s or (arrived < fewest and time.monotonic() < deadline)):
             time.sleep(0.1)
             now = store.add(f"{prefix}/arrived", 0)
             if now != arrived:

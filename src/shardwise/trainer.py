@@ -149,6 +149,7 @@ class Trainer:
         self.scaler = self.strategy.scaler
         self.skipped_steps = 0
         self.step = 0  # the step under way (0-based), for errors that happen inside it
+        self.longest_step_s = 0.0  # a live rank reaches a collective within it (elastic.reform waits as long)
         self.sampler = GlobalBatchSampler(len(self.train_set), cfg.train.global_batch, cfg.train.seed)
         self.accum = cfg.train.global_batch // (self.strategy.data_size * cfg.train.micro_batch)
         self.activation_bytes = 0
@@ -310,6 +311,7 @@ class Trainer:
                 with self.peaks("steps"):
                     loss = self.train_step(step).item()  # .item() waits for the step to finish
                     seconds = time.perf_counter() - started
+                    self.longest_step_s = max(self.longest_step_s, seconds)
                     memory = self.memory()
                     memory_by_rank, stopping = gather_step_end(self.ctx, memory, terminate.raised)
                     record = self.step_record(step, loss, seconds, memory, memory_by_rank)

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"rank {ctx.rank}: a peer was lost at {where} ({lost})", file=sys.stderr, flush=True)
             if peer_checkpoints is not None:
                 peer_checkpoints.settle()  # before the groups end: a copy that arrived is kept
-            reformed = reform(ctx, launch, store, generation)
+            reformed = reform(ctx, launch, store, generation, trainer.longest_step_s if trainer else 0.0)
             if reformed is None:
                 raise explain(error, ctx, launch.timeout_s, where) from error
             print(f"rank {ctx.rank}: going on as rank {reformed.rank} of {reformed.world_size}", file=sys.stderr,
