@@ -30,7 +30,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import IO, TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -310,11 +310,9 @@ class SafeReader(FileSystemReader):
         for item in mapped:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         for relative_path, items in per_file.items():
-            path = Path(self.path) / relative_path
-            with open(path, "rb") as stream:
+            with self.open_file(relative_path) as stream:
                 for item in items:
-                    # Mapped afresh for each item, so that only its pages are resident at once.
-                    storage = torch.UntypedStorage.from_file(str(path), False, path.stat().st_size)  # private
+                    storage = self.file_storage(relative_path)
                     stored = self._mapped_tensor(stream, storage, self.storage_data[item.storage_index])
                     for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
                         stored = stored.narrow(dim, start, length)
@@ -324,6 +322,15 @@ class SafeReader(FileSystemReader):
         done: Future[None] = Future()
         done.set_result(None)
         return done
+
+    def open_file(self, relative_path: str) -> IO[bytes]:
+        return open(Path(self.path) / relative_path, "rb")
+
+    def file_storage(self, relative_path: str) -> torch.UntypedStorage:
+        """The file's bytes as a storage, mapped (afresh for each tensor read, so that only its pages
+        are resident at once)."""
+        path = Path(self.path) / relative_path
+        return torch.UntypedStorage.from_file(str(path), False, path.stat().st_size)  # private
 
     @staticmethod
     def _mapped_tensor(stream: Any, storage: torch.UntypedStorage, stored: Any) -> torch.Tensor:

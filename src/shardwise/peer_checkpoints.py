@@ -27,29 +27,31 @@ from __future__ import annotations
 import io
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystemBase
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
 from shardwise.checkpoint import SafeReader, TrainingRun, checkpoint_dir, load_state, training_state
 
 METADATA = ".metadata"  # DCP's name for the file that says what the others hold
+FileBytes = bytes | memoryview  # a file in memory: as written here, or as received from a peer
 
 
 class MemoryFiles(FileSystemBase):
     """A checkpoint's files as bytes in this process, by name, through which DCP writes and reads."""
 
-    def __init__(self, files: dict[str, bytes] | None = None) -> None:
+    def __init__(self, files: dict[str, FileBytes] | None = None) -> None:
         self.files = files if files is not None else {}
 
     @contextmanager
@@ -88,7 +90,7 @@ class MemoryFiles(FileSystemBase):
 class _Written(io.BytesIO):
     """A file being written: its bytes kept under its name once it is closed (DCP closes some itself)."""
 
-    def __init__(self, files: dict[str, bytes], name: str) -> None:
+    def __init__(self, files: dict[str, FileBytes], name: str) -> None:
         super().__init__()
         self.kept, self.name = files, name
 
@@ -99,11 +101,12 @@ class _Written(io.BytesIO):
 
 
 class MemoryReader(SafeReader):
-    """DCP's reader over files in memory; its metadata unpickled through SafeReader's allow-list.
-    `fetch`, where given, is called on every rank (DCP reads on every rank, once) with the names of
-    the files this rank's part of the load reads, and adds those it lacks to `files`."""
+    """DCP's reader over files in memory, as SafeReader reads files on disk: the metadata through its
+    allow-list, each tensor a view of the file's bytes, copied once, into the state. `fetch`, where
+    given, is called on every rank (DCP reads on every rank, once) with the names of the files this
+    rank's part of the load reads, and adds those it lacks to `files`."""
 
-    def __init__(self, files: dict[str, bytes], fetch: Callable[[set[str]], None] | None = None) -> None:
+    def __init__(self, files: dict[str, FileBytes], fetch: Callable[[set[str]], None] | None = None) -> None:
         super().__init__("memory")
         self.fs = MemoryFiles(files)
         self.fetch = fetch
@@ -111,7 +114,13 @@ class MemoryReader(SafeReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
         if self.fetch is not None:
             self.fetch({self.storage_data[item.storage_index].relative_path for item in plan.items})
-        return FileSystemReader.read_data(self, plan, planner)
+        return super().read_data(plan, planner)
+
+    def open_file(self, relative_path: str) -> IO[bytes]:
+        return io.BytesIO(self.fs.files[relative_path])
+
+    def file_storage(self, relative_path: str) -> torch.UntypedStorage:
+        return as_tensor(self.fs.files[relative_path]).untyped_storage()
 
 
 @dataclass
@@ -121,7 +130,7 @@ class Generation:
     step: int
     world: int  # the world that saved it: its files are __R_0.distcp for each rank R of it
     strategy: str
-    files: dict[str, bytes] = field(default_factory=dict)  # its own, the metadata, its peer's once arrived
+    files: dict[str, FileBytes] = field(default_factory=dict)  # its own, the metadata, its peer's once arrived
 
     @property
     def nbytes(self) -> int:
@@ -136,7 +145,7 @@ class Copy:
     generation: Generation
     name: str  # the incoming file's
     nbytes: int  # the outgoing file's, held until sent
-    arrived: Future[bytes]
+    arrived: Future[memoryview]
 
 
 def file_name(rank: int) -> str:
@@ -188,16 +197,15 @@ class PeerCheckpoints:
             arrived = self.thread.submit(self._exchange, own, peer, source, world)
             self.copy = Copy(generation, file_name(source), len(own), arrived)
 
-    def _exchange(self, own: bytes, peer: int, source: int, world: int) -> bytes:
+    def _exchange(self, own: bytes, peer: int, source: int, world: int) -> memoryview:
         """On the copies' thread: `own` sent to rank `peer`, rank `source`'s file received."""
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
         dist.all_gather(sizes, torch.tensor([len(own)]), group=self.group)
         incoming = torch.empty(int(sizes[source]), dtype=torch.uint8)
-        works = [dist.isend(torch.frombuffer(bytearray(own), dtype=torch.uint8), peer, self.group),
-                 dist.irecv(incoming, source, self.group)]
+        works = [dist.isend(as_tensor(own), peer, self.group), dist.irecv(incoming, source, self.group)]
         for work in works:
             work.wait()
-        return bytes(incoming.numpy())
+        return memoryview(incoming.numpy())  # kept as received, not copied again
 
     def poll(self) -> None:
         """Keep the peer's file once it has arrived (each step; nothing waits)."""
@@ -255,20 +263,27 @@ class PeerCheckpoints:
         return step
 
 
-def send_files(files: dict[str, bytes], sizes: dict[str, int], sends: list[tuple[str, int, int]],
-               rank: int) -> dict[str, bytes]:
+def send_files(files: dict[str, FileBytes], sizes: dict[str, int], sends: list[tuple[str, int, int]],
+               rank: int) -> dict[str, FileBytes]:
     """Each (name, from, to) of `sends`: the file sent by rank `from`, which holds it in `files`, to rank
     `to`; what this rank received (every rank goes through the same list, in order)."""
     works, received = [], {}
     for name, holder, to in sends:
         if rank == holder:
-            works.append(dist.isend(torch.frombuffer(bytearray(files[name]), dtype=torch.uint8), to))
+            works.append(dist.isend(as_tensor(files[name]), to))
         elif rank == to:
             received[name] = torch.empty(sizes[name], dtype=torch.uint8)
             works.append(dist.irecv(received[name], holder))
     for work in works:
         work.wait()
-    return {name: bytes(data.numpy()) for name, data in received.items()}
+    return {name: memoryview(data.numpy()) for name, data in received.items()}
+
+
+def as_tensor(data: FileBytes) -> torch.Tensor:
+    """A file's bytes as a tensor over the same memory, to send (a send only reads it)."""
+    with warnings.catch_warnings():  # bytes are read-only
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(data, dtype=torch.uint8)
 
 
 def newest_whole(held: list[dict[tuple[int, int, str], dict[str, int]]]) -> tuple[Any, dict[str, int]] | None:
