@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import re
 import statistics
 import subprocess
@@ -50,6 +49,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from bench import ROOT, bench_env
+from bench.checkpoint import drop_from_page_cache
 from bench.common import write_json
 from bench.netns import Cluster
 
@@ -92,20 +92,6 @@ def steps_written(out: Path) -> int:
     return metrics.read_text().count('"event": "step"') if metrics.is_file() else 0
 
 
-def uncache(directory: Path) -> int:
-    """Drop `directory`'s files from the page cache; their bytes."""
-    total = 0
-    for path in directory.rglob("*"):
-        if path.is_file():
-            descriptor = os.open(path, os.O_RDONLY)
-            try:
-                os.posix_fadvise(descriptor, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(descriptor)
-            total += path.stat().st_size
-    return total
-
-
 def recover(way: str, preset: str, steps: int, out: Path) -> dict[str, Any]:
     """One job of the way `way`, node 2 killed half a step after KILLED_AFTER steps; its recovery's parts."""
     config = str(ROOT / "configs" / "gpt-tiny.toml")
@@ -141,7 +127,8 @@ def recover(way: str, preset: str, steps: int, out: Path) -> dict[str, Any]:
         nodes.kill(2)
         uncached = 0
         if on_disk:
-            uncached = uncache(out / "checkpoints")
+            drop_from_page_cache(out / "checkpoints")
+            uncached = sum(file.stat().st_size for file in (out / "checkpoints").rglob("*") if file.is_file())
             again = nodes.popen(2, nodes.train_argv(2, config, 1, flags), cwd=ROOT, env=bench_env(),
                                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             lines.append(Lines(again.stderr))
