@@ -11,8 +11,9 @@ peer's, so a node lost in the middle of a copy leaves the generation before it w
 
 After a loss, the survivors, in the world they re-formed, tell each other what they hold; the
 newest generation of which every file of the world that saved it is held by some survivor (its
-own, or the copy of a lost rank's) is restored: each file is broadcast from a rank that holds it
-and DCP loads the whole into the smaller world, resharded, with no file opened. Where no
+own, or the copy of a lost rank's) is restored: each rank is sent, by a rank that holds it, each
+file its part of the load reads, and DCP loads them into the smaller world, resharded, with no file
+opened. Where no
 generation is whole among them (two neighbouring nodes lost), or a disk checkpoint is newer, they
 load the disk's, as any resume does.
 
