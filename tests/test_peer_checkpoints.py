@@ -1,27 +1,23 @@
-"""Memory checkpoints (peer_checkpoints.py): DCP's files written to and read from memory, and which
-generation the survivors of a loss restore. The whole path, on 3 namespace nodes with one killed, is
+"""Memory checkpoints (peer_checkpoints.py): what a node's shared memory holds, and which generation
+a world restores. The whole path, on 3 namespace nodes with one killed and started again, is
 tests/multinode/test_elastic.py's."""
 
 from __future__ import annotations
 
-import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
-
-from shardwise.peer_checkpoints import METADATA, MemoryFiles, MemoryReader, file_name, newest_whole
+from shardwise.peer_checkpoints import METADATA, PeerCheckpoints, file_name, newest_whole
 
 
-def test_a_state_saved_into_memory_loads_back_equal_with_no_file_written(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    state = {"w": torch.randn(5, 3), "m": {"step": torch.tensor(7), "v": torch.arange(4.0)}}
-    writer = FileSystemWriter("memory", sync_files=False)
-    writer.fs = MemoryFiles()
-    dcp.save(state, storage_writer=writer, no_dist=True)
-    assert sorted(writer.fs.files) == [METADATA, file_name(0)] and not list(tmp_path.iterdir())
-    loaded = {"w": torch.zeros(5, 3), "m": {"step": torch.tensor(0), "v": torch.zeros(4)}}
-    dcp.load(loaded, storage_reader=MemoryReader(writer.fs.files), no_dist=True)
-    assert torch.equal(loaded["w"], state["w"]) and torch.equal(loaded["m"]["v"], state["m"]["v"])
-    assert int(loaded["m"]["step"]) == 7
+def test_a_node_holds_the_files_whole_under_their_names_and_a_fresh_run_holds_none(tmp_path):
+    directory = tmp_path / "node"
+    (directory / "step-00000004-world-3-fsdp" / ".writing-1").mkdir(parents=True)  # a save under way
+    for name, size in ((METADATA, 10), (file_name(0), 100), (file_name(2), 90), (f".{file_name(1)}", 80)):
+        (directory / "step-00000004-world-3-fsdp" / name).write_bytes(b"x" * size)  # the last: still arriving
+    (directory / "step-00000008-world-2-fsdp").mkdir()
+    node = PeerCheckpoints(directory, nproc=2, fresh=False)
+    assert node.generations() == {(4, 3, "fsdp"): {METADATA: 10, file_name(0): 100, file_name(2): 90},
+                                  (8, 2, "fsdp"): {}}
+    assert node.held_bytes == 100  # each of its 2 ranks' share
+    assert PeerCheckpoints(directory, nproc=2, fresh=True).generations() == {}
 
 
 def held(**generations: set[str]) -> dict:

@@ -38,6 +38,9 @@ from shardwise.config.registry import own_launcher_setting
 from shardwise.config.schema import Config, ConfigError, LaunchConfig
 from shardwise.dist import DistContext
 
+# This node's launch.node_addr, as its launcher tells its workers: their config file (the run directory's,
+# which every node's launcher writes) may hold another node's. Names the node's memory checkpoints.
+NODE_ADDR = "SHARDWISE_NODE_ADDR"
 # How long the rendezvous waits for more nodes once the fewest have gathered: the survivors of a lost
 # node start again this much later; a node slower than this to join at the start joins at a restart.
 LAST_CALL_S = 3

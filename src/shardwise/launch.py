@@ -33,7 +33,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from shardwise.config.schema import ConfigError, LaunchConfig
 from shardwise.dist import worker_name
-from shardwise.elastic import LAST_CALL_S
+from shardwise.elastic import LAST_CALL_S, NODE_ADDR
 from shardwise.fork_server import start_fork_server
 
 K = TypeVar("K")  # what a caller of `exits` knows its processes by
@@ -120,10 +120,11 @@ def interface_of(address: str) -> str:
 def node_addr_settings(launch: LaunchConfig) -> dict[str, str]:
     """Environment for the workers of a node at launch.node_addr: Gloo binds to the interface that
     holds it (left to itself it binds to whatever the hostname resolves to, often 127.0.0.1, which
-    other nodes cannot reach)."""
+    other nodes cannot reach); elastic.NODE_ADDR names the node to its workers, whose config file
+    (the run directory's, which every node's launcher writes) may be another node's."""
     if not launch.node_addr:
         return {}
-    return {"GLOO_SOCKET_IFNAME": interface_of(launch.node_addr)}
+    return {"GLOO_SOCKET_IFNAME": interface_of(launch.node_addr), NODE_ADDR: launch.node_addr}
 
 
 def _failure_message(error: ChildFailedError) -> str:

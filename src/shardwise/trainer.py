@@ -327,12 +327,16 @@ class Trainer:
                     self.checkpointer.poll()  # the save in flight, if rank 0 finished it: its failure raised here
                 done = step + 1 if self.committed else step  # a step replica groups rolled back left no trace
                 if stopping:
+                    if self.peer_checkpoints is not None:  # what the restarted workers restore, the state kept
+                        with self.between_steps("checkpoint"):
+                            self.peer_checkpoints.save(self, done)
+                            self.peer_checkpoints.finish_copy()
                     self.save_checkpoint(done, now=True)
                     raise SystemExit(f"rank {self.ctx.rank}: SIGTERM: saved a checkpoint after step {done}")
                 if t.checkpoint_every and self.committed and done % t.checkpoint_every == 0:
                     self.save_checkpoint(done)
                 if self.peer_checkpoints is not None:
-                    self.peer_checkpoints.poll()  # the last copy to the peer, if it arrived: kept
+                    self.peer_checkpoints.poll()  # the last copy to the peer: its failure raised here
                     if done % t.memory_checkpoint_every == 0:
                         with self.between_steps("checkpoint"):
                             self.peer_checkpoints.save(self, done)

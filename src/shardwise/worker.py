@@ -19,9 +19,9 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from shardwise.config.load import load_config
 from shardwise.config.registry import spec
 from shardwise.dist import init_distributed, leave_process, name_worker, restart_count, shutdown_distributed
-from shardwise.elastic import lost_peer, reform
+from shardwise.elastic import NODE_ADDR, lost_peer, reform
 from shardwise.metrics import format_summary
-from shardwise.peer_checkpoints import PeerCheckpoints
+from shardwise.peer_checkpoints import PeerCheckpoints, node_directory
 from shardwise.replicas import replica_group
 from shardwise.stalls import explain, is_collective_failure
 from shardwise.strategies import param_server
@@ -61,7 +61,11 @@ def main(argv: list[str] | None = None) -> None:
     # An elastic job re-forms its world over the workers' rendezvous store when a node is lost: kept
     # here, since the process group that holds it (rank 0 serving it) is destroyed then.
     store = dist.distributed_c10d._get_default_store() if launch.min_nnodes is not None else None
-    peer_checkpoints = PeerCheckpoints(launch.nproc) if cfg.train.memory_checkpoint_every else None
+    # An elastic job's memory checkpoints, in the node's shared memory: they outlive the process (a re-forming
+    # in it, a restart by the agents, the world's growth), not the node
+    peer_checkpoints = PeerCheckpoints(node_directory(cfg.run.out, os.environ.get(NODE_ADDR)), launch.nproc,
+                                       fresh=not (Path(cfg.run.out) / "metrics.jsonl").exists()) \
+        if cfg.train.memory_checkpoint_every else None
     generation = 0
     while True:
         trainer = None
@@ -78,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
                 raise explain(error, ctx, launch.timeout_s, where) from error
             print(f"rank {ctx.rank}: a peer was lost at {where} ({lost})", file=sys.stderr, flush=True)
             if peer_checkpoints is not None:
-                peer_checkpoints.settle()  # before the groups end: a copy that arrived is kept
+                peer_checkpoints.settle()  # the copy under way ends with the groups
             reformed = reform(ctx, launch, store, generation, trainer.longest_step_s if trainer else 0.0)
             if reformed is None:
                 raise explain(error, ctx, launch.timeout_s, where) from error
@@ -90,6 +94,8 @@ def main(argv: list[str] | None = None) -> None:
         print(format_summary(summary), flush=True)
     if servers:
         param_server.leave(ctx, cfg)
+    if peer_checkpoints is not None:
+        peer_checkpoints.close()
     # Reached only on success: after a failure another rank may be gone, and a barrier would hang.
     shutdown_distributed()
 

@@ -7,6 +7,7 @@ global batches throughout."""
 from __future__ import annotations
 
 import re
+import shutil
 import time
 from pathlib import Path
 
@@ -17,6 +18,7 @@ from nodes import cluster, start_on_nodes, wait_for_step
 from shardwise.cli import main
 from shardwise.config.load import load_config
 from shardwise.config.schema import ConfigError
+from shardwise.peer_checkpoints import node_directory
 from shardwise.planner.candidates import Candidate
 from shardwise.planner.memory_model import predict_memory
 from shardwise.planner.search import check_smallest_fits
@@ -107,7 +109,7 @@ def steps_written(out: Path) -> int:
 # two finish the run (their agents not waiting at the end for its agent, gone with its node).
 LOSSES = {"killed": {"Connection reset by peer", "Connection closed by peer"}, "cut off": {"Timed out waiting"}}
 CHECKPOINTS = {"killed": ("--set", "train.memory_checkpoint_every=4"), "cut off": ("--checkpoint-every", "4")}
-RESTORED = {"killed": r"restored step (\d+) from the survivors' memory \(saved by fsdp on 3 rank\(s\)",
+RESTORED = {"killed": r"restored step (\d+) from the nodes' memory \(saved by fsdp on 3 rank\(s\)",
             "cut off": r"resumed from .* \(step (\d+), saved by fsdp on 3 rank\(s\); read in"}
 
 
@@ -120,6 +122,7 @@ def test_fsdp_goes_on_over_the_nodes_left_on_the_same_batches(uninterrupted, tmp
         wait_for_step(processes, out, 10)
         if lost == "killed":
             nodes.kill(2)  # its launcher and its worker, as a crashed node
+            shutil.rmtree(node_directory(out, nodes.nodes[2].addr), ignore_errors=True)  # its memory, with it
         else:
             nodes.cut(2)
         lost_at = steps_written(out)
@@ -150,6 +153,11 @@ def test_fsdp_goes_on_over_the_nodes_left_on_the_same_batches(uninterrupted, tmp
     # memory the three kept (the lost one's copy on node 0) or from disk
     restored = re.search(r"going on as rank 0 of 2\n(.*\n)*" + RESTORED[lost], results[0][1])
     assert restored and int(restored[2]) in (8, 12), results[0][1][-3000:]
+    if lost == "killed":
+        # Node 2 back: the agents started every worker again, which restored the state the two kept in
+        # their memory at the agents' stop (node 2, its memory lost, was sent its part), not the disk's
+        assert re.search(r"restored step \d+ from the nodes' memory \(saved by fsdp on 2 rank\(s\)", results[0][1])
+        assert not [node.addr for node in nodes.nodes if node_directory(out, node.addr).exists()]  # gone at the end
     steps = read_records(out)
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1))  # one record a step: redone ones replaced
     assert max(abs(a - b) / b for a, b in zip(losses(out), uninterrupted, strict=True)) <= 1e-5

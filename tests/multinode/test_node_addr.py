@@ -7,6 +7,7 @@ import pytest
 
 from shardwise.config.load import load_config
 from shardwise.config.schema import ConfigError, LaunchConfig
+from shardwise.elastic import NODE_ADDR
 from shardwise.launch import interface_of, node_addr_settings, torchrun_args
 
 
@@ -19,10 +20,11 @@ def test_node_0_hosts_the_rendezvous_and_every_node_publishes_its_address():
         assert "--rdzv-endpoint=10.0.0.1:29400" in args and f"--node-rank={rank}" in args
 
 
-def test_gloo_binds_to_the_interface_that_holds_the_address():
+def test_gloo_binds_to_the_interface_that_holds_the_address_and_the_workers_are_told_it():
     assert interface_of("127.0.0.1") == "lo"
     assert interface_of("::1") == "lo"
-    assert node_addr_settings(LaunchConfig(nnodes=2, node_addr="127.0.0.1")) == {"GLOO_SOCKET_IFNAME": "lo"}
+    assert node_addr_settings(LaunchConfig(nnodes=2, node_addr="127.0.0.1")) == {"GLOO_SOCKET_IFNAME": "lo",
+                                                                                 NODE_ADDR: "127.0.0.1"}
     assert node_addr_settings(LaunchConfig(nnodes=2)) == {}
 
 
