@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -52,6 +53,7 @@ from bench import ROOT, bench_env
 from bench.checkpoint import drop_from_page_cache
 from bench.common import write_json
 from bench.netns import Cluster
+from shardwise.peer_checkpoints import node_directory
 
 EVERY = 4  # steps between checkpoints (on disk, or in memory)
 KILLED_AFTER = 6  # steps written when node 2 is killed: the two since the checkpoint are redone
@@ -64,7 +66,7 @@ WAYS = {
     "elastic from memory, every step": [*ELASTIC, "--set", "train.memory_checkpoint_every=1"],
 }
 LOST = re.compile(r"a peer was lost|Connection reset by peer|Connection closed by peer")
-RESTORED = re.compile(r"(?:restored step (\d+) from the survivors' memory .* in|resumed from \S+ \(step (\d+),"
+RESTORED = re.compile(r"(?:restored step (\d+) from the nodes' memory .* in|resumed from \S+ \(step (\d+),"
                       r" .*read in) ([\d.]+) s\)")
 
 
@@ -125,6 +127,7 @@ def recover(way: str, preset: str, steps: int, out: Path) -> dict[str, Any]:
         time.sleep(step_s / 2)  # a kill half-way through a step
         lost_at, killed = steps_written(out), time.monotonic()
         nodes.kill(2)
+        shutil.rmtree(node_directory(out, nodes.nodes[2].addr), ignore_errors=True)  # its memory, with the node
         uncached = 0
         if on_disk:
             drop_from_page_cache(out / "checkpoints")
@@ -147,6 +150,8 @@ def recover(way: str, preset: str, steps: int, out: Path) -> dict[str, Any]:
         wait_for(redone, "redoing the lost steps")
         back = time.monotonic()
         detected = min(seen[0] for node in lines[:2] if (seen := node.first(LOST, killed)))
+    for node in nodes.nodes:  # the job was stopped, not ended: its memory checkpoints were left
+        shutil.rmtree(node_directory(out, node.addr), ignore_errors=True)
     restore_s = float(found[3])
     return {
         "way": way, "step_s": step_s, "steps_at_kill": lost_at, "restored_step": restored,

@@ -241,9 +241,9 @@ class TrainConfig:
     checkpoint_every: int = option(0, "save a checkpoint every N steps; 0: none (SIGTERM still saves one)")
     keep_checkpoints: int = option(3, "keep the newest K checkpoints")
     memory_checkpoint_every: int = option(0, "an elastic job (launch.min_nnodes): every N steps, each rank's state "
-                                          "also kept in its memory and in a rank's of the next node, two "
-                                          "generations, so survivors of a lost node go on from it without reading "
-                                          "a disk (peer_checkpoints.py); 0: off")
+                                          "also kept in its node's shared memory and in the next node's, two "
+                                          "generations, so the survivors of a lost node, and a node that comes "
+                                          "back, go on from it without reading a disk (peer_checkpoints.py); 0: off")
     bad_step: str = option("stop", "a step whose loss or gradients are not finite on some rank, or whose loss "
                            "spikes (`spike_factor`), is re-run once from the same state; if it fails again the run "
                            "stops (`stop`) or goes on without that step's update (`skip`); each logged with the "
