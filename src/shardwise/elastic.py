@@ -14,15 +14,15 @@ before and torchrun's agents restart the workers at the nodes their rendezvous g
 once the fewest have met and no more arrive for LAST_CALL_S).
 
 A node that comes back joins the agents' rendezvous; the running agents stop their workers (which
-save a checkpoint at the end of the step, as on any SIGTERM) and start them again with it.
+save a checkpoint at the end of the step, as on any SIGTERM, and a memory checkpoint before it where
+the job keeps them) and start them again with it.
 
-Every start, and every re-forming, goes on from the newest checkpoint (after a re-forming, the
-newest the survivors hold whole in memory, where the job keeps memory checkpoints:
-peer_checkpoints.py): checkpoints reshard to any world size and the sampler's global batches do not
-depend on it, so every step trains on the uninterrupted run's samples; only each replica's
-accumulation changes (global batch / (dp x micro-batch)). So the range is checked before launch at
-every size in it, as validate checks one: the mesh (tp, pp, cp dividing it) and the global batch
-dividing into every size's replicas' micro-batches.
+Every start, and every re-forming, goes on from the newest checkpoint (the newest the nodes hold
+whole in memory, where the job keeps memory checkpoints: peer_checkpoints.py): checkpoints reshard
+to any world size and the sampler's global batches do not depend on it, so every step trains on the
+uninterrupted run's samples; only each replica's accumulation changes (global batch / (dp x
+micro-batch)). So the range is checked before launch at every size in it, as validate checks one: the mesh
+(tp, pp, cp dividing it) and the global batch dividing into every size's replicas' micro-batches.
 """
 
 from __future__ import annotations
@@ -125,9 +125,8 @@ def reform(ctx: DistContext, launch: LaunchConfig, store: dist.Store, generation
     groups' end) until all but one node's ranks have arrived, or else none has for SETTLE_S or a step,
     whichever is longer, and whole nodes enough to go on have (launch.min_nnodes; at most
     launch.timeout_s), and a world of them made in this process, ranks in their old order. None where
-    that cannot be: the survivors are not whole
-    nodes, or fewer than launch.min_nnodes, or the store is gone with its node (then the agents
-    restart the workers, as on any failure)."""
+    that cannot be: the survivors are not whole nodes, or fewer than launch.min_nnodes, or the store is
+    gone with its node (then the agents restart the workers, as on any failure)."""
     dist.destroy_process_group()
     prefix = f"shardwise/elastic/{generation}"
     settle_s, fewest = max(SETTLE_S, step_s), (launch.min_nnodes or launch.nnodes) * launch.nproc

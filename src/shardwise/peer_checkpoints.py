@@ -62,6 +62,11 @@ def node_directory(run_out: str | Path, node_addr: str | None) -> Path:
     return SHARED_MEMORY / f"shardwise-{run}-{node_addr or socket.gethostname()}"
 
 
+def generation_name(step: int, world: int, strategy: str) -> str:
+    """A generation's directory: what GENERATION reads back."""
+    return f"step-{step:08d}-world-{world}-{strategy}"
+
+
 def file_name(rank: int) -> str:
     return f"__{rank}_0.distcp"  # DCP's, one file a rank
 
@@ -119,20 +124,22 @@ class PeerCheckpoints:
 
     def join(self) -> None:
         """The copies' own process group and thread in the world now formed (collective: every rank,
-        at setup). A copy under way belonged to a world that is gone: its thread is left to end."""
+        at setup). A copy under way belonged to a world that is gone: its thread is left to end (what
+        had arrived has its name; what had not, a hidden one)."""
         self.copy = None
         if self.thread is not None:
             self.thread.shutdown(wait=False)
         self.group = dist.new_group(backend="gloo")
         self.thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shardwise-peer-copy")
 
-    def save(self, trainer: TrainingRun, step: int) -> None:
-        """The state after `step` into this node's memory, and this rank's file's copy to its peer started."""
+    def save(self, trainer: TrainingRun, step: int, wait: bool = False) -> None:
+        """The state after `step` into this node's memory, and this rank's file's copy to its peer started
+        (with `wait`, done)."""
         self.finish_copy()  # the group is the main thread's again
         rank, world = trainer.ctx.rank, trainer.ctx.world_size
         state = training_state(trainer, world, with_rng=False)
         state["trainer"]["step"].fill_(step)
-        generation = self.directory / f"step-{step:08d}-world-{world}-{trainer.cfg.parallel.strategy}"
+        generation = self.directory / generation_name(step, world, trainer.cfg.parallel.strategy)
         writing = generation / f".writing-{rank}"
         dcp.save(state, storage_writer=FileSystemWriter(writing, sync_files=False))
         os.replace(writing / file_name(rank), generation / file_name(rank))
@@ -147,6 +154,8 @@ class PeerCheckpoints:
         peer, source = (rank + self.nproc) % world, (rank - self.nproc) % world
         if peer != rank:  # else one node: nowhere else to keep it
             self.copy = self.thread.submit(self._exchange, generation, rank, peer, source, world)
+        if wait:
+            self.finish_copy()
 
     def _exchange(self, generation: Path, rank: int, peer: int, source: int, world: int) -> None:
         """On the copies' thread: this rank's file sent to rank `peer`, rank `source`'s received."""
@@ -171,11 +180,6 @@ class PeerCheckpoints:
         if copy is not None:
             copy.result()
 
-    def settle(self) -> None:
-        """Before this world's groups end (a peer is lost): a copy under way is dropped (what arrived is
-        kept under its name; what had not, under a hidden one)."""
-        self.copy = None
-
     def restore(self, trainer: TrainingRun) -> int | None:
         """At a start, or in a re-formed world: the newest generation whole among the nodes' memory
         loaded into `trainer` (collective); its step, or None where none is whole or disk's is newer."""
@@ -189,7 +193,7 @@ class PeerCheckpoints:
             return None
         key, holders = chosen
         step, world, strategy = key
-        generation = self.directory / f"step-{step:08d}-world-{world}-{strategy}"
+        generation = self.directory / generation_name(*key)
         generation.mkdir(exist_ok=True)
         sizes = {name: every[holder][0][key][name] for name, holder in holders.items()}
         fetched: list[int] = []

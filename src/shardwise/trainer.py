@@ -328,9 +328,7 @@ class Trainer:
                 done = step + 1 if self.committed else step  # a step replica groups rolled back left no trace
                 if stopping:
                     if self.peer_checkpoints is not None:  # what the restarted workers restore, the state kept
-                        with self.between_steps("checkpoint"):
-                            self.peer_checkpoints.save(self, done)
-                            self.peer_checkpoints.finish_copy()
+                        self.save_in_memory(done, wait=True)
                     self.save_checkpoint(done, now=True)
                     raise SystemExit(f"rank {self.ctx.rank}: SIGTERM: saved a checkpoint after step {done}")
                 if t.checkpoint_every and self.committed and done % t.checkpoint_every == 0:
@@ -338,8 +336,7 @@ class Trainer:
                 if self.peer_checkpoints is not None:
                     self.peer_checkpoints.poll()  # the last copy to the peer: its failure raised here
                     if done % t.memory_checkpoint_every == 0:
-                        with self.between_steps("checkpoint"):
-                            self.peer_checkpoints.save(self, done)
+                        self.save_in_memory(done)
                 if t.eval_every and (step + 1) % t.eval_every == 0 and step + 1 < t.steps:
                     val_loss = self.evaluate()
                     writer.write({"event": "eval", "step": step + 1, "val_loss": val_loss, **self.val_metrics()})
@@ -374,6 +371,12 @@ class Trainer:
             if self.checkpointer is not None:
                 self.checkpointer.wait()
             save_checkpoint(self, step, self.cfg.train.keep_checkpoints)
+
+    def save_in_memory(self, step: int, wait: bool = False) -> None:
+        """A memory checkpoint of the state after `step` (peer_checkpoints.py); with `wait`, copied to the
+        peer before it returns."""
+        with self.between_steps("checkpoint"):
+            self.peer_checkpoints.save(self, step, wait)
 
     @contextmanager
     def between_steps(self, phase: str) -> Iterator[None]:

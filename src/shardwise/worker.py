@@ -81,8 +81,6 @@ def main(argv: list[str] | None = None) -> None:
             if not lost:
                 raise explain(error, ctx, launch.timeout_s, where) from error
             print(f"rank {ctx.rank}: a peer was lost at {where} ({lost})", file=sys.stderr, flush=True)
-            if peer_checkpoints is not None:
-                peer_checkpoints.settle()  # the copy under way ends with the groups
             reformed = reform(ctx, launch, store, generation, trainer.longest_step_s if trainer else 0.0)
             if reformed is None:
                 raise explain(error, ctx, launch.timeout_s, where) from error
