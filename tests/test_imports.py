@@ -116,3 +116,19 @@ def test_the_parallelisms_know_no_strategy_config_or_trainer():
     for module in (m for m in graph if m.startswith("shardwise.parallel")):
         reached = {m for m in reachable(graph, module) if m.startswith(above)}
         assert not reached, f"{module} reaches {sorted(reached)}"
+
+
+def test_the_commands_that_read_no_model_start_without_torch(tmp_path):
+    """`shardwise --help` and `shardwise report` import no torch (over a second on a CPU like CI's):
+    the CLI imports what reads a config inside the commands that read one."""
+    import subprocess
+    import sys
+
+    (tmp_path / "run").mkdir()
+    code = ("import sys; from shardwise.cli import main\n"
+            "try: main(['report', sys.argv[1]])\nexcept SystemExit: pass\n"
+            "print('torch' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run")], capture_output=True, text=True,
+                            timeout=60)
+    assert result.stdout.strip() == "False", result.stderr
+    assert "metrics.jsonl" in result.stderr  # the run it was given has none: said, not a traceback

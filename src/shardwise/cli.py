@@ -9,12 +9,11 @@ import sys
 from pathlib import Path
 
 from shardwise import bench_command, slurm
-from shardwise.config.load import hf_config_overrides, load_config
 from shardwise.config.registry import NAMES, spec
 from shardwise.config.schema import HF_MODELS, PRECISIONS, Config, ConfigError
-from shardwise.elastic import node_range
-from shardwise.planner.candidates import POLICIES, default_precisions
-from shardwise.recompute import parse_policy
+
+# What reads a config (config.load, whose checks import torch) is imported by the commands that
+# read one: `shardwise report` and `--help` start in a fraction of a second, not torch's second and more.
 
 
 def _add_train_parser(commands: argparse._SubParsersAction) -> None:
@@ -69,6 +68,9 @@ def _add_train_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def _train_config(args: argparse.Namespace) -> Config:
+    from shardwise.config.load import hf_config_overrides, load_config
+    from shardwise.elastic import node_range
+
     if args.config is None and args.hf_config is None and not args.set:
         raise ConfigError("give a CONFIG file, or say what to train with --hf-config and --set, e.g. shardwise "
                           "train --hf-config MODEL/config.json --weights MODEL --set data.path=corpus.jsonl")
@@ -291,6 +293,8 @@ def _prepare_own_data(cfg: Config, workers: int | None = None) -> Path | None:
 def prepare_data(args: argparse.Namespace) -> int:
     if args.workers is not None and args.workers < 1:
         raise ConfigError(f"--workers {args.workers}: must be at least 1")
+    from shardwise.config.load import load_config
+
     cfg = load_config(args.config, args.set)
     out = _prepare_own_data(cfg, args.workers)
     if out is None:
@@ -427,10 +431,11 @@ def _default_device() -> str:
 
 
 def plan(args: argparse.Namespace) -> int:
-    import json
-
+    from shardwise.config.load import hf_config_overrides, load_config
     from shardwise.planner import PlanError, format_plan, load_profile, make_plan, plan_json
+    from shardwise.planner.candidates import POLICIES, default_precisions
     from shardwise.planner.table import format_measured
+    from shardwise.recompute import parse_policy
 
     try:
         if args.config is None and args.hf_config is None:
