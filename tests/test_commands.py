@@ -154,7 +154,8 @@ ROWS: dict[str, Row] = {
     # test_compile.py compiles gpt-tiny's blocks at a micro-batch of 4: inductor's cache on disk has them
     "shardwise train configs/gpt-tiny.toml --set train.compile=true": Row(add=f"{STEPS} --set train.micro_batch=4"),
     # docs/finetuning.md
-    "shardwise export RUN OUT": Row({"RUN": "runs/lora", "OUT": "runs/lora-adapter"}, after=(LORA_RUN,)),
+    # README's line, where the placeholders lead: one run serves both
+    "shardwise export RUN OUT": Row({"RUN": "runs/lora", "OUT": "runs/lora-peft"}, after=(LORA_RUN,)),
     "shardwise export RUN OUT --merged": Row({"RUN": "runs/lora", "OUT": "runs/lora-merged"}, after=(LORA_RUN,)),
     "shardwise plan configs/lora-llama-3-8b.toml --nproc 1 --device h100-sxm --memory-gb 24":
         Row(add="--json lora-llama-3-8b.json", check=lora_llama_3_8b_on_one_24_gb_gpu),
@@ -185,8 +186,8 @@ ROWS: dict[str, Row] = {
     "shardwise bench planner [--steps N]": Row({"[--steps N]": ""}, "--quick"),
     # docs/report.md
     "shardwise report RUN_DIR [RUN_DIR ...] [--out FILE.html]":
-        Row({"RUN_DIR [RUN_DIR ...]": "runs/gpt-tiny runs/fsdp", "[--out FILE.html]": "--out both.html"},
-            after=(TINY, FSDP)),
+        Row({"RUN_DIR [RUN_DIR ...]": "runs/gpt-tiny runs/fsdp", "[--out FILE.html]": "--out runs/compare.html"},
+            after=(TINY, FSDP)),  # the page's example below it: one run serves both
     "shardwise report runs/gpt-tiny runs/fsdp --out runs/compare.html": Row(after=(TINY, FSDP)),
     # docs/strategies/moe.md
     "shardwise train configs/gpt-tiny.toml --set model.name=gpt-moe --set train.micro_batch=4 --strategy fsdp "
