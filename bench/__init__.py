@@ -54,7 +54,7 @@ BENCHES = {
     "context": Bench("bench.context", 4, None),  # context parallel: cp 1, 2, 4 in both modes against sequence length
     "hardware": Bench("bench.hardware", 2, ()),  # a device profile for `shardwise plan --device FILE`
     # the planner's predictions against real runs (namespaces as root)
-    "planner": Bench("bench.planner", 0, ("--steps", "2", "--scenarios", "1")),
+    "planner": Bench("bench.planner", 0, ("--steps", "2", "--scenarios", "1", "--quick-profile")),
     "ps": Bench("bench.ps", 0, None),  # parameter server (sync, async), dp and ddp as whole jobs
     # one killed worker: restart from a checkpoint (sync, async) against healing
     "faults": Bench("bench.faults", 0, None),
@@ -71,7 +71,7 @@ BENCHES = {
     "recovery": Bench("bench.recovery", 0, ("--preset", "tiny", "--steps", "8")),
     # makes its own nodes (namespaces, as root) and ranks
     "multinode": Bench("bench.multinode", 0, ("--steps", "1", "--strategies", "ddp", "--rates", "unlimited",
-                                               "--preset", "tiny", "--micro-batch", "1")),
+                                               "--preset", "tiny", "--micro-batch", "1", "--quick-profile")),
     # one GPU (needs CUDA): gpt-2-124m's MFU and every data-parallel strategy's host cost on fake worlds
     "gpu": Bench("bench.gpu", 0, None),
     # Llama-3-8B sharded 8, 16, 64 ways on one GPU through the fake process group (needs CUDA)

@@ -5,9 +5,9 @@ uninterrupted run, and no complete checkpoint is ever lost or left half-written.
 Two real `shardwise train` jobs of gpt-tiny under ddp on 2 ranks (SGD, a checkpoint every 5 steps
 written in the background, the newest 3 kept), into directories of their own:
 
-- the reference, uninterrupted; the bench watches its checkpoint directory every millisecond to
-  learn how long a save is in flight on disk (from its temporary directory appearing until
-  `latest` has moved and old checkpoints are pruned) and how long a step takes;
+- the reference, uninterrupted; from its first step on, the bench watches its checkpoint directory
+  every millisecond to learn how long a save is in flight on disk (from its temporary directory
+  appearing until `latest` has moved and old checkpoints are pruned) and how long a step takes;
 - the crashed run: the same job, killed whole (the launcher and every worker, SIGKILL to each
   process group) at moments drawn from a seeded RNG, one in each equal stretch of the run. Half
   fall during a save (the attempt's first, which is slower, or a later one), in a phase drawn at
@@ -37,6 +37,7 @@ the crashed run's model.safetensors must be byte-identical to the reference's, a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -205,10 +206,8 @@ def _stopped(pid: int) -> bool:
 def kill_job(attempt: Attempt) -> None:
     """SIGKILL every process group of the job; return once none of its processes runs."""
     for group in attempt.groups:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(group, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     attempt.process.wait()
     deadline = time.monotonic() + 30
     while any(running(group) for group in attempt.groups):  # each group's leader; orphans go to init
@@ -226,15 +225,12 @@ def running(pid: int) -> bool:
 def listing(root: Path) -> dict[str, int]:
     """The checkpoint directory's entries and their modification times (ns)."""
     entries = {}
-    try:
-        with os.scandir(root) as scan:
-            for entry in scan:
-                try:
-                    entries[entry.name] = entry.stat(follow_symlinks=False).st_mtime_ns
-                except FileNotFoundError:  # renamed or removed as it was listed
-                    continue
-    except FileNotFoundError:
-        pass
+    with contextlib.suppress(FileNotFoundError), os.scandir(root) as scan:  # none yet
+        for entry in scan:
+            try:
+                entries[entry.name] = entry.stat(follow_symlinks=False).st_mtime_ns
+            except FileNotFoundError:  # renamed or removed as it was listed
+                continue
     return entries
 
 
@@ -347,7 +343,11 @@ def kill_plan(steps: int, kills: int, rng: random.Random) -> list[Kill]:
 def reference_run(steps: int, out: Path) -> dict[str, Any]:
     """The uninterrupted job; how long its saves were in flight on disk (its first, and the median
     of the rest) and its steps took."""
+    records = NewSteps(out / "metrics.jsonl")
     attempt = start(train_command(steps, out), out.parent / "reference.log")
+    while not records.last and attempt.process.poll() is None:  # it saves after its first step: till then, less often
+        records.poll()
+        time.sleep(POLL_S * READS_EVERY)
     root, spans, since = out / "checkpoints", [], None
     while attempt.process.poll() is None:
         flight = save_in_flight(root, attempt.started_ns)
@@ -376,13 +376,13 @@ def wait_for_moment(attempt: Attempt, records: NewSteps, kill: Kill, resumed: in
         if attempt.process.poll() is not None:
             raise SystemExit(f"bench crash: the job ended before its kill at step {target}:\n"
                              f"{attempt.log.read_text()[-3000:]}")
-        if polls % READS_EVERY == 0:
+        if polls % READS_EVERY == 0 or not attempt.groups:
             records.poll()
         if records.last and not attempt.groups:  # its workers are up: it has recorded a step
             attempt.groups = job_groups(attempt.process.pid)
         polls += 1
-        if not attempt.groups:
-            time.sleep(POLL_S)
+        if not attempt.groups:  # no step recorded yet, so no save to catch: looked at less often
+            time.sleep(POLL_S * READS_EVERY)
             continue
         if kill.kind == "between" and records.last >= target:
             time.sleep(fraction * timing["step_s"])

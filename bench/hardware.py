@@ -9,7 +9,9 @@ would in training), one thread each:
   what a small all-reduce between computations costs (latency and the ranks' skew);
 - overlap: how much of an all-reduce hides behind matmuls run while it is in flight.
 
-Rank 0 writes the profile (the median over ranks of each number) as JSON.
+Rank 0 writes the profile (the median over ranks of each number) as JSON. A quick profile (the
+benches that measure one first, in their quick form) runs every measurement once, unwarmed, on
+buffers of a MiB: a check that each runs, its numbers rough.
 """
 
 from __future__ import annotations
@@ -32,31 +34,37 @@ from shardwise.planner.traces import OpCounter
 
 MATMUL_SIZES = {"fp32": 512, "bf16": 512, "fp16": 128}  # fp16 has no CPU matmul units: small, or it takes minutes
 COLLECTIVE_BYTES = 32 * 2**20
+COPY_BYTES = 128 * 2**20  # memory bandwidth: far beyond the caches
+QUICK_BYTES = 2**20  # a quick profile's buffers, collectives' and copies'
 
 
-def _best_s(fn: Callable[[], None], repeats: int) -> float:
-    """The fastest of `repeats` runs: on a shared machine the others are the neighbours' load."""
-    fn()  # warm up (allocation, thread pools)
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return min(times)
+def _seconds(fn: Callable[[], None]) -> float:
+    started = time.perf_counter()
+    fn()
+    return time.perf_counter() - started
 
 
-def matmul_flops(dtype: torch.dtype, n: int) -> float:
+def _best_s(fn: Callable[[], None], repeats: int, quick: bool = False) -> float:
+    """The fastest of `repeats` runs after one to warm up (allocation, thread pools): on a shared
+    machine the others are the neighbours' load. Quick: one run, unwarmed."""
+    if quick:
+        return _seconds(fn)
+    fn()
+    return min(_seconds(fn) for _ in range(repeats))
+
+
+def matmul_flops(dtype: torch.dtype, n: int, quick: bool = False) -> float:
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    return 2 * n**3 / _best_s(lambda: torch.mm(a, b), 7)
+    return 2 * n**3 / _best_s(lambda: torch.mm(a, b), 7, quick)
 
 
-def memory_bandwidth() -> float:
-    source = torch.ones(2**25)
+def memory_bandwidth(quick: bool = False) -> float:
+    source = torch.ones((QUICK_BYTES if quick else COPY_BYTES) // 4)
     target = torch.empty_like(source)
-    return 2 * source.numel() * 4 / _best_s(lambda: target.copy_(source), 7)
+    return 2 * source.numel() * 4 / _best_s(lambda: target.copy_(source), 7, quick)
 
 
-def op_overhead() -> float:
+def op_overhead(quick: bool = False) -> float:
     """What one operator costs beyond its arithmetic in training: forward and backward through a
     deep stack of tiny layers (module calls, autograd nodes, the backward engine), per operator
     of its forward counted as the planner counts them, taking a forward and backward as 3."""
@@ -69,17 +77,17 @@ def op_overhead() -> float:
     def step() -> None:
         layers(x).sum().backward()
 
-    return _best_s(step, 7) / (3 * counter.ops)
+    return _best_s(step, 7, quick) / (3 * counter.ops)
 
 
-def collective_bandwidths(world: int) -> dict[str, float]:
+def collective_bandwidths(world: int, quick: bool = False) -> dict[str, float]:
     """Bus bandwidth (bytes/s one rank sends) of each collective over the world."""
-    numel = COLLECTIVE_BYTES // 4
-    full, shard = torch.ones(numel), torch.ones(numel // world)
+    nbytes = QUICK_BYTES if quick else COLLECTIVE_BYTES
+    full, shard = torch.ones(nbytes // 4), torch.ones(nbytes // 4 // world)
     timings = {
-        "all_reduce": _best_s(lambda: dist.all_reduce(full), 5),
-        "all_gather": _best_s(lambda: all_gather_single(full, shard), 5),
-        "reduce_scatter": _best_s(lambda: reduce_scatter_single(shard, full), 5),
+        "all_reduce": _best_s(lambda: dist.all_reduce(full), 5, quick),
+        "all_gather": _best_s(lambda: all_gather_single(full, shard), 5, quick),
+        "reduce_scatter": _best_s(lambda: reduce_scatter_single(shard, full), 5, quick),
     }
     factor = {"all_reduce": 2 * (world - 1) / world, "all_gather": (world - 1) / world,
               "reduce_scatter": (world - 1) / world}
@@ -90,15 +98,16 @@ def collective_bandwidths(world: int) -> dict[str, float]:
             (dist.send if rank == 0 else dist.recv)(full, 1 - rank)
             (dist.recv if rank == 0 else dist.send)(full, 1 - rank)
 
-    timings["p2p"] = _best_s(ping_pong, 5) / 2
+    timings["p2p"] = _best_s(ping_pong, 5, quick) / 2
     factor["p2p"] = 1.0
-    return {name: factor[name] * COLLECTIVE_BYTES / seconds for name, seconds in timings.items()}
+    return {name: factor[name] * nbytes / seconds for name, seconds in timings.items()}
 
 
-def latency(world: int) -> float:
+def latency(world: int, quick: bool = False) -> float:
     """Per ring hop, what a small blocking all-reduce costs between computations of a few
     milliseconds, as tensor parallel and fsdp issue them: the wire's latency and the ranks' skew
-    (the first to arrive waits for the other), the median over repeats, as training meets it."""
+    (the first to arrive waits for the other), the median over repeats (quick: one), as training
+    meets it."""
     small, a = torch.ones(1024), torch.randn(256, 256)
 
     def compute() -> None:
@@ -108,7 +117,7 @@ def latency(world: int) -> float:
     alone, together = [], []
     compute()
     dist.barrier()
-    for _ in range(30):
+    for _ in range(1 if quick else 30):
         started = time.perf_counter()
         compute()
         alone.append(time.perf_counter() - started)
@@ -119,27 +128,27 @@ def latency(world: int) -> float:
     return max(0.0, statistics.median(together) - statistics.median(alone)) / (2 * (world - 1))
 
 
-def overlap() -> float:
+def overlap(quick: bool = False) -> float:
     """Fraction of an all-reduce hidden behind matmuls issued while it runs: 1 means computing
     alongside costs nothing, 0 that the two take as long as one after the other."""
-    buffer = torch.ones(COLLECTIVE_BYTES // 4)
+    buffer = torch.ones((QUICK_BYTES if quick else COLLECTIVE_BYTES) // 4)
     a = torch.randn(384, 384)
-    communicate = _best_s(lambda: dist.all_reduce(buffer), 3)
-    per_matmul = _best_s(lambda: torch.mm(a, a), 5)
+    communicate = _best_s(lambda: dist.all_reduce(buffer), 3, quick)
+    per_matmul = _best_s(lambda: torch.mm(a, a), 5, quick)
     count = max(1, int(communicate / per_matmul))
 
     def compute() -> None:
         for _ in range(count):
             torch.mm(a, a)
 
-    alone = _best_s(compute, 3)
+    alone = _best_s(compute, 3, quick)
 
     def both() -> None:
         work = dist.all_reduce(buffer, async_op=True)
         compute()
         work.wait()
 
-    together = _best_s(both, 3)
+    together = _best_s(both, 3, quick)
     return min(1.0, max(0.0, (alone + communicate - together) / min(alone, communicate)))
 
 
@@ -147,14 +156,14 @@ def host_memory_per_rank(local_ranks: int) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // local_ranks
 
 
-def measure(ctx: DistContext) -> dict[str, Any]:
-    flops = {name: matmul_flops({"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name], n)
-             for name, n in MATMUL_SIZES.items()}
-    local = {"flops": flops, "memory_bandwidth": memory_bandwidth(), "op_overhead_s": op_overhead()}
+def measure(ctx: DistContext, quick: bool = False) -> dict[str, Any]:
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    flops = {name: matmul_flops(dtypes[name], n, quick) for name, n in MATMUL_SIZES.items()}
+    local = {"flops": flops, "memory_bandwidth": memory_bandwidth(quick), "op_overhead_s": op_overhead(quick)}
     if ctx.world_size > 1:
         dist.barrier()
-        local |= {"collectives": collective_bandwidths(ctx.world_size), "latency_s": latency(ctx.world_size),
-                  "overlap": overlap()}
+        local |= {"collectives": collective_bandwidths(ctx.world_size, quick),
+                  "latency_s": latency(ctx.world_size, quick), "overlap": overlap(quick)}
     return local
 
 
@@ -169,9 +178,10 @@ def run(ctx: DistContext, args: BenchArgs) -> dict[str, Any] | None:
     return measure_profile(ctx)
 
 
-def measure_profile(ctx: DistContext) -> dict[str, Any] | None:
-    """This machine as a device profile (a DeviceProfile's dict) on rank 0, None on the others."""
-    every = ctx.all_gather_object(measure(ctx))
+def measure_profile(ctx: DistContext, quick: bool = False) -> dict[str, Any] | None:
+    """This machine as a device profile (a DeviceProfile's dict) on rank 0, None on the others;
+    quick: every measurement once, on small buffers (a check that it runs, its numbers rough)."""
+    every = ctx.all_gather_object(measure(ctx, quick))
     if not ctx.is_main:
         return None
     measured = _median_of(every)

@@ -15,7 +15,8 @@ planner, which assumes a NIC per GPU: here a node's ranks share one link, which 
 ranks crosses with one flow each way, hsdp's shard all-reduces with one flow per process);
 unlimited, the veth is a memory copy like loopback, so the intra-node bandwidth.
 
-    python -m bench.multinode [--steps N] [--strategies S,..] [--rates R,..] [--preset P] [--json FILE]  # as root
+    python -m bench.multinode [--steps N] [--strategies S,..] [--rates R,..] [--preset P] [--quick-profile]
+                              [--json FILE]  # as root
 The same module is each rank (`worker`), started on every node by netns.run_job.
 """
 
@@ -32,6 +33,19 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+# What a rank needs is imported here, not in `worker`: each node's ranks are forked from a server
+# that imported this module, so a node imports it once, not once a rank.
+import torch.distributed as dist
+
+from bench.common import bench_config, write_json
+from bench.hardware import measure_profile
+from bench.netns import Cluster, LinkRate, parse_rate, run_job, unavailable_reason
+from shardwise.dist import init_distributed, leave_process, shutdown_distributed
+from shardwise.planner import DeviceProfile
+from shardwise.planner.candidates import Candidate
+from shardwise.planner.timing import predict_step_time
+from shardwise.trainer import Trainer
 
 RATES = (None, "1gbit", "200mbit")
 STRATEGIES = ("ddp", "fsdp", "hsdp")
@@ -79,8 +93,6 @@ class TimedWork:
 
 
 def instrument() -> BlockedClock:
-    import torch.distributed as dist
-
     clock = BlockedClock()
     for name in COLLECTIVES:
         setattr(dist, name, clock.timed(getattr(dist, name)))
@@ -88,8 +100,6 @@ def instrument() -> BlockedClock:
 
 
 def case_config(strategy: str, world: int, preset: str, micro_batch: int, steps: int) -> Any:
-    from bench.common import bench_config
-
     return bench_config(strategy, world, micro_batch, steps, f"model.preset={preset}")
 
 
@@ -97,13 +107,8 @@ def worker(args: argparse.Namespace) -> None:
     """The machine measured as a device profile; then every strategy built once, and at each rate
     (set by the host when rank 0 asks for it) each strategy in turn runs WARMUP_STEPS + args.steps
     steps, timed."""
-    from bench.hardware import measure_profile
-    from bench.netns import LinkRate
-    from shardwise.dist import init_distributed, leave_process, shutdown_distributed
-    from shardwise.trainer import Trainer
-
     ctx = init_distributed("gloo", timeout_s=900, threads_per_rank=1)
-    profile = measure_profile(ctx)
+    profile = measure_profile(ctx, quick=args.quick_profile)
     clock = instrument()
     strategies, rates = args.strategies.split(","), args.rates.split(",")
     total = len(rates) * (WARMUP_STEPS + args.steps)
@@ -136,11 +141,6 @@ def worker(args: argparse.Namespace) -> None:
 def predict(profile: dict[str, Any], strategy: str, rate: str | None, preset: str, micro_batch: int,
             nproc: int) -> dict[str, float]:
     """The planner's step time and communication for the case, on the measured profile with the link's rate."""
-    from bench.netns import parse_rate
-    from shardwise.planner import DeviceProfile
-    from shardwise.planner.candidates import Candidate
-    from shardwise.planner.timing import predict_step_time
-
     world = NODES * nproc
     # bench hardware scaled the profile's compute for a node's nproc ranks sharing the cores; here
     # every node's ranks share this host's (a worker runs one thread).
@@ -171,15 +171,15 @@ def summarise(ranks: list[dict[str, list[float]]], cfg: Any) -> dict[str, Any]:
 
 
 def run_bench(steps: int, strategies: tuple[str, ...] = STRATEGIES, rates: tuple[str | None, ...] = RATES,
-              preset: str = "small", micro_batch: int = 4, nproc: int = NPROC) -> dict[str, Any]:
+              preset: str = "small", micro_batch: int = 4, nproc: int = NPROC,
+              quick_profile: bool = False) -> dict[str, Any]:
     """Every strategy at every rate, in one job on a cluster of NODES nodes."""
-    from bench.netns import Cluster, run_job
-
     names = ["unlimited" if rate is None else rate for rate in rates]
     with Cluster(NODES) as cluster:
         result = run_job(cluster, nproc, "bench.multinode",
                         ["worker", "--strategies", ",".join(strategies), "--rates", ",".join(names),
-                         "--steps", str(steps), "--preset", preset, "--micro-batch", str(micro_batch)])
+                         "--steps", str(steps), "--preset", preset, "--micro-batch", str(micro_batch),
+                         *(["--quick-profile"] if quick_profile else [])])
     timings = {case: [rank[case] for rank in result["ranks"]] for case in result["ranks"][0]}
     cases = []
     for rate in rates:
@@ -219,13 +219,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--handshake", help=argparse.SUPPRESS)
     parser.add_argument("--preset", default="small", help="the GPT preset the cases train")
     parser.add_argument("--micro-batch", type=int, default=4)
+    parser.add_argument("--quick-profile", action="store_true", help="measure the device profile once over small "
+                        "buffers, not as the best of several (a check that it runs: its predictions rough)")
     args = parser.parse_args(argv)
     if args.role == "worker":
         worker(args)
     else:
-        from bench.common import write_json
-        from bench.netns import unavailable_reason
-
         reason = unavailable_reason()
         if reason:
             print(f"shardwise bench multinode: it makes its nodes as network namespaces, and {reason}",
@@ -233,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         strategies = tuple(args.strategies.split(",")) if args.strategies else STRATEGIES
         rates = tuple(None if r == "unlimited" else r for r in args.rates.split(",")) if args.rates else RATES
-        result = run_bench(args.steps, strategies, rates, args.preset, args.micro_batch)
+        result = run_bench(args.steps, strategies, rates, args.preset, args.micro_batch,
+                           quick_profile=args.quick_profile)
         write_json(result, args.json)
         print(format_result(result), flush=True)
     return 0

@@ -1,10 +1,11 @@
 """`shardwise bench planner`: the planner's predictions against real runs on this machine, in one
 2-rank world.
 
-First the machine is measured (`bench hardware`'s measurements, as the device profile), then for
-each scenario every candidate trains a few steps (candidates alternating, A B C A B C, so the
-machine's drift hits all alike) and is compared with its prediction: the median step time, and
-per rank the params, grads, optimizer and activation bytes `memory` counts.
+First the machine is measured (`bench hardware`'s measurements, as the device profile; with
+--quick-profile, their quick form), then for each scenario every candidate trains a few steps
+(candidates alternating, A B C A B C, so the machine's drift hits all alike) and is compared with
+its prediction: the median step time, and per rank the params, grads, optimizer and activation
+bytes `memory` counts.
 
 The world's 2 ranks are 2 nodes of one process each (network namespaces, bench/netns.py; as
 root), so the link between them can be slowed: the scenarios with a link rate run with it
@@ -141,10 +142,11 @@ def link_profile(profile: DeviceProfile, world: int, link: str | None) -> Device
     return dataclasses.replace(profile, inter_node_bandwidth=parse_rate(link), gpus_per_node=1)
 
 
-def run(ctx: DistContext, steps: int, count: int, link: LinkRate | None) -> dict[str, Any] | None:
-    """Measure the machine, then the first `count` scenarios (those with a link rate only if `link`
-    can set it)."""
-    profile = ctx.all_gather_object(measure_profile(ctx))[0]
+def run(ctx: DistContext, steps: int, count: int, link: LinkRate | None,
+        quick_profile: bool = False) -> dict[str, Any] | None:
+    """Measure the machine (`quick_profile`: briefly, `measure_profile`'s quick form), then the first
+    `count` scenarios (those with a link rate only if `link` can set it)."""
+    profile = ctx.all_gather_object(measure_profile(ctx, quick=quick_profile))[0]
     device = DeviceProfile(**profile)
     results = {}
     for name, scenario in list(scenarios().items())[:count]:
@@ -186,7 +188,8 @@ def format_result(result: dict[str, Any]) -> str:
 def worker(args: argparse.Namespace) -> None:
     ctx = init_distributed("gloo", timeout_s=900, threads_per_rank=1)
     handshake = Path(args.handshake)
-    result = run(ctx, args.steps, args.scenarios, LinkRate(ctx, handshake) if args.link else None)
+    result = run(ctx, args.steps, args.scenarios, LinkRate(ctx, handshake) if args.link else None,
+                 args.quick_profile)
     if result is not None:
         (handshake / "result.json").write_text(json.dumps(result))
     shutdown_distributed()
@@ -200,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=10, help="measured steps per candidate")
     parser.add_argument("--scenarios", type=int, default=len(scenarios()), help="run the first N scenarios "
                         "(default all)")
+    parser.add_argument("--quick-profile", action="store_true", help="measure the device profile once over small "
+                        "buffers, not as the best of several (a check that it runs: its predictions rough)")
     parser.add_argument("--json", action="append", default=[], help="write the result here (repeatable)")
     parser.add_argument("--handshake", help=argparse.SUPPRESS)
     parser.add_argument("--link", action="store_true", help=argparse.SUPPRESS)
@@ -207,11 +212,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.role == "worker":
         worker(args)
         return 0
+    worker_args = ["worker", "--steps", str(args.steps), "--scenarios", str(args.scenarios),
+                   *(["--quick-profile"] if args.quick_profile else [])]
     reason = unavailable_reason()
     if reason is None:
         with Cluster(2) as cluster:
-            result = run_job(cluster, 1, "bench.planner", ["worker", "--steps", str(args.steps), "--scenarios",
-                                                           str(args.scenarios), "--link"])
+            result = run_job(cluster, 1, "bench.planner", [*worker_args, "--link"])
     else:
         from shardwise.launch import launch_workers
 
@@ -220,8 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"shardwise bench planner: the scenarios with a slower link ({'; '.join(skipped)}) run over "
                   f"network namespaces, and {reason}: running the others on this host", file=sys.stderr)
         with tempfile.TemporaryDirectory() as handshake:
-            launch_workers(LaunchConfig(nproc=2), ["bench.planner", "worker", "--steps", str(args.steps),
-                                                   "--scenarios", str(args.scenarios), "--handshake", handshake])
+            launch_workers(LaunchConfig(nproc=2), ["bench.planner", *worker_args, "--handshake", handshake])
             result = json.loads((Path(handshake) / "result.json").read_text())
         result["not_run"] = {"scenarios": skipped, "why": reason}
     write_json(result, args.json)
