@@ -1,7 +1,9 @@
 """Every `shardwise ...` line that README.md and docs/ print runs, as a user types it: the installed
-`shardwise` as a subprocess, with no PYTHONPATH, in a directory laid out as a checkout's root (its
-configs/, examples/ and bench/) beside what the lines name: MODEL (a small Llama saved by
-`save_pretrained`, with a tokenizer) and corpus.jsonl.
+`shardwise` in a process of its own, with no PYTHONPATH, in a directory laid out as a checkout's root
+(its configs/, examples/ and bench/) beside what the lines name: MODEL (a small Llama saved by
+`save_pretrained`, with a tokenizer) and corpus.jsonl. The first line of each command starts as a new
+process; the others are forked from one that started as the script starts and imported torch and the
+CLI (warm_shardwise.py): Python's and torch's start was most of a short line's cost.
 
 ROWS says, for each printed line, how it runs: what fills its placeholders and optional parts
 (`fill`, printed text -> the text run), the flags added to keep it short (`add`: `--steps 2`, a
@@ -26,6 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import REPO
+from warm_shardwise import WarmShardwise
 
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").rglob("*.md"))]
 SHARDWISE = Path(sys.executable).parent / "shardwise"
@@ -319,6 +322,24 @@ def results_before() -> dict[str, bytes]:
     return {path.name: path.read_bytes() for path in (REPO / "bench" / "results").glob("*.json")}
 
 
+def line_env() -> dict[str, str]:
+    """A user's environment: this one, without the PYTHONPATH a test run may set."""
+    return {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+
+
+# The first line of each command (in ROWS' order) runs as a new process, as a user's does; the
+# others are forked from a server that imported what every command imports first (warm_shardwise.py):
+# the same script, sys.path and environment, without Python's and torch's start for each line.
+FRESH = set({line.split()[1]: line for line in reversed(ROWS)}.values())
+
+
+@pytest.fixture(scope="session")
+def warm(workspace, tmp_path_factory) -> WarmShardwise:
+    server = WarmShardwise(SHARDWISE, workspace, line_env(), tmp_path_factory.mktemp("streams"))
+    yield server
+    server.close()
+
+
 @pytest.fixture(scope="session")
 def ran(workspace, results_before) -> dict[tuple[str, ...], subprocess.CompletedProcess]:
     """The commands run so far in `workspace`: each runs once, whichever test needs it first, and
@@ -327,25 +348,28 @@ def ran(workspace, results_before) -> dict[tuple[str, ...], subprocess.Completed
     return {}
 
 
-def run_line(line: str, workspace: Path,
-             ran: dict[tuple[str, ...], subprocess.CompletedProcess]) -> subprocess.CompletedProcess:
+def run_line(line: str, workspace: Path, ran: dict[tuple[str, ...], subprocess.CompletedProcess],
+             warm: WarmShardwise) -> subprocess.CompletedProcess:
     words = tuple(command(line))
     if words in ran:
         return ran[words]
     for before in ROWS.get(line, Row()).after:
-        done = run_line(before, workspace, ran)
+        done = run_line(before, workspace, ran, warm)
         assert done.returncode == ROWS.get(before, Row()).status, (
             f"`{before}`, which must run before `{line}`, failed:\n{done.stderr[-3000:]}")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    ran[words] = subprocess.run(words, cwd=workspace, env=env, capture_output=True, text=True, timeout=600)
+    if line in FRESH:
+        ran[words] = subprocess.run(words, cwd=workspace, env=line_env(), capture_output=True, text=True, timeout=600)
+    else:
+        ran[words] = warm.run(words, timeout=600)
     return ran[words]
 
 
-def runs_as_printed(line: str, workspace: Path, ran: dict[tuple[str, ...], subprocess.CompletedProcess]) -> None:
+def runs_as_printed(line: str, workspace: Path, ran: dict[tuple[str, ...], subprocess.CompletedProcess],
+                    warm: WarmShardwise) -> None:
     reason = skip_reason(ROWS[line])
     if reason:
         pytest.skip(f"{reason}: {line}")
-    done = run_line(line, workspace, ran)
+    done = run_line(line, workspace, ran, warm)
     assert done.returncode == ROWS[line].status, (
         f"`{' '.join(command(line)[1:])}` (printed in {', '.join(PRINTED[line])}) exited {done.returncode}, not "
         f"{ROWS[line].status}:\n{done.stdout[-1000:]}\n{done.stderr[-3000:]}")
@@ -362,20 +386,20 @@ OTHERS = [line for line in ROWS if line not in PLANS and line not in BENCHES]
 
 
 @pytest.mark.parametrize("line", OTHERS, ids=[line[:100] for line in OTHERS])
-def test_the_printed_line_runs(line, workspace, ran):
-    runs_as_printed(line, workspace, ran)
+def test_the_printed_line_runs(line, workspace, ran, warm):
+    runs_as_printed(line, workspace, ran, warm)
 
 
 class TestThePlannersLines:
     @pytest.mark.parametrize("line", PLANS, ids=[line[:100] for line in PLANS])
-    def test_the_printed_line_runs(self, line, workspace, ran):
-        runs_as_printed(line, workspace, ran)
+    def test_the_printed_line_runs(self, line, workspace, ran, warm):
+        runs_as_printed(line, workspace, ran, warm)
 
 
 class TestTheBenchesLines:
     @pytest.mark.parametrize("line", BENCHES, ids=[line[:100] for line in BENCHES])
-    def test_the_printed_line_runs(self, line, workspace, ran):
-        runs_as_printed(line, workspace, ran)
+    def test_the_printed_line_runs(self, line, workspace, ran, warm):
+        runs_as_printed(line, workspace, ran, warm)
 
     def test_quick_benches_leave_the_committed_results_as_they_were(self, workspace, ran, results_before):
         assert tuple(command("shardwise bench NAME --quick")) in ran, "run after the printed lines"
