@@ -4,10 +4,13 @@ shared fixtures)."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -58,6 +61,22 @@ def counted_memory(ctx: DistContext, cases: list[tuple]) -> list[dict]:
 def read_records(run_dir: Path, event: str = "step") -> list[dict]:
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [r for r in map(json.loads, lines) if r["event"] == event]
+
+
+@contextlib.contextmanager
+def inductor_cache_lock() -> Iterator[None]:
+    """Held while a test compiles gpt-tiny's blocks at a micro-batch of 4 into inductor's cache on
+    disk (test_compile.py's single run, test_commands.py's compiled line), for which the other
+    waits: two pytest workers compiling the same kernels at once each compile all of them (on a
+    fresh machine's empty cache the commands test's line took 35 s beside test_compile's); one
+    after the other, the second finds them in the cache."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    directory = Path(cache_dir())
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "shardwise-tests.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 def losses(run_dir: Path) -> list[float]:
