@@ -353,14 +353,14 @@ def ran(workspace, results_before) -> dict[tuple[str, ...], subprocess.Completed
 
 def run_line(line: str, workspace: Path, ran: dict[tuple[str, ...], subprocess.CompletedProcess],
              warm: WarmShardwise) -> subprocess.CompletedProcess:
-    words = tuple(command(line))
+    words, row = tuple(command(line)), ROWS.get(line, Row())
     if words in ran:
         return ran[words]
-    for before in ROWS.get(line, Row()).after:
+    for before in row.after:
         done = run_line(before, workspace, ran, warm)
         assert done.returncode == ROWS.get(before, Row()).status, (
             f"`{before}`, which must run before `{line}`, failed:\n{done.stderr[-3000:]}")
-    with inductor_cache_lock() if ROWS.get(line, Row()).compiles else contextlib.nullcontext():
+    with inductor_cache_lock() if row.compiles else contextlib.nullcontext():
         if line in FRESH:
             ran[words] = subprocess.run(words, cwd=workspace, env=line_env(), capture_output=True, text=True,
                                         timeout=600)

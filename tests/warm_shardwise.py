@@ -77,12 +77,12 @@ def serve(script: str) -> None:
     for request in map(json.loads, sys.stdin):
         pid = os.fork()
         if pid == 0:
-            run_line(script, request)  # never returns
+            run_in_child(script, request)  # never returns
         print(pid, flush=True)
         print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
 
 
-def run_line(script: str, request: dict) -> None:
+def run_in_child(script: str, request: dict) -> None:
     """In the forked child: the console script's body, with the standard streams of a new process."""
     os.setsid()
     for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], os.O_WRONLY | os.O_CREAT),
